@@ -60,7 +60,14 @@ setup(
         "packaging",
         "safetensors",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        # the real clients (#5): examples/train_accelerate.py, examples/train_hf_trainer.py and their tests
+        "clients": ["accelerate>=1.0", "transformers>=4.45"],
+        # benchmarks/compare_adam.py draws its plots with matplotlib
+        "bench": ["matplotlib"],
+        # CI runs the client tests and the benchmark smoke test, so `test` pulls both
+        "test": ["pytest", "accelerate>=1.0", "transformers>=4.45", "matplotlib"],
+    },
     entry_points={"console_scripts": ["deepspeed-bnb = deepspeed_bnb.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
