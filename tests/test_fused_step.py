@@ -123,6 +123,65 @@ def test_cpu_kernel_low_precision_gradients(grad_dtype):
     _kernel_vs_reference("cpu", 100, grad_dtype)
 
 
+def _on_and_near_midpoints(qmap: torch.Tensor, squared: bool) -> torch.Tensor:
+    """Values on each midpoint of the map and 1, 2, 100, 255 and 256 ulps either side; their square roots when the
+    kernel will see them squared (the second moment)."""
+    midpoints, _ = reference.quant_tables(qmap)
+    if squared:
+        midpoints = midpoints[midpoints > 0].sqrt()
+    mid_bits = midpoints.view(torch.int32)
+    offsets = torch.tensor([0, 1, -1, 2, -2, 100, -100, 255, -255, 256, -256], dtype=torch.int32)
+    return (mid_bits[:, None] + offsets[None, :]).flatten().view(torch.float32)
+
+
+def _first_step_codes(grads: torch.Tensor, qmap1, qmap2, use_kernel: bool):
+    """(codes1, codes2) after one step from zero state with beta1 = beta2 = 0: m = g and v = g * g reach the
+    quantizer unchanged when every block's largest |g| is 1 (absmax 1, so normalizing is exact)."""
+    n = grads.numel()
+    params, lp = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    codes1, codes2 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    absmax1, absmax2, empty = torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(0)
+    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    rows = adam8bit.hyper_table([AdamHyper.adamw(1e-3, 0.0, 0.0, 1e-8, 0.0, 1)])
+    adam8bit.adam8bit_step_(params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table, rows,
+                            1.0, lp, use_kernel=use_kernel)
+    return codes1, codes2
+
+
+def _blocks_led_by_one(values: torch.Tensor) -> torch.Tensor:
+    """255 values per 256-element block, each block starting with 1.0 (its absmax)."""
+    blocks = -(-values.numel() // 255)
+    grads = torch.zeros(blocks, 256)
+    grads[:, 0] = 1.0
+    body = torch.zeros(blocks * 255)
+    body[:values.numel()] = values
+    grads[:, 1:] = body.view(blocks, 255)
+    return grads.flatten()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shuffled", [False, True], ids=["bnb maps", "unsorted maps"])
+def test_cpu_kernel_quantizer_on_and_next_to_midpoints(shuffled):
+    """Values on a midpoint round to the lower entry, values 1..256 ulps away to their side, as in the reference:
+    the case where a quantizer that compares fewer than all 32 bits (the AVX-512 path's packed table) could go wrong.
+    Unsorted maps (codes are not sorted positions) take the portable path."""
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(5)) if shuffled else torch.arange(256)
+    qmap1, qmap2 = QMAP1[perm].contiguous(), QMAP2[perm].contiguous()
+    near1 = _on_and_near_midpoints(qmap1, squared=False)  # m = g lands on qmap1's midpoints
+    near2 = _on_and_near_midpoints(qmap2, squared=True)  # v = g * g lands within a few ulps of qmap2's
+    for values in (near1, near2):
+        grads = _blocks_led_by_one(values)
+        kernel = _first_step_codes(grads, qmap1, qmap2, True)
+        ref = _first_step_codes(grads, qmap1, qmap2, False)
+        assert torch.equal(kernel[0], ref[0]) and torch.equal(kernel[1], ref[1])
+    # not vacuous: 255 of the first moments sat exactly on a midpoint, and one ulp above it is another code
+    midpoints, _ = reference.quant_tables(qmap1)
+    assert int(torch.isin(near1, midpoints).sum()) == 255
+    codes = _first_step_codes(_blocks_led_by_one(near1), qmap1, qmap2, False)[0]
+    per_value = codes.view(-1, 256)[:, 1:].flatten()[:near1.numel()].view(-1, 11)
+    assert not torch.equal(per_value[:, 0], per_value[:, 1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("seed", range(6))
 def test_cuda_kernel_bit_identical_to_reference(seed):

@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "adam8bit_avx512.h"
 #include "dsbnb/adam8bit.h"
 
 namespace {
@@ -31,17 +32,30 @@ using dsbnb::kBlock;
 using dsbnb::QuantTables;
 using dsbnb::Segment;
 
+// Everything the kernel derives from one 256-entry map.
+struct MapTables {
+    QuantTables generic;  // the portable quantizer (any map)
+#if DSBNB_AVX512
+    dsbnb::avx512::FastTables fast;  // the AVX-512 look-ups (used where fast.usable)
+    explicit MapTables(const float* qmap) : generic(qmap), fast(qmap, generic) {}
+    bool fast_usable() const { return fast.usable; }
+#else
+    explicit MapTables(const float* qmap) : generic(qmap) {}
+    bool fast_usable() const { return false; }
+#endif
+};
+
 // The maps are optimizer constants: build their tables once per distinct content.
-const QuantTables& tables_for(const at::Tensor& qmap) {
+const MapTables& tables_for(const at::Tensor& qmap) {
     static std::mutex lock;
-    static std::vector<std::pair<std::array<float, 256>, std::unique_ptr<QuantTables>>> cache;
+    static std::vector<std::pair<std::array<float, 256>, std::unique_ptr<MapTables>>> cache;
     std::array<float, 256> key;
     std::memcpy(key.data(), qmap.data_ptr<float>(), sizeof(float) * 256);
     std::lock_guard<std::mutex> guard(lock);
     for (const auto& entry : cache) {
         if (std::memcmp(entry.first.data(), key.data(), sizeof(float) * 256) == 0) return *entry.second;
     }
-    cache.emplace_back(key, std::make_unique<QuantTables>(key.data()));
+    cache.emplace_back(key, std::make_unique<MapTables>(key.data()));
     return *cache.back().second;
 }
 
@@ -56,48 +70,9 @@ struct Work {
 
 inline bool finite(float x) { return std::fabs(x) <= 3.40282347e+38f; }  // false for inf and NaN; vectorizes
 
-// One 256-element block of an 8-bit segment, in three vectorizable passes: update, absmax, requantize.
-template <typename GradT, bool Scale>
-void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
-                uint8_t* __restrict__ c1, uint8_t* __restrict__ c2, float* a1, float* a2, const float* __restrict__ q1,
-                const float* __restrict__ q2, const QuantTables& t1, const QuantTables& t2, float inv_scale) {
-    const Hyper h = hyper;  // a local copy: the compiler need not reload it around stores through p
-    alignas(64) float m[kBlock], v[kBlock], m_old[kBlock], v_old[kBlock], g[kBlock];
-    const float scale1 = *a1, scale2 = *a2;
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) {  // gathers and conversions apart: the arithmetic below is contiguous
-        m_old[j] = q1[c1[j]] * scale1;
-        v_old[j] = q2[c2[j]] * scale2;
-        g[j] = Scale ? to_float(g_in[j]) * inv_scale : to_float(g_in[j]);
-    }
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) {
-        float mm, vv;
-        dsbnb::adam_moments(m_old[j], v_old[j], g[j], h, mm, vv);
-        const float pn = dsbnb::adam_param(p[j], mm, vv, h);
-        const bool ok = finite(g[j]);
-        m[j] = ok ? mm : m_old[j];
-        v[j] = ok ? vv : v_old[j];
-        p[j] = ok ? pn : p[j];
-    }
-    float max1 = 0.0f, max2 = 0.0f;
-    int nan1 = 0, nan2 = 0;
-#pragma omp simd reduction(max : max1, max2) reduction(| : nan1, nan2)
-    for (int64_t j = 0; j < len; ++j) {
-        const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
-        max1 = x1 > max1 ? x1 : max1;
-        max2 = x2 > max2 ? x2 : max2;
-        nan1 |= x1 != x1;
-        nan2 |= x2 != x2;
-    }
-    if (nan1 || nan2) {  // rare: absmax is the first NaN, as torch.amax returns it
-        for (int64_t j = len - 1; j >= 0; --j) {
-            const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
-            if (x1 != x1) max1 = x1;
-            if (x2 != x2) max2 = x2;
-        }
-    }
-    const float r1 = dsbnb::reciprocal(max1), r2 = dsbnb::reciprocal(max2);
+// The portable quantizer of one block (any map; vectorized by the compiler, with gathers).
+inline void quantize_block(int64_t len, const float* m, const float* v, float r1, float r2, uint8_t* __restrict__ c1,
+                           uint8_t* __restrict__ c2, const QuantTables& t1, const QuantTables& t2) {
     if (t1.max_walk <= 1 && t2.max_walk <= 1) {  // bnb's maps: one compare per value, no sorted-index tables
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) {
@@ -131,8 +106,75 @@ void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
             c2[j] = static_cast<uint8_t>(t2.order[i2[j]]);
         }
     }
+}
+
+// One 256-element block of an 8-bit segment, in passes: dequantize, update, absmax, requantize. Full blocks of
+// bnb-style maps take the AVX-512 look-ups where compiled in (adam8bit_avx512.h); the rest the portable loops.
+template <typename GradT, bool Scale>
+void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
+                uint8_t* __restrict__ c1, uint8_t* __restrict__ c2, float* a1, float* a2, const float* __restrict__ q1,
+                const float* __restrict__ q2, const MapTables& t1, const MapTables& t2, float inv_scale) {
+    const Hyper h = hyper;  // a local copy: the compiler need not reload it around stores through p
+    alignas(64) float m[kBlock], v[kBlock], m_old[kBlock], v_old[kBlock], g[kBlock];
+    const float scale1 = *a1, scale2 = *a2;
+    const bool fast = len == kBlock && t1.fast_usable() && t2.fast_usable();
+#if DSBNB_AVX512
+    if (fast) {
+        for (int64_t j = 0; j < kBlock; j += 64) {
+            dsbnb::avx512::dequantize64(t1.fast, c1 + j, scale1, m_old + j);
+            dsbnb::avx512::dequantize64(t2.fast, c2 + j, scale2, v_old + j);
+        }
+    }
+#endif
+    if (!fast) {
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) {  // gathers apart: the arithmetic below is contiguous
+            m_old[j] = q1[c1[j]] * scale1;
+            v_old[j] = q2[c2[j]] * scale2;
+        }
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) g[j] = Scale ? to_float(g_in[j]) * inv_scale : to_float(g_in[j]);
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+        float mm, vv;
+        dsbnb::adam_moments(m_old[j], v_old[j], g[j], h, mm, vv);
+        const float pn = dsbnb::adam_param(p[j], mm, vv, h);
+        const bool ok = finite(g[j]);
+        m[j] = ok ? mm : m_old[j];
+        v[j] = ok ? vv : v_old[j];
+        p[j] = ok ? pn : p[j];
+    }
+    float max1 = 0.0f, max2 = 0.0f;
+    int nan1 = 0, nan2 = 0;
+#pragma omp simd reduction(max : max1, max2) reduction(| : nan1, nan2)
+    for (int64_t j = 0; j < len; ++j) {
+        const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
+        max1 = x1 > max1 ? x1 : max1;
+        max2 = x2 > max2 ? x2 : max2;
+        nan1 |= x1 != x1;
+        nan2 |= x2 != x2;
+    }
+    if (nan1 || nan2) {  // rare: absmax is the first NaN, as torch.amax returns it
+        for (int64_t j = len - 1; j >= 0; --j) {
+            const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
+            if (x1 != x1) max1 = x1;
+            if (x2 != x2) max2 = x2;
+        }
+    }
+    const float r1 = dsbnb::reciprocal(max1), r2 = dsbnb::reciprocal(max2);
     *a1 = max1;
     *a2 = max2;
+#if DSBNB_AVX512
+    if (fast) {
+        for (int64_t j = 0; j < kBlock; j += 16) {
+            dsbnb::avx512::quantize16(t1.fast, m + j, r1, c1 + j);
+            dsbnb::avx512::quantize16(t2.fast, v + j, r2, c2 + j);
+        }
+        return;
+    }
+#endif
+    quantize_block(len, m, v, r1, r2, c1, c2, t1.generic, t2.generic);
 }
 
 template <typename GradT, bool Scale>
@@ -156,7 +198,7 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
 template <typename GradT, typename LowT, bool Scale>
 void run(const Segment* segments, const std::vector<Work>& work, const Hyper* hyper, float* params, const GradT* grads,
          uint8_t* codes1, uint8_t* codes2, float* absmax1, float* absmax2, float* state1, float* state2,
-         const float* qmap1, const float* qmap2, const QuantTables& t1, const QuantTables& t2, float inv_scale,
+         const float* qmap1, const float* qmap2, const MapTables& t1, const MapTables& t2, float inv_scale,
          LowT* low) {
     at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t begin, int64_t end) {
         for (int64_t w = begin; w < end; ++w) {
@@ -237,8 +279,8 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
               "lp_params must be a contiguous CPU tensor of the partition's size");
         check(low.scalar_type() == at::kBFloat16 || low.scalar_type() == at::kHalf, "lp_params must be bf16 or fp16");
     }
-    const QuantTables& t1 = tables_for(qmap1);
-    const QuantTables& t2 = tables_for(qmap2);
+    const MapTables& t1 = tables_for(qmap1);
+    const MapTables& t2 = tables_for(qmap2);
     const bool scale = inv_scale != 1.0;
     const float inv = static_cast<float>(inv_scale);
     const auto* h = reinterpret_cast<const Hyper*>(hyper.data_ptr<float>());

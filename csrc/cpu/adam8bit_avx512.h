@@ -1,0 +1,161 @@
+// adam8bit_avx512.h — AVX-512 (F, BW, VBMI) versions of the two table look-ups of the CPU kernel, which cost more
+// than all of its arithmetic when the compiler turns them into gathers (measured on AMD Zen 4: one 16-lane gather
+// ~15 cycles; six of them per 16 elements made 70% of the step).
+//
+// - dequantize: qmap[code] for 64 codes at once without a gather. The 256-entry fp32 map is held as four byte planes
+//   (byte k of every entry); each plane is looked up with two 128-byte VPERMI2B permutes and a blend on the code's top
+//   bit, and the planes are interleaved back into floats. The interleave leaves element i of each 16-lane lane group
+//   transposed, so the codes are permuted first (one VPERMB) to land every float in order.
+// - quantize: the index of the nearest map value, for 16 values with one gather instead of four. A 13-bit key (sign,
+//   the exponent clamped to the map's range, 7 mantissa bits) selects a bucket holding at most one midpoint (checked
+//   when the tables are built); its packed entry is the sorted index below the bucket and the top 24 bits of that
+//   midpoint. The value's own top 24 bits decide above/below; an exact fp32 compare settles the rare values that share
+//   those 24 bits with the midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
+//
+// Both are exact table look-ups, so the kernel stays bit-identical to deepspeed_bnb/ops/reference.py
+// (tests/test_fused_step.py, including maps the fast path must refuse and values on and next to midpoints).
+// Used only when the compiler targets these extensions (-march=native on such a CPU: the JIT build); otherwise the
+// portable loops in adam8bit_cpu.cpp run. References: Intel intrinsics guide (VPERMI2B, VPERMB, VPGATHERDD);
+// bitsandbytes 0.50.2 csrc/kernels.cu (dQuantizeDynamic) for the quantizer it reproduces.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define DSBNB_AVX512 1
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dsbnb/adam8bit.h"
+
+namespace dsbnb {
+namespace avx512 {
+
+constexpr int kMantissaBits = 7;   // mantissa bits in the quantizer key
+constexpr int kExponentSpan = 32;  // exponents kept below 2^0 (smaller magnitudes share the lowest bucket row)
+constexpr int kMaxExponent = 127;  // biased exponent of 1.0: normalized values never exceed it (|u| <= 1)
+
+// Tables of one 256-entry map for the fast paths; built once per map on the host.
+struct FastTables {
+    bool usable = false;  // map sorted ascending, and every key bucket holds at most one midpoint
+    int low_exponent = 0;  // smallest biased exponent the key keeps; smaller magnitudes use its row (no midpoint)
+    alignas(64) uint8_t planes[4][256];  // planes[k][code] = byte k of qmap[code] (little endian)
+    alignas(64) uint32_t packed[2 * kExponentSpan << kMantissaBits];  // key -> midpoint's top 24 bits << 8 | index
+    float midpoints[256];  // the sorted map's midpoints ([255] = +inf), for the exact compare of near ties
+
+    explicit FastTables(const float* qmap, const QuantTables& generic) {
+        for (int code = 0; code < 256; ++code) {
+            uint32_t word;
+            std::memcpy(&word, &qmap[code], sizeof(word));
+            for (int k = 0; k < 4; ++k) planes[k][code] = static_cast<uint8_t>(word >> (8 * k));
+        }
+        std::memcpy(midpoints, generic.midpoints, sizeof(midpoints));
+        usable = true;
+        for (int i = 0; i < 256; ++i) usable &= generic.order[i] == i;  // codes are sorted indices (bnb's maps)
+        float smallest = INFINITY;
+        for (int i = 0; i < 255; ++i) smallest = std::fmin(smallest, std::fabs(midpoints[i]));
+        int exponent = 0;
+        std::frexp(smallest, &exponent);  // smallest = f * 2^exponent, f in [0.5, 1): biased exponent 126 + exponent
+        // one exponent row below the smallest midpoint's, so the lowest row (which also takes all smaller values,
+        // zero included) holds no midpoint
+        low_exponent = std::max(126 + exponent - 1, kMaxExponent - kExponentSpan + 1);
+        usable &= smallest > 0.0f;
+        const int rows = kMaxExponent - low_exponent + 1;
+        for (uint32_t sign = 0; sign < 2 && usable; ++sign) {
+            for (int row = 0; row < rows; ++row) {
+                for (uint32_t mantissa = 0; mantissa < (1u << kMantissaBits); ++mantissa) {
+                    const uint32_t top = sign << 31 | uint32_t(low_exponent + row) << 23 | mantissa << 16;
+                    const uint32_t low_bits = top | (sign ? 0xFFFFu : 0u), high_bits = top | (sign ? 0u : 0xFFFFu);
+                    float low, high;
+                    std::memcpy(&low, &low_bits, sizeof(low));
+                    std::memcpy(&high, &high_bits, sizeof(high));
+                    if (row == 0) (sign ? high : low) = sign ? -0.0f : 0.0f;  // the row also takes smaller values
+                    if (row == rows - 1) (sign ? low : high) = sign ? -INFINITY : INFINITY;  // and larger ones
+                    const int below = static_cast<int>(std::lower_bound(midpoints, midpoints + 255, low) - midpoints);
+                    const int inside =
+                        static_cast<int>(std::lower_bound(midpoints, midpoints + 255, high) - midpoints) - below;
+                    const bool edge = row == 0 || row == rows - 1;
+                    usable &= inside <= (edge ? 0 : 1);
+                    uint32_t split = sign ? 0u : 0xFFFFFFu;  // no midpoint: "below" for every value of the bucket
+                    if (inside == 1) {
+                        std::memcpy(&split, &midpoints[below], sizeof(split));
+                        split >>= 8;
+                    }
+                    packed[key(sign, row, mantissa)] = split << 8 | static_cast<uint32_t>(below);
+                }
+            }
+        }
+    }
+
+    static uint32_t key(uint32_t sign, int row, uint32_t mantissa) {
+        return sign << 12 | static_cast<uint32_t>(row) << kMantissaBits | mantissa;
+    }
+};
+
+// out[i] = qmap[codes[i]] * scale for 64 codes (out 64-byte aligned).
+inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale, float* out) {
+    // element e of the output sits, after the byte interleave below, at byte (e % 16 / 4) * 16 + e / 16 * 4 + e % 4
+    // of the permuted codes: a 4x4 transpose of 4-byte groups, undone up front
+    alignas(64) static const uint8_t transpose[64] = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53,
+        54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46,
+        47, 60, 61, 62, 63};
+    const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(transpose), _mm512_loadu_si512(codes));
+    const __mmask64 upper = _mm512_movepi8_mask(c);  // code >= 128: the upper half of the map
+    __m512i plane[4];
+    for (int k = 0; k < 4; ++k) {
+        const __m512i* p = reinterpret_cast<const __m512i*>(t.planes[k]);
+        const __m512i lower_half = _mm512_permutex2var_epi8(_mm512_load_si512(p), c, _mm512_load_si512(p + 1));
+        const __m512i upper_half = _mm512_permutex2var_epi8(_mm512_load_si512(p + 2), c, _mm512_load_si512(p + 3));
+        plane[k] = _mm512_mask_blend_epi8(upper, lower_half, upper_half);
+    }
+    const __m512i b01_low = _mm512_unpacklo_epi8(plane[0], plane[1]), b01_high = _mm512_unpackhi_epi8(plane[0], plane[1]);
+    const __m512i b23_low = _mm512_unpacklo_epi8(plane[2], plane[3]), b23_high = _mm512_unpackhi_epi8(plane[2], plane[3]);
+    const __m512 s = _mm512_set1_ps(scale);
+    _mm512_store_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_low, b23_low)), s));
+    _mm512_store_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_low, b23_low)), s));
+    _mm512_store_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_high, b23_high)), s));
+    _mm512_store_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_high, b23_high)), s));
+}
+
+// codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted.
+inline void quantize16(const FastTables& t, const float* x, float reciprocal_absmax, uint8_t* codes) {
+    const __m512 value = _mm512_loadu_ps(x);
+    __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
+    const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+    if (unordered) {  // normalize(): inf * 0 -> sign of x, NaN x -> 0
+        const __m512i sign = _mm512_and_si512(_mm512_castps_si512(value), _mm512_set1_epi32(INT32_MIN));
+        u = _mm512_mask_mov_ps(u, unordered, _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_castps_si512(
+                                                                                             _mm512_set1_ps(1.0f)))));
+        u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
+    }
+    const __m512i bits = _mm512_castps_si512(u);
+    const __m512i low_exponent = _mm512_set1_epi32(t.low_exponent);
+    __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xFF));
+    exponent = _mm512_min_epi32(_mm512_max_epi32(exponent, low_exponent), _mm512_set1_epi32(kMaxExponent));
+    const __m512i key = _mm512_or_si512(
+        _mm512_slli_epi32(_mm512_srli_epi32(bits, 31), 12),
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(exponent, low_exponent), kMantissaBits),
+                        _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32((1 << kMantissaBits) - 1))));
+    const __m512i entry = _mm512_i32gather_epi32(key, t.packed, 4);
+    const __m512i split = _mm512_srli_epi32(entry, 8), top = _mm512_srli_epi32(bits, 8);
+    const __mmask16 negative = _mm512_movepi32_mask(bits);
+    // same sign and exponent as the midpoint: a larger magnitude is above it when positive, below it when negative
+    const __mmask16 above = (_mm512_cmpgt_epu32_mask(top, split) & ~negative) |
+                            (_mm512_cmplt_epu32_mask(top, split) & negative);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i index = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+    index = _mm512_mask_add_epi32(index, above, index, one);
+    const __mmask16 near = _mm512_cmpeq_epi32_mask(top, split);
+    if (near) {  // within 256 ulps of the midpoint (~1/256 of values): the exact compare, as nearest_sorted does
+        const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, t.midpoints, 4);
+        index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(index));
+}
+
+}  // namespace avx512
+}  // namespace dsbnb
+
+#endif
