@@ -1,6 +1,7 @@
-// adam8bit_avx512.h — AVX-512 (F, BW, VBMI) versions of the two table look-ups of the CPU kernel, which cost more
-// than all of its arithmetic when the compiler turns them into gathers (measured on AMD Zen 4: one 16-lane gather
-// ~15 cycles; six of them per 16 elements made 70% of the step).
+// adam8bit_avx512.h — the CPU kernel's full-block path in AVX-512 (F, BW, VBMI) intrinsics: the two table look-ups,
+// which cost more than all of the arithmetic when the compiler turns them into gathers (measured on AMD Zen 4: one
+// 16-lane gather ~15 cycles; six of them per 16 elements made 70% of the step), and the update between them, kept
+// in registers from dequantization to the new moments (update_block).
 //
 // - dequantize: qmap[code] for 64 codes at once without a gather. The 256-entry fp32 map is held as four byte planes
 //   (byte k of every entry); each plane is looked up with two 128-byte VPERMI2B permutes and a blend on the code's top
@@ -93,8 +94,8 @@ struct FastTables {
     }
 };
 
-// out[i] = qmap[codes[i]] * scale for 64 codes (out 64-byte aligned).
-inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale, float* out) {
+// out[i] = qmap[codes[i]] * scale for 64 codes, as four vectors of 16 in order.
+inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale, __m512 out[4]) {
     // element e of the output sits, after the byte interleave below, at byte (e % 16 / 4) * 16 + e / 16 * 4 + e % 4
     // of the permuted codes: a 4x4 transpose of 4-byte groups, undone up front
     alignas(64) static const uint8_t transpose[64] = {
@@ -113,10 +114,10 @@ inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale,
     const __m512i b01_low = _mm512_unpacklo_epi8(plane[0], plane[1]), b01_high = _mm512_unpackhi_epi8(plane[0], plane[1]);
     const __m512i b23_low = _mm512_unpacklo_epi8(plane[2], plane[3]), b23_high = _mm512_unpackhi_epi8(plane[2], plane[3]);
     const __m512 s = _mm512_set1_ps(scale);
-    _mm512_store_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_low, b23_low)), s));
-    _mm512_store_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_low, b23_low)), s));
-    _mm512_store_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_high, b23_high)), s));
-    _mm512_store_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_high, b23_high)), s));
+    out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_low, b23_low)), s);
+    out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_low, b23_low)), s);
+    out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_high, b23_high)), s);
+    out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_high, b23_high)), s);
 }
 
 // codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted.
@@ -153,6 +154,62 @@ inline void quantize16(const FastTables& t, const float* x, float reciprocal_abs
         index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(index));
+}
+
+enum class Grad { kFloat32, kBFloat16, kFloat16 };
+
+// 16 gradients as fp32 (bf16 and fp16 widen exactly).
+template <Grad kind>
+inline __m512 load_grad16(const void* g) {
+    if (kind == Grad::kFloat32) return _mm512_loadu_ps(g);
+    const __m256i half = _mm256_loadu_si256(static_cast<const __m256i*>(g));
+    if (kind == Grad::kFloat16) return _mm512_cvtph_ps(half);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// The update of one full 256-element block of an 8-bit segment, kept in registers from dequantization to the new
+// moments: the same operations, in the same order, as block_8bit's portable loops (dsbnb::adam_moments and
+// adam_param; a non-finite gradient keeps the element). Writes p, the new moments m and v (for quantize16) and
+// returns false when a moment is NaN (absmax then needs the portable first-NaN rule).
+template <Grad kind, bool Scale>
+inline bool update_block(const Hyper& h, float* p, const void* grads, const uint8_t* c1, const uint8_t* c2,
+                         float scale1, float scale2, const FastTables& t1, const FastTables& t2, float inv_scale,
+                         float* m, float* v, float& max1, float& max2) {
+    const __m512 beta1 = _mm512_set1_ps(h.beta1), beta2 = _mm512_set1_ps(h.beta2);
+    const __m512 omb1 = _mm512_set1_ps(h.one_minus_beta1), omb2 = _mm512_set1_ps(h.one_minus_beta2);
+    const __m512 eps_hat = _mm512_set1_ps(h.eps_hat), decay = _mm512_set1_ps(h.decay);
+    const __m512 step_size = _mm512_set1_ps(h.step_size), inv = _mm512_set1_ps(inv_scale);
+    const __m512 largest = _mm512_set1_ps(3.40282347e+38f);
+    const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
+    __m512 top1 = _mm512_setzero_ps(), top2 = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < kBlock; j += 64) {
+        __m512 m_old[4], v_old[4];
+        dequantize64(t1, c1 + j, scale1, m_old);
+        dequantize64(t2, c2 + j, scale2, v_old);
+        for (int k = 0; k < 4; ++k) {
+            const int64_t at = j + 16 * k;
+            __m512 g = load_grad16<kind>(static_cast<const char*>(grads) + at * grad_bytes);
+            if (Scale) g = _mm512_mul_ps(g, inv);
+            const __m512 mm = _mm512_add_ps(_mm512_mul_ps(beta1, m_old[k]), _mm512_mul_ps(omb1, g));
+            const __m512 vv = _mm512_add_ps(_mm512_mul_ps(beta2, v_old[k]), _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
+            const __m512 direction = _mm512_div_ps(mm, _mm512_add_ps(_mm512_sqrt_ps(vv), eps_hat));
+            const __m512 p_old = _mm512_loadu_ps(p + at);
+            const __m512 p_new = _mm512_add_ps(_mm512_mul_ps(p_old, decay), _mm512_mul_ps(step_size, direction));
+            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
+            const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm), v_new = _mm512_mask_mov_ps(v_old[k], ok, vv);
+            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
+            _mm512_store_ps(m + at, m_new);
+            _mm512_store_ps(v + at, v_new);
+            // max(|x|, top) keeps top when |x| is NaN, like the portable `x > top ? x : top`
+            top1 = _mm512_max_ps(_mm512_abs_ps(m_new), top1);
+            top2 = _mm512_max_ps(_mm512_abs_ps(v_new), top2);
+            nan |= _mm512_cmp_ps_mask(m_new, v_new, _CMP_UNORD_Q);
+        }
+    }
+    max1 = _mm512_reduce_max_ps(top1);
+    max2 = _mm512_reduce_max_ps(top2);
+    return nan == 0;
 }
 
 }  // namespace avx512

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -108,33 +109,42 @@ inline void quantize_block(int64_t len, const float* m, const float* v, float r1
     }
 }
 
-// One 256-element block of an 8-bit segment, in passes: dequantize, update, absmax, requantize. Full blocks of
-// bnb-style maps take the AVX-512 look-ups where compiled in (adam8bit_avx512.h); the rest the portable loops.
+// Per-block absmax of both new moments; a NaN moment makes absmax the first NaN, as torch.amax returns it.
+inline void absmax_pair(int64_t len, const float* m, const float* v, float& max1, float& max2) {
+    max1 = 0.0f;
+    max2 = 0.0f;
+    int nan1 = 0, nan2 = 0;
+#pragma omp simd reduction(max : max1, max2) reduction(| : nan1, nan2)
+    for (int64_t j = 0; j < len; ++j) {
+        const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
+        max1 = x1 > max1 ? x1 : max1;
+        max2 = x2 > max2 ? x2 : max2;
+        nan1 |= x1 != x1;
+        nan2 |= x2 != x2;
+    }
+    if (nan1 || nan2) {  // rare
+        for (int64_t j = len - 1; j >= 0; --j) {
+            const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
+            if (x1 != x1) max1 = x1;
+            if (x2 != x2) max2 = x2;
+        }
+    }
+}
+
+// The update of one block by portable, compiler-vectorized loops: dequantize, moments, parameter; writes p, m, v.
 template <typename GradT, bool Scale>
-void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
-                uint8_t* __restrict__ c1, uint8_t* __restrict__ c2, float* a1, float* a2, const float* __restrict__ q1,
-                const float* __restrict__ q2, const MapTables& t1, const MapTables& t2, float inv_scale) {
+void update_block(const Hyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
+                  const uint8_t* __restrict__ c1, const uint8_t* __restrict__ c2, float scale1, float scale2,
+                  const float* __restrict__ q1, const float* __restrict__ q2, float inv_scale, float* __restrict__ m,
+                  float* __restrict__ v) {
     const Hyper h = hyper;  // a local copy: the compiler need not reload it around stores through p
-    alignas(64) float m[kBlock], v[kBlock], m_old[kBlock], v_old[kBlock], g[kBlock];
-    const float scale1 = *a1, scale2 = *a2;
-    const bool fast = len == kBlock && t1.fast_usable() && t2.fast_usable();
-#if DSBNB_AVX512
-    if (fast) {
-        for (int64_t j = 0; j < kBlock; j += 64) {
-            dsbnb::avx512::dequantize64(t1.fast, c1 + j, scale1, m_old + j);
-            dsbnb::avx512::dequantize64(t2.fast, c2 + j, scale2, v_old + j);
-        }
-    }
-#endif
-    if (!fast) {
+    alignas(64) float m_old[kBlock], v_old[kBlock], g[kBlock];
 #pragma omp simd
-        for (int64_t j = 0; j < len; ++j) {  // gathers apart: the arithmetic below is contiguous
-            m_old[j] = q1[c1[j]] * scale1;
-            v_old[j] = q2[c2[j]] * scale2;
-        }
+    for (int64_t j = 0; j < len; ++j) {  // gathers and conversions apart: the arithmetic below is contiguous
+        m_old[j] = q1[c1[j]] * scale1;
+        v_old[j] = q2[c2[j]] * scale2;
+        g[j] = Scale ? to_float(g_in[j]) * inv_scale : to_float(g_in[j]);
     }
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) g[j] = Scale ? to_float(g_in[j]) * inv_scale : to_float(g_in[j]);
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
         float mm, vv;
@@ -145,36 +155,47 @@ void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
         v[j] = ok ? vv : v_old[j];
         p[j] = ok ? pn : p[j];
     }
-    float max1 = 0.0f, max2 = 0.0f;
-    int nan1 = 0, nan2 = 0;
-#pragma omp simd reduction(max : max1, max2) reduction(| : nan1, nan2)
-    for (int64_t j = 0; j < len; ++j) {
-        const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
-        max1 = x1 > max1 ? x1 : max1;
-        max2 = x2 > max2 ? x2 : max2;
-        nan1 |= x1 != x1;
-        nan2 |= x2 != x2;
-    }
-    if (nan1 || nan2) {  // rare: absmax is the first NaN, as torch.amax returns it
-        for (int64_t j = len - 1; j >= 0; --j) {
-            const float x1 = std::fabs(m[j]), x2 = std::fabs(v[j]);
-            if (x1 != x1) max1 = x1;
-            if (x2 != x2) max2 = x2;
-        }
-    }
-    const float r1 = dsbnb::reciprocal(max1), r2 = dsbnb::reciprocal(max2);
-    *a1 = max1;
-    *a2 = max2;
+}
+
 #if DSBNB_AVX512
-    if (fast) {
+template <typename GradT>
+constexpr dsbnb::avx512::Grad grad_kind() {
+    return std::is_same<GradT, float>::value            ? dsbnb::avx512::Grad::kFloat32
+           : std::is_same<GradT, c10::BFloat16>::value ? dsbnb::avx512::Grad::kBFloat16
+                                                        : dsbnb::avx512::Grad::kFloat16;
+}
+#endif
+
+// One block (up to 256 elements) of an 8-bit segment: update, absmax, requantize. Full blocks of bnb-style maps take
+// the AVX-512 path where it is compiled in (adam8bit_avx512.h: no gathers to dequantize, one per quantized value);
+// the rest the portable loops. Both give the same bits.
+template <typename GradT, bool Scale>
+void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
+                uint8_t* __restrict__ c1, uint8_t* __restrict__ c2, float* a1, float* a2, const float* __restrict__ q1,
+                const float* __restrict__ q2, const MapTables& t1, const MapTables& t2, float inv_scale) {
+    alignas(64) float m[kBlock], v[kBlock];
+    float max1, max2;
+#if DSBNB_AVX512
+    if (len == kBlock && t1.fast_usable() && t2.fast_usable()) {
+        if (!dsbnb::avx512::update_block<grad_kind<GradT>(), Scale>(hyper, p, g_in, c1, c2, *a1, *a2, t1.fast,
+                                                                     t2.fast, inv_scale, m, v, max1, max2)) {
+            absmax_pair(len, m, v, max1, max2);  // a NaN moment: the first-NaN rule
+        }
+        const float r1 = dsbnb::reciprocal(max1), r2 = dsbnb::reciprocal(max2);
         for (int64_t j = 0; j < kBlock; j += 16) {
             dsbnb::avx512::quantize16(t1.fast, m + j, r1, c1 + j);
             dsbnb::avx512::quantize16(t2.fast, v + j, r2, c2 + j);
         }
+        *a1 = max1;
+        *a2 = max2;
         return;
     }
 #endif
-    quantize_block(len, m, v, r1, r2, c1, c2, t1.generic, t2.generic);
+    update_block<GradT, Scale>(hyper, len, p, g_in, c1, c2, *a1, *a2, q1, q2, inv_scale, m, v);
+    absmax_pair(len, m, v, max1, max2);
+    quantize_block(len, m, v, dsbnb::reciprocal(max1), dsbnb::reciprocal(max2), c1, c2, t1.generic, t2.generic);
+    *a1 = max1;
+    *a2 = max2;
 }
 
 template <typename GradT, bool Scale>
