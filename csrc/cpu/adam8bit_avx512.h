@@ -10,8 +10,8 @@
 // - quantize: the index of the nearest map value, for 16 values with one gather instead of four. A 13-bit key (sign,
 //   the exponent clamped to the map's range, 7 mantissa bits) selects a bucket holding at most one midpoint (checked
 //   when the tables are built); its packed entry is the sorted index below the bucket and the top 24 bits of that
-//   midpoint. The value's own top 24 bits decide above/below; an exact fp32 compare settles the rare values that share
-//   those 24 bits with the midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
+//   midpoint as an order-preserving integer. The value's own top 24 bits decide above/below; an exact fp32 compare
+//   settles the rare values that share those 24 bits with the midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
 //
 // Both are exact table look-ups, so the kernel stays bit-identical to deepspeed_bnb/ops/reference.py
 // (tests/test_fused_step.py, including maps the fast path must refuse and values on and next to midpoints).
@@ -42,7 +42,7 @@ struct FastTables {
     bool usable = false;  // map sorted ascending, and every key bucket holds at most one midpoint
     int low_exponent = 0;  // smallest biased exponent the key keeps; smaller magnitudes use its row (no midpoint)
     alignas(64) uint8_t planes[4][256];  // planes[k][code] = byte k of qmap[code] (little endian)
-    alignas(64) uint32_t packed[2 * kExponentSpan << kMantissaBits];  // key -> midpoint's top 24 bits << 8 | index
+    alignas(64) uint32_t packed[2 * kExponentSpan << kMantissaBits];  // key -> midpoint's ordered top 24 bits | index
     float midpoints[256];  // the sorted map's midpoints ([255] = +inf), for the exact compare of near ties
 
     explicit FastTables(const float* qmap, const QuantTables& generic) {
@@ -78,12 +78,10 @@ struct FastTables {
                         static_cast<int>(std::lower_bound(midpoints, midpoints + 255, high) - midpoints) - below;
                     const bool edge = row == 0 || row == rows - 1;
                     usable &= inside <= (edge ? 0 : 1);
-                    uint32_t split = sign ? 0u : 0xFFFFFFu;  // no midpoint: "below" for every value of the bucket
-                    if (inside == 1) {
-                        std::memcpy(&split, &midpoints[below], sizeof(split));
-                        split >>= 8;
-                    }
-                    packed[key(sign, row, mantissa)] = split << 8 | static_cast<uint32_t>(below);
+                    // no midpoint: a top no value reaches, so every value of the bucket is "below"
+                    uint32_t split_top = 0x7FFFFF00u;
+                    if (inside == 1) split_top = static_cast<uint32_t>(ordered(midpoints[below])) & ~0xFFu;
+                    packed[key(sign, row, mantissa)] = split_top | static_cast<uint32_t>(below);
                 }
             }
         }
@@ -91,6 +89,13 @@ struct FastTables {
 
     static uint32_t key(uint32_t sign, int row, uint32_t mantissa) {
         return sign << 12 | static_cast<uint32_t>(row) << kMantissaBits | mantissa;
+    }
+
+    // The float's bits as an int32 that orders like the float (negatives flipped below the sign bit).
+    static int32_t ordered(float x) {
+        int32_t bits;
+        std::memcpy(&bits, &x, sizeof(bits));
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF);
     }
 };
 
@@ -132,22 +137,22 @@ inline void quantize16(const FastTables& t, const float* x, float reciprocal_abs
         u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
     }
     const __m512i bits = _mm512_castps_si512(u);
-    const __m512i low_exponent = _mm512_set1_epi32(t.low_exponent);
-    __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xFF));
-    exponent = _mm512_min_epi32(_mm512_max_epi32(exponent, low_exponent), _mm512_set1_epi32(kMaxExponent));
-    const __m512i key = _mm512_or_si512(
-        _mm512_slli_epi32(_mm512_srli_epi32(bits, 31), 12),
-        _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(exponent, low_exponent), kMantissaBits),
-                        _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32((1 << kMantissaBits) - 1))));
+    // key: sign at bit 12; exponent and 7 mantissa bits clamped to the kept rows (a value outside them lands in an
+    // edge row, which holds no midpoint, so any of its buckets gives the right answer), rebased to row 0
+    const __m512i lowest = _mm512_set1_epi32(t.low_exponent << kMantissaBits);
+    const __m512i magnitude = _mm512_min_epi32(
+        _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x7FFF)), lowest),
+        _mm512_set1_epi32(kMaxExponent << kMantissaBits | ((1 << kMantissaBits) - 1)));
+    const __m512i key = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 19), _mm512_set1_epi32(1 << 12)),
+                                        _mm512_sub_epi32(magnitude, lowest));
     const __m512i entry = _mm512_i32gather_epi32(key, t.packed, 4);
-    const __m512i split = _mm512_srli_epi32(entry, 8), top = _mm512_srli_epi32(bits, 8);
-    const __mmask16 negative = _mm512_movepi32_mask(bits);
-    // same sign and exponent as the midpoint: a larger magnitude is above it when positive, below it when negative
-    const __mmask16 above = (_mm512_cmpgt_epu32_mask(top, split) & ~negative) |
-                            (_mm512_cmplt_epu32_mask(top, split) & negative);
+    // compare the value's ordered top 24 bits with the midpoint's: above, below, or too close to tell
+    const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
+                                                                   _mm512_set1_epi32(0x7FFFFFFF)));
+    const __m512i split = _mm512_srai_epi32(entry, 8), top = _mm512_srai_epi32(order, 8);
     const __m512i one = _mm512_set1_epi32(1);
     __m512i index = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-    index = _mm512_mask_add_epi32(index, above, index, one);
+    index = _mm512_mask_add_epi32(index, _mm512_cmpgt_epi32_mask(top, split), index, one);
     const __mmask16 near = _mm512_cmpeq_epi32_mask(top, split);
     if (near) {  // within 256 ulps of the midpoint (~1/256 of values): the exact compare, as nearest_sorted does
         const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, t.midpoints, 4);
