@@ -8,7 +8,8 @@ from deepspeed_bnb._versions import check_versions
 
 check_versions()
 
-from deepspeed_bnb.runtime import engine as _engine  # noqa: E402  (after the version check, by design)
+from deepspeed_bnb import integrations as _integrations  # noqa: E402  (after the version check, by design)
+from deepspeed_bnb.runtime import engine as _engine  # noqa: E402
 from deepspeed_bnb.runtime.zero import config as _zero_config  # noqa: E402
 from deepspeed_bnb.runtime.zero.config import BnbZeroConfig  # noqa: E402,F401
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer  # noqa: E402,F401
@@ -18,3 +19,4 @@ __version__ = "0.1.0"
 
 _zero_config.install()
 _engine.install()
+_integrations.install_lazily()  # Accelerate, if and when it is imported

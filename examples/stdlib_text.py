@@ -38,3 +38,20 @@ class ByteBatches:
         x = torch.stack([data[s:s + self.context] for s in starts])
         y = torch.stack([data[s + 1:s + 1 + self.context] for s in starts])
         return x, y
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """`count` fixed windows of `context + 1` bytes (inputs plus the next byte): sample i is the same on any number of
+    ranks, so a DataLoader split across ranks by Accelerate or HF Trainer gives the same global batches."""
+
+    def __init__(self, data: torch.Tensor, context: int, count: int, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        self.data, self.context = data, context
+        self.starts = torch.randint(0, len(data) - context - 1, (count,), generator=generator).tolist()
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, index):
+        start = self.starts[index]
+        return self.data[start:start + self.context + 1]

@@ -1,0 +1,214 @@
+"""Accelerate and HF Trainer drive deepspeed_bnb end to end on CPU: save on N ranks, resume on M, match the run that
+never stopped; under optimizer offload the bnb optimizer is kept where Accelerate would swap it for DeepSpeedCPUAdam.
+
+Five launches, 12 steps each of tiny models (examples/train_accelerate.py, examples/train_hf_trainer.py), saving after
+step 6 (global batch 8: 4 per rank on 2 ranks, 8 on 1, the same sequences at each step):
+- `accelerate launch` (configs/accelerate_zero2.yaml, 2 ranks): uninterrupted run, `accelerator.save_state` at 6;
+- `accelerate launch --num_processes 1` with configs/zero2_accelerate_offload.json (offload, no
+  `zero_force_ds_cpu_optimizer` key): `accelerator.load_state` then steps 7-12; control: the same without optimizer
+  state;
+- torchrun 2 ranks: Trainer (optim="adamw_bnb_8bit") uninterrupted, checkpoint-6;
+- torchrun 1 rank: Trainer uninterrupted, checkpoint-6; resume from the 2-rank checkpoint-6; control without
+  optimizer state;
+- torchrun 2 ranks: Trainer resume from the 1-rank checkpoint-6, under offload.
+Tolerance: the runs compared differ only in the order of floating-point reductions (two half-batch means averaged by
+DeepSpeed vs one full-batch mean), about 1e-7 relative per step: the suite's fp32 bar of 1e-5 (measured 5e-7 to
+1.5e-6). Controls that lose the optimizer state differ by about 0.3, so they must exceed 1e-2.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from conftest import free_port, torchrun
+
+HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+needs_accelerate = pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is not installed (pip install "
+                                      "accelerate, or the [clients] extra)")
+needs_transformers = pytest.mark.skipif(not (HAVE_ACCELERATE and HAVE_TRANSFORMERS), reason="transformers and "
+                                        "accelerate are not installed (pip install transformers accelerate, or the "
+                                        "[clients] extra)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "--max_steps 12 --global_batch 8 --width 64 --depth 2 --context 64 --text_mb 1"
+TOL, CONTROL_MIN = 1e-5, 1e-2
+
+
+def accelerate_launch(*args) -> str:
+    """`accelerate launch ARGS` from the repository root (configs/ paths are relative to it); returns its output."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *args]
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")  # see conftest
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
+    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+    return done.stdout + done.stderr
+
+
+def read(out, name):
+    with open(os.path.join(out, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def max_diff(run, reference):
+    """Largest |loss difference| over the steps `run` made; `losses` are lists from step `start` or {step: loss}."""
+    def by_step(log):
+        losses = log["losses"]
+        return {str(log.get("start", 0) + 1 + i): v for i, v in enumerate(losses)} if isinstance(losses, list) \
+            else losses
+    mine, theirs = by_step(run), by_step(reference)
+    assert mine and set(mine) <= set(theirs), (sorted(mine), sorted(theirs))
+    return max(abs(value - theirs[step]) for step, value in mine.items())
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("accelerate"))
+    args = TINY.replace("--max_steps", "--steps")
+    ckpt = os.path.join(out, "state")
+    accelerate_launch("--config_file", "configs/accelerate_zero2.yaml", "examples/train_accelerate.py",
+                      *args.split(), "--save_at", "6", "--save_dir", ckpt,
+                      "--log_json", os.path.join(out, "uninterrupted.json"))
+    resume = f"{args} --resume {ckpt} --save_dir {out}/unused"
+    output = accelerate_launch(
+        "--config_file", "configs/accelerate_zero2.yaml", "--num_processes", "1",
+        "--deepspeed_config_file", "configs/zero2_accelerate_offload.json", "tests/client_runs.py", "accelerate", out,
+        f"resume:{resume} --log_json {out}/resume.json",
+        f"resume-weights-only:{resume} --log_json {out}/control.json")
+    return {name: read(out, name) for name in ("uninterrupted", "resume", "control", "imports")}, output
+
+
+@needs_accelerate
+def test_accelerate_resume_on_fewer_ranks_matches(accelerate_runs):
+    logs, _ = accelerate_runs
+    uninterrupted, resumed, control = logs["uninterrupted"], logs["resume"], logs["control"]
+    assert (uninterrupted["world"], resumed["world"], resumed["start"]) == (2, 1, 6)
+    assert len(resumed["losses"]) == 6
+    assert max_diff(resumed, uninterrupted) < TOL
+    assert max_diff(control, uninterrupted) > CONTROL_MIN  # the comparison does see a lost optimizer state
+
+
+@needs_accelerate
+def test_accelerate_keeps_bnb_under_offload(accelerate_runs):
+    logs, output = accelerate_runs
+    assert not logs["uninterrupted"]["offload"]
+    for name in ("resume", "control"):
+        assert logs[name]["offload"], name
+        assert (logs[name]["optimizer"], logs[name]["basic_optimizer"]) == ("BnbZeroOptimizer", "AdamW8bit"), name
+    assert "deepspeed_bnb: keeping AdamW8bit under offload_optimizer" in output
+    assert logs["imports"]["prepare_deepspeed_from"] == "deepspeed_bnb.integrations.accelerate"
+
+
+@needs_accelerate
+def test_offload_decision():
+    """Key absent: set false (kept). Explicitly true: left alone, with a warning naming the fix. Otherwise untouched."""
+    import bitsandbytes as bnb
+    import torch
+
+    from deepspeed_bnb.integrations.accelerate import keep_bnb_under_offload
+
+    bnb_opt = bnb.optim.AdamW8bit([torch.nn.Parameter(torch.zeros(4))])
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+    config = {"zero_optimization": dict(offload)}
+    assert keep_bnb_under_offload(config, ["model", bnb_opt]) == "kept"
+    assert config["zero_force_ds_cpu_optimizer"] is False
+
+    config = {"zero_optimization": dict(offload), "zero_force_ds_cpu_optimizer": True}
+    with pytest.warns(RuntimeWarning, match='"zero_force_ds_cpu_optimizer": false to keep'):
+        assert keep_bnb_under_offload(config, [bnb_opt]) == "swapped"
+    assert config["zero_force_ds_cpu_optimizer"] is True
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for config, prepared in (({"zero_optimization": dict(offload)}, [torch_opt]),
+                                 ({"zero_optimization": {"stage": 2}}, [bnb_opt]),
+                                 ({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, [bnb_opt])):
+            before = json.dumps(config)
+            assert keep_bnb_under_offload(config, prepared) == "untouched"
+            assert json.dumps(config) == before
+
+
+@needs_accelerate
+def test_accelerate_still_swaps_without_the_key():
+    """Tripwire: the Accelerate behaviour the patch answers (swap unless the key is false) is still there."""
+    import inspect
+
+    from accelerate import Accelerator
+
+    # importing deepspeed_bnb wraps an Accelerate imported before it too
+    from deepspeed_bnb.integrations import accelerate as ours
+
+    assert Accelerator._prepare_deepspeed is ours._prepare_deepspeed
+    source = inspect.getsource(ours._STOCK["_prepare_deepspeed"])
+    assert 'get("zero_force_ds_cpu_optimizer", True)' in source and "map_pytorch_optim_to_deepspeed(" in source
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trainer"))
+    with open(os.path.join(ROOT, "configs", "zero2_hf_trainer.json")) as f:
+        offload = json.load(f)
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}  # no zero_force_ds_cpu_optimizer key
+    with open(os.path.join(out, "offload.json"), "w") as f:
+        json.dump(offload, f)
+
+    def run(name, extra):
+        return f"{name}:{TINY} --output_dir {out}/{name} --log_json {out}/{name}.json {extra}"
+
+    torchrun("client_runs.py", 2, "trainer", out, run("uninterrupted2", "--save_steps 6"))
+    torchrun("client_runs.py", 1, "trainer", out, run("uninterrupted1", "--save_steps 6"),
+             run("resume2to1", f"--resume {out}/uninterrupted2/checkpoint-6"),
+             run("resume2to1-weights-only", f"--resume {out}/uninterrupted2/checkpoint-6"))
+    resume1to2 = run("resume1to2", f"--resume {out}/uninterrupted1/checkpoint-6 --deepspeed {out}/offload.json")
+    offloaded = torchrun("client_runs.py", 2, "trainer", out, resume1to2)
+    names = ("uninterrupted2", "uninterrupted1", "resume2to1", "resume2to1-weights-only", "resume1to2", "imports")
+    return {name: read(out, name) for name in names}, offloaded.stdout + offloaded.stderr
+
+
+@needs_transformers
+def test_trainer_optimizer_is_bnb_inside_bnb_zero(trainer_runs):
+    logs, offloaded_output = trainer_runs
+    for name, log in logs.items():
+        if name != "imports":
+            assert log["optimizer"] == "BnbZeroOptimizer", name
+            assert (log["basic_optimizer"], log["optim_bits"]) == ("bitsandbytes.optim.adamw.AdamW", 8), name
+    assert logs["resume1to2"]["offload"] and not logs["resume2to1"]["offload"]
+    assert "deepspeed_bnb: keeping AdamW under offload_optimizer" in offloaded_output
+
+
+@needs_transformers
+def test_trainer_same_losses_on_one_and_two_ranks(trainer_runs):
+    one, two = trainer_runs[0]["uninterrupted1"], trainer_runs[0]["uninterrupted2"]
+    assert (one["world"], two["world"], len(one["losses"])) == (1, 2, 12)
+    assert max_diff(one, two) < TOL
+
+
+@needs_transformers
+@pytest.mark.parametrize("resumed,saved_by", [("resume2to1", "uninterrupted2"), ("resume1to2", "uninterrupted1")])
+def test_trainer_resume_on_other_ranks_matches(trainer_runs, resumed, saved_by):
+    run, reference = trainer_runs[0][resumed], trainer_runs[0][saved_by]
+    assert run["world"] != reference["world"]
+    assert sorted(map(int, run["losses"])) == list(range(7, 13))
+    assert max_diff(run, reference) < TOL
+
+
+@needs_transformers
+def test_trainer_resume_without_optimizer_state_differs(trainer_runs):
+    logs, _ = trainer_runs
+    assert max_diff(logs["resume2to1-weights-only"], logs["uninterrupted2"]) > CONTROL_MIN
+
+
+@needs_transformers
+def test_accelerate_patch_arrives_lazily(trainer_runs):
+    """`import deepspeed_bnb` does not import Accelerate; importing Accelerate afterwards installs the patch."""
+    assert trainer_runs[0]["imports"] == {"accelerate_imported_by_deepspeed_bnb": False,
+                                       "prepare_deepspeed_from": "deepspeed_bnb.integrations.accelerate"}
