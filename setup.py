@@ -30,10 +30,10 @@ def extensions():
     flags = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags)
     cpu_flags = flags.CPU_PORTABLE_FLAGS if os.environ.get("DEEPSPEED_BNB_PORTABLE") == "1" else flags.CPU_FLAGS
-    sources = ["csrc/python_module.cpp", "csrc/ops.cpp", "csrc/cpu/adam8bit_cpu.cpp"]
+    sources = ["csrc/python_module.cpp", *flags.CPU_SOURCES]
     common = dict(include_dirs=[os.path.join(HERE, "csrc", "include")], extra_link_args=flags.LINK_FLAGS)
     if torch.version.cuda is not None:
-        sources += ["csrc/cuda/adam8bit.cu", "csrc/cuda/adam8bit_cuda.cpp"]
+        sources += flags.CUDA_SOURCES
         extension = CUDAExtension("deepspeed_bnb._C", sources,
                                   extra_compile_args={"cxx": cpu_flags, "nvcc": flags.NVCC_FLAGS}, **common)
     else:

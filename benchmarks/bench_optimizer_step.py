@@ -1,10 +1,10 @@
-"""Optimizer-step throughput on CPU: deepspeed_bnb's fused 8-bit AdamW kernel against the alternatives, side by side.
+"""Optimizer-step throughput on CPU: deepspeed_bnb's fused 8-bit AdamW and Lion kernels against the alternatives.
 
 For each size and thread count, one optimizer step over a flat fp32 parameter of that many elements, timed as the
-median of repeats after a warm-up, for: deepspeed_bnb's C++ kernel (8-bit state), bitsandbytes' own CPU 8-bit path
-(AdamW8bit), torch.optim.AdamW(fused=True) (fp32 state), DeepSpeedCPUAdam (fp32 state) and deepspeed_bnb's pure-torch
-reference (the fallback; small sizes only). Prints a markdown table of M elements/s and the ratio to torch's fused
-AdamW and to bnb's CPU path, measured in the same run.
+median of repeats after a warm-up, for: deepspeed_bnb's C++ kernels (8-bit state), bitsandbytes' own CPU 8-bit path
+(AdamW8bit, Lion8bit), torch.optim.AdamW(fused=True) (fp32 state), DeepSpeedCPUAdam (fp32 state) and deepspeed_bnb's
+pure-torch reference (the fallback; small sizes only). Prints a markdown table of M elements/s and the ratio to
+torch's fused AdamW and to bnb's CPU path of the same update rule (AdamW8bit or Lion8bit), measured in the same run.
 
     python benchmarks/bench_optimizer_step.py              # 1M..64M elements, 1 and 2 threads (a few minutes)
     python benchmarks/bench_optimizer_step.py --quick      # 1M elements, 1 thread: a smoke test
@@ -22,11 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bitsandbytes as bnb  # noqa: E402
 
-from deepspeed_bnb.ops import adam8bit  # noqa: E402
-from deepspeed_bnb.ops.reference import AdamHyper  # noqa: E402
+from deepspeed_bnb.ops import adam8bit, lion8bit  # noqa: E402
+from deepspeed_bnb.ops.reference import AdamHyper, LionHyper  # noqa: E402
 from deepspeed_bnb.state_layout import GroupLayout  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+LION_LR, LION_BETAS = 1e-4, (0.9, 0.99)
 
 
 def fused_8bit(n, use_kernel):
@@ -43,6 +44,19 @@ def fused_8bit(n, use_kernel):
         hyper = adam8bit.hyper_table([AdamHyper.adamw(LR, *BETAS, EPS, WD, step[0])])
         adam8bit.adam8bit_step_(params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table,
                                 hyper, 1.0, None, use_kernel=use_kernel)
+    return run
+
+
+def fused_lion_8bit(n, use_kernel):
+    params, grads = torch.randn(n), torch.randn(n) * 1e-3
+    codes1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(-(-n // 256))
+    qmap1 = bnb.functional.create_dynamic_map(True)
+    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    hyper = adam8bit.hyper_table([LionHyper.lion(LION_LR, *LION_BETAS, WD)])
+
+    def run():
+        lion8bit.lion8bit_step_(params, grads, codes1, absmax1, torch.zeros(0), qmap1, table, hyper, 1.0, None,
+                                use_kernel=use_kernel)
     return run
 
 
@@ -67,6 +81,9 @@ IMPLEMENTATIONS = {
         p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
     "DeepSpeedCPUAdam (fp32)": deepspeed_cpu_adam,
     "deepspeed_bnb reference (pure torch)": lambda n: fused_8bit(n, False),
+    "deepspeed_bnb C++ kernel Lion (8-bit)": lambda n: fused_lion_8bit(n, True),
+    "bitsandbytes CPU Lion8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.Lion8bit(
+        p, lr=LION_LR, betas=LION_BETAS, weight_decay=WD, min_8bit_size=0)),
 }
 REFERENCE_MAX = 4 << 20  # the pure-torch reference is slow: time it on small sizes only
 
@@ -94,7 +111,8 @@ def main():
     if not adam8bit.kernel_available():
         print("note: the C++ kernel could not be built; its row measures the reference instead")
     print(f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, {os.cpu_count()} CPUs\n")
-    print("| elements | threads | implementation | M elements/s | vs torch fused fp32 | vs bnb CPU 8-bit |")
+    print("| elements | threads | implementation | M elements/s | vs torch fused fp32 AdamW | vs bnb CPU 8-bit, same "
+          "rule |")
     print("|---:|---:|---|---:|---:|---:|")
     for size in args.sizes:
         n = int(size * (1 << 20))
@@ -110,8 +128,8 @@ def main():
                     print(f"| {size:g}M | {threads} | {name} | unavailable: {type(exc).__name__}: "
                           f"{str(exc)[:80]} | | |")
             torch_rate = rates.get("torch AdamW fused (fp32)")
-            bnb_rate = rates.get("bitsandbytes CPU AdamW8bit")
             for name, rate in rates.items():
+                bnb_rate = rates.get("bitsandbytes CPU Lion8bit" if "Lion" in name else "bitsandbytes CPU AdamW8bit")
                 vs_torch = f"{rate / torch_rate:.2f}x" if torch_rate else "-"
                 vs_bnb = f"{rate / bnb_rate:.1f}x" if bnb_rate else "-"
                 print(f"| {size:g}M | {threads} | {name} | {rate:,.0f} | {vs_torch} | {vs_bnb} |", flush=True)

@@ -1,6 +1,7 @@
-"""The CUDA kernel compiles here, without a GPU: nvcc builds csrc/cuda/adam8bit.cu for sm_80 and sm_90, and the torch
-binding passes a syntax check against this torch's headers (the CPU wheel lacks one generated CUDA header, supplied by
-tests/cuda_shim). Running the kernel needs a GPU: tests/test_fused_step.py does it where one is present."""
+"""The CUDA kernels compile here, without a GPU: nvcc builds csrc/cuda/adam8bit.cu and lion8bit.cu for sm_80 and
+sm_90, and their torch bindings pass a syntax check against this torch's headers (the CPU wheel lacks one generated
+CUDA header, supplied by tests/cuda_shim). Running the kernels needs a GPU: tests/test_fused_step.py and
+test_fused_lion.py do it where one is present."""
 
 import os
 import shutil
@@ -20,14 +21,15 @@ def nvcc():
     return found
 
 
-def test_kernel_compiles_for_sm80_and_sm90(tmp_path):
+@pytest.mark.parametrize("kernel", ["adam8bit", "lion8bit"])
+def test_kernel_compiles_for_sm80_and_sm90(tmp_path, kernel):
     from deepspeed_bnb.ops.build_flags import NVCC_FLAGS
     cmd = [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-           os.path.join(CSRC, "cuda", "adam8bit.cu"), "-o", str(tmp_path / "adam8bit.o")]
+           os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o", str(tmp_path / f"{kernel}.o")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert os.path.getsize(tmp_path / "adam8bit.o") > 0
+    assert os.path.getsize(tmp_path / f"{kernel}.o") > 0
 
 
 def cuda_include():
@@ -39,10 +41,11 @@ def cuda_include():
     pytest.skip(f"no CUDA headers (cuda_runtime.h) under {candidates}")
 
 
-def test_binding_syntax():
+@pytest.mark.parametrize("binding", ["adam8bit_cuda", "lion8bit_cuda"])
+def test_binding_syntax(binding):
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
     cmd = ["g++", "-fsyntax-only", "-std=c++20", f"-I{os.path.join(ROOT, 'tests', 'cuda_shim')}",
            f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
-           f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", os.path.join(CSRC, "cuda", "adam8bit_cuda.cpp")]
+           f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", os.path.join(CSRC, "cuda", f"{binding}.cpp")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]

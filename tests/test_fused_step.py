@@ -37,6 +37,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 class Partition:
     """A random partition: several parameters (8-bit and fp32), their segment table and state."""
 
+    NAMES = ("params", "codes1", "codes2", "absmax1", "absmax2", "state1", "state2", "lp")  # what a step updates
+
     def __init__(self, seed: int, device="cpu", dp=3, rank=1, grad_dtype=torch.float32):
         g = torch.Generator().manual_seed(seed)
         count = int(torch.randint(2, 7, (1,), generator=g))
@@ -75,12 +77,12 @@ class Partition:
         return adam8bit.hyper_table(rows).to(self.device)
 
     def tensors(self):
-        return (self.params, self.codes1, self.codes2, self.absmax1, self.absmax2, self.state1, self.state2, self.lp)
+        return tuple(getattr(self, name) for name in self.NAMES)
 
     def clone(self):
-        other = object.__new__(Partition)
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
-        for name in ("params", "codes1", "codes2", "absmax1", "absmax2", "state1", "state2", "lp"):
+        for name in self.NAMES:
             setattr(other, name, getattr(self, name).clone())
         return other
 
@@ -91,8 +93,7 @@ class Partition:
 
 
 def assert_bit_identical(a: Partition, b: Partition, context: str):
-    for name, x, y in zip(("params", "codes1", "codes2", "absmax1", "absmax2", "state1", "state2", "lp"),
-                          a.tensors(), b.tensors()):
+    for name, x, y in zip(a.NAMES, a.tensors(), b.tensors()):
         x, y = bits(x.cpu()), bits(y.cpu())
         if not torch.equal(x, y):
             where = (x != y).nonzero().flatten()[:5].tolist()
@@ -100,15 +101,18 @@ def assert_bit_identical(a: Partition, b: Partition, context: str):
                                  f"{[x[i].item() for i in where]} vs {[y[i].item() for i in where]}")
 
 
-def _kernel_vs_reference(device, seed, grad_dtype=torch.float32):
-    kernel = Partition(seed, device=device, grad_dtype=grad_dtype)
-    ref = kernel.clone()
+def _kernel_vs_reference(device, seed, grad_dtype=torch.float32, kind=Partition):
+    """Four steps of a random `kind` partition by the kernel and by the reference, compared after each; returns the
+    starting partition and the kernel's."""
+    kernel = kind(seed, device=device, grad_dtype=grad_dtype)
+    start, ref = kernel.clone(), kernel.clone()
     for step in range(1, 5):
         grads = kernel.grads(step)
         inv_scale = 1.0 if step < 3 else 1 / 3.7
         kernel.step(step, grads, True, inv_scale)
         ref.step(step, grads, False, inv_scale)
         assert_bit_identical(kernel, ref, f"seed {seed}, step {step}")
+    return start, kernel
 
 
 @needs_kernel

@@ -3,7 +3,8 @@
 // segments, maps and midpoints in shared memory, NaN-propagating absmax by warp shuffles, 64-bit indexing.
 //
 // Semantics: deepspeed_bnb/ops/reference.py, bit for bit; the per-element arithmetic is shared with the CPU kernel
-// through csrc/include/dsbnb/adam8bit.h. References: bitsandbytes 0.50.2 csrc/kernels.cu
+// through csrc/include/dsbnb/adam8bit.h, the launch shape and device helpers with the Lion kernel (lion8bit.cu)
+// through fused_device.cuh. References: bitsandbytes 0.50.2 csrc/kernels.cu
 // (kOptimizerStatic8bit2StateBlockwise), llm.c's adamw kernel, apex multi-tensor apply.
 // Build: with a CUDA build of torch, deepspeed_bnb/ops/loader.py JIT-compiles it with the binding
 // (adam8bit_cuda.cpp). It includes no torch header, so it also compiles alone, which CI checks without a GPU:
@@ -12,42 +13,17 @@
 // Flags that keep it exact: -fmad=false, and no --use_fast_math (IEEE division and sqrt are nvcc's defaults).
 // Test: pytest tests/test_fused_step.py (runs its CUDA cases where a GPU is present).
 
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include "adam8bit_launch.h"
+#include "fused_device.cuh"
 
 namespace dsbnb {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-constexpr int kPerLane = kBlock / 32;
-
-__device__ __forceinline__ float load_grad(const void* grads, GradType type, int64_t i) {
-    switch (type) {
-        case GradType::kBFloat16: {
-            const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(grads)[i]) << 16;
-            return __uint_as_float(bits);
-        }
-        case GradType::kFloat16: return __half2float(static_cast<const __half*>(grads)[i]);
-        default: return static_cast<const float*>(grads)[i];
-    }
-}
-
-__device__ __forceinline__ void store_low(void* low, LowType type, int64_t i, float p) {
-    if (type == LowType::kBFloat16) {
-        static_cast<uint16_t*>(low)[i] = bf16_bits(p);
-    } else if (type == LowType::kFloat16) {
-        static_cast<__half*>(low)[i] = (p != p) ? __ushort_as_half(0x7E00) : __float2half_rn(p);  // c10's NaN
-    }
-}
-
-__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
-
-__device__ __forceinline__ float warp_nan_max(float x) {
-    for (int offset = 16; offset > 0; offset >>= 1) x = nan_max(x, __shfl_xor_sync(0xFFFFFFFFu, x, offset));
-    return x;
-}
+using device::kPerLane;
+using device::kWarpsPerBlock;
+using device::load_grad;
+using device::nan_max;
+using device::store_low;
+using device::warp_nan_max;
 
 __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const int64_t* __restrict__ block_starts,
                                      int64_t num_segments, int64_t total_blocks, const Hyper* __restrict__ hyper,
@@ -73,11 +49,7 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
     for (int64_t work = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); work < total_blocks;
          work += warps) {
-        int64_t lo = 0, hi = num_segments;  // the segment holding this block: last start <= work
-        while (hi - lo > 1) {
-            const int64_t middle = (lo + hi) / 2;
-            if (block_starts[middle] <= work) lo = middle; else hi = middle;
-        }
+        const int64_t lo = device::segment_of(block_starts, num_segments, work);
         const Segment s = segments[lo];
         const Hyper h = hyper[s.hyper_row];
         const int64_t start = (work - block_starts[lo]) * kBlock;
@@ -157,11 +129,7 @@ int launch_adam8bit_step(const Segment* segments, const int64_t* block_starts, i
                          DeviceTables tables2, bool scale, float inv_scale, void* low, LowType low_type,
                          void* stream) {
     if (total_blocks == 0) return 0;
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    const int64_t needed = (total_blocks + kWarpsPerBlock - 1) / kWarpsPerBlock;
-    const int grid = static_cast<int>(needed < 8LL * sms ? needed : 8LL * sms);  // persistent, grid-stride
+    const int grid = device::grid_for(total_blocks);  // persistent, grid-stride
     adam8bit_step_kernel<<<grid, 32 * kWarpsPerBlock, 0, static_cast<cudaStream_t>(stream)>>>(
         segments, block_starts, num_segments, total_blocks, hyper, params, grads, grad_type, codes1, codes2, absmax1,
         absmax2, state1, state2, qmap1, qmap2, tables1, tables2, scale, inv_scale, low, low_type);

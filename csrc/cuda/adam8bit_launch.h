@@ -1,5 +1,5 @@
-// adam8bit_launch.h — the C interface between the CUDA kernel (adam8bit.cu, built by nvcc with no torch headers)
-// and its torch binding (adam8bit_cuda.cpp). Raw device pointers only.
+// adam8bit_launch.h — the C interface between the CUDA kernels (adam8bit.cu, lion8bit.cu, built by nvcc with no torch
+// headers) and their torch bindings (adam8bit_cuda.cpp, lion8bit_cuda.cpp). Raw device pointers only.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +26,13 @@ int launch_adam8bit_step(const Segment* segments, const int64_t* block_starts, i
                          uint8_t* codes1, uint8_t* codes2, float* absmax1, float* absmax2, float* state1,
                          float* state2, const float* qmap1, const float* qmap2, DeviceTables tables1,
                          DeviceTables tables2, bool scale, float inv_scale, void* low, LowType low_type,
+                         void* stream);
+
+// Launches the fused Lion step on `stream`; as above with one state (codes1/absmax1 or state1) and LionHyper rows.
+int launch_lion8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
+                         int64_t total_blocks, const LionHyper* hyper, float* params, const void* grads,
+                         GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
+                         DeviceTables tables1, bool scale, float inv_scale, void* low, LowType low_type,
                          void* stream);
 
 }  // namespace dsbnb

@@ -1,8 +1,8 @@
 """The fused 8-bit AdamW step of one ZeRO partition: the compiled operator when it loads, else the reference.
 
 `segment_table` and `hyper_table` turn the optimizer's segments and param-group settings into the two small tensors
-the operator walks; `adam8bit_step_` runs it. Both implementations give bit-identical results
-(tests/test_fused_step.py).
+the operators walk (shared with the Lion step, ops/lion8bit.py); `adam8bit_step_` runs it. Both implementations give
+bit-identical results (tests/test_fused_step.py).
 """
 
 from typing import Optional, Sequence
@@ -20,9 +20,13 @@ def segment_table(segments: Sequence[Segment], hyper_rows: Sequence[int]) -> tor
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, reference.SEGMENT_FIELDS)
 
 
-def hyper_table(rows: Sequence[AdamHyper]) -> torch.Tensor:
-    """float32 [H, 7]: each AdamHyper rounded once from fp64 (see reference.AdamHyper)."""
-    return torch.tensor([r.row() for r in rows], dtype=torch.float64).float().reshape(-1, reference.HYPER_FIELDS)
+def hyper_table(rows: Sequence, kind: Optional[type] = None) -> torch.Tensor:
+    """float32 [H, kind.FIELDS]: each row (an AdamHyper or a LionHyper) rounded once from fp64. `kind`, the row
+    class, defaults to the rows' own (AdamHyper when there are none)."""
+    kind = kind or (type(rows[0]) if rows else AdamHyper)
+    if any(type(r) is not kind for r in rows):
+        raise TypeError(f"hyper_table: every row must be a {kind.__name__}")
+    return torch.tensor([r.row() for r in rows], dtype=torch.float64).float().reshape(-1, kind.FIELDS)
 
 
 def kernel_available() -> bool:

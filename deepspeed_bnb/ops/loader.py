@@ -1,6 +1,6 @@
 """Loads the compiled operators: the prebuilt `deepspeed_bnb._C` if present, else a ninja JIT build of csrc/ (cached).
 
-The JIT build compiles csrc/ops.cpp and the CPU kernel (plus the CUDA kernel when torch has CUDA) with
+The JIT build compiles csrc/ops.cpp and the CPU kernels (plus the CUDA kernels when torch has CUDA) with
 torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change.
 Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), it warns once and
 deepspeed_bnb falls back to the pure-torch reference (same results, slow).
@@ -14,25 +14,23 @@ from typing import Optional
 
 import torch
 
-from deepspeed_bnb.ops.build_flags import CPU_FLAGS, LINK_FLAGS, NVCC_FLAGS
+from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(_ROOT, "csrc")
 NAME = "deepspeed_bnb_ops"
+OPS = ("adam8bit_step_", "lion8bit_step_")  # every operator ops.cpp defines
 
 _lock = threading.Lock()
 _state = {"loaded": None, "error": None, "source": None}  # loaded: tried yet? error: why not; source: prebuilt/jit
 
 
 def sources(cuda: bool):
-    files = [os.path.join(CSRC, "ops.cpp"), os.path.join(CSRC, "cpu", "adam8bit_cpu.cpp")]
-    if cuda:
-        files += [os.path.join(CSRC, "cuda", "adam8bit.cu"), os.path.join(CSRC, "cuda", "adam8bit_cuda.cpp")]
-    return files
+    return [os.path.join(_ROOT, path) for path in CPU_SOURCES + (CUDA_SOURCES if cuda else [])]
 
 
 def _has_op() -> bool:
-    return hasattr(torch.ops, "deepspeed_bnb") and hasattr(torch.ops.deepspeed_bnb, "adam8bit_step_")
+    return hasattr(torch.ops, "deepspeed_bnb") and all(hasattr(torch.ops.deepspeed_bnb, op) for op in OPS)
 
 
 def _build(verbose: bool) -> str:

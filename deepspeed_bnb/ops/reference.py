@@ -1,4 +1,4 @@
-"""Pure-torch reference of the fused 8-bit AdamW step on a ZeRO partition, and of blockwise 8-bit quantization.
+"""Pure-torch reference of the fused 8-bit AdamW and Lion steps of a ZeRO partition, and of blockwise quantization.
 
 What it does: updates one flat fp32 partition in place, walking a segment table (one row per parameter piece:
 offset, length, 8-bit or fp32 state, hyper-parameter row). This file *is* the canonical semantics the compiled
@@ -9,43 +9,58 @@ Canonical semantics (why: bnb's backends disagree with each other, see
 - IEEE fp32, every operation individually rounded: no FMA contraction; sqrt and division correctly rounded (computed
   in fp64 and rounded once, which is exact for them; torch's own fp32 sqrt is not correctly rounded on x86 CPUs).
 - Per element, with `g = grad * inv_scale` (DeepSpeed's combined unscale/clip factor, skipped when it is 1):
+  AdamW (adam8bit_step, two states m and v):
       m = beta1 * m_old + (1 - beta1) * g
       v = beta2 * v_old + (1 - beta2) * (g * g)
       p = p * (1 - lr * wd) + step_size * (m / (sqrt(v) + eps_hat))
   with each bracket evaluated left to right (decoupled weight decay, as bnb's AdamW/Adam8bit), in bnb's CUDA
-  arrangement: step_size = -lr * sqrt(1 - beta2^t) / (1 - beta1^t), eps_hat = eps * sqrt(1 - beta2^t). Host
-  constants are computed in fp64 and rounded to fp32 once.
-- A non-finite `g` skips the element: its parameter and moments keep their values (bnb's CUDA kernel zeroes them).
-- 8-bit state: m_old = qmap1[code] * absmax1[block] (unsigned qmap2 for v). After the update each 256-element block
-  takes absmax = max |m| over the block's elements of this segment (padding lanes excluded) and each element the
-  nearest code of u = m * (1 / absmax) (one division per block, as bnb's CUDA kernel; then the code whose fp32
-  midpoints bracket u; exactly on a midpoint: the lower one; inf * 0 counts as the sign of m, a NaN m as 0).
-  0 is exactly representable; a block whose absmax is 0 (or NaN) stores the code of 0.0. absmax propagates NaN like
-  torch.amax.
-- fp32 state segments keep m and v in fp32 arrays packed in segment order.
+  arrangement: step_size = -lr * sqrt(1 - beta2^t) / (1 - beta1^t), eps_hat = eps * sqrt(1 - beta2^t).
+  Lion (lion8bit_step, one state m; bnb's "lion" rule, Chen et al. 2023):
+      c = beta1 * m_old + (1 - beta1) * g
+      p = p * (1 - lr * wd) - lr * sign(c)
+      m = beta2 * m_old + (1 - beta2) * g
+  decoupled weight decay applied before the update, for 8-bit and fp32 state alike (bnb's CPU path and its 8-bit
+  CUDA kernel; its 32-bit CUDA kernel adds wd * p to g instead), sign as bnb's CUDA `sgn` and torch.sign (bnb's CPU
+  path): +1, -1, and +0 for a zero or NaN c (so p - lr * 0 leaves p exactly). The update direction uses the *old*
+  momentum; the momentum is updated after.
+  Host constants (1 - beta, 1 - lr * wd, ...) are computed in fp64 and rounded to fp32 once.
+- A non-finite `g` skips the element: its parameter (weight decay included) and state keep their values (bnb's CUDA
+  Adam kernel zeroes its moments; bnb's 1-state CUDA kernel and its CPU path let inf/NaN into the state).
+- 8-bit state: s_old = qmap[code] * absmax[block] (signed qmap1 for m, unsigned qmap2 for Adam's v). After the
+  update each 256-element block takes absmax = max |s| over the block's elements of this segment (padding lanes
+  excluded) and each element the nearest code of u = s * (1 / absmax) (one division per block, as bnb's CUDA kernel;
+  then the code whose fp32 midpoints bracket u; exactly on a midpoint: the lower one; inf * 0 counts as the sign of
+  s, a NaN s as 0). 0 is exactly representable (so a zero momentum stays zero, and with it the parameter of an
+  element whose gradient is always zero); bnb CUDA's extra sign fix (a tiny negative value never rounds to +0) is not
+  applied. A block whose absmax is 0 (or NaN) stores the code of 0.0. absmax propagates NaN like torch.amax.
+- fp32 state segments keep their state in fp32 arrays packed in segment order.
 - The optional bf16/fp16 copy rounds to nearest even; NaN becomes the canonical quiet NaN. Elsewhere the sign and
   payload of a NaN are unspecified (x86 vector units and torch produce different ones).
 - Alignment padding (elements in no segment) is never read or written.
 References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_blockwise_cpu`), `csrc/kernels.cu`
-(`kOptimizerStatic8bit2StateBlockwise`); Loshchilov & Hutter, Decoupled Weight Decay Regularization (AdamW).
-Build/test: pure Python, nothing to build; tests/test_fused_step.py holds the kernels to it.
+(`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION branch); Loshchilov & Hutter,
+Decoupled Weight Decay Regularization (AdamW); Chen et al., Symbolic Discovery of Optimization Algorithms (Lion).
+Build/test: pure Python, nothing to build; tests/test_fused_step.py (AdamW) and tests/test_fused_lion.py (Lion) hold
+the kernels to it.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import torch
 
 BLOCK_SIZE = 256
 SEGMENT_FIELDS = 5  # columns of the segment table: offset, numel, eight_bit, fp32_offset, hyper_row
-HYPER_FIELDS = 7  # columns of the hyper-parameter table, see AdamHyper.row()
+HYPER_FIELDS = 7  # columns of the AdamW hyper-parameter table, see AdamHyper.row()
+LION_HYPER_FIELDS = 6  # columns of the Lion hyper-parameter table, see LionHyper.row()
 
 
 @dataclass(frozen=True)
 class AdamHyper:
-    """One row of the hyper-parameter table: the per-step fp32 constants of one parameter group (host-computed)."""
+    """One row of the AdamW hyper-parameter table: per-step fp32 constants of one parameter group (host-computed)."""
 
+    FIELDS: ClassVar[int] = HYPER_FIELDS
     beta1: float  # first-moment decay
     beta2: float  # second-moment decay
     one_minus_beta1: float  # 1 - beta1, fp64 then rounded
@@ -63,6 +78,27 @@ class AdamHyper:
     def row(self) -> Tuple[float, ...]:
         return (self.beta1, self.beta2, self.one_minus_beta1, self.one_minus_beta2, self.eps_hat, self.decay,
                 self.step_size)
+
+
+@dataclass(frozen=True)
+class LionHyper:
+    """One row of the Lion hyper-parameter table (no step-dependent term: Lion has no bias correction)."""
+
+    FIELDS: ClassVar[int] = LION_HYPER_FIELDS
+    beta1: float  # interpolation of momentum and gradient for the update direction
+    beta2: float  # momentum decay
+    one_minus_beta1: float  # 1 - beta1, fp64 then rounded
+    one_minus_beta2: float  # 1 - beta2, fp64 then rounded
+    decay: float  # 1 - lr * weight_decay
+    lr: float  # the step of each element: lr * sign(c)
+
+    @classmethod
+    def lion(cls, lr: float, beta1: float, beta2: float, weight_decay: float) -> "LionHyper":
+        return cls(beta1=beta1, beta2=beta2, one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
+                   decay=1.0 - lr * weight_decay, lr=lr)
+
+    def row(self) -> Tuple[float, ...]:
+        return (self.beta1, self.beta2, self.one_minus_beta1, self.one_minus_beta2, self.decay, self.lr)
 
 
 def quant_tables(qmap: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +169,65 @@ def _param_update(p, m, v, h: torch.Tensor):
     return p * decay + step_size * _div(m, _sqrt(v) + eps_hat)
 
 
+def _lion_update(p, m_old, g, h: torch.Tensor):
+    """(new parameter, new momentum) of Lion; see the module docstring."""
+    beta1, beta2, omb1, omb2, decay, lr = h[0], h[1], h[2], h[3], h[4], h[5]
+    decayed = p * decay
+    c = beta1 * m_old + omb1 * g
+    sign = (c > 0).float() - (c < 0).float()  # bnb's sgn: +0 for zero and NaN (as torch.sign, spelled out)
+    return decayed - lr * sign, beta2 * m_old + omb2 * g
+
+
+@dataclass(frozen=True)
+class _Segment:
+    offset: int
+    numel: int
+    eight_bit: bool
+    fp32_offset: int
+
+
+class _State:
+    """One optimizer state of one segment: its 8-bit codes and per-block absmax (dequantized on load, requantized on
+    store), or its slice of the packed fp32 state."""
+
+    def __init__(self, segment: _Segment, codes, absmax, qmap, fp32):
+        self.eight_bit, self.qmap = segment.eight_bit, qmap
+        if segment.eight_bit:
+            first, blocks = segment.offset // BLOCK_SIZE, -(-segment.numel // BLOCK_SIZE)
+            self.codes = codes.narrow(0, segment.offset, segment.numel)
+            self.absmax = absmax.narrow(0, first, blocks)
+        else:
+            self.fp32 = fp32.narrow(0, segment.fp32_offset, segment.numel)
+
+    def load(self) -> torch.Tensor:
+        if self.eight_bit:
+            return dequantize_blockwise(self.codes, self.absmax, self.qmap)
+        return self.fp32.clone()
+
+    def store(self, value: torch.Tensor) -> None:
+        if self.eight_bit:
+            codes, absmax = quantize_blockwise(value, self.qmap)
+            self.codes.copy_(codes)
+            self.absmax.copy_(absmax)
+        else:
+            self.fp32.copy_(value)
+
+
+def _walk(params, grads, segments, hyper, inv_scale: float, lp_params, update) -> None:
+    """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's parameter view,
+    g: its scaled fp32 gradient, finite: isfinite(g), h: its hyper row); then refresh the bf16/fp16 copy."""
+    hyper = hyper.float()
+    for offset, numel, eight_bit, fp32_offset, row in segments.tolist():
+        p = params.narrow(0, offset, numel)
+        g = grads.narrow(0, offset, numel).float()
+        if inv_scale != 1.0:
+            g = g * _f32(inv_scale)
+        update(_Segment(offset, numel, bool(eight_bit), fp32_offset), p, g, torch.isfinite(g), hyper[row])
+        if lp_params is not None:
+            low = p.to(lp_params.dtype)  # round to nearest even; NaN as the canonical quiet NaN (c10's conversion)
+            lp_params.narrow(0, offset, numel).copy_(torch.where(torch.isnan(p), torch.nan, low))
+
+
 @torch.no_grad()
 def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, codes2: torch.Tensor,
                   absmax1: torch.Tensor, absmax2: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
@@ -144,33 +239,31 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
     segments, indexed by partition offset); state1/state2 fp32 [F] (fp32 segments, by fp32 offset); qmap1/qmap2 fp32
     [256]; segments int64 [S, 5]; hyper fp32 [H, 7]; lp_params: optional bf16/fp16 [P] copy of params, refreshed.
     """
-    hyper = hyper.float()
-    for offset, numel, eight_bit, fp32_offset, row in segments.tolist():
-        h = hyper[row]
-        p = params.narrow(0, offset, numel)
-        g = grads.narrow(0, offset, numel).float()
-        if inv_scale != 1.0:
-            g = g * _f32(inv_scale)
-        finite = torch.isfinite(g)
-        if eight_bit:
-            first, blocks = offset // BLOCK_SIZE, -(-numel // BLOCK_SIZE)
-            c1, c2 = codes1.narrow(0, offset, numel), codes2.narrow(0, offset, numel)
-            a1, a2 = absmax1.narrow(0, first, blocks), absmax2.narrow(0, first, blocks)
-            old_m, old_v = dequantize_blockwise(c1, a1, qmap1), dequantize_blockwise(c2, a2, qmap2)
-        else:
-            s1, s2 = state1.narrow(0, fp32_offset, numel), state2.narrow(0, fp32_offset, numel)
-            old_m, old_v = s1.clone(), s2.clone()
+    def update(segment, p, g, finite, h):
+        first = _State(segment, codes1, absmax1, qmap1, state1)
+        second = _State(segment, codes2, absmax2, qmap2, state2)
+        old_m, old_v = first.load(), second.load()
         m, v = _moments(old_m, old_v, g, h)
         m, v = torch.where(finite, m, old_m), torch.where(finite, v, old_v)
         p.copy_(torch.where(finite, _param_update(p, m, v, h), p))
-        if eight_bit:
-            for codes, absmax, value, qmap in ((c1, a1, m, qmap1), (c2, a2, v, qmap2)):
-                new_codes, new_absmax = quantize_blockwise(value, qmap)
-                codes.copy_(new_codes)
-                absmax.copy_(new_absmax)
-        else:
-            s1.copy_(m)
-            s2.copy_(v)
-        if lp_params is not None:
-            low = p.to(lp_params.dtype)  # round to nearest even; NaN as the canonical quiet NaN (c10's conversion)
-            lp_params.narrow(0, offset, numel).copy_(torch.where(torch.isnan(p), torch.nan, low))
+        first.store(m)
+        second.store(v)
+    _walk(params, grads, segments, hyper, inv_scale, lp_params, update)
+
+
+@torch.no_grad()
+def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
+                  state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
+                  inv_scale: float, lp_params: Optional[torch.Tensor] = None) -> None:
+    """In place: one Lion step of every segment of a flat partition (see the module docstring for semantics).
+
+    As adam8bit_step with one state (the momentum): codes1 uint8 [P] and absmax1 fp32 [P/256] for 8-bit segments,
+    state1 fp32 [F] for fp32 segments, qmap1 the signed map; hyper fp32 [H, 6] (LionHyper rows).
+    """
+    def update(segment, p, g, finite, h):
+        momentum = _State(segment, codes1, absmax1, qmap1, state1)
+        old_m = momentum.load()
+        new_p, m = _lion_update(p, old_m, g, h)
+        p.copy_(torch.where(finite, new_p, p))
+        momentum.store(torch.where(finite, m, old_m))
+    _walk(params, grads, segments, hyper, inv_scale, lp_params, update)

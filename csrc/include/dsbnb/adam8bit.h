@@ -1,6 +1,7 @@
-// dsbnb/adam8bit.h — the per-element arithmetic and the quantizer of the fused 8-bit AdamW step, shared by the CPU
-// (csrc/cpu/adam8bit_cpu.cpp) and CUDA (csrc/cuda/adam8bit.cu) kernels so that both evaluate exactly the same
-// sequence of individually rounded fp32 operations.
+// dsbnb/adam8bit.h — the per-element arithmetic and the quantizer of the fused 8-bit AdamW and Lion steps, shared by
+// the CPU (csrc/cpu/adam8bit_cpu.cpp, lion8bit_cpu.cpp) and CUDA (csrc/cuda/adam8bit.cu, lion8bit.cu) kernels so that
+// both evaluate exactly the same sequence of individually rounded fp32 operations; and the segment-table checks their
+// bindings share.
 //
 // Canonical semantics and their reasons: deepspeed_bnb/ops/reference.py (the pure-torch reference these kernels are
 // tested against bit for bit). Build requirements that keep them exact: no FMA contraction (gcc -ffp-contract=off,
@@ -23,7 +24,8 @@ namespace dsbnb {
 
 constexpr int64_t kBlock = 256;        // bitsandbytes' quantization block (elements)
 constexpr int64_t kSegmentFields = 5;  // segment table columns: offset, numel, eight_bit, fp32_offset, hyper_row
-constexpr int64_t kHyperFields = 7;    // hyper table columns, see Hyper
+constexpr int64_t kHyperFields = 7;    // AdamW hyper table columns, see Hyper
+constexpr int64_t kLionHyperFields = 6;  // Lion hyper table columns, see LionHyper
 constexpr int kLutBits = 16;           // quantizer look-up: sign, 8 exponent and 7 mantissa bits of the value
 
 // One row of the hyper-parameter table: per-step constants, computed in fp64 on the host and rounded once.
@@ -36,6 +38,17 @@ struct Hyper {
     float step_size;                 // -lr * sqrt(1 - beta2^t) / (1 - beta1^t)
 };
 
+// One row of the Lion hyper-parameter table (host-computed as above).
+struct LionHyper {
+    float beta1, beta2;     // update-direction interpolation, momentum decay
+    float one_minus_beta1;  // 1 - beta1
+    float one_minus_beta2;  // 1 - beta2
+    float decay;            // 1 - lr * weight_decay (decoupled weight decay, applied before the update)
+    float lr;               // the step: lr * sign(direction)
+};
+static_assert(sizeof(Hyper) == kHyperFields * sizeof(float), "Hyper mirrors a float32 [H, 7] row");
+static_assert(sizeof(LionHyper) == kLionHyperFields * sizeof(float), "LionHyper mirrors a float32 [H, 6] row");
+
 // One row of the segment table: the part of one parameter that this partition owns.
 struct Segment {
     int64_t offset;       // first element in the partition (a multiple of kBlock)
@@ -44,6 +57,7 @@ struct Segment {
     int64_t fp32_offset;  // first element in the packed fp32 state (fp32 segments only)
     int64_t hyper_row;    // row of the hyper table
 };
+static_assert(sizeof(Segment) == kSegmentFields * sizeof(int64_t), "Segment mirrors an int64 [S, 5] row");
 
 DSBNB_HD void adam_moments(float m_old, float v_old, float g, const Hyper& h, float& m, float& v) {
     const float t1 = h.beta1 * m_old;
@@ -62,6 +76,26 @@ DSBNB_HD float adam_param(float p, float m, float v, const Hyper& h) {
     const float decayed = p * h.decay;
     const float step = h.step_size * direction;
     return decayed + step;
+}
+
+// bnb's `sgn` of the Lion direction: +1, -1, and +0 for a zero or NaN argument (so that p - lr * sign leaves p).
+DSBNB_HD float lion_sign(float c) { return static_cast<float>(c > 0.0f) - static_cast<float>(c < 0.0f); }
+
+// Lion's new parameter: the decoupled decay first, then the signed step along beta1 * m_old + (1 - beta1) * g.
+DSBNB_HD float lion_param(float p, float m_old, float g, const LionHyper& h) {
+    const float decayed = p * h.decay;
+    const float t1 = h.beta1 * m_old;
+    const float t2 = h.one_minus_beta1 * g;
+    const float direction = t1 + t2;
+    const float step = h.lr * lion_sign(direction);
+    return decayed - step;
+}
+
+// Lion's new momentum (after the parameter update, from the old momentum).
+DSBNB_HD float lion_momentum(float m_old, float g, const LionHyper& h) {
+    const float t3 = h.beta2 * m_old;
+    const float t4 = h.one_minus_beta2 * g;
+    return t3 + t4;
 }
 
 // 1 / absmax of a block, or 0 when absmax is not positive (an all-zero block, or NaN).
@@ -98,6 +132,31 @@ DSBNB_HD uint16_t bf16_bits(float f) {
     memcpy(&u, &f, sizeof(u));
     u += 0x7FFFu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
+}
+
+// The sizes of one optimizer state's arrays, for the segment checks: its codes and absmax (8-bit segments) and its
+// packed fp32 array (fp32 segments).
+struct StateSizes {
+    int64_t codes, absmax, fp32;
+};
+
+// Why segment row `s` cannot be walked, or nullptr: it must lie inside the partition on a block boundary, name a row
+// of the hyper table, and fit every state's arrays (8-bit: codes of the partition's size and absmax covering its
+// blocks; fp32: its slice of the packed array). Shared by the CPU and CUDA bindings.
+inline const char* segment_problem(const Segment& s, int64_t partition, int64_t hyper_rows, const StateSizes* states,
+                                   int num_states) {
+    if (!(s.offset >= 0 && s.numel > 0 && s.offset + s.numel <= partition && s.offset % kBlock == 0)) {
+        return "offset/numel outside the partition or not block-aligned";
+    }
+    if (!(s.hyper_row >= 0 && s.hyper_row < hyper_rows)) return "hyper_row outside the hyper table";
+    for (int k = 0; k < num_states; ++k) {
+        if (s.eight_bit && states[k].codes != partition) return "8-bit segments need codes of the partition's size";
+        if (s.eight_bit && states[k].absmax * kBlock < s.offset + s.numel) return "absmax too short";
+        if (!s.eight_bit && !(s.fp32_offset >= 0 && s.fp32_offset + s.numel <= states[k].fp32)) {
+            return "fp32_offset/numel outside the fp32 state";
+        }
+    }
+    return nullptr;
 }
 
 // Host-side tables of one 256-entry map: midpoints between sorted values, the code of each sorted value, and the

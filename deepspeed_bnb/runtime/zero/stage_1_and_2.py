@@ -3,8 +3,8 @@
 Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` (same module path here):
 - `flatten_dense_tensors_aligned`: every parameter starts on a 256-element block, the group is padded to
   `256 * dp`, so partitions are block-aligned (state_layout.py);
-- `_optimizer_step`: one fused kernel call per partition for Adam-family optimizers (optim/fused_adam.py, with
-  DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`), otherwise bnb's own update per
+- `_optimizer_step`: one fused kernel call per partition for Adam-family and Lion optimizers (optim/fused_adam.py,
+  with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`), otherwise bnb's own update per
   parameter segment (optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and alignment
   padding is never updated, so it stays exactly zero;
 - `state_dict` / `load_state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's
@@ -71,7 +71,8 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
         for i, segments in enumerate(self.bnb_segments):
             self.bnb_fused.append(FusedPartition(segments, self._bnb_overrides[i],
                                                  self.single_partition_of_fp32_groups[i].device,
-                                                 use_kernel=fused == "kernel") if fused else None)
+                                                 use_kernel=fused == "kernel", rule=self.bnb.optimizer_name)
+                                  if fused else None)
 
     def _bnb_fused_setting(self, setting):
         """None (bnb's own step), "kernel" (compiled) or "reference" (pure torch, same results; no build here)."""
@@ -80,8 +81,8 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
         if not fused_adam.supports(self.bnb.optimizer_name):
             if setting is True:
                 raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {type(self.optimizer).__name__} uses "
-                                 f"bnb's '{self.bnb.optimizer_name}' update, which has no fused kernel (Adam and AdamW "
-                                 f"do). Use \"auto\" (fused where supported) or false.")
+                                 f"bnb's '{self.bnb.optimizer_name}' update, which has no fused kernel (Adam, AdamW "
+                                 f"and Lion do). Use \"auto\" (fused where supported) or false.")
             return None
         return "kernel" if adam8bit.kernel_available() else "reference"
 

@@ -1,0 +1,245 @@
+// fused_cpu.h — what the CPU kernels of the fused 8-bit optimizer steps share (adam8bit_cpu.cpp for AdamW,
+// lion8bit_cpu.cpp for Lion): the quantizer tables of a map (built once per map), per-block helpers (dequantize,
+// gradient widening, absmax with the reference's NaN rule, requantization to the nearest code), argument and
+// segment-table checks, the parallel walk over a partition's 256-element blocks (ATen's thread pool), and the
+// dispatch on the gradient dtype, the optional bf16/fp16 parameter copy and the unscale factor.
+//
+// Semantics: deepspeed_bnb/ops/reference.py, bit for bit; the arithmetic lives in csrc/include/dsbnb/adam8bit.h.
+// Build and test: as the kernels that include it (see adam8bit_cpu.cpp); -ffp-contract=off, no -ffast-math.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "adam8bit_avx512.h"
+#include "dsbnb/adam8bit.h"
+
+namespace dsbnb {
+namespace cpu {
+
+// Everything the kernels derive from one 256-entry map.
+struct MapTables {
+    QuantTables generic;  // the portable quantizer (any map)
+#if DSBNB_AVX512
+    avx512::FastTables fast;  // the AVX-512 look-ups (used where fast.usable)
+    explicit MapTables(const float* qmap) : generic(qmap), fast(qmap, generic) {}
+    bool fast_usable() const { return fast.usable; }
+#else
+    explicit MapTables(const float* qmap) : generic(qmap) {}
+    bool fast_usable() const { return false; }
+#endif
+};
+
+// The maps are optimizer constants: build their tables once per distinct content (one cache for every operator).
+inline const MapTables& tables_for(const at::Tensor& qmap) {
+    static std::mutex lock;
+    static std::vector<std::pair<std::array<float, 256>, std::unique_ptr<MapTables>>> cache;
+    std::array<float, 256> key;
+    std::memcpy(key.data(), qmap.data_ptr<float>(), sizeof(float) * 256);
+    std::lock_guard<std::mutex> guard(lock);
+    for (const auto& entry : cache) {
+        if (std::memcmp(entry.first.data(), key.data(), sizeof(float) * 256) == 0) return *entry.second;
+    }
+    cache.emplace_back(key, std::make_unique<MapTables>(key.data()));
+    return *cache.back().second;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+struct Work {
+    int64_t segment;  // row of the segment table
+    int64_t block;    // block index inside the segment
+};
+
+inline bool finite(float x) { return std::fabs(x) <= 3.40282347e+38f; }  // false for inf and NaN; vectorizes
+
+// out[j] = qmap[codes[j]] * scale: one state's old values (a gather per element; the AVX-512 path avoids it).
+inline void dequantize_block(int64_t len, const uint8_t* __restrict__ codes, float scale,
+                             const float* __restrict__ qmap, float* __restrict__ out) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) out[j] = qmap[codes[j]] * scale;
+}
+
+// out[j] = grad[j] as fp32 (bf16 and fp16 widen exactly), times the unscale factor when Scale.
+template <typename GradT, bool Scale>
+inline void widen_grads(int64_t len, const GradT* __restrict__ grads, float inv_scale, float* __restrict__ out) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) out[j] = Scale ? to_float(grads[j]) * inv_scale : to_float(grads[j]);
+}
+
+// max |x| over one block; a NaN element makes it the first NaN, as torch.amax returns it.
+inline float block_absmax(int64_t len, const float* x) {
+    float top = 0.0f;
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (int64_t j = 0; j < len; ++j) {
+        const float a = std::fabs(x[j]);
+        top = a > top ? a : top;
+        nan |= a != a;
+    }
+    if (nan) {  // rare
+        for (int64_t j = 0; j < len; ++j) {
+            if (x[j] != x[j]) return std::fabs(x[j]);
+        }
+    }
+    return top;
+}
+
+// codes[j] = the nearest code of normalize(x[j], reciprocal_absmax): the portable quantizer (any map; vectorized by
+// the compiler, with gathers).
+inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax, uint8_t* __restrict__ codes,
+                           const QuantTables& t) {
+    if (t.max_walk <= 1) {  // bnb's maps: one compare per value, no sorted-index tables
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) {
+            const float u = normalize(x[j], reciprocal_absmax);
+            const uint32_t key = lut_key(u);
+            const int32_t pair = t.codes[key];
+            codes[j] = static_cast<uint8_t>(t.split[key] < u ? pair >> 8 : pair & 0xFF);
+        }
+        return;
+    }
+    alignas(64) int32_t index[kBlock];
+    alignas(64) float u[kBlock];
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+        u[j] = normalize(x[j], reciprocal_absmax);
+        index[j] = t.lut[lut_key(u[j])];
+    }
+    for (int k = 0; k < t.max_walk; ++k) {
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) index[j] += t.midpoints[index[j]] < u[j] ? 1 : 0;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) codes[j] = static_cast<uint8_t>(t.order[index[j]]);
+}
+
+#if DSBNB_AVX512
+template <typename GradT>
+constexpr avx512::Grad grad_kind() {
+    return std::is_same<GradT, float>::value            ? avx512::Grad::kFloat32
+           : std::is_same<GradT, c10::BFloat16>::value ? avx512::Grad::kBFloat16
+                                                        : avx512::Grad::kFloat16;
+}
+
+// quantize_block for a full block of a map with usable fast tables (same codes, one gather per 16 values).
+inline void quantize_full_block(const avx512::FastTables& t, const float* x, float reciprocal_absmax, uint8_t* codes) {
+    for (int64_t j = 0; j < kBlock; j += 16) avx512::quantize16(t, x + j, reciprocal_absmax, codes + j);
+}
+#endif
+
+// Argument checks whose messages name the operator.
+class Checker {
+   public:
+    explicit Checker(const char* op) : op_(op) {}
+    void operator()(bool ok, const std::string& message) const {
+        TORCH_CHECK(ok, "deepspeed_bnb::", op_, ": ", message);
+    }
+    void expect(const at::Tensor& t, const char* name, at::ScalarType dtype) const {
+        (*this)(t.device().is_cpu(), std::string(name) + " must be a CPU tensor here (got " + t.device().str() + ")");
+        (*this)(t.scalar_type() == dtype,
+                std::string(name) + " must be " + c10::toString(dtype) + ", got " + c10::toString(t.scalar_type()));
+        (*this)(t.is_contiguous(), std::string(name) + " must be contiguous");
+    }
+
+   private:
+    const char* op_;
+};
+
+// Checks the segment and hyper tables against the partition and the states' arrays, and lists every block of every
+// segment: the work items of for_each_block.
+inline std::vector<Work> plan_blocks(const Checker& check, const at::Tensor& segments, const at::Tensor& hyper,
+                                     int64_t hyper_fields, int64_t partition, const StateSizes* states,
+                                     int num_states) {
+    check.expect(segments, "segments", at::kLong);
+    check.expect(hyper, "hyper", at::kFloat);
+    check(segments.dim() == 2 && segments.size(1) == kSegmentFields, "segments must be int64 [S, 5]");
+    check(hyper.dim() == 2 && hyper.size(1) == hyper_fields,
+          "hyper must be float32 [H, " + std::to_string(hyper_fields) + "]");
+    const auto* table = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
+    std::vector<Work> work;
+    for (int64_t i = 0; i < segments.size(0); ++i) {
+        const char* problem = segment_problem(table[i], partition, hyper.size(0), states, num_states);
+        check(problem == nullptr, "segment " + std::to_string(i) + ": " + (problem ? problem : ""));
+        for (int64_t b = 0; b * kBlock < table[i].numel; ++b) work.push_back({i, b});
+    }
+    return work;
+}
+
+// Calls f(grad pointer, low-copy pointer or (float*)nullptr, std::integral_constant<bool, scale>) with the typed
+// pointers: one instantiation per gradient dtype (fp32, bf16, fp16), copy dtype (none, bf16, fp16) and scaling.
+template <typename F>
+void dispatch(const Checker& check, at::Tensor params, const at::Tensor& grads,
+              const std::optional<at::Tensor>& lp_params, double inv_scale, F&& f) {
+    check(grads.device().is_cpu() && grads.is_contiguous(), "grads must be a contiguous CPU tensor");
+    check(grads.numel() == params.numel(), "grads and params differ in size");
+    at::Tensor low;
+    if (lp_params.has_value()) {
+        low = *lp_params;
+        check(low.is_contiguous() && low.numel() == params.numel() && low.device().is_cpu(),
+              "lp_params must be a contiguous CPU tensor of the partition's size");
+        check(low.scalar_type() == at::kBFloat16 || low.scalar_type() == at::kHalf, "lp_params must be bf16 or fp16");
+    }
+    const bool scale = inv_scale != 1.0;
+    auto with_scale = [&](auto* grad_ptr, auto* low_ptr) {
+        if (scale) {
+            f(grad_ptr, low_ptr, std::true_type{});
+        } else {
+            f(grad_ptr, low_ptr, std::false_type{});
+        }
+    };
+    auto with_low = [&](auto* grad_ptr) {
+        if (!low.defined()) {
+            with_scale(grad_ptr, static_cast<float*>(nullptr));
+        } else if (low.scalar_type() == at::kBFloat16) {
+            with_scale(grad_ptr, low.data_ptr<c10::BFloat16>());
+        } else {
+            with_scale(grad_ptr, low.data_ptr<c10::Half>());
+        }
+    };
+    switch (grads.scalar_type()) {
+        case at::kFloat: with_low(grads.data_ptr<float>()); break;
+        case at::kBFloat16: with_low(grads.data_ptr<c10::BFloat16>()); break;
+        case at::kHalf: with_low(grads.data_ptr<c10::Half>()); break;
+        default: check(false, std::string("grads must be float32, bfloat16 or float16, got ") +
+                                  c10::toString(grads.scalar_type()));
+    }
+}
+
+// Runs block(segment, start, len, base) for every work item on ATen's thread pool — the block's first element inside
+// its segment, its length (up to 256) and its first element in the partition — then refreshes that block's
+// bf16/fp16 copy of the parameters (round to nearest even; NaN as c10's canonical NaN) when `low` is not null.
+template <typename LowT, typename Block>
+void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, const float* params, LowT* low,
+                    Block&& block) {
+    const auto* table = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
+    at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t begin, int64_t end) {
+        for (int64_t w = begin; w < end; ++w) {
+            const Segment& s = table[work[w].segment];
+            const int64_t start = work[w].block * kBlock;
+            const int64_t len = std::min<int64_t>(kBlock, s.numel - start);
+            const int64_t base = s.offset + start;
+            block(s, start, len, base);
+            if (low != nullptr) {
+                for (int64_t j = 0; j < len; ++j) low[base + j] = static_cast<LowT>(params[base + j]);
+            }
+        }
+    });
+}
+
+}  // namespace cpu
+}  // namespace dsbnb

@@ -1,0 +1,179 @@
+// fused_cuda.h — host code the torch bindings of the CUDA kernels share (adam8bit_cuda.cpp, lion8bit_cuda.cpp): the
+// quantizer tables of a map uploaded once per map, the segment table's block offsets uploaded once per table (both
+// cached per tensor, so a steady-state step never synchronizes with the device), the per-call segment checks on the
+// cached host rows, and the gradient / bf16-fp16 copy arguments of the launch.
+// Build: only with a CUDA build of torch, with the bindings. Test: tests/test_cuda_build.py (syntax, without a GPU);
+// tests/test_fused_step.py and test_fused_lion.py on a machine with a GPU.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "adam8bit_launch.h"
+
+namespace dsbnb {
+namespace binding {
+
+// Identifies one constant input tensor across calls without reading it: its address, shape and version counter
+// (bumped by every in-place write, views included). The cache holds a reference to the tensor, so its memory cannot
+// be freed and handed to another tensor while the entry lives: an equal key means the same, unmodified content.
+struct TensorKey {
+    const void* data;
+    int64_t numel;
+    int64_t version;
+    int device;
+    static TensorKey of(const at::Tensor& t) {
+        return {t.data_ptr(), t.numel(), static_cast<int64_t>(t._version()), t.get_device()};
+    }
+    bool operator==(const TensorKey& o) const {
+        return data == o.data && numel == o.numel && version == o.version && device == o.device;
+    }
+};
+
+// A small cache of values derived on the host from constant tensors (most runs hold two maps and one segment table
+// per param group); the oldest entry goes first.
+template <typename Value>
+class ConstantCache {
+   public:
+    template <typename Make>
+    const Value& get(const at::Tensor& t, Make make) {
+        const TensorKey key = TensorKey::of(t);
+        std::lock_guard<std::mutex> guard(lock_);
+        for (const auto& entry : entries_) {
+            if (entry->key == key) return entry->value;
+        }
+        if (entries_.size() >= kCapacity) entries_.erase(entries_.begin());
+        entries_.push_back(std::make_unique<Entry>(Entry{key, t, make(t.to(at::kCPU).contiguous())}));
+        return entries_.back()->value;
+    }
+
+   private:
+    struct Entry {
+        TensorKey key;
+        at::Tensor keep_alive;  // pins the address in the key
+        Value value;
+    };
+    static constexpr size_t kCapacity = 64;
+    std::mutex lock_;
+    std::vector<std::unique_ptr<Entry>> entries_;
+};
+
+// The quantizer tables of one map, uploaded to its device.
+struct UploadedTables {
+    at::Tensor midpoints, order, lut;
+    int max_walk;
+    DeviceTables view() const {
+        return {midpoints.data_ptr<float>(), order.data_ptr<int32_t>(), lut.data_ptr<int32_t>(), max_walk};
+    }
+};
+
+inline DeviceTables tables_for(const at::Tensor& qmap) {
+    static ConstantCache<UploadedTables> cache;
+    return cache
+        .get(qmap,
+             [&](const at::Tensor& host) {
+                 auto tables = std::make_unique<QuantTables>(host.data_ptr<float>());
+                 auto upload = [&](const void* data, int64_t n, at::ScalarType type) {
+                     return at::from_blob(const_cast<void*>(data), {n}, at::TensorOptions().dtype(type))
+                         .to(qmap.device());
+                 };
+                 return UploadedTables{upload(tables->midpoints, 256, at::kFloat),
+                                       upload(tables->order, 256, at::kInt),
+                                       upload(tables->lut, 1 << kLutBits, at::kInt), tables->max_walk};
+             })
+        .view();
+}
+
+// What a launch needs from a segment table: its rows on the host (checked on every call, against that call's
+// sizes), the first block of each segment on the device, and the block count.
+struct SegmentBlocks {
+    std::vector<Segment> rows;
+    at::Tensor starts;  // int64 [S + 1] on the device
+    int64_t total;      // blocks over all segments (the grid size)
+};
+
+inline const SegmentBlocks& blocks_for(const at::Tensor& segments) {
+    static ConstantCache<SegmentBlocks> cache;
+    return cache.get(segments, [&](const at::Tensor& host) {
+        const auto* first = reinterpret_cast<const Segment*>(host.data_ptr<int64_t>());
+        std::vector<Segment> rows(first, first + segments.size(0));
+        std::vector<int64_t> starts(rows.size() + 1, 0);
+        for (size_t i = 0; i < rows.size(); ++i) {
+            starts[i + 1] = starts[i] + (std::max<int64_t>(rows[i].numel, 0) + kBlock - 1) / kBlock;
+        }
+        return SegmentBlocks{rows, at::tensor(starts, at::TensorOptions().dtype(at::kLong)).to(segments.device()),
+                             starts.back()};
+    });
+}
+
+// Argument checks whose messages name the operator.
+class Checker {
+   public:
+    explicit Checker(const char* op) : op_(op) {}
+    void operator()(bool ok, const std::string& message) const {
+        TORCH_CHECK(ok, "deepspeed_bnb::", op_, " (CUDA): ", message);
+    }
+
+   private:
+    const char* op_;
+};
+
+// Checks what every launch needs (`tensors` contiguous on params' device, `floats` float32, `codes` uint8, segments
+// int64, the tables' shapes) and the segment rows against the partition and the states' arrays; returns the segment
+// table's cached blocks.
+inline const SegmentBlocks& check_and_plan(const Checker& check, const at::Tensor& params,
+                                           std::initializer_list<const at::Tensor*> tensors,
+                                           std::initializer_list<const at::Tensor*> floats,
+                                           std::initializer_list<const at::Tensor*> codes, const at::Tensor& segments,
+                                           const at::Tensor& hyper, int64_t hyper_fields, const StateSizes* states,
+                                           int num_states) {
+    for (const at::Tensor* t : tensors) {
+        check(t->is_cuda() && t->get_device() == params.get_device() && t->is_contiguous(),
+              "every tensor must be contiguous and on params' CUDA device");
+    }
+    bool ok = segments.scalar_type() == at::kLong;
+    for (const at::Tensor* t : floats) ok &= t->scalar_type() == at::kFloat;
+    for (const at::Tensor* t : codes) ok &= t->scalar_type() == at::kByte;
+    check(ok, "dtypes: params, hyper, absmax, fp32 state and maps float32; segments int64; codes uint8");
+    check(segments.dim() == 2 && segments.size(1) == kSegmentFields, "segments must be int64 [S, 5]");
+    check(hyper.dim() == 2 && hyper.size(1) == hyper_fields,
+          "hyper must be float32 [H, " + std::to_string(hyper_fields) + "]");
+    const SegmentBlocks& blocks = blocks_for(segments);
+    for (size_t i = 0; i < blocks.rows.size(); ++i) {
+        const char* problem = segment_problem(blocks.rows[i], params.numel(), hyper.size(0), states, num_states);
+        check(problem == nullptr, "segment " + std::to_string(i) + ": " + (problem ? problem : ""));
+    }
+    return blocks;
+}
+
+inline GradType grad_type(const Checker& check, const at::Tensor& grads) {
+    const GradType type = grads.scalar_type() == at::kBFloat16 ? GradType::kBFloat16
+                          : grads.scalar_type() == at::kHalf   ? GradType::kFloat16
+                                                               : GradType::kFloat32;
+    check(grads.scalar_type() == at::kFloat || type != GradType::kFloat32, "grads must be float32, bfloat16 or float16");
+    return type;
+}
+
+// The optional bf16/fp16 copy of the parameters: its pointer (null when absent) and type.
+inline std::pair<void*, LowType> low_copy(const Checker& check, const at::Tensor& params,
+                                          const std::optional<at::Tensor>& lp_params) {
+    if (!lp_params.has_value()) return {nullptr, LowType::kNone};
+    const at::Tensor& lp = *lp_params;
+    check(lp.is_cuda() && lp.is_contiguous() && lp.numel() == params.numel(), "lp_params: partition-sized");
+    check(lp.scalar_type() == at::kBFloat16 || lp.scalar_type() == at::kHalf, "lp_params must be bf16 or fp16");
+    return {lp.data_ptr(), lp.scalar_type() == at::kBFloat16 ? LowType::kBFloat16 : LowType::kFloat16};
+}
+
+}  // namespace binding
+}  // namespace dsbnb
