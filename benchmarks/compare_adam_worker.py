@@ -1,0 +1,213 @@
+"""One rank of one compare_adam.py configuration: train the demo GPT under ZeRO-2, measure, write a JSON result.
+
+Launched by compare_adam.py through torchrun (one job per configuration, so peak RSS is per configuration).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import bitsandbytes as bnb
+import deepspeed
+import torch
+import torch.distributed as tdist
+
+import deepspeed_bnb  # noqa: F401  (routes bnb optimizers to BnbZeroOptimizer; leaves the others to DeepSpeed)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, HERE)
+from compare_adam_configs import CONFIGS
+from gpt import GPT, GPTConfig, decay_groups
+from stdlib_text import ByteBatches, stdlib_bytes
+from tensor_census import state_bytes_by_key
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", choices=CONFIGS, required=True)
+    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    p.add_argument("--ckpt_dir", required=True, help="where the checkpoint is saved and measured")
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="micro batch per rank")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup_lr_steps", type=int, default=30)
+    p.add_argument("--timing_skip", type=int, default=10, help="first steps left out of the step-time median")
+    p.add_argument("--valid_batches", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", type=int, default=0)
+    return p.parse_args()
+
+
+def ds_config(args) -> dict:
+    """The same training setup for every optimizer; only the optimizer and its deepspeed_bnb keys differ."""
+    zero = {"stage": 2}
+    if args.config.startswith("bnb8"):
+        zero["bnb_fused_kernel"] = args.config == "bnb8_fused"
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": args.lr,
+                                                     "warmup_num_steps": args.warmup_lr_steps}},
+        "steps_per_print": 10 ** 9,
+    }
+    if args.config == "ds_adamw":
+        # DeepSpeed builds its own Adam from this section (FusedAdam, or DeepSpeedCPUAdam under offload).
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                        "weight_decay": 0.1}}
+    return cfg
+
+
+def client_optimizer(args, groups):
+    if args.config.startswith("bnb8"):
+        return bnb.optim.AdamW8bit(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if args.config == "torch_adamw":
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    return None
+
+
+def qualname(obj) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def update_path(engine) -> str:
+    """In words, which code updates the weights (read back from the built engine, not from the config)."""
+    zero, base = engine.optimizer, engine.optimizer.optimizer
+    if hasattr(zero, "bnb_fused"):
+        fused = zero.bnb_fused[0]
+        if fused is None:
+            return "bnb's own 8-bit update (per parameter segment)"
+        return f"deepspeed_bnb fused 8-bit kernel ({'C++' if fused.use_kernel else 'pure-torch reference'})"
+    if type(base).__name__ == "FusedAdam":
+        op = getattr(base, "multi_tensor_adam", None)
+        return f"DeepSpeed FusedAdam, op {getattr(op, '__module__', '?')} (built for the CPU accelerator)"
+    return f"{type(base).__name__} fp32 update"
+
+
+def rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def mean_over_ranks(values) -> list:
+    t = torch.tensor(values, dtype=torch.float64)
+    tdist.all_reduce(t)
+    return (t / tdist.get_world_size()).tolist()
+
+
+def checkpoint_sizes(folder: str) -> dict:
+    """Bytes on disk: all files, the *optim_states* files, and inside those the master weights vs the rest."""
+    total = optim = master = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            total += size
+            if "optim_states" in name:
+                optim += size
+                saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+                master += sum(t.untyped_storage().nbytes() for t in saved["single_partition_of_fp32_groups"])
+    return {"ckpt_total": total, "ckpt_optim": optim, "ckpt_optim_master": master}
+
+
+def main():
+    args = parse_args()
+    rss_at_start = rss_bytes()  # interpreter + torch + deepspeed + bitsandbytes imported, nothing built
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(context=args.context, width=args.width, depth=args.depth, heads=max(1, args.width // 32))
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    groups = decay_groups(model, 0.1)
+    phases, clock = {}, time.perf_counter()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer(args, groups),
+                                           model_parameters=groups, config=ds_config(args))
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    batches = ByteBatches(stdlib_bytes(), cfg.context)
+    generator = torch.Generator().manual_seed(1000 * args.seed + rank)
+    phases["init_s"], clock = time.perf_counter() - clock, time.perf_counter()
+
+    losses, step_times, update_times = [], [], []
+    for _ in range(args.steps):
+        x, y = batches.sample("train", args.batch, generator)
+        started = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        before_step = time.perf_counter()
+        engine.step()  # ZeRO-2 reduced the gradients during backward; this is clip, update and all-gather
+        done = time.perf_counter()
+        step_times.append(done - started)
+        update_times.append(done - before_step)
+        losses.append(loss.item())
+    rss_peak_train = rss_bytes()
+    phases["train_s"], clock = time.perf_counter() - clock, time.perf_counter()
+
+    engine.eval()
+    valid_gen = torch.Generator().manual_seed(10_000 + rank)  # the same held-out windows for every optimizer
+    with torch.no_grad():
+        valid = sum(engine(*batches.sample("valid", args.batch, valid_gen)).item()
+                    for _ in range(args.valid_batches)) / args.valid_batches
+    engine.train()
+    phases["valid_s"], clock = time.perf_counter() - clock, time.perf_counter()
+
+    zero = engine.optimizer
+    by_key = state_bytes_by_key(zero.optimizer)
+    mine = {
+        "state_bytes": sum(by_key.values()),
+        "state_bytes_by_key": by_key,
+        # what deepspeed_bnb reports about itself, to cross-check the generic walk above
+        "bnb_state_bytes": zero.bnb_state_bytes() if hasattr(zero, "bnb_state_bytes") else None,
+        "bnb_partition_numel": zero.bnb_partition_numel() if hasattr(zero, "bnb_partition_numel") else None,
+        "master_numel": sum(t.numel() for t in zero.single_partition_of_fp32_groups),
+        "rss_at_start": rss_at_start,
+        "rss_peak_train": rss_peak_train,
+    }
+    per_rank = [None] * world
+    tdist.all_gather_object(per_rank, mine)
+
+    engine.save_checkpoint(args.ckpt_dir, tag="final")
+    tdist.barrier()
+    phases["save_s"] = time.perf_counter() - clock
+    if rank == 0:
+        skip = min(args.timing_skip, len(step_times) - 1)
+        median = statistics.median(step_times[skip:])
+        result = {
+            "config": args.config,
+            "zero_optimizer": qualname(zero),
+            "base_optimizer": qualname(zero.optimizer),
+            "update_path": update_path(engine),
+            "world": world,
+            "n_params": n_params,
+            "model": {"width": args.width, "depth": args.depth, "context": args.context, "vocab": cfg.vocab},
+            "steps": args.steps,
+            "batch_per_rank": args.batch,
+            "timing_skip": skip,
+            "median_step_s": median,
+            "median_engine_step_s": statistics.median(update_times[skip:]),
+            "tokens_per_s": world * args.batch * args.context / median,
+            "per_rank": per_rank,
+            "phases_s": phases,
+            **checkpoint_sizes(args.ckpt_dir),
+        }
+    # collectives below run on every rank
+    result_losses = mean_over_ranks(losses)
+    result_valid = mean_over_ranks([valid])[0]
+    if rank == 0:
+        result.update(losses=result_losses, valid_loss=result_valid)
+        with open(args.result, "w") as f:
+            json.dump(result, f, indent=1)
+    # torch's gloo group can abort at interpreter exit once a peer has left; end it explicitly
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

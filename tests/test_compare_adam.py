@@ -1,0 +1,195 @@
+"""Smoke test of benchmarks/compare_adam.py --quick and benchmarks/scaling.py --quick at DP=2.
+
+The measured numbers are checked against quantities computed here from the model's shape and the DP size, not
+against constants: fp32 Adam state is exactly 8 bytes per element of a rank's ZeRO partition (DeepSpeed pads each
+param group to a multiple of 2*DP and splits it evenly), the checkpoint's master weights are 4 bytes per partition
+element, and the 8-bit state is 0.2x-0.3x of the fp32 state. Negative controls show each check rejects a wrong input.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+QUICK = {"width": 64, "depth": 2, "context": 64, "vocab": 256}  # compare_adam.py / scaling.py --quick
+DP = 2
+CONFIGS = ("bnb8_fused", "bnb8_fallback", "torch_adamw", "ds_adamw")
+FP32 = ("torch_adamw", "ds_adamw")
+EIGHT_BIT = ("bnb8_fused", "bnb8_fallback")
+
+
+def run_script(*args, timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def compare(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare_adam")
+    run_script(os.path.join(BENCH, "compare_adam.py"), "--quick", "--out", str(out))
+    with open(out / "compare_adam.json") as f:
+        return out, json.load(f)["results"]
+
+
+@pytest.fixture(scope="module")
+def scaling(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scaling")
+    run_script(os.path.join(BENCH, "scaling.py"), "--quick", "--dp", str(DP), "--out", str(out))
+    with open(out / "scaling.json") as f:
+        return out, json.load(f)["rows"]
+
+
+# ---- independent expectations: from the architecture of examples/gpt.py, not from the code under test ----------
+
+def group_numels(width, depth, context, vocab):
+    """Elements of AdamW's two groups: decay (matrices, embeddings) and no-decay (biases, LayerNorm)."""
+    w = width
+    decay = vocab * w + context * w + vocab * w + depth * (3 * w * w + w * w + 4 * w * w + 4 * w * w)
+    other = depth * (2 * 2 * w + 3 * w + w + 4 * w + w) + 2 * w
+    return [decay, other]
+
+
+def stock_partition_numel(groups, dp):
+    """Elements a rank of stock ZeRO-1/2 owns: each group padded to a multiple of 2*dp, split evenly."""
+    return sum(-(-g // (2 * dp)) * (2 * dp) // dp for g in groups)
+
+
+# ---- checks (each has a negative control below) ----------------------------------------------------------------
+
+def check_fp32_state(rank_result, groups, dp):
+    moments = rank_result["state_bytes_by_key"]["exp_avg"] + rank_result["state_bytes_by_key"]["exp_avg_sq"]
+    assert moments == 8 * stock_partition_numel(groups, dp)
+
+
+def check_ratio(small, large, low=0.2, high=0.3):
+    assert low <= small / large <= high, f"{small} / {large} = {small / large:.3f}"
+
+
+def check_trains(losses):
+    import math
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, "loss does not decrease"
+
+
+def check_listed(markdown, labels):
+    for label in labels:
+        assert f"| {label} |" in markdown, f"{label!r} missing from the table"
+
+
+# ---- compare_adam.py -------------------------------------------------------------------------------------------
+
+def test_every_configuration_ran_and_is_reported(compare):
+    out, results = compare
+    assert set(results) == set(CONFIGS)
+    sys.path.insert(0, BENCH)
+    from compare_adam_configs import LABELS
+    check_listed((out / "compare_adam.md").read_text(), [LABELS[c] for c in CONFIGS])
+    for png in ("loss.png", "memory.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+
+
+def test_what_ran(compare):
+    _, r = compare
+    for c in EIGHT_BIT:
+        assert r[c]["zero_optimizer"].endswith("BnbZeroOptimizer")
+        assert r[c]["base_optimizer"] == "bitsandbytes.optim.adamw.AdamW8bit"
+    assert "fused" in r["bnb8_fused"]["update_path"] and "own" in r["bnb8_fallback"]["update_path"]
+    for c in FP32:  # deepspeed_bnb leaves non-bnb optimizers to stock ZeRO
+        assert r[c]["zero_optimizer"] == "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+    assert r["torch_adamw"]["base_optimizer"] == "torch.optim.adamw.AdamW"
+    assert r["ds_adamw"]["base_optimizer"].startswith("deepspeed.ops.")
+
+
+def test_model_size_matches_the_architecture(compare):
+    _, r = compare
+    assert all(x["n_params"] == sum(group_numels(**QUICK)) and x["world"] == DP for x in r.values())
+
+
+@pytest.mark.parametrize("config", FP32)
+def test_fp32_state_is_8_bytes_per_partition_element(compare, config):
+    _, r = compare
+    for rank_result in r[config]["per_rank"]:
+        check_fp32_state(rank_result, group_numels(**QUICK), DP)
+
+
+@pytest.mark.parametrize("config", EIGHT_BIT)
+def test_8bit_state_is_a_quarter_of_fp32(compare, config):
+    _, r = compare
+    for mine, fp32 in zip(r[config]["per_rank"], r["torch_adamw"]["per_rank"]):
+        check_ratio(mine["state_bytes"], fp32["state_bytes"])
+        assert mine["state_bytes"] == mine["bnb_state_bytes"]  # the generic walk agrees with deepspeed_bnb's count
+
+
+def test_checkpoint_optimizer_part(compare):
+    _, r = compare
+    partition = stock_partition_numel(group_numels(**QUICK), DP)
+    assert r["torch_adamw"]["ckpt_optim_master"] == 4 * DP * partition  # fp32 master weights, every rank's file
+    for c in EIGHT_BIT:
+        state = r[c]["ckpt_optim"] - r[c]["ckpt_optim_master"]
+        check_ratio(state, r["torch_adamw"]["ckpt_optim"] - r["torch_adamw"]["ckpt_optim_master"], 0.2, 0.35)
+        assert r[c]["ckpt_optim"] < r["torch_adamw"]["ckpt_optim"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_trains(compare, config):
+    _, r = compare
+    check_trains(r[config]["losses"])
+    assert r[config]["valid_loss"] < r[config]["losses"][0]
+    assert r[config]["median_step_s"] > 0 and r[config]["per_rank"][0]["rss_peak_train"] > 0
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_final_loss_within_2_percent_of_fp32(compare, config):
+    _, r = compare
+    final = {c: sum(r[c]["losses"][-5:]) / 5 for c in (config, "torch_adamw")}
+    assert abs(final[config] / final["torch_adamw"] - 1) < 0.02
+
+
+def test_negative_controls(compare):
+    """Each check above rejects what it must: none of them passes whatever the input."""
+    out, r = compare
+    groups = group_numels(**QUICK)
+    with pytest.raises(AssertionError):  # partition math matters: the same state is wrong for another DP
+        check_fp32_state(r["torch_adamw"]["per_rank"][0], groups, 1)
+    with pytest.raises(AssertionError):  # and it is not an accident of the model: another width fails
+        check_fp32_state(r["torch_adamw"]["per_rank"][0], group_numels(**{**QUICK, "width": 32}), DP)
+    with pytest.raises(AssertionError):  # fp32 state is not in the 8-bit window
+        check_ratio(r["ds_adamw"]["per_rank"][0]["state_bytes"], r["torch_adamw"]["per_rank"][0]["state_bytes"])
+    with pytest.raises(AssertionError):  # a loss curve that rises is caught
+        check_trains(r["torch_adamw"]["losses"][::-1])
+    with pytest.raises(AssertionError):  # a table missing a configuration is caught
+        markdown = (out / "compare_adam.md").read_text()
+        check_listed(markdown.replace("| torch AdamW (fp32) |", "|"), ["torch AdamW (fp32)"])
+
+
+# ---- scaling.py ------------------------------------------------------------------------------------------------
+
+def test_scaling_measures_state_and_master_weights(scaling):
+    _, rows = scaling
+    groups = group_numels(**QUICK)
+    partition = stock_partition_numel(groups, DP)
+    by = {(x["stage"], x["optimizer"]): x for x in rows}
+    assert set(by) == {(s, o) for s in (1, 2) for o in ("torch_adamw", "bnb8")}
+    for stage in (1, 2):
+        fp32, bnb8 = by[(stage, "torch_adamw")], by[(stage, "bnb8")]
+        n = fp32["n_params"]
+        assert n == sum(groups)
+        assert fp32["zero_optimizer"] == "DeepSpeedZeroOptimizer" and bnb8["zero_optimizer"] == "BnbZeroOptimizer"
+        # torch AdamW: exp_avg + exp_avg_sq over the partition, plus a 4-byte step tensor per param group
+        assert round(fp32["measured"]["state"] * n) == 8 * partition + 4 * len(groups)
+        assert round(fp32["measured"]["master"] * n) == 4 * partition
+        check_ratio(bnb8["measured"]["state"], fp32["measured"]["state"])
+        for x in (fp32, bnb8):
+            assert x["measured"]["gradients"] * n >= 4 * partition  # at least this rank's gradient partition
+            held = n * sum(x["measured"][role] for role in ("weights", "master", "state", "gradients"))
+            assert x["unclaimed_max_bytes"] < 0.01 * held  # the census accounts for (nearly) every live tensor
