@@ -1,10 +1,11 @@
 """Optimizer-step throughput on CPU: deepspeed_bnb's fused 8-bit AdamW and Lion kernels against the alternatives.
 
 For each size and thread count, one optimizer step over a flat fp32 parameter of that many elements, timed as the
-median of repeats after a warm-up, for: deepspeed_bnb's C++ kernels (8-bit state), bitsandbytes' own CPU 8-bit path
-(AdamW8bit, Lion8bit), torch.optim.AdamW(fused=True) (fp32 state), DeepSpeedCPUAdam (fp32 state) and deepspeed_bnb's
-pure-torch reference (the fallback; small sizes only). Prints a markdown table of M elements/s and the ratio to
-torch's fused AdamW and to bnb's CPU path of the same update rule (AdamW8bit or Lion8bit), measured in the same run.
+median of repeated rounds after a warm-up (each round steps every implementation once, in turn), for:
+deepspeed_bnb's C++ kernels (8-bit state), bitsandbytes' own CPU 8-bit path (AdamW8bit, Lion8bit),
+torch.optim.AdamW(fused=True) (fp32 state), DeepSpeedCPUAdam (fp32 state) and deepspeed_bnb's pure-torch reference
+(the fallback; small sizes only). Prints a markdown table of M elements/s and the ratio to torch's fused AdamW and
+to bnb's CPU path of the same update rule (AdamW8bit or Lion8bit), measured in the same run.
 
     python benchmarks/bench_optimizer_step.py              # 1M..64M elements, 1 and 2 threads (a few minutes)
     python benchmarks/bench_optimizer_step.py --quick      # 1M elements, 1 thread: a smoke test
@@ -88,22 +89,33 @@ IMPLEMENTATIONS = {
 REFERENCE_MAX = 4 << 20  # the pure-torch reference is slow: time it on small sizes only
 
 
-def measure(make, n, repeats):
-    run = make(n)
-    run()  # warm-up: state allocation, JIT, caches
-    times = []
+def measure_interleaved(makers, n, repeats):
+    """M elements/s per implementation: median over `repeats` rounds, each round timing one step of every
+    implementation in turn, so that a slow spell of this shared machine hits all of them alike (the ratios are what
+    the table is for)."""
+    runs, rates = {}, {}
+    for name, make in makers.items():
+        try:
+            runs[name] = make(n)
+            runs[name]()  # warm-up: state allocation, JIT, caches
+        except Exception as exc:  # e.g. DeepSpeedCPUAdam needs its op built: report, keep going
+            rates[name] = f"unavailable: {type(exc).__name__}: {str(exc)[:80]}"
+    times = {name: [] for name in runs}
     for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return n / statistics.median(times) / 1e6
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    for name in runs:
+        rates[name] = n / statistics.median(times[name]) / 1e6
+    return {name: rates[name] for name in makers}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64], help="millions of elements (2^20)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch.set_num_threads values")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per measurement (median reported)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds (median reported)")
     parser.add_argument("--quick", action="store_true", help="1M elements, 1 thread, 3 repeats")
     args = parser.parse_args()
     if args.quick:
@@ -118,15 +130,13 @@ def main():
         n = int(size * (1 << 20))
         for threads in args.threads:
             torch.set_num_threads(threads)
-            rates = {}
-            for name, make in IMPLEMENTATIONS.items():
-                if "reference" in name and n > REFERENCE_MAX:
-                    continue
-                try:
-                    rates[name] = measure(make, n, args.repeats)
-                except Exception as exc:  # e.g. DeepSpeedCPUAdam needs its op built: report, keep going
-                    print(f"| {size:g}M | {threads} | {name} | unavailable: {type(exc).__name__}: "
-                          f"{str(exc)[:80]} | | |")
+            makers = {name: make for name, make in IMPLEMENTATIONS.items()
+                      if not ("reference" in name and n > REFERENCE_MAX)}
+            rates = measure_interleaved(makers, n, args.repeats)
+            for name, rate in list(rates.items()):
+                if isinstance(rate, str):
+                    print(f"| {size:g}M | {threads} | {name} | {rate} | | |")
+                    del rates[name]
             torch_rate = rates.get("torch AdamW fused (fp32)")
             for name, rate in rates.items():
                 bnb_rate = rates.get("bitsandbytes CPU Lion8bit" if "Lion" in name else "bitsandbytes CPU AdamW8bit")
