@@ -1,7 +1,8 @@
-// ops.cpp — the schema of deepspeed_bnb's operators, defined once (torch.library). Implementations register per
-// device: csrc/cpu/adam8bit_cpu.cpp and lion8bit_cpu.cpp (CPU), csrc/cuda/adam8bit_cuda.cpp and lion8bit_cuda.cpp
-// (CUDA); the pure-torch references with the same signatures are in deepspeed_bnb/ops/reference.py, the shape-only
-// (fake) implementations in deepspeed_bnb/ops/fake.py. Build: see deepspeed_bnb/ops/loader.py.
+// ops.cpp — the schema of deepspeed_bnb's operators, defined once (torch.library). Implementations register per device:
+// csrc/cpu/adam8bit_cpu.cpp, lion8bit_cpu.cpp and momentum8bit_cpu.cpp (CPU), csrc/cuda/adam8bit_cuda.cpp,
+// lion8bit_cuda.cpp and momentum8bit_cuda.cpp (CUDA); the pure-torch references with the same signatures are in
+// deepspeed_bnb/ops/reference.py, the shape-only (fake) implementations in deepspeed_bnb/ops/fake.py. Build: see
+// deepspeed_bnb/ops/loader.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(deepspeed_bnb, m) {
@@ -16,4 +17,9 @@ TORCH_LIBRARY(deepspeed_bnb, m) {
     // hyper: float32 [H, 6] (beta1, beta2, 1 - beta1, 1 - beta2, 1 - lr * wd, lr).
     m.def("lion8bit_step_(Tensor(a!) params, Tensor grads, Tensor(b!) codes1, Tensor(c!) absmax1, Tensor(d!) state1, "
           "Tensor qmap1, Tensor segments, Tensor hyper, float inv_scale, Tensor(e!)? lp_params) -> ()");
+    // One fused SGD-with-momentum step (bnb's "momentum" rule; semantics: reference.py, momentum8bit_step). Arguments
+    // as lion8bit_step_; hyper: float32 [H, 4] (beta1, weight_decay, lr, first: nonzero at step 1).
+    m.def("momentum8bit_step_(Tensor(a!) params, Tensor grads, Tensor(b!) codes1, Tensor(c!) absmax1, "
+          "Tensor(d!) state1, Tensor qmap1, Tensor segments, Tensor hyper, float inv_scale, "
+          "Tensor(e!)? lp_params) -> ()");
 }

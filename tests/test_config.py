@@ -68,12 +68,16 @@ def test_other_optimizers_keep_stock_behaviour(one_rank):
 def test_fused_kernel_setting(one_rank):
     assert DeepSpeedConfig(config()).zero_config.bnb_fused_kernel == "auto"
     model = make_model()
-    sgd = bnb.optim.SGD8bit(param_groups(model), lr=1e-2, momentum=0.9)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=sgd, config=config(bnb_fused_kernel="auto"))
-    assert engine.optimizer.bnb_fused == [None, None]  # no fused kernel for SGD-momentum: bnb's own update
-    with pytest.raises(ValueError, match="bnb_fused_kernel: true.*'momentum'.*auto"):
-        deepspeed.initialize(model=model, optimizer=bnb.optim.SGD8bit(param_groups(model), lr=1e-2, momentum=0.9),
+    rmsprop = bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=rmsprop, config=config(bnb_fused_kernel="auto"))
+    assert engine.optimizer.bnb_fused == [None, None]  # no fused kernel for RMSprop: bnb's own update
+    with pytest.raises(ValueError, match="bnb_fused_kernel: true.*'rmsprop'.*auto"):
+        deepspeed.initialize(model=model, optimizer=bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3),
                              config=config(bnb_fused_kernel=True))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.SGD8bit(param_groups(model), lr=1e-2,
+                                                                               momentum=0.9),
+                                      config=config(bnb_fused_kernel=True))
+    assert [f.rule for f in engine.optimizer.bnb_fused] == ["momentum", "momentum"]
     engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.Lion8bit(param_groups(model)),
                                       config=config(bnb_fused_kernel=True))
     assert [f.rule for f in engine.optimizer.bnb_fused] == ["lion", "lion"]

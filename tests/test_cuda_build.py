@@ -1,7 +1,8 @@
-"""The CUDA kernels compile here, without a GPU: nvcc builds csrc/cuda/adam8bit.cu and lion8bit.cu for sm_80 and
-sm_90, and their torch bindings pass a syntax check against this torch's headers (the CPU wheel lacks one generated
-CUDA header, supplied by tests/cuda_shim). Running the kernels needs a GPU: tests/test_fused_step.py and
-test_fused_lion.py do it where one is present."""
+"""The CUDA kernels compile here, without a GPU: nvcc builds csrc/cuda/adam8bit.cu, lion8bit.cu and momentum8bit.cu
+for sm_80 and sm_90, and their torch bindings pass a syntax check against this torch's headers (the CPU wheel lacks
+one generated CUDA header, supplied by tests/cuda_shim). Running the kernels needs a GPU: tests/test_fused_step.py,
+test_fused_lion.py and test_fused_momentum.py do it where one is present. Every CUDA source of build_flags is
+covered (test_every_cuda_source_is_checked)."""
 
 import os
 import shutil
@@ -21,7 +22,17 @@ def nvcc():
     return found
 
 
-@pytest.mark.parametrize("kernel", ["adam8bit", "lion8bit"])
+KERNELS = ["adam8bit", "lion8bit", "momentum8bit"]
+BINDINGS = ["adam8bit_cuda", "lion8bit_cuda", "momentum8bit_cuda"]
+
+
+def test_every_cuda_source_is_checked():
+    from deepspeed_bnb.ops.build_flags import CUDA_SOURCES
+    assert sorted(CUDA_SOURCES) == sorted([f"csrc/cuda/{k}.cu" for k in KERNELS] +
+                                          [f"csrc/cuda/{b}.cpp" for b in BINDINGS])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_compiles_for_sm80_and_sm90(tmp_path, kernel):
     from deepspeed_bnb.ops.build_flags import NVCC_FLAGS
     cmd = [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
@@ -41,7 +52,7 @@ def cuda_include():
     pytest.skip(f"no CUDA headers (cuda_runtime.h) under {candidates}")
 
 
-@pytest.mark.parametrize("binding", ["adam8bit_cuda", "lion8bit_cuda"])
+@pytest.mark.parametrize("binding", BINDINGS)
 def test_binding_syntax(binding):
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
     cmd = ["g++", "-fsyntax-only", "-std=c++20", f"-I{os.path.join(ROOT, 'tests', 'cuda_shim')}",

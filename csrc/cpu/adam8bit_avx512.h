@@ -1,8 +1,9 @@
 // adam8bit_avx512.h — the CPU kernels' full-block path in AVX-512 (F, BW, VBMI) intrinsics: the two table look-ups,
 // which cost more than all of the arithmetic when the compiler turns them into gathers (measured on AMD Zen 4: one
 // 16-lane gather ~15 cycles; six of them per 16 elements made 70% of the step), and the update between them, kept
-// in registers from dequantization to the new state: update_block (AdamW, adam8bit_cpu.cpp) and lion_update_block
-// (Lion, lion8bit_cpu.cpp) share dequantize64, quantize16 and load_grad16.
+// in registers from dequantization to the new state: update_block (AdamW, adam8bit_cpu.cpp), lion_update_block
+// (Lion, lion8bit_cpu.cpp) and momentum_update_block (SGD momentum, momentum8bit_cpu.cpp) share dequantize64,
+// quantize16 and load_grad16.
 //
 // - dequantize: qmap[code] for 64 codes at once without a gather. The 256-entry fp32 map is held as four byte planes
 //   (byte k of every entry); each plane is looked up with two 128-byte VPERMI2B permutes and a blend on the code's top
@@ -15,9 +16,10 @@
 //   settles the rare values that share those 24 bits with the midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
 //
 // Both are exact table look-ups, so the kernels stay bit-identical to deepspeed_bnb/ops/reference.py
-// (tests/test_fused_step.py and test_fused_lion.py, including maps the fast path must refuse and values on and next
-// to midpoints). Used only when the compiler targets these extensions (-march=native on such a CPU: the JIT build);
-// otherwise the portable loops in adam8bit_cpu.cpp, lion8bit_cpu.cpp and fused_cpu.h run.
+// (tests/test_fused_step.py, test_fused_lion.py and test_fused_momentum.py, including maps the fast path must refuse
+// and values on and next to midpoints). Used only when the compiler targets these extensions (-march=native on such a
+// CPU: the JIT build); otherwise the portable loops in adam8bit_cpu.cpp, lion8bit_cpu.cpp, momentum8bit_cpu.cpp and
+// fused_cpu.h run.
 // References: Intel intrinsics guide (VPERMI2B, VPERMB, VPGATHERDD); bitsandbytes 0.50.2 csrc/kernels.cu
 // (dQuantizeDynamic) for the quantizer it reproduces.
 #pragma once
@@ -250,6 +252,41 @@ inline bool lion_update_block(const LionHyper& h, float* p, const void* grads, c
             const __m512 p_new = _mm512_sub_ps(decayed, _mm512_mul_ps(lr, sign));
             const __m512 mm = _mm512_add_ps(_mm512_mul_ps(beta2, m_old[k]), _mm512_mul_ps(omb2, g));
             const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
+            const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm);
+            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
+            _mm512_store_ps(m + at, m_new);
+            top = _mm512_max_ps(_mm512_abs_ps(m_new), top);  // keeps top when |m_new| is NaN
+            nan |= _mm512_cmp_ps_mask(m_new, m_new, _CMP_UNORD_Q);
+        }
+    }
+    max1 = _mm512_reduce_max_ps(top);
+    return nan == 0;
+}
+
+// The SGD-momentum update of one full 256-element block of an 8-bit segment, in registers: the same operations, in
+// the same order, as momentum8bit_cpu.cpp's portable loop (dsbnb::momentum_state and momentum_param; a non-finite
+// gradient keeps the element). Writes p and the new momentum m; returns false when a momentum is NaN.
+template <Grad kind, bool Scale>
+inline bool momentum_update_block(const MomentumHyper& h, float* p, const void* grads, const uint8_t* c1,
+                                  float scale1, const FastTables& t1, float inv_scale, float* m, float& max1) {
+    const __m512 beta1 = _mm512_set1_ps(h.beta1), wd = _mm512_set1_ps(h.weight_decay), lr = _mm512_set1_ps(h.lr);
+    const __m512 inv = _mm512_set1_ps(inv_scale), largest = _mm512_set1_ps(3.40282347e+38f);
+    const bool decay = h.weight_decay > 0.0f, first = h.first != 0.0f;
+    const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < kBlock; j += 64) {
+        __m512 m_old[4];
+        dequantize64(t1, c1 + j, scale1, m_old);
+        for (int k = 0; k < 4; ++k) {
+            const int64_t at = j + 16 * k;
+            __m512 g = load_grad16<kind>(static_cast<const char*>(grads) + at * grad_bytes);
+            if (Scale) g = _mm512_mul_ps(g, inv);
+            const __m512 p_old = _mm512_loadu_ps(p + at);
+            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
+            if (decay) g = _mm512_add_ps(g, _mm512_mul_ps(p_old, wd));
+            const __m512 mm = first ? g : _mm512_add_ps(_mm512_mul_ps(beta1, m_old[k]), g);
+            const __m512 p_new = _mm512_sub_ps(p_old, _mm512_mul_ps(lr, mm));
             const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm);
             _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
             _mm512_store_ps(m + at, m_new);

@@ -1,8 +1,8 @@
 // fused_cpu.h — what the CPU kernels of the fused 8-bit optimizer steps share (adam8bit_cpu.cpp for AdamW,
-// lion8bit_cpu.cpp for Lion): the quantizer tables of a map (built once per map), per-block helpers (dequantize,
-// gradient widening, absmax with the reference's NaN rule, requantization to the nearest code), argument and
-// segment-table checks, the parallel walk over a partition's 256-element blocks (ATen's thread pool), and the
-// dispatch on the gradient dtype, the optional bf16/fp16 parameter copy and the unscale factor.
+// lion8bit_cpu.cpp for Lion, momentum8bit_cpu.cpp for SGD with momentum): the quantizer tables of a map (built once per
+// map), per-block helpers (dequantize, gradient widening, absmax with the reference's NaN rule, requantization to the
+// nearest code), argument and segment-table checks, the parallel walk over a partition's 256-element blocks (ATen's
+// thread pool), and the dispatch on the gradient dtype, the optional bf16/fp16 parameter copy and the unscale factor.
 //
 // Semantics: deepspeed_bnb/ops/reference.py, bit for bit; the arithmetic lives in csrc/include/dsbnb/adam8bit.h.
 // Build and test: as the kernels that include it (see adam8bit_cpu.cpp); -ffp-contract=off, no -ffast-math.

@@ -1,5 +1,6 @@
-// adam8bit_launch.h — the C interface between the CUDA kernels (adam8bit.cu, lion8bit.cu, built by nvcc with no torch
-// headers) and their torch bindings (adam8bit_cuda.cpp, lion8bit_cuda.cpp). Raw device pointers only.
+// adam8bit_launch.h — the C interface between the CUDA kernels (adam8bit.cu, lion8bit.cu, momentum8bit.cu, built by
+// nvcc with no torch headers) and their torch bindings (adam8bit_cuda.cpp, lion8bit_cuda.cpp, momentum8bit_cuda.cpp).
+// Raw device pointers only.
 #pragma once
 
 #include <cstdint>
@@ -34,5 +35,12 @@ int launch_lion8bit_step(const Segment* segments, const int64_t* block_starts, i
                          GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
                          DeviceTables tables1, bool scale, float inv_scale, void* low, LowType low_type,
                          void* stream);
+
+// Launches the fused SGD-momentum step on `stream`; as the Lion launch with MomentumHyper rows.
+int launch_momentum8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
+                             int64_t total_blocks, const MomentumHyper* hyper, float* params, const void* grads,
+                             GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
+                             DeviceTables tables1, bool scale, float inv_scale, void* low, LowType low_type,
+                             void* stream);
 
 }  // namespace dsbnb

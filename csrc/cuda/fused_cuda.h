@@ -1,9 +1,9 @@
-// fused_cuda.h — host code the torch bindings of the CUDA kernels share (adam8bit_cuda.cpp, lion8bit_cuda.cpp): the
-// quantizer tables of a map uploaded once per map, the segment table's block offsets uploaded once per table (both
-// cached per tensor, so a steady-state step never synchronizes with the device), the per-call segment checks on the
-// cached host rows, and the gradient / bf16-fp16 copy arguments of the launch.
+// fused_cuda.h — host code the torch bindings of the CUDA kernels share (adam8bit_cuda.cpp, lion8bit_cuda.cpp,
+// momentum8bit_cuda.cpp): the quantizer tables of a map uploaded once per map, the segment table's block offsets
+// uploaded once per table (both cached per tensor, so a steady-state step never synchronizes with the device), the
+// per-call segment checks on the cached host rows, and the gradient / bf16-fp16 copy arguments of the launch.
 // Build: only with a CUDA build of torch, with the bindings. Test: tests/test_cuda_build.py (syntax, without a GPU);
-// tests/test_fused_step.py and test_fused_lion.py on a machine with a GPU.
+// tests/test_fused_step.py, test_fused_lion.py and test_fused_momentum.py on a machine with a GPU.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,10 +1,10 @@
-// fused_device.cuh — device helpers the CUDA kernels of the fused 8-bit optimizer steps share (adam8bit.cu for
-// AdamW, lion8bit.cu for Lion): the launch shape (one warp per 256-element block, 8 elements per lane, a persistent
-// grid striding over the blocks of all segments), the segment lookup of a block, gradient loads (fp32/bf16/fp16
-// widened exactly), the bf16/fp16 parameter copy (c10's rounding and NaN), and the NaN-propagating warp max.
-// Like the kernels, free of torch headers (compiled by nvcc alone, see adam8bit.cu). Semantics:
-// deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_step.py and
-// test_fused_lion.py run it where a GPU is present.
+// fused_device.cuh — device helpers the CUDA kernels of the fused 8-bit optimizer steps share (adam8bit.cu for AdamW,
+// lion8bit.cu for Lion, momentum8bit.cu for SGD with momentum): the launch shape (one warp per 256-element block, 8
+// elements per lane, a persistent grid striding over the blocks of all segments), the segment lookup of a block,
+// gradient loads (fp32/bf16/fp16 widened exactly), the bf16/fp16 parameter copy (c10's rounding and NaN), and the
+// NaN-propagating warp max. Like the kernels, free of torch headers (compiled by nvcc alone, see adam8bit.cu).
+// Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_step.py,
+// test_fused_lion.py and test_fused_momentum.py run it where a GPU is present.
 #pragma once
 
 #include <cuda_fp16.h>

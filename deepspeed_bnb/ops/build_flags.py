@@ -5,9 +5,10 @@ Exactness depends on the flags: no FMA contraction, no fast-math, IEEE division 
 ops/reference.py). Source paths are relative to the repository root.
 """
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/cpu/adam8bit_cpu.cpp", "csrc/cpu/lion8bit_cpu.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/cpu/adam8bit_cpu.cpp", "csrc/cpu/lion8bit_cpu.cpp",
+               "csrc/cpu/momentum8bit_cpu.cpp"]
 CUDA_SOURCES = ["csrc/cuda/adam8bit.cu", "csrc/cuda/adam8bit_cuda.cpp", "csrc/cuda/lion8bit.cu",
-                "csrc/cuda/lion8bit_cuda.cpp"]
+                "csrc/cuda/lion8bit_cuda.cpp", "csrc/cuda/momentum8bit.cu", "csrc/cuda/momentum8bit_cuda.cpp"]
 
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
 CPU_PORTABLE_FLAGS = ["-O3", "-mavx2", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]

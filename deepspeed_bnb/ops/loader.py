@@ -19,7 +19,7 @@ from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(_ROOT, "csrc")
 NAME = "deepspeed_bnb_ops"
-OPS = ("adam8bit_step_", "lion8bit_step_")  # every operator ops.cpp defines
+OPS = ("adam8bit_step_", "lion8bit_step_", "momentum8bit_step_")  # every operator ops.cpp defines
 
 _lock = threading.Lock()
 _state = {"loaded": None, "error": None, "source": None}  # loaded: tried yet? error: why not; source: prebuilt/jit

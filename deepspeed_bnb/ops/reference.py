@@ -1,4 +1,5 @@
-"""Pure-torch reference of the fused 8-bit AdamW and Lion steps of a ZeRO partition, and of blockwise quantization.
+"""Pure-torch reference of the fused 8-bit AdamW, Lion and SGD-with-momentum steps of a ZeRO partition, and of
+blockwise quantization.
 
 What it does: updates one flat fp32 partition in place, walking a segment table (one row per parameter piece:
 offset, length, 8-bit or fp32 state, hyper-parameter row). This file *is* the canonical semantics the compiled
@@ -23,6 +24,12 @@ Canonical semantics (why: bnb's backends disagree with each other, see
   CUDA kernel; its 32-bit CUDA kernel adds wd * p to g instead), sign as bnb's CUDA `sgn` and torch.sign (bnb's CPU
   path): +1, -1, and +0 for a zero or NaN c (so p - lr * 0 leaves p exactly). The update direction uses the *old*
   momentum; the momentum is updated after.
+  SGD with momentum (momentum8bit_step, one state m; bnb's "momentum" rule, SGD8bit / SGD with momentum > 0):
+      g' = g + p * wd                          (coupled weight decay, only when wd > 0)
+      m  = g'                 at step 1        (bnb's rule: the first step ignores the stored momentum)
+      m  = beta1 * m_old + g' after            (no dampening: bnb takes it but never uses it; no Nesterov either)
+      p  = p - lr * m                          (the *new* momentum)
+  the step-1 choice comes with the hyper row (MomentumHyper.first), as it does in bnb from its step counter.
   Host constants (1 - beta, 1 - lr * wd, ...) are computed in fp64 and rounded to fp32 once.
 - A non-finite `g` skips the element: its parameter (weight decay included) and state keep their values (bnb's CUDA
   Adam kernel zeroes its moments; bnb's 1-state CUDA kernel and its CPU path let inf/NaN into the state).
@@ -38,10 +45,11 @@ Canonical semantics (why: bnb's backends disagree with each other, see
   payload of a NaN are unspecified (x86 vector units and torch produce different ones).
 - Alignment padding (elements in no segment) is never read or written.
 References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_blockwise_cpu`), `csrc/kernels.cu`
-(`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION branch); Loshchilov & Hutter,
+(`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION and MOMENTUM branches,
+`kOptimizer32bit1State`'s MOMENTUM branch), `_optimizer_update_32bit_cpu`, `optim/sgd.py`; Loshchilov & Hutter,
 Decoupled Weight Decay Regularization (AdamW); Chen et al., Symbolic Discovery of Optimization Algorithms (Lion).
-Build/test: pure Python, nothing to build; tests/test_fused_step.py (AdamW) and tests/test_fused_lion.py (Lion) hold
-the kernels to it.
+Build/test: pure Python, nothing to build; tests/test_fused_step.py (AdamW), tests/test_fused_lion.py (Lion) and
+tests/test_fused_momentum.py (SGD with momentum) hold the kernels to it.
 """
 
 import math
@@ -54,6 +62,7 @@ BLOCK_SIZE = 256
 SEGMENT_FIELDS = 5  # columns of the segment table: offset, numel, eight_bit, fp32_offset, hyper_row
 HYPER_FIELDS = 7  # columns of the AdamW hyper-parameter table, see AdamHyper.row()
 LION_HYPER_FIELDS = 6  # columns of the Lion hyper-parameter table, see LionHyper.row()
+MOMENTUM_HYPER_FIELDS = 4  # columns of the SGD-momentum hyper-parameter table, see MomentumHyper.row()
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,24 @@ class LionHyper:
 
     def row(self) -> Tuple[float, ...]:
         return (self.beta1, self.beta2, self.one_minus_beta1, self.one_minus_beta2, self.decay, self.lr)
+
+
+@dataclass(frozen=True)
+class MomentumHyper:
+    """One row of the SGD-with-momentum hyper-parameter table (bnb's "momentum" rule)."""
+
+    FIELDS: ClassVar[int] = MOMENTUM_HYPER_FIELDS
+    beta1: float  # momentum (bnb's betas[0]); dampening and nesterov are not part of bnb's rule
+    weight_decay: float  # coupled: g + p * weight_decay, applied only when > 0
+    lr: float  # p - lr * m
+    first: float  # 1.0 at step 1 (m = g, the stored momentum is ignored), else 0.0
+
+    @classmethod
+    def momentum(cls, lr: float, beta1: float, weight_decay: float, step: int) -> "MomentumHyper":
+        return cls(beta1=beta1, weight_decay=weight_decay, lr=lr, first=1.0 if step == 1 else 0.0)
+
+    def row(self) -> Tuple[float, ...]:
+        return (self.beta1, self.weight_decay, self.lr, self.first)
 
 
 def quant_tables(qmap: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +203,15 @@ def _lion_update(p, m_old, g, h: torch.Tensor):
     c = beta1 * m_old + omb1 * g
     sign = (c > 0).float() - (c < 0).float()  # bnb's sgn: +0 for zero and NaN (as torch.sign, spelled out)
     return decayed - lr * sign, beta2 * m_old + omb2 * g
+
+
+def _momentum_update(p, m_old, g, h: torch.Tensor):
+    """(new parameter, new momentum) of SGD with momentum; see the module docstring."""
+    beta1, wd, lr, first = h[0], h[1], h[2], h[3]
+    if wd > 0:
+        g = g + p * wd
+    m = g if first != 0 else beta1 * m_old + g
+    return p - lr * m, m
 
 
 @dataclass(frozen=True)
@@ -264,6 +300,23 @@ def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         momentum = _State(segment, codes1, absmax1, qmap1, state1)
         old_m = momentum.load()
         new_p, m = _lion_update(p, old_m, g, h)
+        p.copy_(torch.where(finite, new_p, p))
+        momentum.store(torch.where(finite, m, old_m))
+    _walk(params, grads, segments, hyper, inv_scale, lp_params, update)
+
+
+@torch.no_grad()
+def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
+                      state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
+                      inv_scale: float, lp_params: Optional[torch.Tensor] = None) -> None:
+    """In place: one SGD-with-momentum step of every segment of a flat partition (see the module docstring).
+
+    Arguments as lion8bit_step (one state, the momentum); hyper fp32 [H, 4] (MomentumHyper rows).
+    """
+    def update(segment, p, g, finite, h):
+        momentum = _State(segment, codes1, absmax1, qmap1, state1)
+        old_m = momentum.load()
+        new_p, m = _momentum_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
     _walk(params, grads, segments, hyper, inv_scale, lp_params, update)

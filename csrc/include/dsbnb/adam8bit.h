@@ -1,5 +1,6 @@
-// dsbnb/adam8bit.h — the per-element arithmetic and the quantizer of the fused 8-bit AdamW and Lion steps, shared by
-// the CPU (csrc/cpu/adam8bit_cpu.cpp, lion8bit_cpu.cpp) and CUDA (csrc/cuda/adam8bit.cu, lion8bit.cu) kernels so that
+// dsbnb/adam8bit.h — the per-element arithmetic and the quantizer of the fused 8-bit AdamW, Lion and SGD-momentum
+// steps, shared by the CPU (csrc/cpu/adam8bit_cpu.cpp, lion8bit_cpu.cpp, momentum8bit_cpu.cpp) and CUDA
+// (csrc/cuda/adam8bit.cu, lion8bit.cu, momentum8bit.cu) kernels so that
 // both evaluate exactly the same sequence of individually rounded fp32 operations; and the segment-table checks their
 // bindings share.
 //
@@ -26,6 +27,7 @@ constexpr int64_t kBlock = 256;        // bitsandbytes' quantization block (elem
 constexpr int64_t kSegmentFields = 5;  // segment table columns: offset, numel, eight_bit, fp32_offset, hyper_row
 constexpr int64_t kHyperFields = 7;    // AdamW hyper table columns, see Hyper
 constexpr int64_t kLionHyperFields = 6;  // Lion hyper table columns, see LionHyper
+constexpr int64_t kMomentumHyperFields = 4;  // SGD-momentum hyper table columns, see MomentumHyper
 constexpr int kLutBits = 16;           // quantizer look-up: sign, 8 exponent and 7 mantissa bits of the value
 
 // One row of the hyper-parameter table: per-step constants, computed in fp64 on the host and rounded once.
@@ -46,8 +48,17 @@ struct LionHyper {
     float decay;            // 1 - lr * weight_decay (decoupled weight decay, applied before the update)
     float lr;               // the step: lr * sign(direction)
 };
+// One row of the SGD-with-momentum hyper-parameter table (bnb's "momentum" rule).
+struct MomentumHyper {
+    float beta1;         // momentum
+    float weight_decay;  // coupled: g + p * weight_decay, only when > 0
+    float lr;            // p - lr * m
+    float first;         // nonzero at step 1: m = g (the stored momentum is ignored)
+};
 static_assert(sizeof(Hyper) == kHyperFields * sizeof(float), "Hyper mirrors a float32 [H, 7] row");
 static_assert(sizeof(LionHyper) == kLionHyperFields * sizeof(float), "LionHyper mirrors a float32 [H, 6] row");
+static_assert(sizeof(MomentumHyper) == kMomentumHyperFields * sizeof(float),
+              "MomentumHyper mirrors a float32 [H, 4] row");
 
 // One row of the segment table: the part of one parameter that this partition owns.
 struct Segment {
@@ -96,6 +107,24 @@ DSBNB_HD float lion_momentum(float m_old, float g, const LionHyper& h) {
     const float t3 = h.beta2 * m_old;
     const float t4 = h.one_minus_beta2 * g;
     return t3 + t4;
+}
+
+// SGD-momentum's new momentum: coupled weight decay into the gradient, then m = g' at step 1, else beta1 * m_old + g'.
+DSBNB_HD float momentum_state(float p, float m_old, float g, const MomentumHyper& h) {
+    float gw = g;
+    if (h.weight_decay > 0.0f) {
+        const float decay = p * h.weight_decay;
+        gw = g + decay;
+    }
+    if (h.first != 0.0f) return gw;
+    const float t1 = h.beta1 * m_old;
+    return t1 + gw;
+}
+
+// SGD-momentum's new parameter, from the new momentum.
+DSBNB_HD float momentum_param(float p, float m, const MomentumHyper& h) {
+    const float step = h.lr * m;
+    return p - step;
 }
 
 // 1 / absmax of a block, or 0 when absmax is not positive (an all-zero block, or NaN).

@@ -35,10 +35,10 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
 
     bnb_fused_kernel: Union[bool, str] = "auto"
     """
-    Step Adam-family and Lion bnb optimizers with deepspeed_bnb's fused kernels (one pass per partition: unscale/clip,
-    update, requantization; C++ on CPU, CUDA on GPU): "auto" (default: fused where supported), true (required: an
-    error for optimizers without a fused kernel), or false (bnb's own update, segment by segment). Checkpoints load
-    either way.
+    Step Adam-family, Lion and SGD-momentum bnb optimizers with deepspeed_bnb's fused kernels (one pass per partition:
+    unscale/clip, update, requantization; C++ on CPU, CUDA on GPU): "auto" (default: fused where supported), true
+    (required: an error for optimizers without a fused kernel), or false (bnb's own update, segment by segment).
+    Checkpoints load either way.
     Without a compiler the kernel falls back to its pure-torch reference (same results, slow) with one warning.
     """
 

@@ -3,10 +3,10 @@
 Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` (same module path here):
 - `flatten_dense_tensors_aligned`: every parameter starts on a 256-element block, the group is padded to
   `256 * dp`, so partitions are block-aligned (state_layout.py);
-- `_optimizer_step`: one fused kernel call per partition for Adam-family and Lion optimizers (optim/fused_adam.py,
-  with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`), otherwise bnb's own update per
-  parameter segment (optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and alignment
-  padding is never updated, so it stays exactly zero;
+- `_optimizer_step`: one fused kernel call per partition for Adam-family, Lion and SGD-momentum optimizers
+  (optim/fused_adam.py, with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`), otherwise
+  bnb's own update per parameter segment (optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter,
+  and alignment padding is never updated, so it stays exactly zero;
 - `state_dict` / `load_state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's
   element-wise trim/concatenate, which would corrupt quantization maps and per-block scales.
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
@@ -81,8 +81,8 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
         if not fused_adam.supports(self.bnb.optimizer_name):
             if setting is True:
                 raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {type(self.optimizer).__name__} uses "
-                                 f"bnb's '{self.bnb.optimizer_name}' update, which has no fused kernel (Adam, AdamW "
-                                 f"and Lion do). Use \"auto\" (fused where supported) or false.")
+                                 f"bnb's '{self.bnb.optimizer_name}' update, which has no fused kernel (Adam, AdamW, "
+                                 f"Lion and SGD with momentum do). Use \"auto\" (fused where supported) or false.")
             return None
         return "kernel" if adam8bit.kernel_available() else "reference"
 
