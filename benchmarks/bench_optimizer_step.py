@@ -1,11 +1,11 @@
-"""Optimizer-step throughput on CPU: deepspeed_bnb's fused 8-bit AdamW and Lion kernels against the alternatives.
+"""Optimizer-step throughput on CPU: deepspeed_bnb's fused 8-bit kernels against the alternatives.
 
 For each size and thread count, one optimizer step over a flat fp32 parameter of that many elements, timed as the
 median of repeated rounds after a warm-up (each round steps every implementation once, in turn), for:
-deepspeed_bnb's C++ kernels (8-bit state), bitsandbytes' own CPU 8-bit path (AdamW8bit, Lion8bit),
+deepspeed_bnb's C++ kernels (8-bit state), bitsandbytes' own CPU 8-bit path (AdamW8bit, Lion8bit, SGD8bit),
 torch.optim.AdamW(fused=True) (fp32 state), DeepSpeedCPUAdam (fp32 state) and deepspeed_bnb's pure-torch reference
 (the fallback; small sizes only). Prints a markdown table of M elements/s and the ratio to torch's fused AdamW and
-to bnb's CPU path of the same update rule (AdamW8bit or Lion8bit), measured in the same run.
+to bnb's CPU path of the same update rule (AdamW8bit, Lion8bit or SGD8bit), measured in the same run.
 
     python benchmarks/bench_optimizer_step.py              # 1M..64M elements, 1 and 2 threads (a few minutes)
     python benchmarks/bench_optimizer_step.py --quick      # 1M elements, 1 thread: a smoke test
@@ -23,12 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bitsandbytes as bnb  # noqa: E402
 
-from deepspeed_bnb.ops import adam8bit, lion8bit  # noqa: E402
-from deepspeed_bnb.ops.reference import AdamHyper, LionHyper  # noqa: E402
+from deepspeed_bnb.ops import adam8bit, lion8bit, momentum8bit  # noqa: E402
+from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper  # noqa: E402
 from deepspeed_bnb.state_layout import GroupLayout  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 LION_LR, LION_BETAS = 1e-4, (0.9, 0.99)
+SGD_LR, SGD_MOMENTUM = 1e-2, 0.9
 
 
 def fused_8bit(n, use_kernel):
@@ -61,6 +62,19 @@ def fused_lion_8bit(n, use_kernel):
     return run
 
 
+def fused_momentum_8bit(n, use_kernel):
+    params, grads = torch.randn(n), torch.randn(n) * 1e-3
+    codes1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(-(-n // 256))
+    qmap1 = bnb.functional.create_dynamic_map(True)
+    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    hyper = adam8bit.hyper_table([MomentumHyper.momentum(SGD_LR, SGD_MOMENTUM, WD, 2)])  # past step 1
+
+    def run():
+        momentum8bit.momentum8bit_step_(params, grads, codes1, absmax1, torch.zeros(0), qmap1, table, hyper, 1.0,
+                                        None, use_kernel=use_kernel)
+    return run
+
+
 def torch_optimizer(n, factory):
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n) * 1e-3
@@ -85,7 +99,12 @@ IMPLEMENTATIONS = {
     "deepspeed_bnb C++ kernel Lion (8-bit)": lambda n: fused_lion_8bit(n, True),
     "bitsandbytes CPU Lion8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.Lion8bit(
         p, lr=LION_LR, betas=LION_BETAS, weight_decay=WD, min_8bit_size=0)),
+    "deepspeed_bnb C++ kernel SGD-momentum (8-bit)": lambda n: fused_momentum_8bit(n, True),
+    "bitsandbytes CPU SGD8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.SGD8bit(
+        p, lr=SGD_LR, momentum=SGD_MOMENTUM, weight_decay=WD, min_8bit_size=0)),
 }
+# the bnb row each fused row is compared with: same update rule
+SAME_RULE = {"Lion": "bitsandbytes CPU Lion8bit", "SGD-momentum": "bitsandbytes CPU SGD8bit"}
 REFERENCE_MAX = 4 << 20  # the pure-torch reference is slow: time it on small sizes only
 
 
@@ -139,7 +158,9 @@ def main():
                     del rates[name]
             torch_rate = rates.get("torch AdamW fused (fp32)")
             for name, rate in rates.items():
-                bnb_rate = rates.get("bitsandbytes CPU Lion8bit" if "Lion" in name else "bitsandbytes CPU AdamW8bit")
+                rule = next((bnb_name for key, bnb_name in SAME_RULE.items() if key in name or bnb_name == name),
+                            "bitsandbytes CPU AdamW8bit")
+                bnb_rate = rates.get(rule)
                 vs_torch = f"{rate / torch_rate:.2f}x" if torch_rate else "-"
                 vs_bnb = f"{rate / bnb_rate:.1f}x" if bnb_rate else "-"
                 print(f"| {size:g}M | {threads} | {name} | {rate:,.0f} | {vs_torch} | {vs_bnb} |", flush=True)
