@@ -241,5 +241,75 @@ void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, c
     });
 }
 
+// --- one-state rules (Lion, SGD-momentum): everything but the arithmetic -----------------------------------------
+// A Rule provides: `using Row` (its hyper-table row) and `kHyperFields`; `update<GradT, Scale>(row, len, p, g,
+// m_old, inv_scale, m)`, the portable update of up to one block (m may alias m_old: fp32 state in place); and, where
+// DSBNB_AVX512, `full_block<kind, Scale>(row, p, g, codes, absmax, fast tables, inv_scale, m, max)`, the register
+// update of a full block that returns false when a new momentum is NaN.
+
+// One block (up to 256 elements) of an 8-bit segment: update, absmax, requantize. Full blocks of bnb-style maps take
+// the AVX-512 path where it is compiled in; the rest the portable loops. Both give the same bits.
+template <typename Rule, typename GradT, bool Scale>
+void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __restrict__ p,
+                     const GradT* __restrict__ g_in, uint8_t* __restrict__ c1, float* a1, const float* __restrict__ q1,
+                     const MapTables& t1, float inv_scale) {
+    alignas(64) float m[kBlock];
+    float max1;
+#if DSBNB_AVX512
+    if (len == kBlock && t1.fast_usable()) {
+        if (!Rule::template full_block<grad_kind<GradT>(), Scale>(hyper, p, g_in, c1, *a1, t1.fast, inv_scale, m,
+                                                                   max1)) {
+            max1 = block_absmax(len, m);  // a NaN momentum: the first-NaN rule
+        }
+        quantize_full_block(t1.fast, m, reciprocal(max1), c1);
+        *a1 = max1;
+        return;
+    }
+#endif
+    alignas(64) float m_old[kBlock];
+    dequantize_block(len, c1, *a1, q1, m_old);
+    Rule::template update<GradT, Scale>(hyper, len, p, g_in, m_old, inv_scale, m);
+    max1 = block_absmax(len, m);
+    quantize_block(len, m, reciprocal(max1), c1, t1.generic);
+    *a1 = max1;
+}
+
+// The operator body of a one-state rule: argument checks, the segment plan, dtype dispatch and the parallel walk.
+template <typename Rule>
+void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
+                    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper,
+                    double inv_scale, const std::optional<at::Tensor>& lp_params) {
+    const Checker check(op);
+    check.expect(params, "params", at::kFloat);
+    check.expect(codes1, "codes1", at::kByte);
+    check.expect(absmax1, "absmax1", at::kFloat);
+    check.expect(state1, "state1", at::kFloat);
+    check.expect(qmap1, "qmap1", at::kFloat);
+    check(qmap1.numel() == 256, "qmap1 must hold 256 entries");
+    const StateSizes states[1] = {{codes1.numel(), absmax1.numel(), state1.numel()}};
+    const std::vector<Work> work = plan_blocks(check, segments, hyper, Rule::kHyperFields, params.numel(), states, 1);
+    const MapTables& t1 = tables_for(qmap1);
+    const float inv = static_cast<float>(inv_scale);
+    const auto* h = reinterpret_cast<const typename Rule::Row*>(hyper.data_ptr<float>());
+    float* p = params.data_ptr<float>();
+    uint8_t* c1 = codes1.data_ptr<uint8_t>();
+    float* a1 = absmax1.data_ptr<float>();
+    float* s1 = state1.data_ptr<float>();
+    const float* q1 = qmap1.data_ptr<float>();
+    dispatch(check, params, grads, lp_params, inv_scale, [&](auto* g, auto* low, auto scale) {
+        using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        constexpr bool kScale = decltype(scale)::value;
+        for_each_block(segments, work, p, low, [&](const Segment& s, int64_t start, int64_t len, int64_t base) {
+            if (s.eight_bit) {
+                one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p + base, g + base, c1 + base,
+                                                 a1 + base / kBlock, q1, t1, inv);
+            } else {
+                float* m = s1 + s.fp32_offset + start;
+                Rule::template update<G, kScale>(h[s.hyper_row], len, p + base, g + base, m, inv, m);
+            }
+        });
+    });
+}
+
 }  // namespace cpu
 }  // namespace dsbnb
