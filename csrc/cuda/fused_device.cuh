@@ -1,8 +1,9 @@
 // fused_device.cuh — device helpers the CUDA kernels of the fused 8-bit optimizer steps share (adam8bit.cu for AdamW,
 // lion8bit.cu for Lion, momentum8bit.cu for SGD with momentum): the launch shape (one warp per 256-element block, 8
 // elements per lane, a persistent grid striding over the blocks of all segments), the segment lookup of a block,
-// gradient loads (fp32/bf16/fp16 widened exactly), the bf16/fp16 parameter copy (c10's rounding and NaN), and the
-// NaN-propagating warp max. Like the kernels, free of torch headers (compiled by nvcc alone, see adam8bit.cu).
+// gradient loads (fp32/bf16/fp16 widened exactly), the bf16/fp16 parameter copy (c10's rounding and NaN), the
+// NaN-propagating warp max, and the whole kernel of the one-state rules (one_state_step_kernel). Like the kernels,
+// free of torch headers (compiled by nvcc alone, see adam8bit.cu).
 // Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_step.py,
 // test_fused_lion.py and test_fused_momentum.py run it where a GPU is present.
 #pragma once
@@ -64,6 +65,105 @@ inline int grid_for(int64_t total_blocks) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     const int64_t needed = (total_blocks + kWarpsPerBlock - 1) / kWarpsPerBlock;
     return static_cast<int>(needed < 8LL * sms ? needed : 8LL * sms);
+}
+
+
+// --- one-state rules (Lion, SGD-momentum): one kernel, the rule's arithmetic a template parameter --------------------
+// A Rule provides `using Row` (its hyper-table row) and `__device__ static void apply(float& p, float m_old, float g,
+// const Row& h, float& m_new)`: the update of one element with a finite gradient (a non-finite one keeps p and m).
+// One warp per 256-element block: dequantize the momentum (qmap[code] * absmax), apply, NaN-propagating absmax by
+// warp shuffles, requantize to the nearest code; fp32 segments update their packed state in place.
+template <typename Rule>
+__global__ void one_state_step_kernel(const Segment* __restrict__ segments, const int64_t* __restrict__ block_starts,
+                                      int64_t num_segments, int64_t total_blocks,
+                                      const typename Rule::Row* __restrict__ hyper,
+                                      float* __restrict__ params, const void* __restrict__ grads, GradType grad_type,
+                                      uint8_t* __restrict__ codes1, float* __restrict__ absmax1,
+                                      float* __restrict__ state1, const float* __restrict__ qmap1, DeviceTables t1,
+                                      bool scale, float inv_scale, void* low, LowType low_type) {
+    __shared__ float q1[256], mid1[256];
+    __shared__ uint8_t order1[256];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        q1[i] = qmap1[i];
+        order1[i] = static_cast<uint8_t>(t1.order[i]);
+        mid1[i] = t1.midpoints[i];
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+    for (int64_t work = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); work < total_blocks;
+         work += warps) {
+        const int64_t lo = device::segment_of(block_starts, num_segments, work);
+        const Segment s = segments[lo];
+        const typename Rule::Row h = hyper[s.hyper_row];
+        const int64_t start = (work - block_starts[lo]) * kBlock;
+        const int64_t len = min(kBlock, s.numel - start);
+        const int64_t base = s.offset + start;
+        if (s.eight_bit) {
+            const int64_t block = base / kBlock;
+            const float a1 = absmax1[block];
+            float m[kPerLane];
+            float max1 = 0.0f;
+#pragma unroll
+            for (int k = 0; k < kPerLane; ++k) {
+                const int64_t j = lane + 32 * k;
+                m[k] = 0.0f;
+                if (j < len) {
+                    const int64_t i = base + j;
+                    float g = load_grad(grads, grad_type, i);
+                    if (scale) g = g * inv_scale;
+                    const float m_old = q1[codes1[i]] * a1;
+                    if (isfinite(g)) {
+                        Rule::apply(params[i], m_old, g, h, m[k]);
+                    } else {
+                        m[k] = m_old;
+                    }
+                    max1 = nan_max(max1, fabsf(m[k]));
+                    if (low != nullptr) store_low(low, low_type, i, params[i]);
+                }
+            }
+            max1 = warp_nan_max(max1);  // every lane has read absmax1[block] before lane 0 overwrites it
+            const float r1 = reciprocal(max1);
+#pragma unroll
+            for (int k = 0; k < kPerLane; ++k) {
+                const int64_t j = lane + 32 * k;
+                if (j < len) {
+                    codes1[base + j] = order1[nearest_sorted(normalize(m[k], r1), mid1, t1.lut, t1.max_walk)];
+                }
+            }
+            if (lane == 0) absmax1[block] = max1;
+        } else {
+            for (int k = 0; k < kPerLane; ++k) {
+                const int64_t j = lane + 32 * k;
+                if (j >= len) continue;
+                const int64_t i = base + j;
+                const int64_t f = s.fp32_offset + start + j;
+                float g = load_grad(grads, grad_type, i);
+                if (scale) g = g * inv_scale;
+                if (isfinite(g)) {
+                    float m_new;
+                    Rule::apply(params[i], state1[f], g, h, m_new);
+                    state1[f] = m_new;
+                }
+                if (low != nullptr) store_low(low, low_type, i, params[i]);
+            }
+        }
+    }
+}
+
+// Launch of a one-state kernel on `stream` (persistent grid, grid-stride); returns the CUDA error code (0: none).
+template <typename Rule>
+int launch_one_state_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
+                          int64_t total_blocks, const typename Rule::Row* hyper, float* params, const void* grads,
+                          GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
+                          DeviceTables tables1, bool scale, float inv_scale, void* low, LowType low_type,
+                          void* stream) {
+    if (total_blocks == 0) return 0;
+    one_state_step_kernel<Rule><<<grid_for(total_blocks), 32 * kWarpsPerBlock, 0,
+                                   static_cast<cudaStream_t>(stream)>>>(
+        segments, block_starts, num_segments, total_blocks, hyper, params, grads, grad_type, codes1, absmax1, state1,
+        qmap1, tables1, scale, inv_scale, low, low_type);
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace device
