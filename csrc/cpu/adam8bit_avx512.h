@@ -221,17 +221,14 @@ inline bool update_block(const Hyper& h, float* p, const void* grads, const uint
     return nan == 0;
 }
 
-// The Lion update of one full 256-element block of an 8-bit segment, in registers from dequantization to the new
-// momentum: the same operations, in the same order, as lion8bit_cpu.cpp's portable loop (dsbnb::lion_param and
-// lion_momentum; a non-finite gradient keeps the element). Writes p and the new momentum m (for quantize16); returns
-// false when a momentum is NaN (absmax then needs the portable first-NaN rule).
-template <Grad kind, bool Scale>
-inline bool lion_update_block(const LionHyper& h, float* p, const void* grads, const uint8_t* c1, float scale1,
-                              const FastTables& t1, float inv_scale, float* m, float& max1) {
-    const __m512 beta1 = _mm512_set1_ps(h.beta1), beta2 = _mm512_set1_ps(h.beta2);
-    const __m512 omb1 = _mm512_set1_ps(h.one_minus_beta1), omb2 = _mm512_set1_ps(h.one_minus_beta2);
-    const __m512 decay = _mm512_set1_ps(h.decay), lr = _mm512_set1_ps(h.lr), inv = _mm512_set1_ps(inv_scale);
-    const __m512 largest = _mm512_set1_ps(3.40282347e+38f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+// The skeleton of a one-state rule's full-block update in registers (Lion, SGD-momentum): dequantize the momentum 64
+// codes at a time, and for each 16 elements widen and unscale the gradient, call `step(p_old, m_old, g, p_new,
+// m_new)`, keep elements whose gradient is not finite, store p and the new momentum m (for quantize16) and track the
+// absmax. Returns false when a momentum is NaN (absmax then needs the portable first-NaN rule).
+template <Grad kind, bool Scale, typename Step>
+inline bool one_state_update_block(float* p, const void* grads, const uint8_t* c1, float scale1, const FastTables& t1,
+                                   float inv_scale, float* m, float& max1, Step step) {
+    const __m512 inv = _mm512_set1_ps(inv_scale), largest = _mm512_set1_ps(3.40282347e+38f);
     const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
     __m512 top = _mm512_setzero_ps();
     __mmask16 nan = 0;
@@ -243,15 +240,9 @@ inline bool lion_update_block(const LionHyper& h, float* p, const void* grads, c
             __m512 g = load_grad16<kind>(static_cast<const char*>(grads) + at * grad_bytes);
             if (Scale) g = _mm512_mul_ps(g, inv);
             const __m512 p_old = _mm512_loadu_ps(p + at);
-            const __m512 decayed = _mm512_mul_ps(p_old, decay);
-            const __m512 direction = _mm512_add_ps(_mm512_mul_ps(beta1, m_old[k]), _mm512_mul_ps(omb1, g));
-            // lion_sign: 1 - 0, 0 - 1, or 0 - 0 (zero and NaN)
-            const __mmask16 positive = _mm512_cmp_ps_mask(direction, zero, _CMP_GT_OQ);
-            const __mmask16 negative = _mm512_cmp_ps_mask(direction, zero, _CMP_LT_OQ);
-            const __m512 sign = _mm512_sub_ps(_mm512_maskz_mov_ps(positive, one), _mm512_maskz_mov_ps(negative, one));
-            const __m512 p_new = _mm512_sub_ps(decayed, _mm512_mul_ps(lr, sign));
-            const __m512 mm = _mm512_add_ps(_mm512_mul_ps(beta2, m_old[k]), _mm512_mul_ps(omb2, g));
             const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
+            __m512 p_new, mm;
+            step(p_old, m_old[k], g, p_new, mm);
             const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm);
             _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
             _mm512_store_ps(m + at, m_new);
@@ -263,39 +254,43 @@ inline bool lion_update_block(const LionHyper& h, float* p, const void* grads, c
     return nan == 0;
 }
 
-// The SGD-momentum update of one full 256-element block of an 8-bit segment, in registers: the same operations, in
-// the same order, as momentum8bit_cpu.cpp's portable loop (dsbnb::momentum_state and momentum_param; a non-finite
-// gradient keeps the element). Writes p and the new momentum m; returns false when a momentum is NaN.
+// The Lion update of one full block: the same operations, in the same order, as lion8bit_cpu.cpp's portable loop
+// (dsbnb::lion_param and lion_momentum).
+template <Grad kind, bool Scale>
+inline bool lion_update_block(const LionHyper& h, float* p, const void* grads, const uint8_t* c1, float scale1,
+                              const FastTables& t1, float inv_scale, float* m, float& max1) {
+    const __m512 beta1 = _mm512_set1_ps(h.beta1), beta2 = _mm512_set1_ps(h.beta2);
+    const __m512 omb1 = _mm512_set1_ps(h.one_minus_beta1), omb2 = _mm512_set1_ps(h.one_minus_beta2);
+    const __m512 decay = _mm512_set1_ps(h.decay), lr = _mm512_set1_ps(h.lr);
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    return one_state_update_block<kind, Scale>(
+        p, grads, c1, scale1, t1, inv_scale, m, max1,
+        [&](__m512 p_old, __m512 m_old, __m512 g, __m512& p_new, __m512& m_new) {
+            const __m512 decayed = _mm512_mul_ps(p_old, decay);
+            const __m512 direction = _mm512_add_ps(_mm512_mul_ps(beta1, m_old), _mm512_mul_ps(omb1, g));
+            // lion_sign: 1 - 0, 0 - 1, or 0 - 0 (zero and NaN)
+            const __mmask16 positive = _mm512_cmp_ps_mask(direction, zero, _CMP_GT_OQ);
+            const __mmask16 negative = _mm512_cmp_ps_mask(direction, zero, _CMP_LT_OQ);
+            const __m512 sign = _mm512_sub_ps(_mm512_maskz_mov_ps(positive, one), _mm512_maskz_mov_ps(negative, one));
+            p_new = _mm512_sub_ps(decayed, _mm512_mul_ps(lr, sign));
+            m_new = _mm512_add_ps(_mm512_mul_ps(beta2, m_old), _mm512_mul_ps(omb2, g));
+        });
+}
+
+// The SGD-momentum update of one full block: the same operations, in the same order, as momentum8bit_cpu.cpp's
+// portable loop (dsbnb::momentum_state and momentum_param).
 template <Grad kind, bool Scale>
 inline bool momentum_update_block(const MomentumHyper& h, float* p, const void* grads, const uint8_t* c1,
                                   float scale1, const FastTables& t1, float inv_scale, float* m, float& max1) {
     const __m512 beta1 = _mm512_set1_ps(h.beta1), wd = _mm512_set1_ps(h.weight_decay), lr = _mm512_set1_ps(h.lr);
-    const __m512 inv = _mm512_set1_ps(inv_scale), largest = _mm512_set1_ps(3.40282347e+38f);
     const bool decay = h.weight_decay > 0.0f, first = h.first != 0.0f;
-    const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
-    __m512 top = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t j = 0; j < kBlock; j += 64) {
-        __m512 m_old[4];
-        dequantize64(t1, c1 + j, scale1, m_old);
-        for (int k = 0; k < 4; ++k) {
-            const int64_t at = j + 16 * k;
-            __m512 g = load_grad16<kind>(static_cast<const char*>(grads) + at * grad_bytes);
-            if (Scale) g = _mm512_mul_ps(g, inv);
-            const __m512 p_old = _mm512_loadu_ps(p + at);
-            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
-            if (decay) g = _mm512_add_ps(g, _mm512_mul_ps(p_old, wd));
-            const __m512 mm = first ? g : _mm512_add_ps(_mm512_mul_ps(beta1, m_old[k]), g);
-            const __m512 p_new = _mm512_sub_ps(p_old, _mm512_mul_ps(lr, mm));
-            const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm);
-            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
-            _mm512_store_ps(m + at, m_new);
-            top = _mm512_max_ps(_mm512_abs_ps(m_new), top);  // keeps top when |m_new| is NaN
-            nan |= _mm512_cmp_ps_mask(m_new, m_new, _CMP_UNORD_Q);
-        }
-    }
-    max1 = _mm512_reduce_max_ps(top);
-    return nan == 0;
+    return one_state_update_block<kind, Scale>(
+        p, grads, c1, scale1, t1, inv_scale, m, max1,
+        [&](__m512 p_old, __m512 m_old, __m512 g, __m512& p_new, __m512& m_new) {
+            if (decay) g = _mm512_add_ps(g, _mm512_mul_ps(p_old, wd));  // coupled weight decay
+            m_new = first ? g : _mm512_add_ps(_mm512_mul_ps(beta1, m_old), g);
+            p_new = _mm512_sub_ps(p_old, _mm512_mul_ps(lr, m_new));
+        });
 }
 
 }  // namespace avx512
