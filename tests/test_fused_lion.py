@@ -86,29 +86,34 @@ def test_cpu_kernel_non_finite_state_and_unsorted_map(seed):
     _check("cpu", 300 + seed, kind=partial(LionPartition, qmap=SHUFFLED))
 
 
-def _first_step_codes(grads: torch.Tensor, qmap, use_kernel: bool) -> torch.Tensor:
-    """codes1 after one step from zero state with beta2 = 0: m = g reaches the quantizer unchanged when every block's
-    largest |g| is 1."""
+def one_state_first_step_codes(step, hyper, grads: torch.Tensor, qmap, use_kernel: bool) -> torch.Tensor:
+    """codes1 after one step of a one-state operator (`step`: lion8bit_step_ or momentum8bit_step_) from zero
+    state, with a hyper row under which m = g reaches the quantizer unchanged when every block's largest |g| is 1."""
     n = grads.numel()
     params, lp, empty = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(0)
     codes1, absmax1 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n // 256)
     table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    hyper = adam8bit.hyper_table([LionHyper.lion(1e-3, 0.9, 0.0, 0.0)])
-    lion8bit.lion8bit_step_(params, grads, codes1, absmax1, empty, qmap, table, hyper, 1.0, lp, use_kernel=use_kernel)
+    step(params, grads, codes1, absmax1, empty, qmap, table, hyper, 1.0, lp, use_kernel=use_kernel)
     return codes1
+
+
+def assert_midpoints_quantized_as_reference(first_step_codes, qmap):
+    """Momenta on each midpoint of `qmap` and 1..256 ulps either side: the kernel's codes equal the reference's."""
+    near = _on_and_near_midpoints(qmap, squared=False)
+    grads = _blocks_led_by_one(near)
+    assert torch.equal(first_step_codes(grads, qmap, True), first_step_codes(grads, qmap, False))
+    # not vacuous: 255 momenta sat exactly on a midpoint, and one ulp above it is another code
+    midpoints, _ = reference.quant_tables(qmap)
+    assert int(torch.isin(near, midpoints).sum()) == 255
+    per_value = first_step_codes(grads, qmap, False).view(-1, 256)[:, 1:].flatten()[:near.numel()].view(-1, 11)
+    assert not torch.equal(per_value[:, 0], per_value[:, 1])
 
 
 @needs_kernel
 @pytest.mark.parametrize("qmap", [QMAP1, SHUFFLED], ids=["bnb map", "unsorted map"])
 def test_cpu_kernel_quantizer_on_and_next_to_midpoints(qmap):
-    near = _on_and_near_midpoints(qmap, squared=False)
-    grads = _blocks_led_by_one(near)
-    assert torch.equal(_first_step_codes(grads, qmap, True), _first_step_codes(grads, qmap, False))
-    # not vacuous: 255 momenta sat exactly on a midpoint, and one ulp above it is another code
-    midpoints, _ = reference.quant_tables(qmap)
-    assert int(torch.isin(near, midpoints).sum()) == 255
-    per_value = _first_step_codes(grads, qmap, False).view(-1, 256)[:, 1:].flatten()[:near.numel()].view(-1, 11)
-    assert not torch.equal(per_value[:, 0], per_value[:, 1])
+    hyper = adam8bit.hyper_table([LionHyper.lion(1e-3, 0.9, 0.0, 0.0)])  # beta2 = 0: m = g
+    assert_midpoints_quantized_as_reference(partial(one_state_first_step_codes, lion8bit.lion8bit_step_, hyper), qmap)
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["reference", "kernel"])
@@ -192,21 +197,31 @@ def run_both(n=8192, steps=20, unused_rows=False, seed=0):
     return (ours, codes1, absmax1), theirs, exact_lion(start, grads, lr, betas, wd), start
 
 
-def test_reference_codes_within_one_step_of_bnb():
-    (_, codes, absmax), (_, bnb_codes, bnb_absmax), _, _ = run_both(steps=1)
-    assert torch.equal(absmax, bnb_absmax)  # m = (1 - beta2) * g, the same fp32 products
+def assert_codes_within_one_step(codes, bnb_codes):
+    """One-state rules against bnb after one step: codes at most one sorted position apart, and not all equal."""
     rank = torch.argsort(torch.argsort(QMAP1))
     steps = (rank[codes.long()] - rank[bnb_codes.long()]).abs()
     assert steps.max() <= 1
     assert steps.any(), "control: bnb's CPU quantizer (a look-up table, ties down) differs from nearest somewhere"
 
 
-def test_reference_error_no_worse_than_bnb():
-    (ours, _, _), (theirs, _, _), exact, start = run_both()
+def assert_error_no_worse_than_bnb(ours, theirs, exact, start):
+    """Max and mean error against the exact fp64 run no worse than 1.1x bnb's, and small against the update."""
     our_error, bnb_error = (ours.double() - exact).abs(), (theirs.double() - exact).abs()
     assert our_error.max() <= 1.1 * bnb_error.max(), f"max: ours {our_error.max():.3e} vs bnb {bnb_error.max():.3e}"
     assert our_error.mean() <= 1.1 * bnb_error.mean(), f"mean: ours {our_error.mean():.3e} vs {bnb_error.mean():.3e}"
     assert our_error.mean() < 0.1 * (exact - start.double()).abs().mean(), "control: the error is small vs the update"
+
+
+def test_reference_codes_within_one_step_of_bnb():
+    (_, codes, absmax), (_, bnb_codes, bnb_absmax), _, _ = run_both(steps=1)
+    assert torch.equal(absmax, bnb_absmax)  # m = (1 - beta2) * g, the same fp32 products
+    assert_codes_within_one_step(codes, bnb_codes)
+
+
+def test_reference_error_no_worse_than_bnb():
+    (ours, _, _), (theirs, _, _), exact, start = run_both()
+    assert_error_no_worse_than_bnb(ours, theirs, exact, start)
 
 
 def test_zero_gradient_elements_never_move():

@@ -27,8 +27,9 @@ import torch
 from deepspeed_bnb.ops import adam8bit, momentum8bit, reference
 from deepspeed_bnb.ops.reference import MomentumHyper
 from deepspeed_bnb.state_layout import GroupLayout
-from test_fused_lion import SHUFFLED, LionPartition
-from test_fused_step import QMAP1, _blocks_led_by_one, _kernel_vs_reference, _on_and_near_midpoints, bits, needs_kernel
+from test_fused_lion import (SHUFFLED, LionPartition, assert_codes_within_one_step, assert_error_no_worse_than_bnb,
+                             assert_midpoints_quantized_as_reference, one_state_first_step_codes)
+from test_fused_step import QMAP1, _kernel_vs_reference, bits, needs_kernel
 
 
 class MomentumPartition(LionPartition):
@@ -79,29 +80,12 @@ def test_cpu_kernel_non_finite_state_and_unsorted_map(seed):
     _check("cpu", 300 + seed, kind=partial(MomentumPartition, later=True, qmap=SHUFFLED))
 
 
-def _first_step_codes(grads: torch.Tensor, qmap, use_kernel: bool) -> torch.Tensor:
-    """codes1 after step 1 without weight decay: m = g reaches the quantizer unchanged when every block's largest |g|
-    is 1."""
-    n = grads.numel()
-    params, lp, empty = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(0)
-    codes1, absmax1 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n // 256)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    hyper = adam8bit.hyper_table([MomentumHyper.momentum(1e-3, 0.9, 0.0, 1)])
-    momentum8bit.momentum8bit_step_(params, grads, codes1, absmax1, empty, qmap, table, hyper, 1.0, lp,
-                                    use_kernel=use_kernel)
-    return codes1
-
-
 @needs_kernel
 @pytest.mark.parametrize("qmap", [QMAP1, SHUFFLED], ids=["bnb map", "unsorted map"])
 def test_cpu_kernel_quantizer_on_and_next_to_midpoints(qmap):
-    near = _on_and_near_midpoints(qmap, squared=False)
-    grads = _blocks_led_by_one(near)
-    assert torch.equal(_first_step_codes(grads, qmap, True), _first_step_codes(grads, qmap, False))
-    midpoints, _ = reference.quant_tables(qmap)
-    assert int(torch.isin(near, midpoints).sum()) == 255  # not vacuous: values exactly on every midpoint
-    per_value = _first_step_codes(grads, qmap, False).view(-1, 256)[:, 1:].flatten()[:near.numel()].view(-1, 11)
-    assert not torch.equal(per_value[:, 0], per_value[:, 1])
+    hyper = adam8bit.hyper_table([MomentumHyper.momentum(1e-3, 0.9, 0.0, 1)])  # step 1, no weight decay: m = g
+    assert_midpoints_quantized_as_reference(
+        partial(one_state_first_step_codes, momentum8bit.momentum8bit_step_, hyper), qmap)
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["reference", "kernel"])
@@ -206,18 +190,12 @@ def run_both(n=8192, steps=20, unused_rows=False, seed=0, **bnb_extra):
 def test_reference_codes_within_one_step_of_bnb():
     (_, codes, absmax), (_, bnb_codes, bnb_absmax), _, _ = run_both(steps=1)
     torch.testing.assert_close(absmax, bnb_absmax, rtol=1e-6, atol=0)  # m = g + wd * p (bnb may fuse the add)
-    rank = torch.argsort(torch.argsort(QMAP1))
-    steps = (rank[codes.long()] - rank[bnb_codes.long()]).abs()
-    assert steps.max() <= 1
-    assert steps.any(), "control: bnb's CPU quantizer (a look-up table, ties down) differs from nearest somewhere"
+    assert_codes_within_one_step(codes, bnb_codes)
 
 
 def test_reference_error_no_worse_than_bnb():
     (ours, _, _), (theirs, _, _), exact, start = run_both()
-    our_error, bnb_error = (ours.double() - exact).abs(), (theirs.double() - exact).abs()
-    assert our_error.max() <= 1.1 * bnb_error.max(), f"max: ours {our_error.max():.3e} vs bnb {bnb_error.max():.3e}"
-    assert our_error.mean() <= 1.1 * bnb_error.mean(), f"mean: ours {our_error.mean():.3e} vs {bnb_error.mean():.3e}"
-    assert our_error.mean() < 0.1 * (exact - start.double()).abs().mean(), "control: the error is small vs the update"
+    assert_error_no_worse_than_bnb(ours, theirs, exact, start)
 
 
 def test_bnb_ignores_dampening_and_nesterov():
