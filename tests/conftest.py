@@ -28,15 +28,33 @@ def one_rank():
     return dist
 
 
+# The in-process one-rank group (fixture above) set these; a launcher's ranks must not inherit them.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_launch_vars() -> dict:
+    """This process's environment minus the rank variables, for a child that starts its own process group."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+
+
+def launch_env() -> dict:
+    """The environment of a multi-rank child: no inherited rank variables, one OpenMP thread per rank, and
+    faulthandler on (a native abort prints the Python stack)."""
+    env = without_launch_vars()
+    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    return env
+
+
+def run_or_fail(cmd, env: dict, timeout: int, cwd=None) -> subprocess.CompletedProcess:
+    """Run `cmd`; fail the test with the tail of its output if it exits non-zero."""
+    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+    return done
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run tests/<script> on `nproc` CPU ranks; fail with the tail of its output if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            os.path.join(TESTS, script), *args]
-    # The in-process one-rank group (fixture above) set these; the launcher's ranks must not inherit them.
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # a native abort prints the Python stack
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
-    return done
+    return run_or_fail(cmd, launch_env(), timeout)

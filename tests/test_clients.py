@@ -19,12 +19,11 @@ DeepSpeed vs one full-batch mean), about 1e-7 relative per step: the suite's fp3
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import warnings
 
 import pytest
-from conftest import free_port, torchrun
+from conftest import free_port, launch_env, run_or_fail, torchrun
 
 HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -42,13 +41,7 @@ TOL, CONTROL_MIN = 1e-5, 1e-2
 def accelerate_launch(*args) -> str:
     """`accelerate launch ARGS` from the repository root (configs/ paths are relative to it); returns its output."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *args]
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")  # see conftest
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+    done = run_or_fail(cmd, launch_env(), timeout=900, cwd=ROOT)
     return done.stdout + done.stderr
 
 

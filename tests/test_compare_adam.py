@@ -8,10 +8,10 @@ element, and the 8-bit state is 0.2x-0.3x of the fp32 state. Negative controls s
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from conftest import run_or_fail, without_launch_vars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -23,13 +23,7 @@ EIGHT_BIT = ("bnb8_fused", "bnb8_fallback")
 
 
 def run_script(*args, timeout=600):  # a fresh machine first JIT-builds DeepSpeed's CPU fused_adam (~85 s)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(args)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
-    return done.stdout
+    return run_or_fail([sys.executable, *args], without_launch_vars(), timeout).stdout
 
 
 @pytest.fixture(scope="module")
