@@ -9,11 +9,9 @@
 //   (byte k of every entry); each plane is looked up with two 128-byte VPERMI2B permutes and a blend on the code's top
 //   bit, and the planes are interleaved back into floats. The interleave leaves element i of each 16-lane lane group
 //   transposed, so the codes are permuted first (one VPERMB) to land every float in order.
-// - quantize: the index of the nearest map value, for 16 values with one gather instead of four. A 13-bit key (sign,
-//   the exponent clamped to the map's range, 7 mantissa bits) selects a bucket holding at most one midpoint (checked
-//   when the tables are built); its packed entry is the sorted index below the bucket and the top 24 bits of that
-//   midpoint as an order-preserving integer. The value's own top 24 bits decide above/below; an exact fp32 compare
-//   settles the rare values that share those 24 bits with the midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
+// - quantize: the index of the nearest map value, for 16 values with one gather instead of four: the compact key
+//   table of quantize_keys.h (KeyTable), 16 lanes at once; an exact fp32 compare settles the rare values that share
+//   their top 24 bits with the bucket's midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
 //
 // Both are exact table look-ups, so the kernels stay bit-identical to deepspeed_bnb/ops/reference.py
 // (tests/test_fused_step.py, test_fused_lion.py and test_fused_momentum.py, including maps the fast path must refuse
@@ -33,73 +31,21 @@
 #include <cstring>
 
 #include "dsbnb/adam8bit.h"
+#include "quantize_keys.h"
 
 namespace dsbnb {
 namespace avx512 {
 
-constexpr int kMantissaBits = 7;   // mantissa bits in the quantizer key
-constexpr int kExponentSpan = 32;  // exponents kept below 2^0 (smaller magnitudes share the lowest bucket row)
-constexpr int kMaxExponent = 127;  // biased exponent of 1.0: normalized values never exceed it (|u| <= 1)
-
-// Tables of one 256-entry map for the fast paths; built once per map on the host.
+// The byte planes of one 256-entry map for dequantize64; built once per map on the host.
 struct FastTables {
-    bool usable = false;  // map sorted ascending, and every key bucket holds at most one midpoint
-    int low_exponent = 0;  // smallest biased exponent the key keeps; smaller magnitudes use its row (no midpoint)
     alignas(64) uint8_t planes[4][256];  // planes[k][code] = byte k of qmap[code] (little endian)
-    alignas(64) uint32_t packed[2 * kExponentSpan << kMantissaBits];  // key -> midpoint's ordered top 24 bits | index
-    float midpoints[256];  // the sorted map's midpoints ([255] = +inf), for the exact compare of near ties
 
-    explicit FastTables(const float* qmap, const QuantTables& generic) {
+    explicit FastTables(const float* qmap) {
         for (int code = 0; code < 256; ++code) {
             uint32_t word;
             std::memcpy(&word, &qmap[code], sizeof(word));
             for (int k = 0; k < 4; ++k) planes[k][code] = static_cast<uint8_t>(word >> (8 * k));
         }
-        std::memcpy(midpoints, generic.midpoints, sizeof(midpoints));
-        usable = true;
-        for (int i = 0; i < 256; ++i) usable &= generic.order[i] == i;  // codes are sorted indices (bnb's maps)
-        float smallest = INFINITY;
-        for (int i = 0; i < 255; ++i) smallest = std::fmin(smallest, std::fabs(midpoints[i]));
-        int exponent = 0;
-        std::frexp(smallest, &exponent);  // smallest = f * 2^exponent, f in [0.5, 1): biased exponent 126 + exponent
-        // one exponent row below the smallest midpoint's, so the lowest row (which also takes all smaller values,
-        // zero included) holds no midpoint
-        low_exponent = std::max(126 + exponent - 1, kMaxExponent - kExponentSpan + 1);
-        usable &= smallest > 0.0f;
-        const int rows = kMaxExponent - low_exponent + 1;
-        for (uint32_t sign = 0; sign < 2 && usable; ++sign) {
-            for (int row = 0; row < rows; ++row) {
-                for (uint32_t mantissa = 0; mantissa < (1u << kMantissaBits); ++mantissa) {
-                    const uint32_t top = sign << 31 | uint32_t(low_exponent + row) << 23 | mantissa << 16;
-                    const uint32_t low_bits = top | (sign ? 0xFFFFu : 0u), high_bits = top | (sign ? 0u : 0xFFFFu);
-                    float low, high;
-                    std::memcpy(&low, &low_bits, sizeof(low));
-                    std::memcpy(&high, &high_bits, sizeof(high));
-                    if (row == 0) (sign ? high : low) = sign ? -0.0f : 0.0f;  // the row also takes smaller values
-                    if (row == rows - 1) (sign ? low : high) = sign ? -INFINITY : INFINITY;  // and larger ones
-                    const int below = static_cast<int>(std::lower_bound(midpoints, midpoints + 255, low) - midpoints);
-                    const int inside =
-                        static_cast<int>(std::lower_bound(midpoints, midpoints + 255, high) - midpoints) - below;
-                    const bool edge = row == 0 || row == rows - 1;
-                    usable &= inside <= (edge ? 0 : 1);
-                    // no midpoint: a top no value reaches, so every value of the bucket is "below"
-                    uint32_t split_top = 0x7FFFFF00u;
-                    if (inside == 1) split_top = static_cast<uint32_t>(ordered(midpoints[below])) & ~0xFFu;
-                    packed[key(sign, row, mantissa)] = split_top | static_cast<uint32_t>(below);
-                }
-            }
-        }
-    }
-
-    static uint32_t key(uint32_t sign, int row, uint32_t mantissa) {
-        return sign << 12 | static_cast<uint32_t>(row) << kMantissaBits | mantissa;
-    }
-
-    // The float's bits as an int32 that orders like the float (negatives flipped below the sign bit).
-    static int32_t ordered(float x) {
-        int32_t bits;
-        std::memcpy(&bits, &x, sizeof(bits));
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF);
     }
 };
 
@@ -129,8 +75,11 @@ inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale,
     out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_high, b23_high)), s);
 }
 
-// codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted.
-inline void quantize16(const FastTables& t, const float* x, float reciprocal_absmax, uint8_t* codes) {
+// codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,
+// by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once).
+inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const float* x, float reciprocal_absmax,
+                       uint8_t* codes) {
+    using cpu::kKeyMantissaBits;
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
     const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
@@ -141,12 +90,10 @@ inline void quantize16(const FastTables& t, const float* x, float reciprocal_abs
         u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
     }
     const __m512i bits = _mm512_castps_si512(u);
-    // key: sign at bit 12; exponent and 7 mantissa bits clamped to the kept rows (a value outside them lands in an
-    // edge row, which holds no midpoint, so any of its buckets gives the right answer), rebased to row 0
-    const __m512i lowest = _mm512_set1_epi32(t.low_exponent << kMantissaBits);
+    const __m512i lowest = _mm512_set1_epi32(t.low_exponent << kKeyMantissaBits);
     const __m512i magnitude = _mm512_min_epi32(
         _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x7FFF)), lowest),
-        _mm512_set1_epi32(kMaxExponent << kMantissaBits | ((1 << kMantissaBits) - 1)));
+        _mm512_set1_epi32(cpu::kKeyMaxExponent << kKeyMantissaBits | ((1 << kKeyMantissaBits) - 1)));
     const __m512i key = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 19), _mm512_set1_epi32(1 << 12)),
                                         _mm512_sub_epi32(magnitude, lowest));
     const __m512i entry = _mm512_i32gather_epi32(key, t.packed, 4);
@@ -159,7 +106,7 @@ inline void quantize16(const FastTables& t, const float* x, float reciprocal_abs
     index = _mm512_mask_add_epi32(index, _mm512_cmpgt_epi32_mask(top, split), index, one);
     const __mmask16 near = _mm512_cmpeq_epi32_mask(top, split);
     if (near) {  // within 256 ulps of the midpoint (~1/256 of values): the exact compare, as nearest_sorted does
-        const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, t.midpoints, 4);
+        const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, midpoints, 4);
         index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(index));

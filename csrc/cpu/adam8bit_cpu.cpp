@@ -60,8 +60,8 @@ void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
             max1 = dsbnb::cpu::block_absmax(len, m);  // a NaN moment: the first-NaN rule
             max2 = dsbnb::cpu::block_absmax(len, v);
         }
-        dsbnb::cpu::quantize_full_block(t1.fast, m, dsbnb::reciprocal(max1), c1);
-        dsbnb::cpu::quantize_full_block(t2.fast, v, dsbnb::reciprocal(max2), c2);
+        dsbnb::cpu::quantize_full_block(t1, m, dsbnb::reciprocal(max1), c1);
+        dsbnb::cpu::quantize_full_block(t2, v, dsbnb::reciprocal(max2), c2);
         *a1 = max1;
         *a2 = max2;
         return;
@@ -70,8 +70,8 @@ void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
     update_block<GradT, Scale>(hyper, len, p, g_in, c1, c2, *a1, *a2, q1, q2, inv_scale, m, v);
     max1 = dsbnb::cpu::block_absmax(len, m);
     max2 = dsbnb::cpu::block_absmax(len, v);
-    dsbnb::cpu::quantize_block(len, m, dsbnb::reciprocal(max1), c1, t1.generic);
-    dsbnb::cpu::quantize_block(len, v, dsbnb::reciprocal(max2), c2, t2.generic);
+    dsbnb::cpu::quantize_block(len, m, dsbnb::reciprocal(max1), c1, t1);
+    dsbnb::cpu::quantize_block(len, v, dsbnb::reciprocal(max2), c2, t2);
     *a1 = max1;
     *a2 = max2;
 }

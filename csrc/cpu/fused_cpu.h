@@ -25,19 +25,21 @@
 
 #include "adam8bit_avx512.h"
 #include "dsbnb/adam8bit.h"
+#include "quantize_keys.h"
 
 namespace dsbnb {
 namespace cpu {
 
 // Everything the kernels derive from one 256-entry map.
 struct MapTables {
-    QuantTables generic;  // the portable quantizer (any map)
+    QuantTables generic;  // the exact quantizer of any map (and the settling of near ties)
+    KeyTable keys;        // the compact quantizer of bnb-style maps (used where keys.usable)
 #if DSBNB_AVX512
-    avx512::FastTables fast;  // the AVX-512 look-ups (used where fast.usable)
-    explicit MapTables(const float* qmap) : generic(qmap), fast(qmap, generic) {}
-    bool fast_usable() const { return fast.usable; }
+    avx512::FastTables fast;  // the byte planes of the AVX-512 dequantizer
+    explicit MapTables(const float* qmap) : generic(qmap), keys(generic), fast(qmap) {}
+    bool fast_usable() const { return keys.usable; }
 #else
-    explicit MapTables(const float* qmap) : generic(qmap) {}
+    explicit MapTables(const float* qmap) : generic(qmap), keys(generic) {}
     bool fast_usable() const { return false; }
 #endif
 };
@@ -99,11 +101,38 @@ inline float block_absmax(int64_t len, const float* x) {
     return top;
 }
 
-// codes[j] = the nearest code of normalize(x[j], reciprocal_absmax): the portable quantizer (any map; vectorized by
-// the compiler, with gathers).
+// codes[j] = the nearest code of normalize(x[j], reciprocal_absmax): the portable quantizer (vectorized by the
+// compiler). bnb-style maps take the compact key table (one L1 look-up per value; the ~1/256 near ties settled
+// exactly after), any other map the generic look-up and its walk.
 inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax, uint8_t* __restrict__ codes,
-                           const QuantTables& t) {
-    if (t.max_walk <= 1) {  // bnb's maps: one compare per value, no sorted-index tables
+                           const MapTables& tables) {
+    const QuantTables& t = tables.generic;
+    if (tables.keys.usable) {
+        const KeyTable& keys = tables.keys;
+        int ties = 0;
+        int64_t done = 0;
+#if defined(__AVX2__)
+        alignas(32) float u[kBlock];
+        for (int64_t j = 0; j < len; ++j) u[j] = normalize(x[j], reciprocal_absmax);
+        for (; done + 8 <= len; done += 8) ties |= keys.lookup8(_mm256_load_ps(u + done), codes + done);
+#endif
+#pragma omp simd reduction(| : ties)
+        for (int64_t j = done; j < len; ++j) {
+            bool near;
+            codes[j] = static_cast<uint8_t>(keys.lookup(normalize(x[j], reciprocal_absmax), near));
+            ties |= near;
+        }
+        if (ties) {  // rare: settle every value whose bucket could not tell (same answer where it could)
+            for (int64_t j = 0; j < len; ++j) {
+                bool near;
+                const float u = normalize(x[j], reciprocal_absmax);
+                keys.lookup(u, near);
+                if (near) codes[j] = static_cast<uint8_t>(nearest_sorted(u, t.midpoints, t.lut, t.max_walk));
+            }
+        }
+        return;
+    }
+    if (t.max_walk <= 1) {  // one compare per value
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) {
             const float u = normalize(x[j], reciprocal_absmax);
@@ -137,8 +166,10 @@ constexpr avx512::Grad grad_kind() {
 }
 
 // quantize_block for a full block of a map with usable fast tables (same codes, one gather per 16 values).
-inline void quantize_full_block(const avx512::FastTables& t, const float* x, float reciprocal_absmax, uint8_t* codes) {
-    for (int64_t j = 0; j < kBlock; j += 16) avx512::quantize16(t, x + j, reciprocal_absmax, codes + j);
+inline void quantize_full_block(const MapTables& t, const float* x, float reciprocal_absmax, uint8_t* codes) {
+    for (int64_t j = 0; j < kBlock; j += 16) {
+        avx512::quantize16(t.keys, t.generic.midpoints, x + j, reciprocal_absmax, codes + j);
+    }
 }
 #endif
 
@@ -261,7 +292,7 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
                                                                    max1)) {
             max1 = block_absmax(len, m);  // a NaN momentum: the first-NaN rule
         }
-        quantize_full_block(t1.fast, m, reciprocal(max1), c1);
+        quantize_full_block(t1, m, reciprocal(max1), c1);
         *a1 = max1;
         return;
     }
@@ -270,7 +301,7 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
     dequantize_block(len, c1, *a1, q1, m_old);
     Rule::template update<GradT, Scale>(hyper, len, p, g_in, m_old, inv_scale, m);
     max1 = block_absmax(len, m);
-    quantize_block(len, m, reciprocal(max1), c1, t1.generic);
+    quantize_block(len, m, reciprocal(max1), c1, t1);
     *a1 = max1;
 }
 
