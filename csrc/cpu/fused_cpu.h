@@ -112,9 +112,16 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
         int ties = 0;
         int64_t done = 0;
 #if defined(__AVX2__)
-        alignas(32) float u[kBlock];
-        for (int64_t j = 0; j < len; ++j) u[j] = normalize(x[j], reciprocal_absmax);
-        for (; done + 8 <= len; done += 8) ties |= keys.lookup8(_mm256_load_ps(u + done), codes + done);
+        const __m256 r = _mm256_set1_ps(reciprocal_absmax);
+        for (; done + 8 <= len; done += 8) {
+            __m256 u = _mm256_mul_ps(_mm256_loadu_ps(x + done), r);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(u, u, _CMP_UNORD_Q))) {  // rare: normalize()'s inf * 0 and NaN rules
+                alignas(32) float exact[8];
+                for (int k = 0; k < 8; ++k) exact[k] = normalize(x[done + k], reciprocal_absmax);
+                u = _mm256_load_ps(exact);
+            }
+            ties |= keys.lookup8(u, codes + done);
+        }
 #endif
 #pragma omp simd reduction(| : ties)
         for (int64_t j = done; j < len; ++j) {
