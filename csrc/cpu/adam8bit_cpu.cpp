@@ -34,12 +34,13 @@ void update_block(const Hyper& hyper, int64_t len, float* __restrict__ p, const 
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
         float mm, vv;
+        const float p_old = p[j];
         dsbnb::adam_moments(m_old[j], v_old[j], g[j], h, mm, vv);
-        const float pn = dsbnb::adam_param(p[j], mm, vv, h);
+        const float pn = dsbnb::adam_param(p_old, mm, vv, h);
         const bool ok = dsbnb::cpu::finite(g[j]);
-        m[j] = ok ? mm : m_old[j];
-        v[j] = ok ? vv : v_old[j];
-        p[j] = ok ? pn : p[j];
+        m[j] = dsbnb::cpu::select(ok, mm, m_old[j]);
+        v[j] = dsbnb::cpu::select(ok, vv, v_old[j]);
+        p[j] = dsbnb::cpu::select(ok, pn, p_old);
     }
 }
 
@@ -85,12 +86,13 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
         float g = dsbnb::cpu::to_float(g_in[j]);
         if (Scale) g = g * inv_scale;
         float mm, vv;
-        dsbnb::adam_moments(s1[j], s2[j], g, h, mm, vv);
-        const float pn = dsbnb::adam_param(p[j], mm, vv, h);
+        const float m_old = s1[j], v_old = s2[j], p_old = p[j];
+        dsbnb::adam_moments(m_old, v_old, g, h, mm, vv);
+        const float pn = dsbnb::adam_param(p_old, mm, vv, h);
         const bool ok = dsbnb::cpu::finite(g);
-        s1[j] = ok ? mm : s1[j];
-        s2[j] = ok ? vv : s2[j];
-        p[j] = ok ? pn : p[j];
+        s1[j] = dsbnb::cpu::select(ok, mm, m_old);
+        s2[j] = dsbnb::cpu::select(ok, vv, v_old);
+        p[j] = dsbnb::cpu::select(ok, pn, p_old);
     }
 }
 

@@ -36,12 +36,12 @@ struct LionRule {
         dsbnb::cpu::widen_grads<GradT, Scale>(len, g_in, inv_scale, g);
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) {
-            const float old = m_old[j];
-            const float pn = dsbnb::lion_param(p[j], old, g[j], h);
+            const float old = m_old[j], p_old = p[j];
+            const float pn = dsbnb::lion_param(p_old, old, g[j], h);
             const float mn = dsbnb::lion_momentum(old, g[j], h);
             const bool ok = dsbnb::cpu::finite(g[j]);
-            p[j] = ok ? pn : p[j];
-            m[j] = ok ? mn : old;
+            p[j] = dsbnb::cpu::select(ok, pn, p_old);
+            m[j] = dsbnb::cpu::select(ok, mn, old);
         }
     }
 

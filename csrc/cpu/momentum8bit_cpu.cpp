@@ -37,12 +37,12 @@ struct MomentumRule {
         dsbnb::cpu::widen_grads<GradT, Scale>(len, g_in, inv_scale, g);
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) {
-            const float old = m_old[j];
-            const float mn = dsbnb::momentum_state(p[j], old, g[j], h);
-            const float pn = dsbnb::momentum_param(p[j], mn, h);
+            const float old = m_old[j], p_old = p[j];
+            const float mn = dsbnb::momentum_state(p_old, old, g[j], h);
+            const float pn = dsbnb::momentum_param(p_old, mn, h);
             const bool ok = dsbnb::cpu::finite(g[j]);
-            p[j] = ok ? pn : p[j];
-            m[j] = ok ? mn : old;
+            p[j] = dsbnb::cpu::select(ok, pn, p_old);
+            m[j] = dsbnb::cpu::select(ok, mn, old);
         }
     }
 
