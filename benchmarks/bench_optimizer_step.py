@@ -130,6 +130,25 @@ def measure_interleaved(makers, n, repeats):
     return {name: rates[name] for name in makers}
 
 
+def cpu_description():
+    """The CPU model and which full-block path the JIT build (-march=native) compiles in: the table's numbers depend
+    on it far more than on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 VBMI, quantize_keys.h AVX2)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            text = info.read()
+    except OSError:
+        return "CPU unknown"
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
+        path = "AVX-512 VBMI path"
+    elif "avx2" in flags:
+        path = "AVX2 path"
+    else:
+        path = "portable loops"
+    return f"{model}, kernel: {path}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64], help="millions of elements (2^20)")
@@ -141,7 +160,7 @@ def main():
         args.sizes, args.threads, args.repeats = [1], [1], 3
     if not adam8bit.kernel_available():
         print("note: the C++ kernel could not be built; its row measures the reference instead")
-    print(f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, {os.cpu_count()} CPUs\n")
+    print(f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, {os.cpu_count()} CPUs ({cpu_description()})\n")
     print("| elements | threads | implementation | M elements/s | vs torch fused fp32 AdamW | vs bnb CPU 8-bit, same "
           "rule |")
     print("|---:|---:|---|---:|---:|---:|")
