@@ -3,14 +3,18 @@
 - `DEEPSPEED_BNB_BUILD_EXT=1 setup.py build_ext` produces deepspeed_bnb._C; a package holding it (and no C++
   sources, so no JIT is possible) loads the prebuilt operator and its results equal the reference's.
 - Without a working build the loader warns once and the fused step runs the pure-torch reference.
+- Built for a CPU without AVX2 (the portable loops that ARM and older x86 run), the kernels are still bit-identical
+  to the reference (this machine's own build runs the AVX2 or AVX-512 paths instead).
 """
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import warnings
 
+import pytest
 
 from conftest import TESTS
 from deepspeed_bnb.ops import loader
@@ -63,3 +67,11 @@ def test_missing_toolchain_falls_back_to_reference_with_one_warning(monkeypatch)
     b.step(1, grads, False, 1.0)
     import torch
     assert torch.equal(a.params, b.params) and torch.equal(a.codes2, b.codes2)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds for -march=x86-64-v2 (an x86 CPU)")
+def test_portable_build_without_avx2_matches_the_reference(tmp_path):
+    from conftest import run_or_fail, without_launch_vars
+    env = {**without_launch_vars(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    done = run_or_fail([sys.executable, os.path.join(TESTS, "portable_kernel_run.py")], env, timeout=900, cwd=ROOT)
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
