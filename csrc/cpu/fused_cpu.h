@@ -122,7 +122,8 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
     const QuantTables& t = tables.generic;
     if (tables.keys.usable) {
         const KeyTable& keys = tables.keys;
-        int ties = 0;
+        // a value within 256 ulps of its bucket's midpoint (~1 in 256: most blocks hold one) takes the exact compare
+        auto settle = [&t](float u) { return static_cast<uint8_t>(nearest_sorted(u, t.midpoints, t.lut, t.max_walk)); };
         int64_t done = 0;
 #if defined(__AVX2__)
         const __m256 r = _mm256_set1_ps(reciprocal_absmax);
@@ -133,21 +134,29 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
                 for (int k = 0; k < 8; ++k) exact[k] = normalize(x[done + k], reciprocal_absmax);
                 u = _mm256_load_ps(exact);
             }
-            ties |= keys.lookup8(u, codes + done);
+            const int near = keys.lookup8(u, codes + done);
+            if (near) {  // only the flagged lanes, here: no second pass over the block
+                alignas(32) float value[8];
+                _mm256_store_ps(value, u);
+                for (int k = 0; k < 8; ++k) {
+                    if (near >> k & 1) codes[done + k] = settle(value[k]);
+                }
+            }
         }
 #endif
+        int ties = 0;
 #pragma omp simd reduction(| : ties)
         for (int64_t j = done; j < len; ++j) {
             bool near;
             codes[j] = static_cast<uint8_t>(keys.lookup(normalize(x[j], reciprocal_absmax), near));
             ties |= near;
         }
-        if (ties) {  // rare: settle every value whose bucket could not tell (same answer where it could)
-            for (int64_t j = 0; j < len; ++j) {
+        if (ties) {  // settle the flagged values of the vectorized loop above (same answer where they were not)
+            for (int64_t j = done; j < len; ++j) {
                 bool near;
                 const float u = normalize(x[j], reciprocal_absmax);
                 keys.lookup(u, near);
-                if (near) codes[j] = static_cast<uint8_t>(nearest_sorted(u, t.midpoints, t.lut, t.max_walk));
+                if (near) codes[j] = settle(u);
             }
         }
         return;
