@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 
 from deepspeed_bnb.ops import build_flags, loader  # noqa: E402
 
-flags = ["-O3", "-march=x86-64-v2", "-fopenmp"] + build_flags._EXACT
+flags = ["-O3", "-march=x86-64-v2", "-fopenmp"] + build_flags.EXACT_CPU_FLAGS
 load(name="deepspeed_bnb_ops_x86_64_v2", sources=[os.path.join(ROOT, p) for p in build_flags.CPU_SOURCES],
      extra_include_paths=[os.path.join(ROOT, "csrc", "include")], extra_cflags=flags,
      extra_ldflags=build_flags.LINK_FLAGS, is_python_module=False)

@@ -13,8 +13,8 @@ CUDA_SOURCES = ["csrc/cuda/adam8bit.cu", "csrc/cuda/adam8bit_cuda.cpp", "csrc/cu
 # -fno-trapping-math: without it gcc refuses to if-convert the update loops (a select around a division or sqrt "may
 # trap"), so they ran one element at a time wherever the AVX-512 path is not compiled in (~3x slower on AVX2 Zen 3).
 # It changes no result: the kernels never read the FP exception flags, and rounding stays IEEE (no fast-math).
-_EXACT = ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math"]
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp"] + _EXACT
-CPU_PORTABLE_FLAGS = ["-O3", "-mavx2", "-fopenmp"] + _EXACT
+EXACT_CPU_FLAGS = ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math"]
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp"] + EXACT_CPU_FLAGS
+CPU_PORTABLE_FLAGS = ["-O3", "-mavx2", "-fopenmp"] + EXACT_CPU_FLAGS
 NVCC_FLAGS = ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", "-ftz=false"]
 LINK_FLAGS = ["-fopenmp"]
