@@ -20,15 +20,20 @@ from setuptools import find_packages, setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _ops_module(name):
+    """deepspeed_bnb/ops/<name>.py, loaded without importing the package (which needs torch and deepspeed)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "deepspeed_bnb", "ops", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def extensions():
     if os.environ.get("DEEPSPEED_BNB_BUILD_EXT") != "1":
         return [], {}
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-    spec = importlib.util.spec_from_file_location("build_flags", os.path.join(HERE, "deepspeed_bnb", "ops",
-                                                                             "build_flags.py"))
-    flags = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flags)
+    flags, features = (_ops_module(name) for name in ("build_flags", "cpu_features"))
     cpu_flags = flags.CPU_PORTABLE_FLAGS if os.environ.get("DEEPSPEED_BNB_PORTABLE") == "1" else flags.CPU_FLAGS
     sources = ["csrc/python_module.cpp", *flags.CPU_SOURCES]
     common = dict(include_dirs=[os.path.join(HERE, "csrc", "include")], extra_link_args=flags.LINK_FLAGS)
@@ -38,7 +43,18 @@ def extensions():
                                   extra_compile_args={"cxx": cpu_flags, "nvcc": flags.NVCC_FLAGS}, **common)
     else:
         extension = CppExtension("deepspeed_bnb._C", sources, extra_compile_args={"cxx": cpu_flags}, **common)
-    return [extension], {"build_ext": BuildExtension}
+
+    class BuildRecordingNeeds(BuildExtension):
+        """Writes beside deepspeed_bnb._C the instruction sets its CPU code was compiled for: the loader refuses the
+        build on a CPU that lacks one (it would die with SIGILL) instead of crashing the first optimizer step."""
+
+        def build_extensions(self):
+            super().build_extensions()
+            needs = features.compiler_needs(cpu_flags)
+            for ext in self.extensions:
+                features.write_needs(self.get_ext_fullpath(ext.name), needs)
+
+    return [extension], {"build_ext": BuildRecordingNeeds}
 
 
 ext_modules, cmdclass = extensions()

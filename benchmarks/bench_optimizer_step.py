@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bitsandbytes as bnb  # noqa: E402
 
-from deepspeed_bnb.ops import adam8bit, lion8bit, momentum8bit  # noqa: E402
+from deepspeed_bnb.ops import adam8bit, cpu_features, lion8bit, momentum8bit  # noqa: E402
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper  # noqa: E402
 from deepspeed_bnb.state_layout import GroupLayout  # noqa: E402
 
@@ -139,7 +139,7 @@ def cpu_description():
     except OSError:
         return "CPU unknown"
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    flags = cpu_features.cpu_has() or frozenset()
     if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
         path = "AVX-512 VBMI path"
     elif "avx2" in flags:

@@ -3,6 +3,9 @@
 - `DEEPSPEED_BNB_BUILD_EXT=1 setup.py build_ext` produces deepspeed_bnb._C; a package holding it (and no C++
   sources, so no JIT is possible) loads the prebuilt operator and its results equal the reference's.
 - Without a working build the loader warns once and the fused step runs the pure-torch reference.
+- A build is only ever loaded on a CPU with the instruction sets it was compiled for: setup.py records them beside
+  _C and the loader refuses a prebuilt build this CPU cannot run (it would die with SIGILL); JIT builds are cached
+  per set of instruction sets, so a shared cache never hands one CPU another's build.
 - Built for a CPU without AVX2 (the portable loops that ARM and older x86 run), the kernels are still bit-identical
   to the reference (this machine's own build runs the AVX2 or AVX-512 paths instead).
 """
@@ -17,7 +20,8 @@ import warnings
 import pytest
 
 from conftest import TESTS
-from deepspeed_bnb.ops import loader
+from deepspeed_bnb.ops import cpu_features, loader
+from deepspeed_bnb.ops.build_flags import CPU_FLAGS
 
 ROOT = os.path.dirname(TESTS)
 
@@ -40,9 +44,67 @@ def test_prebuilt_extension_is_used(tmp_path):
             "a.step(1, g, True, 1.0); b.step(1, g, False, 1.0)\n"
             "assert torch.equal(a.params, b.params) and torch.equal(a.codes1, b.codes1)\n"
             "print('ok', loader.__file__)") % TESTS
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "pkg")},
-                          cwd=tmp_path, capture_output=True, text=True)  # not the source tree: it would come first
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                          text=True)  # not the source tree: it would come first
     assert done.returncode == 0 and str(package) in done.stdout, done.stdout + done.stderr[-4000:]
+
+    # what the build needs is recorded beside it, and this CPU has it (else the run above would have been refused)
+    needs = (package / cpu_features.ISA_FILE).read_text().split()
+    assert needs == sorted(cpu_features.compiler_needs(CPU_FLAGS)) and needs
+    # the same package, but recorded as needing an instruction set this CPU lacks: refused before it is imported
+    (package / cpu_features.ISA_FILE).write_text("\n".join(needs + ["avx512_not_on_this_cpu"]) + "\n")
+    code = ("import sys, warnings\n"
+            "from deepspeed_bnb.ops import loader\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    assert loader.load() is False\n"
+            "assert 'deepspeed_bnb._C' not in sys.modules\n"
+            "print(caught[0].message)")
+    refused = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 0, refused.stdout + refused.stderr[-4000:]
+    for words in ("avx512_not_on_this_cpu", "SIGILL", "DEEPSPEED_BNB_PORTABLE=1", "_C"):
+        assert words in refused.stdout, refused.stdout
+
+
+@pytest.mark.skipif(cpu_features.cpu_has() is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="reads /proc/cpuinfo and x86 compiler macros")
+def test_compiler_needs_match_cpu_flags():
+    # -march=native asks for what this CPU has: if a macro were mapped to the wrong /proc/cpuinfo name, the loader
+    # would refuse every build here
+    native = cpu_features.compiler_needs(CPU_FLAGS)
+    assert native and cpu_features.missing(native) == []
+    v2, v3, v4 = (cpu_features.compiler_needs([f"-march=x86-64-{level}", "-O3", "-fopenmp"])
+                  for level in ("v2", "v3", "v4"))
+    assert {"sse4_2", "popcnt"} <= v2 and "avx2" not in v2
+    assert v2 < v3 and {"avx2", "fma", "bmi2", "f16c"} <= v3 and "avx512f" not in v3
+    assert v3 < v4 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= v4
+    assert len({cpu_features.build_tag(n) for n in (v2, v3, v4)}) == 3
+    assert cpu_features.missing(v4, has=v3) == ["avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"]
+
+
+def test_jit_build_is_named_after_the_instruction_sets(monkeypatch, tmp_path):
+    # two kinds of CPU sharing one TORCH_EXTENSIONS_DIR get two builds; the same kind, one
+    import torch.utils.cpp_extension as cpp_extension
+    names = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kwargs: names.append(name))
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(loader, "_prebuilt_refusal", lambda: None)
+
+    def no_prebuilt(name):  # as if no deepspeed_bnb._C were installed, even where one is
+        raise ImportError(name)
+    monkeypatch.setattr(loader.importlib, "import_module", no_prebuilt)
+    for needs in ({"avx2", "fma"}, {"avx2", "fma", "avx512f"}, {"fma", "avx2"}):
+        monkeypatch.setattr(cpu_features, "compiler_needs", lambda flags, needs=needs: frozenset(needs))
+        assert loader._build(verbose=False) == "jit"
+    assert names[0] != names[1] and names[0] == names[2] and names[0].startswith(loader.NAME)
+
+    # a refused prebuilt build, then a JIT build that works: one warning says why the JIT ran
+    monkeypatch.setattr(loader, "_prebuilt_refusal", lambda: "the prebuilt _C needs avx512f")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert loader._build(verbose=False) == "jit"
+    assert len(caught) == 1 and "needs avx512f" in str(caught[0].message) and "JIT" in str(caught[0].message)
 
 
 def test_missing_toolchain_falls_back_to_reference_with_one_warning(monkeypatch):

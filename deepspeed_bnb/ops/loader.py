@@ -1,12 +1,15 @@
 """Loads the compiled operators: the prebuilt `deepspeed_bnb._C` if present, else a ninja JIT build of csrc/ (cached).
 
 The JIT build compiles csrc/ops.cpp and the CPU kernels (plus the CUDA kernels when torch has CUDA) with
-torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change.
+torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change and
+per kind of CPU (its name carries a tag of the instruction sets -march=native enables here: see cpu_features.py). A
+prebuilt extension compiled for instruction sets this CPU lacks is refused (it would die with SIGILL), with a warning.
 Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), it warns once and
 deepspeed_bnb falls back to the pure-torch reference (same results, slow).
 """
 
 import importlib
+import importlib.util
 import os
 import threading
 import warnings
@@ -14,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from deepspeed_bnb.ops import cpu_features
 from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,22 +37,43 @@ def _has_op() -> bool:
     return hasattr(torch.ops, "deepspeed_bnb") and all(hasattr(torch.ops.deepspeed_bnb, op) for op in OPS)
 
 
+def _prebuilt_refusal() -> Optional[str]:
+    """Why the prebuilt deepspeed_bnb._C must not be loaded on this CPU, or None (absent, or fit to run here)."""
+    spec = importlib.util.find_spec("deepspeed_bnb._C")
+    if spec is None or spec.origin is None:
+        return None
+    lacking = cpu_features.missing(cpu_features.read_needs(spec.origin) or ())
+    if not lacking:
+        return None
+    return (f"the prebuilt {spec.origin} was compiled for instruction sets this CPU lacks ({', '.join(lacking)}; "
+            f"listed in {cpu_features.ISA_FILE} beside it) and would die with SIGILL here; rebuild it on this machine, "
+            f"or for any AVX2 CPU with DEEPSPEED_BNB_BUILD_EXT=1 DEEPSPEED_BNB_PORTABLE=1")
+
+
 def _build(verbose: bool) -> str:
-    try:
-        importlib.import_module("deepspeed_bnb._C")  # prebuilt by setup.py (DEEPSPEED_BNB_BUILD_EXT=1)
-        return "prebuilt"
-    except ImportError:
-        pass
+    refused = _prebuilt_refusal()
+    if refused is None:
+        try:
+            importlib.import_module("deepspeed_bnb._C")  # prebuilt by setup.py (DEEPSPEED_BNB_BUILD_EXT=1)
+            return "prebuilt"
+        except ImportError:
+            pass
     if not os.path.isfile(os.path.join(CSRC, "ops.cpp")):
-        raise FileNotFoundError(f"the C++ sources are not at {CSRC} (installed without them and without the "
+        raise FileNotFoundError((refused + "; and " if refused else "") +
+                                f"the C++ sources are not at {CSRC} (installed without them and without a usable "
                                 f"prebuilt extension); reinstall with DEEPSPEED_BNB_BUILD_EXT=1")
     from torch.utils.cpp_extension import load, verify_ninja_availability
     verify_ninja_availability()
     cuda = torch.version.cuda is not None and torch.cuda.is_available()
-    load(name=NAME + ("_cuda" if cuda else ""), sources=sources(cuda),
+    # one cached build per kind of CPU: a shared TORCH_EXTENSIONS_DIR must not hand this CPU another CPU's build
+    tag = cpu_features.build_tag(cpu_features.compiler_needs(CPU_FLAGS))
+    load(name=f"{NAME}{'_cuda' if cuda else ''}_{tag}", sources=sources(cuda),
          extra_include_paths=[os.path.join(CSRC, "include")],
          extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
          verbose=verbose)
+    if refused:
+        warnings.warn(f"deepspeed_bnb: {refused}. JIT-compiled the kernels for this CPU instead.", RuntimeWarning,
+                      stacklevel=4)
     return "jit"
 
 

@@ -1,0 +1,83 @@
+"""Which x86 instruction sets a CPU build of the operators needs, and whether this CPU has them (importable without
+torch, for setup.py).
+
+Why: the CPU kernels are compiled with -march=native by default, so a build runs only on CPUs with the builder's
+instruction sets. Two ordinary setups moved such builds to other CPUs, where the first step dies with SIGILL (no
+Python error, no warning): a prebuilt `deepspeed_bnb._C` baked into a container image on one machine and run on
+another, and the JIT cache under a home directory that a heterogeneous cluster shares (torch's JIT reuses a build when
+the sources and flags match, and "-march=native" reads the same on every node; DeepSpeed's own JIT ops share the
+hazard). The loader therefore (1) refuses a prebuilt build whose recorded needs this CPU lacks, and (2) names the JIT
+build after the instruction sets the compiler enables, so each kind of CPU gets its own cached build.
+
+The needs are read from the compiler itself (`c++ <flags> -dM -E`: the predefined __AVX2__-style macros), and
+compared with the "flags" line of /proc/cpuinfo. Only the instruction-set macros in ISA_MACROS are checked (their
+/proc/cpuinfo names are not uniform); on systems without /proc/cpuinfo nothing can be checked and nothing is refused.
+"""
+
+import hashlib
+import os
+import re
+import subprocess
+from typing import FrozenSet, Iterable, List, Optional
+
+# compiler macro (without the underscores around it) -> the flag /proc/cpuinfo shows for that instruction set
+ISA_MACROS = {
+    "SSE3": "pni", "SSSE3": "ssse3", "SSE4_1": "sse4_1", "SSE4_2": "sse4_2", "POPCNT": "popcnt",
+    "AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI": "bmi1", "BMI2": "bmi2", "LZCNT": "abm",
+    "AVX512F": "avx512f", "AVX512BW": "avx512bw", "AVX512DQ": "avx512dq", "AVX512VL": "avx512vl",
+    "AVX512CD": "avx512cd", "AVX512VBMI": "avx512vbmi", "AVX512VBMI2": "avx512_vbmi2",
+    "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16", "AVX512FP16": "avx512_fp16",
+    "AVX512IFMA": "avx512ifma", "AVX512BITALG": "avx512_bitalg", "AVX512VPOPCNTDQ": "avx512_vpopcntdq",
+    "AVXVNNI": "avx_vnni", "GFNI": "gfni",
+}
+# flags that choose the target; the rest of a build's flags (-O3, -fopenmp, ...) do not change what it needs
+_TARGET_FLAG = re.compile(r"^-m(arch|tune|cpu|avx|sse|fma|f16c|bmi|popcnt|lzcnt|gfni|no-)")
+ISA_FILE = "_C_isa.txt"  # written next to the prebuilt extension by setup.py: one /proc/cpuinfo flag per line
+
+
+def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> FrozenSet[str]:
+    """The /proc/cpuinfo flags that code compiled with `flags` may use (raises if the compiler cannot run)."""
+    command = [compiler or os.environ.get("CXX", "c++"), *(f for f in flags if _TARGET_FLAG.match(f)),
+               "-dM", "-E", "-x", "c++", os.devnull]
+    macros = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    defined = set(re.findall(r"#define __(\w+?)__ 1", macros))
+    return frozenset(flag for macro, flag in ISA_MACROS.items() if macro in defined)
+
+
+def cpu_has() -> Optional[FrozenSet[str]]:
+    """This CPU's instruction-set flags from /proc/cpuinfo; None where there is no such file (not checked there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def missing(needs: Iterable[str], has: Optional[FrozenSet[str]] = None) -> List[str]:
+    """The needed instruction sets this CPU lacks, sorted (empty when it has them all, or when it cannot tell)."""
+    has = cpu_has() if has is None else has
+    return [] if has is None else sorted(set(needs) - has)
+
+
+def build_tag(needs: Iterable[str]) -> str:
+    """A short name for a set of needs: part of the JIT build's name, so CPUs that differ get separate builds."""
+    return hashlib.sha256(" ".join(sorted(needs)).encode()).hexdigest()[:10]
+
+
+def read_needs(extension_path: str) -> Optional[FrozenSet[str]]:
+    """What setup.py recorded beside a prebuilt extension (None: nothing recorded, e.g. a build by an older version)."""
+    path = os.path.join(os.path.dirname(extension_path), ISA_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return frozenset(line.strip() for line in f if line.strip())
+
+
+def write_needs(extension_path: str, needs: Iterable[str]) -> str:
+    path = os.path.join(os.path.dirname(extension_path), ISA_FILE)
+    with open(path, "w") as f:
+        f.write("".join(f"{flag}\n" for flag in sorted(needs)))
+    return path
