@@ -74,12 +74,15 @@ def test_compiler_needs_match_cpu_flags():
     # would refuse every build here
     native = cpu_features.compiler_needs(CPU_FLAGS)
     assert native and cpu_features.missing(native) == []
-    v2, v3, v4 = (cpu_features.compiler_needs([f"-march=x86-64-{level}", "-O3", "-fopenmp"])
-                  for level in ("v2", "v3", "v4"))
+    macros = [cpu_features.compiler_macros([f"-march=x86-64-{level}", "-O3", "-fopenmp"])
+              for level in ("v2", "v3", "v4")]
+    v2, v3, v4 = (cpu_features.needs_of(m) for m in macros)
     assert {"sse4_2", "popcnt"} <= v2 and "avx2" not in v2
     assert v2 < v3 and {"avx2", "fma", "bmi2", "f16c"} <= v3 and "avx512f" not in v3
     assert v3 < v4 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= v4
-    assert len({cpu_features.build_tag(n) for n in (v2, v3, v4)}) == 3
+    assert len({cpu_features.build_tag(m) for m in macros}) == 3
+    assert cpu_features.build_tag(cpu_features.compiler_macros(["-march=x86-64-v3"])) == cpu_features.build_tag(
+        macros[1])  # -O3 and -fopenmp do not change the target
     assert cpu_features.missing(v4, has=v3) == ["avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"]
 
 
@@ -94,8 +97,8 @@ def test_jit_build_is_named_after_the_instruction_sets(monkeypatch, tmp_path):
     def no_prebuilt(name):  # as if no deepspeed_bnb._C were installed, even where one is
         raise ImportError(name)
     monkeypatch.setattr(loader.importlib, "import_module", no_prebuilt)
-    for needs in ({"avx2", "fma"}, {"avx2", "fma", "avx512f"}, {"fma", "avx2"}):
-        monkeypatch.setattr(cpu_features, "compiler_needs", lambda flags, needs=needs: frozenset(needs))
+    for macros in ("#define __AVX2__ 1", "#define __AVX2__ 1\n#define __AVX512F__ 1", "#define __AVX2__ 1"):
+        monkeypatch.setattr(cpu_features, "compiler_macros", lambda flags, macros=macros: macros)
         assert loader._build(verbose=False) == "jit"
     assert names[0] != names[1] and names[0] == names[2] and names[0].startswith(loader.NAME)
 

@@ -7,11 +7,12 @@ Python error, no warning): a prebuilt `deepspeed_bnb._C` baked into a container 
 another, and the JIT cache under a home directory that a heterogeneous cluster shares (torch's JIT reuses a build when
 the sources and flags match, and "-march=native" reads the same on every node; DeepSpeed's own JIT ops share the
 hazard). The loader therefore (1) refuses a prebuilt build whose recorded needs this CPU lacks, and (2) names the JIT
-build after the instruction sets the compiler enables, so each kind of CPU gets its own cached build.
+build after the target the compiler resolves -march=native to, so each kind of CPU gets its own cached build.
 
 The needs are read from the compiler itself (`c++ <flags> -dM -E`: the predefined __AVX2__-style macros), and
-compared with the "flags" line of /proc/cpuinfo. Only the instruction-set macros in ISA_MACROS are checked (their
-/proc/cpuinfo names are not uniform); on systems without /proc/cpuinfo nothing can be checked and nothing is refused.
+compared with the "flags" line of /proc/cpuinfo. Only the x86 instruction-set macros in ISA_MACROS are checked
+(their /proc/cpuinfo names are not uniform); on other CPUs (ARM) and systems without /proc/cpuinfo a prebuilt build
+cannot be checked and is not refused, while the JIT naming covers every target macro.
 """
 
 import hashlib
@@ -35,13 +36,22 @@ _TARGET_FLAG = re.compile(r"^-m(arch|tune|cpu|avx|sse|fma|f16c|bmi|popcnt|lzcnt|
 ISA_FILE = "_C_isa.txt"  # written next to the prebuilt extension by setup.py: one /proc/cpuinfo flag per line
 
 
-def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> FrozenSet[str]:
-    """The /proc/cpuinfo flags that code compiled with `flags` may use (raises if the compiler cannot run)."""
+def compiler_macros(flags: Iterable[str], compiler: Optional[str] = None) -> str:
+    """The macros the compiler predefines for `flags`' target, sorted (raises if the compiler cannot run)."""
     command = [compiler or os.environ.get("CXX", "c++"), *(f for f in flags if _TARGET_FLAG.match(f)),
                "-dM", "-E", "-x", "c++", os.devnull]
-    macros = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return "\n".join(sorted(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()))
+
+
+def needs_of(macros: str) -> FrozenSet[str]:
+    """The /proc/cpuinfo flags that code compiled with these predefined macros may use."""
     defined = set(re.findall(r"#define __(\w+?)__ 1", macros))
     return frozenset(flag for macro, flag in ISA_MACROS.items() if macro in defined)
+
+
+def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> FrozenSet[str]:
+    """The /proc/cpuinfo flags that code compiled with `flags` may use (raises if the compiler cannot run)."""
+    return needs_of(compiler_macros(flags, compiler))
 
 
 def cpu_has() -> Optional[FrozenSet[str]]:
@@ -62,9 +72,11 @@ def missing(needs: Iterable[str], has: Optional[FrozenSet[str]] = None) -> List[
     return [] if has is None else sorted(set(needs) - has)
 
 
-def build_tag(needs: Iterable[str]) -> str:
-    """A short name for a set of needs: part of the JIT build's name, so CPUs that differ get separate builds."""
-    return hashlib.sha256(" ".join(sorted(needs)).encode()).hexdigest()[:10]
+def build_tag(macros: str) -> str:
+    """A short name for a compiler target: part of the JIT build's name, so CPUs that differ get separate builds.
+    All the predefined macros count, not only ISA_MACROS: every instruction-set extension the compiler knows (ARM's
+    __ARM_FEATURE_SVE too), the tuning target and the compiler version."""
+    return hashlib.sha256(macros.encode()).hexdigest()[:10]
 
 
 def read_needs(extension_path: str) -> Optional[FrozenSet[str]]:

@@ -2,7 +2,7 @@
 
 The JIT build compiles csrc/ops.cpp and the CPU kernels (plus the CUDA kernels when torch has CUDA) with
 torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change and
-per kind of CPU (its name carries a tag of the instruction sets -march=native enables here: see cpu_features.py). A
+per kind of CPU (its name carries a tag of the target -march=native resolves to here: see cpu_features.py). A
 prebuilt extension compiled for instruction sets this CPU lacks is refused (it would die with SIGILL), with a warning.
 Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), it warns once and
 deepspeed_bnb falls back to the pure-torch reference (same results, slow).
@@ -66,7 +66,7 @@ def _build(verbose: bool) -> str:
     verify_ninja_availability()
     cuda = torch.version.cuda is not None and torch.cuda.is_available()
     # one cached build per kind of CPU: a shared TORCH_EXTENSIONS_DIR must not hand this CPU another CPU's build
-    tag = cpu_features.build_tag(cpu_features.compiler_needs(CPU_FLAGS))
+    tag = cpu_features.build_tag(cpu_features.compiler_macros(CPU_FLAGS))
     load(name=f"{NAME}{'_cuda' if cuda else ''}_{tag}", sources=sources(cuda),
          extra_include_paths=[os.path.join(CSRC, "include")],
          extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
