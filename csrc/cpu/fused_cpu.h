@@ -302,10 +302,29 @@ void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, c
 }
 
 // --- one-state rules (Lion, SGD-momentum): everything but the arithmetic -----------------------------------------
-// A Rule provides: `using Row` (its hyper-table row) and `kHyperFields`; `update<GradT, Scale>(row, len, p, g,
-// m_old, inv_scale, m)`, the portable update of up to one block (m may alias m_old: fp32 state in place); and, where
-// DSBNB_AVX512, `full_block<kind, Scale>(row, p, g, codes, absmax, fast tables, inv_scale, m, max)`, the register
-// update of a full block that returns false when a new momentum is NaN.
+// A Rule provides: `using Row` (its hyper-table row) and `kHyperFields`; `element(row, p_old, m_old, g, p, m)`, the new
+// parameter and momentum of one element with a finite gradient (inlined into one_state_update's vectorized loop); and,
+// where DSBNB_AVX512, `full_block<kind, Scale>(row, p, g, codes, absmax, fast tables, inv_scale, m, max)`, the
+// register update of a full block that returns false when a new momentum is NaN.
+
+// The portable update of up to one block of a one-state rule: writes p and the new momentum m (a non-finite gradient
+// keeps both). m may alias m_old (fp32 state updated in place).
+template <typename Rule, typename GradT, bool Scale>
+void one_state_update(const typename Rule::Row& hyper, int64_t len, float* __restrict__ p,
+                      const GradT* __restrict__ g_in, const float* m_old, float inv_scale, float* m) {
+    const typename Rule::Row h = hyper;  // a local copy: the compiler need not reload it around stores through p
+    alignas(64) float g[kBlock];
+    widen_grads<GradT, Scale>(len, g_in, inv_scale, g);
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+        const float old = m_old[j], p_old = p[j];
+        float pn, mn;
+        Rule::element(h, p_old, old, g[j], pn, mn);
+        const bool ok = finite(g[j]);
+        p[j] = select(ok, pn, p_old);
+        m[j] = select(ok, mn, old);
+    }
+}
 
 // One block (up to 256 elements) of an 8-bit segment: update, absmax, requantize. Full blocks of bnb-style maps take
 // the AVX-512 path where it is compiled in; the rest the portable loops. Both give the same bits.
@@ -328,7 +347,7 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
 #endif
     alignas(64) float m_old[kBlock];
     dequantize_block(len, c1, *a1, q1, m_old);
-    Rule::template update<GradT, Scale>(hyper, len, p, g_in, m_old, inv_scale, m);
+    one_state_update<Rule, GradT, Scale>(hyper, len, p, g_in, m_old, inv_scale, m);
     max1 = block_absmax(len, m);
     quantize_block(len, m, reciprocal(max1), c1, t1);
     *a1 = max1;
@@ -365,7 +384,7 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
                                                  a1 + base / kBlock, q1, t1, inv);
             } else {
                 float* m = s1 + s.fp32_offset + start;
-                Rule::template update<G, kScale>(h[s.hyper_row], len, p + base, g + base, m, inv, m);
+                one_state_update<Rule, G, kScale>(h[s.hyper_row], len, p + base, g + base, m, inv, m);
             }
         });
     });

@@ -18,7 +18,6 @@
 
 namespace {
 
-using dsbnb::kBlock;
 using dsbnb::LionHyper;
 
 // bnb's Lion rule for dsbnb::cpu::one_state_step (fused_cpu.h), which does the rest of the operator.
@@ -26,23 +25,10 @@ struct LionRule {
     using Row = LionHyper;
     static constexpr int64_t kHyperFields = dsbnb::kLionHyperFields;
 
-    // The Lion update of elements whose old momentum is m_old: writes p and the new momentum m (a non-finite gradient
-    // keeps both). m may alias m_old (fp32 state updated in place).
-    template <typename GradT, bool Scale>
-    static void update(const LionHyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
-                       const float* m_old, float inv_scale, float* m) {
-        const LionHyper h = hyper;  // a local copy: the compiler need not reload it around stores through p
-        alignas(64) float g[kBlock];
-        dsbnb::cpu::widen_grads<GradT, Scale>(len, g_in, inv_scale, g);
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) {
-            const float old = m_old[j], p_old = p[j];
-            const float pn = dsbnb::lion_param(p_old, old, g[j], h);
-            const float mn = dsbnb::lion_momentum(old, g[j], h);
-            const bool ok = dsbnb::cpu::finite(g[j]);
-            p[j] = dsbnb::cpu::select(ok, pn, p_old);
-            m[j] = dsbnb::cpu::select(ok, mn, old);
-        }
+    // The Lion update of one element with a finite gradient: the step from the old momentum, then the new momentum.
+    static void element(const LionHyper& h, float p_old, float m_old, float g, float& p, float& m) {
+        p = dsbnb::lion_param(p_old, m_old, g, h);
+        m = dsbnb::lion_momentum(m_old, g, h);
     }
 
 #if DSBNB_AVX512

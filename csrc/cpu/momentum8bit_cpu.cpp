@@ -19,7 +19,6 @@
 
 namespace {
 
-using dsbnb::kBlock;
 using dsbnb::MomentumHyper;
 
 // bnb's SGD-momentum rule for dsbnb::cpu::one_state_step (fused_cpu.h), which does the rest of the operator.
@@ -27,23 +26,10 @@ struct MomentumRule {
     using Row = MomentumHyper;
     static constexpr int64_t kHyperFields = dsbnb::kMomentumHyperFields;
 
-    // The SGD-momentum update of elements whose old momentum is m_old: writes p and the new momentum m (a non-finite
-    // gradient keeps both). m may alias m_old (fp32 state updated in place).
-    template <typename GradT, bool Scale>
-    static void update(const MomentumHyper& hyper, int64_t len, float* __restrict__ p, const GradT* __restrict__ g_in,
-                       const float* m_old, float inv_scale, float* m) {
-        const MomentumHyper h = hyper;  // a local copy: the compiler need not reload it around stores through p
-        alignas(64) float g[kBlock];
-        dsbnb::cpu::widen_grads<GradT, Scale>(len, g_in, inv_scale, g);
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) {
-            const float old = m_old[j], p_old = p[j];
-            const float mn = dsbnb::momentum_state(p_old, old, g[j], h);
-            const float pn = dsbnb::momentum_param(p_old, mn, h);
-            const bool ok = dsbnb::cpu::finite(g[j]);
-            p[j] = dsbnb::cpu::select(ok, pn, p_old);
-            m[j] = dsbnb::cpu::select(ok, mn, old);
-        }
+    // The SGD-momentum update of one element with a finite gradient: the new momentum, then the step along it.
+    static void element(const MomentumHyper& h, float p_old, float m_old, float g, float& p, float& m) {
+        m = dsbnb::momentum_state(p_old, m_old, g, h);
+        p = dsbnb::momentum_param(p_old, m, h);
     }
 
 #if DSBNB_AVX512
