@@ -32,52 +32,55 @@ LION_LR, LION_BETAS = 1e-4, (0.9, 0.99)
 SGD_LR, SGD_MOMENTUM = 1e-2, 0.9
 
 
-def fused_8bit(n, use_kernel):
-    params, grads = torch.randn(n), torch.randn(n) * 1e-3
-    codes1, codes2 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-    absmax1, absmax2 = torch.zeros(-(-n // 256)), torch.zeros(-(-n // 256))
-    empty = torch.zeros(0)
-    qmap1, qmap2 = bnb.functional.create_dynamic_map(True), bnb.functional.create_dynamic_map(False)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+def one_state(n, device):
+    """A flat partition of n elements with one 8-bit state: params, gradients, codes, absmax, map, segment table."""
+    params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
+    codes, absmax = torch.full((n,), 127, dtype=torch.uint8, device=device), torch.zeros(-(-n // 256), device=device)
+    qmap = bnb.functional.create_dynamic_map(True).to(device)
+    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0]).to(device)
+    return params, grads, codes, absmax, qmap, table
+
+
+def fused_8bit(n, use_kernel, device="cpu"):
+    params, grads, codes1, absmax1, qmap1, table = one_state(n, device)
+    codes2, absmax2 = torch.zeros(n, dtype=torch.uint8, device=device), torch.zeros(-(-n // 256), device=device)
+    empty = torch.zeros(0, device=device)
+    qmap2 = bnb.functional.create_dynamic_map(False).to(device)
     step = [0]
 
     def run():
         step[0] += 1
-        hyper = adam8bit.hyper_table([AdamHyper.adamw(LR, *BETAS, EPS, WD, step[0])])
+        hyper = adam8bit.hyper_table([AdamHyper.adamw(LR, *BETAS, EPS, WD, step[0])]).to(device)
         adam8bit.adam8bit_step_(params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table,
                                 hyper, 1.0, None, use_kernel=use_kernel)
     return run
 
 
-def fused_lion_8bit(n, use_kernel):
-    params, grads = torch.randn(n), torch.randn(n) * 1e-3
-    codes1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(-(-n // 256))
-    qmap1 = bnb.functional.create_dynamic_map(True)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    hyper = adam8bit.hyper_table([LionHyper.lion(LION_LR, *LION_BETAS, WD)])
+def fused_lion_8bit(n, use_kernel, device="cpu"):
+    params, grads, codes1, absmax1, qmap1, table = one_state(n, device)
+    hyper = adam8bit.hyper_table([LionHyper.lion(LION_LR, *LION_BETAS, WD)]).to(device)
+    empty = torch.zeros(0, device=device)
 
     def run():
-        lion8bit.lion8bit_step_(params, grads, codes1, absmax1, torch.zeros(0), qmap1, table, hyper, 1.0, None,
+        lion8bit.lion8bit_step_(params, grads, codes1, absmax1, empty, qmap1, table, hyper, 1.0, None,
                                 use_kernel=use_kernel)
     return run
 
 
-def fused_momentum_8bit(n, use_kernel):
-    params, grads = torch.randn(n), torch.randn(n) * 1e-3
-    codes1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(-(-n // 256))
-    qmap1 = bnb.functional.create_dynamic_map(True)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    hyper = adam8bit.hyper_table([MomentumHyper.momentum(SGD_LR, SGD_MOMENTUM, WD, 2)])  # past step 1
+def fused_momentum_8bit(n, use_kernel, device="cpu"):
+    params, grads, codes1, absmax1, qmap1, table = one_state(n, device)
+    hyper = adam8bit.hyper_table([MomentumHyper.momentum(SGD_LR, SGD_MOMENTUM, WD, 2)]).to(device)  # past step 1
+    empty = torch.zeros(0, device=device)
 
     def run():
-        momentum8bit.momentum8bit_step_(params, grads, codes1, absmax1, torch.zeros(0), qmap1, table, hyper, 1.0,
+        momentum8bit.momentum8bit_step_(params, grads, codes1, absmax1, empty, qmap1, table, hyper, 1.0,
                                         None, use_kernel=use_kernel)
     return run
 
 
-def torch_optimizer(n, factory):
-    param = torch.nn.Parameter(torch.randn(n))
-    param.grad = torch.randn(n) * 1e-3
+def torch_optimizer(n, factory, device="cpu"):
+    param = torch.nn.Parameter(torch.randn(n, device=device))
+    param.grad = torch.randn(n, device=device) * 1e-3
     optimizer = factory([param])
     return optimizer.step
 

@@ -140,3 +140,20 @@ def test_portable_build_without_avx2_matches_the_reference(tmp_path):
     env = {**without_launch_vars(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     done = run_or_fail([sys.executable, os.path.join(TESTS, "portable_kernel_run.py")], env, timeout=900, cwd=ROOT)
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+
+
+def test_device_harness_runs_without_deepspeed_and_bitsandbytes():
+    """tests/cuda_kernel_run.py (for the lent GPU machine, which lacks both) with its stand-ins forced, on the CPU
+    kernels: the kernel-vs-reference tests pass without DeepSpeed or bitsandbytes. Control: where there is no such
+    device it fails instead of passing with everything skipped."""
+    from conftest import run_or_fail, without_launch_vars
+    harness = os.path.join(TESTS, "cuda_kernel_run.py")
+    env = {**without_launch_vars(), "DSBNB_STAND_INS": "1"}
+    done = run_or_fail([sys.executable, harness, "--device", "cpu"], env, timeout=600, cwd=ROOT)
+    assert "stand-ins for: deepspeed, bitsandbytes" in done.stdout, done.stdout[-3000:]
+    passed = int(done.stdout.split(" kernel-vs-reference tests passed on cpu")[0].split()[-1])
+    assert passed >= 40, done.stdout[-3000:]
+    import torch
+    if not torch.cuda.is_available():
+        skipped = subprocess.run([sys.executable, harness], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert skipped.returncode != 0 and "no test ran" in skipped.stdout + skipped.stderr, skipped.stdout[-3000:]

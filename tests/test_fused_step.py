@@ -138,7 +138,7 @@ def _on_and_near_midpoints(qmap: torch.Tensor, squared: bool) -> torch.Tensor:
     return (mid_bits[:, None] + offsets[None, :]).flatten().view(torch.float32)
 
 
-def _first_step_codes(grads: torch.Tensor, qmap1, qmap2, use_kernel: bool):
+def _first_step_codes(grads: torch.Tensor, qmap1, qmap2, use_kernel: bool, device="cpu"):
     """(codes1, codes2) after one step from zero state with beta1 = beta2 = 0: m = g and v = g * g reach the
     quantizer unchanged when every block's largest |g| is 1 (absmax 1, so normalizing is exact)."""
     n = grads.numel()
@@ -147,9 +147,10 @@ def _first_step_codes(grads: torch.Tensor, qmap1, qmap2, use_kernel: bool):
     absmax1, absmax2, empty = torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(0)
     table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
     rows = adam8bit.hyper_table([AdamHyper.adamw(1e-3, 0.0, 0.0, 1e-8, 0.0, 1)])
-    adam8bit.adam8bit_step_(params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table, rows,
-                            1.0, lp, use_kernel=use_kernel)
-    return codes1, codes2
+    args = [t.to(device) for t in (params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table,
+                                   rows)]
+    adam8bit.adam8bit_step_(*args, 1.0, lp.to(device), use_kernel=use_kernel)
+    return args[2].cpu(), args[3].cpu()
 
 
 def _blocks_led_by_one(values: torch.Tensor) -> torch.Tensor:
@@ -163,20 +164,18 @@ def _blocks_led_by_one(values: torch.Tensor) -> torch.Tensor:
     return grads.flatten()
 
 
-@needs_kernel
-@pytest.mark.parametrize("shuffled", [False, True], ids=["bnb maps", "unsorted maps"])
-def test_cpu_kernel_quantizer_on_and_next_to_midpoints(shuffled):
+def _check_midpoints(device, shuffled):
     """Values on a midpoint round to the lower entry, values 1..256 ulps away to their side, as in the reference:
-    the case where a quantizer that compares fewer than all 32 bits (the AVX-512 path's packed table) could go wrong.
-    Unsorted maps (codes are not sorted positions) take the portable path."""
+    the case where a quantizer that compares fewer than all 32 bits (the CPU's packed key table) could go wrong.
+    Unsorted maps (codes are not sorted positions) take the CPU's portable path."""
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(5)) if shuffled else torch.arange(256)
     qmap1, qmap2 = QMAP1[perm].contiguous(), QMAP2[perm].contiguous()
     near1 = _on_and_near_midpoints(qmap1, squared=False)  # m = g lands on qmap1's midpoints
     near2 = _on_and_near_midpoints(qmap2, squared=True)  # v = g * g lands within a few ulps of qmap2's
     for values in (near1, near2):
         grads = _blocks_led_by_one(values)
-        kernel = _first_step_codes(grads, qmap1, qmap2, True)
-        ref = _first_step_codes(grads, qmap1, qmap2, False)
+        kernel = _first_step_codes(grads, qmap1, qmap2, True, device)
+        ref = _first_step_codes(grads, qmap1, qmap2, False, device)
         assert torch.equal(kernel[0], ref[0]) and torch.equal(kernel[1], ref[1])
     # not vacuous: 255 of the first moments sat exactly on a midpoint, and one ulp above it is another code
     midpoints, _ = reference.quant_tables(qmap1)
@@ -186,10 +185,39 @@ def test_cpu_kernel_quantizer_on_and_next_to_midpoints(shuffled):
     assert not torch.equal(per_value[:, 0], per_value[:, 1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@needs_kernel
+@pytest.mark.parametrize("shuffled", [False, True], ids=["bnb maps", "unsorted maps"])
+def test_cpu_kernel_quantizer_on_and_next_to_midpoints(shuffled):
+    _check_midpoints("cpu", shuffled)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+@needs_cuda
 @pytest.mark.parametrize("seed", range(6))
 def test_cuda_kernel_bit_identical_to_reference(seed):
     _kernel_vs_reference("cuda", seed)
+
+
+@needs_cuda
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_cuda_kernel_low_precision_gradients(grad_dtype):
+    _kernel_vs_reference("cuda", 100, grad_dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shuffled", [False, True], ids=["bnb maps", "unsorted maps"])
+def test_cuda_kernel_quantizer_on_and_next_to_midpoints(shuffled):
+    _check_midpoints("cuda", shuffled)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map_is_bnbs(signed):
+    """The rebuilt map (for machines without bitsandbytes: tests/cuda_kernel_run.py) is bnb's, bit for bit."""
+    ours, theirs = reference.dynamic_map(signed), bnb.functional.create_dynamic_map(signed=signed)
+    assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+    assert not torch.equal(reference.dynamic_map(not signed), theirs)  # control: the other map differs
 
 
 def test_control_fma_contraction_is_detected():

@@ -128,6 +128,23 @@ class MomentumHyper:
         return (self.beta1, self.weight_decay, self.lr, self.first)
 
 
+def dynamic_map(signed: bool = True) -> torch.Tensor:
+    """bitsandbytes' default 8-bit dynamic map (create_dynamic_map(signed), 7 exponent bits), rebuilt with the same fp32
+    operations so its 256 values are the same bits, for machines without bitsandbytes (the lent GPU machine: its
+    wheel is too large to carry; tests/cuda_kernel_run.py). Signed (Adam's m, Lion, momentum): per decade 10^-6..10^0
+    the midpoints of 2^i + 1 evenly spaced points in [0.1, 1] (i = 0..6), both signs, plus 0 and 1; unsigned (Adam's
+    v): 2^(i+1) + 1 points, positive only. Sorted ascending. tests/test_fused_step.py holds it to bnb's."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        boundaries = torch.linspace(0.1, 1, (2 ** i if signed else 2 ** (i + 1)) + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        values += ((10 ** (i - 6)) * means).tolist()
+        if signed:
+            values += (-(10 ** (i - 6)) * means).tolist()
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
 def quant_tables(qmap: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(fp32 midpoints between consecutive sorted map values [255], code of each sorted value [256] as int32)."""
     values, order = torch.sort(qmap.float())

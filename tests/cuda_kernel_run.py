@@ -1,0 +1,85 @@
+"""The fused kernels' device checks where DeepSpeed or bitsandbytes is missing: the lent GPU machine (torch with CUDA,
+nvcc and ninja are there; DeepSpeed is not, and bitsandbytes' wheel is larger than what may be carried there).
+
+    python tests/cuda_kernel_run.py            # kernel == reference, bit for bit, on the GPU (AdamW, Lion, momentum)
+    python tests/cuda_kernel_run.py --bench    # then benchmarks/bench_cuda_step.py's table
+    python tests/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels (tests/test_build.py runs it)
+
+The kernels and their reference need only torch, so where the real packages are missing (or DSBNB_STAND_INS=1):
+- the deepspeed_bnb package is registered without running its __init__, which installs the DeepSpeed integration and
+  refuses to import without DeepSpeed and bitsandbytes;
+- a stand-in `bitsandbytes` with only functional.create_dynamic_map (reference.dynamic_map, held to bnb's bit for bit
+  by tests/test_fused_step.py) takes bitsandbytes' place: the selected tests use nothing else of it.
+Then it runs the kernel-vs-reference tests of test_fused_step.py, test_fused_lion.py and test_fused_momentum.py for
+the device, and fails when none ran (a machine without a GPU skips them all).
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+sys.path.insert(0, ROOT)
+
+
+def install_stand_ins(force: bool) -> list:
+    """Makes deepspeed_bnb.ops importable without DeepSpeed or bitsandbytes; returns what it stood in for."""
+    missing = [name for name in ("deepspeed", "bitsandbytes") if force or importlib.util.find_spec(name) is None]
+    if missing:
+        package = types.ModuleType("deepspeed_bnb")
+        package.__path__ = [os.path.join(ROOT, "deepspeed_bnb")]
+        sys.modules["deepspeed_bnb"] = package
+    if "bitsandbytes" in missing:
+        from deepspeed_bnb.ops import reference
+        functional = types.ModuleType("bitsandbytes.functional")
+        functional.create_dynamic_map = lambda signed=True: reference.dynamic_map(signed)
+        stand_in = types.ModuleType("bitsandbytes")
+        stand_in.functional, stand_in.__version__ = functional, "stand-in (tests/cuda_kernel_run.py)"
+        sys.modules["bitsandbytes"], sys.modules["bitsandbytes.functional"] = stand_in, functional
+    return missing
+
+
+class Counter:
+    """A pytest plugin that counts the tests that passed (a run that skipped everything must not pass)."""
+
+    passed = 0
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" and report.passed:
+            self.passed += 1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--bench", action="store_true", help="then run benchmarks/bench_cuda_step.py (cuda only)")
+    args = parser.parse_args()
+    stood_in = install_stand_ins(force=os.environ.get("DSBNB_STAND_INS") == "1")
+    print(f"stand-ins for: {', '.join(stood_in) or 'nothing (the real packages are installed)'}", flush=True)
+    from deepspeed_bnb.ops import loader
+    if not loader.load(verbose=True):
+        sys.exit(f"the fused kernels could not be built: {loader.error()}")
+    counter = Counter()
+    selected = f"{args.device}_kernel"
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", selected, "-rs",
+                        *(os.path.join(TESTS, name) for name in ("test_fused_step.py", "test_fused_lion.py",
+                                                                 "test_fused_momentum.py"))], plugins=[counter])
+    print(f"{counter.passed} kernel-vs-reference tests passed on {args.device}", flush=True)
+    if code != 0 or counter.passed == 0:
+        sys.exit(code or "no test ran (no such device here?)")
+    if "deepspeed" in stood_in:  # the claim this harness rests on: the kernels and reference need only torch
+        assert "deepspeed" not in sys.modules, "deepspeed_bnb.ops imported DeepSpeed"
+    if args.bench:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import bench_cuda_step
+        sys.argv = [sys.argv[0]]
+        bench_cuda_step.main()
+
+
+if __name__ == "__main__":
+    main()
