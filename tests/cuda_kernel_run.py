@@ -5,7 +5,12 @@ nvcc and ninja are there; DeepSpeed is not, and bitsandbytes' wheel is larger th
     python tests/cuda_kernel_run.py --bench    # then benchmarks/bench_cuda_step.py's table
     python tests/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels (tests/test_build.py runs it)
 
-The kernels and their reference need only torch, so where the real packages are missing (or DSBNB_STAND_INS=1):
+bitsandbytes itself can travel too, trimmed to one CUDA library (~5 MB of its 125): here, `python
+tests/cuda_kernel_run.py --bundle .device` (the lent machines' torch is built for CUDA 13.0: --cuda 130, the default);
+there, carry `.device` and add `--site .device/site`. Then the bench's bnb rows run bnb's own CUDA kernels.
+
+The kernels and their reference need only torch, so where the real packages are missing (or are named in
+DSBNB_STAND_INS, e.g. "deepspeed,bitsandbytes"):
 - the deepspeed_bnb package is registered without running its __init__, which installs the DeepSpeed integration and
   refuses to import without DeepSpeed and bitsandbytes;
 - a stand-in `bitsandbytes` with only functional.create_dynamic_map (reference.dynamic_map, held to bnb's bit for bit
@@ -27,9 +32,28 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, ROOT)
 
 
-def install_stand_ins(force: bool) -> list:
+def bundle(folder: str, cuda: str) -> None:
+    """Copies the installed bitsandbytes into folder/site without the native libraries of other CUDA versions, ROCm
+    and XPU (pure Python plus one CUDA and the CPU library: small enough to carry to the GPU machine)."""
+    import shutil
+
+    import bitsandbytes
+    source = os.path.dirname(bitsandbytes.__file__)
+    target = os.path.join(folder, "site", "bitsandbytes")
+    keep = {f"libbitsandbytes_cuda{cuda}.so", "libbitsandbytes_cpu.so"}
+    if not os.path.isfile(os.path.join(source, f"libbitsandbytes_cuda{cuda}.so")):
+        sys.exit(f"--bundle: {source} has no libbitsandbytes_cuda{cuda}.so; pick --cuda from the ones it has")
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target, ignore=lambda d, names: [n for n in names if n == "__pycache__" or (
+        n.startswith("libbitsandbytes_") and n not in keep)])
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(target) for f in files)
+    print(f"bitsandbytes {bitsandbytes.__version__} -> {target} ({size / 1e6:.1f} MB)")
+
+
+def install_stand_ins(force: list) -> list:
     """Makes deepspeed_bnb.ops importable without DeepSpeed or bitsandbytes; returns what it stood in for."""
-    missing = [name for name in ("deepspeed", "bitsandbytes") if force or importlib.util.find_spec(name) is None]
+    missing = [name for name in ("deepspeed", "bitsandbytes")
+               if name in force or importlib.util.find_spec(name) is None]
     if missing:
         package = types.ModuleType("deepspeed_bnb")
         package.__path__ = [os.path.join(ROOT, "deepspeed_bnb")]
@@ -58,9 +82,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--bench", action="store_true", help="then run benchmarks/bench_cuda_step.py (cuda only)")
+    parser.add_argument("--bundle", metavar="DIR", help="only write DIR/site/bitsandbytes (trimmed) to carry there")
+    parser.add_argument("--cuda", default="130", help="with --bundle: the CUDA version of the library to keep")
+    parser.add_argument("--site", metavar="DIR", help="import packages from DIR first (a carried bundle's site)")
     args = parser.parse_args()
-    stood_in = install_stand_ins(force=os.environ.get("DSBNB_STAND_INS") == "1")
-    print(f"stand-ins for: {', '.join(stood_in) or 'nothing (the real packages are installed)'}", flush=True)
+    if args.bundle:
+        return bundle(args.bundle, args.cuda)
+    if args.site:
+        sys.path.insert(0, os.path.abspath(args.site))
+    stood_in = install_stand_ins(force=os.environ.get("DSBNB_STAND_INS", "").split(","))
+    import bitsandbytes
+    print(f"stand-ins for: {', '.join(stood_in) or 'nothing (the real packages are installed)'}; bitsandbytes "
+          f"{bitsandbytes.__version__} from {getattr(bitsandbytes, '__file__', None)}", flush=True)
     from deepspeed_bnb.ops import loader
     if not loader.load(verbose=True):
         sys.exit(f"the fused kernels could not be built: {loader.error()}")

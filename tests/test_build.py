@@ -148,7 +148,7 @@ def test_device_harness_runs_without_deepspeed_and_bitsandbytes():
     device it fails instead of passing with everything skipped."""
     from conftest import run_or_fail, without_launch_vars
     harness = os.path.join(TESTS, "cuda_kernel_run.py")
-    env = {**without_launch_vars(), "DSBNB_STAND_INS": "1"}
+    env = {**without_launch_vars(), "DSBNB_STAND_INS": "deepspeed,bitsandbytes"}
     done = run_or_fail([sys.executable, harness, "--device", "cpu"], env, timeout=600, cwd=ROOT)
     assert "stand-ins for: deepspeed, bitsandbytes" in done.stdout, done.stdout[-3000:]
     passed = int(done.stdout.split(" kernel-vs-reference tests passed on cpu")[0].split()[-1])
