@@ -84,6 +84,9 @@ def test_compiler_needs_match_cpu_flags():
     assert cpu_features.build_tag(cpu_features.compiler_macros(["-march=x86-64-v3"])) == cpu_features.build_tag(
         macros[1])  # -O3 and -fopenmp do not change the target
     assert cpu_features.missing(v4, has=v3) == ["avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"]
+    # a compiler with a launcher in front, as CXX may name it ("ccache g++"; `env` stands in for the launcher)
+    assert cpu_features.compiler_macros(["-march=x86-64-v3"], compiler="env c++") == cpu_features.compiler_macros(
+        ["-march=x86-64-v3"], compiler="c++")
 
 
 def test_jit_build_is_named_after_the_instruction_sets(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ cannot be checked and is not refused, while the JIT naming covers every target m
 import hashlib
 import os
 import re
+import shlex
 import subprocess
 from typing import FrozenSet, Iterable, List, Optional
 
@@ -38,7 +39,8 @@ ISA_FILE = "_C_isa.txt"  # written next to the prebuilt extension by setup.py: o
 
 def compiler_macros(flags: Iterable[str], compiler: Optional[str] = None) -> str:
     """The macros the compiler predefines for `flags`' target, sorted (raises if the compiler cannot run)."""
-    command = [compiler or os.environ.get("CXX", "c++"), *(f for f in flags if _TARGET_FLAG.match(f)),
+    # CXX as torch's JIT reads it, which may carry a launcher ("ccache g++")
+    command = [*shlex.split(compiler or os.environ.get("CXX", "c++")), *(f for f in flags if _TARGET_FLAG.match(f)),
                "-dM", "-E", "-x", "c++", os.devnull]
     return "\n".join(sorted(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()))
 
