@@ -144,19 +144,18 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
             }
         }
 #endif
+        alignas(64) uint8_t flagged[kBlock];  // the near values of the vectorized loop below, settled after it
         int ties = 0;
 #pragma omp simd reduction(| : ties)
         for (int64_t j = done; j < len; ++j) {
             bool near;
             codes[j] = static_cast<uint8_t>(keys.lookup(normalize(x[j], reciprocal_absmax), near));
+            flagged[j] = near;
             ties |= near;
         }
-        if (ties) {  // settle the flagged values of the vectorized loop above (same answer where they were not)
+        if (ties) {  // most blocks hold one: settle only the flagged values, not a second look-up of every value
             for (int64_t j = done; j < len; ++j) {
-                bool near;
-                const float u = normalize(x[j], reciprocal_absmax);
-                keys.lookup(u, near);
-                if (near) codes[j] = settle(u);
+                if (flagged[j]) codes[j] = settle(normalize(x[j], reciprocal_absmax));
             }
         }
         return;
