@@ -16,7 +16,8 @@ DSBNB_STAND_INS, e.g. "deepspeed,bitsandbytes"):
 - a stand-in `bitsandbytes` with only functional.create_dynamic_map (reference.dynamic_map, held to bnb's bit for bit
   by tests/test_fused_step.py) takes bitsandbytes' place: the selected tests use nothing else of it.
 Then it runs the kernel-vs-reference tests of test_fused_step.py, test_fused_lion.py and test_fused_momentum.py for
-the device, and fails when none ran (a machine without a GPU skips them all).
+the device and the first-use check the ZeRO optimizer runs there (test_self_check.py), and fails when none ran (a
+machine without a GPU skips them all).
 """
 
 import argparse
@@ -99,9 +100,9 @@ def main():
         sys.exit(f"the fused kernels could not be built: {loader.error()}")
     counter = Counter()
     selected = f"{args.device}_kernel"
+    files = ("test_fused_step.py", "test_fused_lion.py", "test_fused_momentum.py", "test_self_check.py")
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", selected, "-rs",
-                        *(os.path.join(TESTS, name) for name in ("test_fused_step.py", "test_fused_lion.py",
-                                                                 "test_fused_momentum.py"))], plugins=[counter])
+                        *(os.path.join(TESTS, name) for name in files)], plugins=[counter])
     print(f"{counter.passed} kernel-vs-reference tests passed on {args.device}", flush=True)
     if code != 0 or counter.passed == 0:
         sys.exit(code or "no test ran (no such device here?)")

@@ -39,7 +39,8 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
     unscale/clip, update, requantization; C++ on CPU, CUDA on GPU): "auto" (default: fused where supported), true
     (required: an error for optimizers without a fused kernel), or false (bnb's own update, segment by segment).
     Checkpoints load either way.
-    Without a compiler the kernel falls back to its pure-torch reference (same results, slow) with one warning.
+    Without a compiler the kernel falls back to its pure-torch reference (same results, slow) with one warning; so
+    does a compiled kernel that fails its first-use check against the reference on this device (ops/self_check.py).
     """
 
     @field_validator("bnb_fused_kernel", mode="before")

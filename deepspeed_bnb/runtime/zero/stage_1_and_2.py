@@ -12,6 +12,7 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
+import warnings
 import zlib
 from typing import Iterable, List
 
@@ -24,7 +25,7 @@ from deepspeed_bnb.checkpoint.constants import MASTER_WEIGHTS_KEY
 from deepspeed_bnb.checkpoint.manifest import describe
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
 from deepspeed_bnb.checkpoint.sources import ListSource
-from deepspeed_bnb.ops import adam8bit
+from deepspeed_bnb.ops import adam8bit, self_check
 from deepspeed_bnb.optim import fused_adam
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused_adam import FusedPartition, combined_inv_scale
@@ -67,15 +68,16 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
             self._bnb_overrides.append([self.bnb.override(params[s.slot]) for s in segments])
-        fused = self._bnb_fused_setting(bnb_fused_kernel)
+        fused = self._bnb_fused_setting(bnb_fused_kernel, self.single_partition_of_fp32_groups[0].device)
         for i, segments in enumerate(self.bnb_segments):
             self.bnb_fused.append(FusedPartition(segments, self._bnb_overrides[i],
                                                  self.single_partition_of_fp32_groups[i].device,
                                                  use_kernel=fused == "kernel", rule=self.bnb.optimizer_name)
                                   if fused else None)
 
-    def _bnb_fused_setting(self, setting):
-        """None (bnb's own step), "kernel" (compiled) or "reference" (pure torch, same results; no build here)."""
+    def _bnb_fused_setting(self, setting, device):
+        """None (bnb's own step), "kernel" (compiled) or "reference" (pure torch, same results: no build here, or a
+        build that fails its first-use check on `device`, ops/self_check.py)."""
         if setting is False:
             return None
         if not fused_adam.supports(self.bnb.optimizer_name):
@@ -84,7 +86,17 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
                                  f"bnb's '{self.bnb.optimizer_name}' update, which has no fused kernel (Adam, AdamW, "
                                  f"Lion and SGD with momentum do). Use \"auto\" (fused where supported) or false.")
             return None
-        return "kernel" if adam8bit.kernel_available() else "reference"
+        if not adam8bit.kernel_available():
+            return "reference"
+        problem = self_check.disagreement(self.bnb.optimizer_name, device)
+        if problem:
+            warnings.warn(f"deepspeed_bnb: the compiled fused '{self.bnb.optimizer_name}' kernel failed its first-use "
+                          f"check on {device} against its pure-torch reference ({problem}), so the reference steps "
+                          f"this run instead (same results, slower). Please report it with your CPU/GPU model and "
+                          f"torch/CUDA versions; zero_optimization.bnb_fused_kernel: false runs bnb's own update.",
+                          RuntimeWarning, stacklevel=2)
+            return "reference"
+        return "kernel"
 
     # ---- layout -------------------------------------------------------------------------------------------------
 

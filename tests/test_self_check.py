@@ -1,0 +1,84 @@
+"""The first-use check (ops/self_check.py) passes the compiled kernels and catches wrong ones.
+
+- The compiled CPU kernels of all three rules pass it here (and the CUDA kernels wherever a GPU is present: the
+  `cuda_kernel` tests run by tests/cuda_kernel_run.py).
+- Controls, so the check cannot pass vacuously: "kernels" made from the reference with one plausible bug each (one code
+  off, the unscale factor ignored, NaN gradients applied as zeros, the bf16 copy not refreshed, an exception such as a
+  build without code for this GPU) are all caught, and the message names what differs.
+- The ZeRO optimizer steps with the reference, after one warning naming the disagreement, when its kernel fails the
+  check (tests/test_config.py holds the engine-level test).
+"""
+
+import pytest
+import torch
+
+from deepspeed_bnb.ops import loader, reference, self_check
+
+RULES = ("adam", "lion", "momentum")
+STEP_FUNCTIONS = {"adam": reference.adam8bit_step, "lion": reference.lion8bit_step,
+                  "momentum": reference.momentum8bit_step}
+INV_SCALE = {"adam": 12, "lion": 8, "momentum": 8}  # argument positions in each operator's signature
+KERNEL = loader.load()
+
+
+def _one_code_off(rule):
+    def kernel(*args):
+        STEP_FUNCTIONS[rule](*args)
+        args[2][700] ^= 1  # codes1 of the first parameter's tail block
+    return kernel
+
+
+def _ignores_unscale(rule):
+    def kernel(*args):
+        args = list(args)
+        args[INV_SCALE[rule]] = 1.0
+        STEP_FUNCTIONS[rule](*args)
+    return kernel
+
+
+def _nan_as_zero(rule):
+    def kernel(params, grads, *rest):
+        STEP_FUNCTIONS[rule](params, torch.nan_to_num(grads, nan=0.0), *rest)
+    return kernel
+
+
+def _stale_low_copy(rule):
+    def kernel(*args):
+        STEP_FUNCTIONS[rule](*args[:-1], None)
+    return kernel
+
+
+def _raises(rule):
+    def kernel(*args):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+    return kernel
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_control_reference_agrees_with_itself(rule):
+    """The harness is not rigged: the reference as the "kernel" passes (so a failure below is the mutation's)."""
+    assert self_check.compare(rule, torch.device("cpu"), STEP_FUNCTIONS[rule]) is None
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mutant, says", [(_one_code_off, "codes1 differs"), (_ignores_unscale, "after step 3"),
+                                          (_nan_as_zero, "differs"), (_stale_low_copy, "lp differs"),
+                                          (_raises, "raised RuntimeError: CUDA error: no kernel image")])
+def test_wrong_kernels_are_caught(rule, mutant, says):
+    problem = self_check.compare(rule, torch.device("cpu"), mutant(rule))
+    assert problem is not None and says in problem, problem
+
+
+def _passes_on(device):
+    for rule in RULES:
+        assert self_check.disagreement(rule, device) is None
+
+
+@pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
+def test_cpu_kernel_passes_self_check():
+    _passes_on("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_kernel_passes_self_check():
+    _passes_on("cuda")
