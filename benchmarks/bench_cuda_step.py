@@ -25,22 +25,20 @@ import bench_optimizer_step as cpu_bench  # noqa: E402  (the same states and hyp
 
 bnb = cpu_bench.bnb
 
-# implementation -> (maker of one step on `device`, least bytes moved per element)
+# implementation -> maker of one step on the GPU (bytes moved per element: cpu_bench.least_bytes)
 IMPLEMENTATIONS = {
-    "deepspeed_bnb CUDA kernel AdamW (8-bit)": (lambda n: cpu_bench.fused_8bit(n, True, "cuda"), 16),
-    "torch AdamW fused (fp32)": (lambda n: cpu_bench.torch_optimizer(n, lambda p: torch.optim.AdamW(
-        p, lr=cpu_bench.LR, betas=cpu_bench.BETAS, eps=cpu_bench.EPS, weight_decay=cpu_bench.WD, fused=True),
-        "cuda"), 28),
-    "bitsandbytes CUDA AdamW8bit": (lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
+    "deepspeed_bnb CUDA kernel AdamW (8-bit)": lambda n: cpu_bench.fused_8bit(n, True, "cuda"),
+    "torch AdamW fused (fp32)": lambda n: cpu_bench.torch_optimizer(n, lambda p: torch.optim.AdamW(
+        p, lr=cpu_bench.LR, betas=cpu_bench.BETAS, eps=cpu_bench.EPS, weight_decay=cpu_bench.WD, fused=True), "cuda"),
+    "bitsandbytes CUDA AdamW8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
         p, lr=cpu_bench.LR, betas=cpu_bench.BETAS, eps=cpu_bench.EPS, weight_decay=cpu_bench.WD, min_8bit_size=0),
-        "cuda"), 16),
-    "deepspeed_bnb CUDA kernel Lion (8-bit)": (lambda n: cpu_bench.fused_lion_8bit(n, True, "cuda"), 14),
-    "bitsandbytes CUDA Lion8bit": (lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.Lion8bit(
-        p, lr=cpu_bench.LION_LR, betas=cpu_bench.LION_BETAS, weight_decay=cpu_bench.WD, min_8bit_size=0), "cuda"), 14),
-    "deepspeed_bnb CUDA kernel SGD-momentum (8-bit)": (lambda n: cpu_bench.fused_momentum_8bit(n, True, "cuda"), 14),
-    "bitsandbytes CUDA SGD8bit": (lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.SGD8bit(
-        p, lr=cpu_bench.SGD_LR, momentum=cpu_bench.SGD_MOMENTUM, weight_decay=cpu_bench.WD, min_8bit_size=0),
-        "cuda"), 14),
+        "cuda"),
+    "deepspeed_bnb CUDA kernel Lion (8-bit)": lambda n: cpu_bench.fused_lion_8bit(n, True, "cuda"),
+    "bitsandbytes CUDA Lion8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.Lion8bit(
+        p, lr=cpu_bench.LION_LR, betas=cpu_bench.LION_BETAS, weight_decay=cpu_bench.WD, min_8bit_size=0), "cuda"),
+    "deepspeed_bnb CUDA kernel SGD-momentum (8-bit)": lambda n: cpu_bench.fused_momentum_8bit(n, True, "cuda"),
+    "bitsandbytes CUDA SGD8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.SGD8bit(
+        p, lr=cpu_bench.SGD_LR, momentum=cpu_bench.SGD_MOMENTUM, weight_decay=cpu_bench.WD, min_8bit_size=0), "cuda"),
 }
 SAME_RULE = {"Lion": "bitsandbytes CUDA Lion8bit", "SGD-momentum": "bitsandbytes CUDA SGD8bit"}
 
@@ -81,7 +79,7 @@ def main():
     for size in args.sizes:
         n = int(size * (1 << 20))
         runs, times = {}, {}
-        for name, (make, _) in IMPLEMENTATIONS.items():
+        for name, make in IMPLEMENTATIONS.items():
             try:
                 runs[name] = make(n)
                 runs[name]()  # warm-up: state allocation, JIT, caches
@@ -98,7 +96,7 @@ def main():
         for name, rate in rates.items():
             rule = next((bnb_name for key, bnb_name in SAME_RULE.items() if key in name or bnb_name == name),
                         "bitsandbytes CUDA AdamW8bit")
-            gbs = rate * 1e6 * IMPLEMENTATIONS[name][1] / 1e9
+            gbs = rate * 1e6 * cpu_bench.least_bytes(name) / 1e9
             vs_torch = f"{rate / torch_rate:.2f}x" if torch_rate else "-"
             vs_bnb = f"{rate / rates[rule]:.2f}x" if rule in rates else "-"
             print(f"| {size:g}M | {name} | {rate:,.0f} | {gbs:,.0f} | {gbs / ceiling:.0%} | {vs_torch} | {vs_bnb} |",
