@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bitsandbytes as bnb  # noqa: E402
 
-from deepspeed_bnb.ops import adam8bit, cpu_features, lion8bit, momentum8bit  # noqa: E402
+from deepspeed_bnb.ops import adam8bit, cpu_features, lion8bit, loader, momentum8bit  # noqa: E402
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper  # noqa: E402
 from deepspeed_bnb.state_layout import GroupLayout  # noqa: E402
 
@@ -161,22 +161,17 @@ def measure_interleaved(makers, n, repeats):
 
 
 def cpu_description():
-    """The CPU model and which full-block path the JIT build (-march=native) compiles in: the table's numbers depend
-    on it far more than on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 VBMI, quantize_keys.h AVX2)."""
+    """The CPU model and which full-block path the loaded build runs: the table's numbers depend on it far more than
+    on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 VBMI, quantize_keys.h AVX2)."""
     try:
         with open("/proc/cpuinfo") as info:
             text = info.read()
+        model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                     "?")
     except OSError:
-        return "CPU unknown"
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = cpu_features.cpu_has() or frozenset()
-    if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
-        path = "AVX-512 VBMI path"
-    elif "avx2" in flags:
-        path = "AVX2 path"
-    else:
-        path = "portable loops"
-    return f"{model}, kernel: {path}"
+        model = "CPU unknown"
+    needs = loader.compiled_for() if adam8bit.kernel_available() else None
+    return f"{model}, kernel: {cpu_features.kernel_path(needs) if needs is not None else 'not compiled'}"
 
 
 def main():

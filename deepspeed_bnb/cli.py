@@ -1,4 +1,5 @@
-"""`deepspeed-bnb` (also `python -m deepspeed_bnb`): inspect, reshape, export and convert checkpoints offline."""
+"""`deepspeed-bnb` (also `python -m deepspeed_bnb`): inspect, reshape, export and convert checkpoints offline; check
+the fused kernels on this machine."""
 
 import argparse
 import sys
@@ -25,6 +26,26 @@ def _convert(args):
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet)
     print(report)
+
+
+def _kernels(args):
+    import torch
+
+    from deepspeed_bnb.ops import cpu_features, loader, self_check
+    if not loader.load():
+        print(f"fused kernels: not built ({loader.error()}); training steps with the pure-torch reference")
+        return 1
+    needs = loader.compiled_for()
+    print(f"fused kernels: {loader.source()} build, CPU "
+          f"{cpu_features.kernel_path(needs) if needs is not None else 'path unknown (no instruction-set record)'}")
+    devices = args.device or ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    failures = 0
+    for device in devices:
+        for rule in self_check.RULES:
+            problem = self_check.disagreement(rule, device)
+            failures += problem is not None
+            print(f"  {device} {rule}: " + ("same bits as the reference" if problem is None else f"FAILS: {problem}"))
+    return 1 if failures else 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,6 +76,13 @@ def parser() -> argparse.ArgumentParser:
                                             help="also write optimizer.safetensors (fp32 state per parameter, e.g. "
                                                  "<name>.exp_avg, <name>.exp_avg_sq, <name>.step) and "
                                                  "optimizer.json (hyper-parameters)")
+    kernels = commands.add_parser("kernels", help="check the compiled fused kernels against their reference here "
+                                                  "(the first-use check the optimizer runs); exit 1 if one fails",
+                                  description="Load (or JIT-build) the fused kernels, say which build and CPU path "
+                                              "run, and check every rule on each device bit for bit against the "
+                                              "pure-torch reference.")
+    kernels.add_argument("--device", action="append", help="device to check (repeatable; default: cpu and every GPU)")
+    kernels.set_defaults(func=_kernels)
     convert = commands.choices["convert"]
     convert.add_argument("--to", choices=("8bit", "32bit"), required=True, help="state precision to write")
     convert.add_argument("--optimizer-class", default=None,
@@ -71,11 +99,11 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
     try:
-        args.func(args)
+        code = args.func(args)
     except (CheckpointMismatchError, ValueError, FileNotFoundError) as exc:
         print(f"deepspeed-bnb {args.command}: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

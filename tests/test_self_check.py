@@ -82,3 +82,18 @@ def test_cpu_kernel_passes_self_check():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_kernel_passes_self_check():
     _passes_on("cuda")
+
+
+@pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
+def test_cli_reports_the_check(capsys, monkeypatch):
+    """`deepspeed-bnb kernels` says which build runs and passes every rule here (exit 0); a failing rule is printed
+    with its difference and makes the exit status 1 (the control)."""
+    from deepspeed_bnb import cli
+    assert cli.main(["kernels", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fused kernels: " in out and "build, CPU " in out
+    assert all(f"cpu {rule}: same bits as the reference" in out for rule in RULES), out
+    monkeypatch.setattr(self_check, "disagreement",
+                        lambda rule, device: "codes1 differs (planted)" if rule == "lion" else None)
+    assert cli.main(["kernels", "--device", "cpu"]) == 1
+    assert "cpu lion: FAILS: codes1 differs (planted)" in capsys.readouterr().out

@@ -56,6 +56,15 @@ def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> Froz
     return needs_of(compiler_macros(flags, compiler))
 
 
+def kernel_path(needs: Iterable[str]) -> str:
+    """Which full-block path a build that may use these instruction sets runs: csrc/cpu/adam8bit_avx512.h needs
+    AVX-512 F, BW and VBMI, quantize_keys.h's 8-lane look-up AVX2; without either, the portable loops."""
+    needs = frozenset(needs)
+    if {"avx512f", "avx512bw", "avx512vbmi"} <= needs:
+        return "AVX-512 VBMI path"
+    return "AVX2 path" if "avx2" in needs else "portable loops"
+
+
 def cpu_has() -> Optional[FrozenSet[str]]:
     """This CPU's instruction-set flags from /proc/cpuinfo; None where there is no such file (not checked there)."""
     try:

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import threading
 import warnings
-from typing import Optional
+from typing import FrozenSet, Optional
 
 import torch
 
@@ -26,7 +26,8 @@ NAME = "deepspeed_bnb_ops"
 OPS = ("adam8bit_step_", "lion8bit_step_", "momentum8bit_step_")  # every operator ops.cpp defines
 
 _lock = threading.Lock()
-_state = {"loaded": None, "error": None, "source": None}  # loaded: tried yet? error: why not; source: prebuilt/jit
+# loaded: tried yet? error: why not; source: prebuilt/jit; needs: the instruction sets the loaded build may use
+_state = {"loaded": None, "error": None, "source": None, "needs": None}
 
 
 def sources(cuda: bool):
@@ -54,7 +55,8 @@ def _build(verbose: bool) -> str:
     refused = _prebuilt_refusal()
     if refused is None:
         try:
-            importlib.import_module("deepspeed_bnb._C")  # prebuilt by setup.py (DEEPSPEED_BNB_BUILD_EXT=1)
+            module = importlib.import_module("deepspeed_bnb._C")  # prebuilt by setup.py (DEEPSPEED_BNB_BUILD_EXT=1)
+            _state["needs"] = cpu_features.read_needs(module.__file__)
             return "prebuilt"
         except ImportError:
             pass
@@ -66,11 +68,13 @@ def _build(verbose: bool) -> str:
     verify_ninja_availability()
     cuda = torch.version.cuda is not None and torch.cuda.is_available()
     # one cached build per kind of CPU: a shared TORCH_EXTENSIONS_DIR must not hand this CPU another CPU's build
-    tag = cpu_features.build_tag(cpu_features.compiler_macros(CPU_FLAGS))
+    macros = cpu_features.compiler_macros(CPU_FLAGS)
+    tag = cpu_features.build_tag(macros)
     load(name=f"{NAME}{'_cuda' if cuda else ''}_{tag}", sources=sources(cuda),
          extra_include_paths=[os.path.join(CSRC, "include")],
          extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
          verbose=verbose)
+    _state["needs"] = cpu_features.needs_of(macros)
     if refused:
         warnings.warn(f"deepspeed_bnb: {refused}. JIT-compiled the kernels for this CPU instead.", RuntimeWarning,
                       stacklevel=4)
@@ -96,6 +100,12 @@ def load(verbose: bool = False) -> bool:
 
 def error() -> Optional[str]:
     return _state["error"]
+
+
+def compiled_for() -> Optional[FrozenSet[str]]:
+    """The instruction sets (/proc/cpuinfo names) the loaded build may use: the prebuilt one's record, or what
+    -march=native enabled for the JIT build; None when not loaded (or a prebuilt build without its record)."""
+    return _state["needs"]
 
 
 def source() -> Optional[str]:

@@ -26,6 +26,7 @@ HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
 _REFERENCES: Dict[str, Callable] = {"adam": reference.adam8bit_step, "lion": reference.lion8bit_step,
                                     "momentum": reference.momentum8bit_step}
 _OPERATORS = {"adam": "adam8bit_step_", "lion": "lion8bit_step_", "momentum": "momentum8bit_step_"}
+RULES = tuple(_OPERATORS)  # bnb update rules with a compiled kernel
 _verdicts: Dict[Tuple[str, str], Optional[str]] = {}  # (rule, device) -> disagreement or None
 
 
