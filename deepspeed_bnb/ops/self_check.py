@@ -6,7 +6,8 @@ where it was not: a GPU generation or CUDA toolkit the kernels never ran on, a c
 despite -ffp-contract=off, a prebuilt extension without code for this GPU ("no kernel image is available"). Wrong
 optimizer state is silent for weeks; so before its first real step the kernel runs a small partition that touches
 every path (8-bit and fp32 segments, a block tail, an all-zero block, NaN/Inf/huge/tiny gradients, two hyper rows, an
-unscale factor, the bf16 copy) beside the reference, and a kernel that raises or differs by one bit is not used.
+unscale factor, the bf16 copy) and is compared with the reference run on the CPU (the oracle the test suite holds
+the CPU kernels to); a kernel that raises or differs by one bit is not used.
 Cost: a few milliseconds, once per rule and device per process.
 """
 
@@ -98,16 +99,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(rule: str, device: torch.device, kernel: Callable) -> Optional[str]:
-    """Run `kernel` and the reference of `rule` for STEPS steps of one small partition on `device`; describe the first
-    difference (or the kernel's exception), or return None when every tensor agrees bit for bit after every step."""
+    """Run `kernel` on `device` and the reference of `rule` on the CPU (the oracle the CPU kernels are held to, bit
+    for bit, by the tests) for STEPS steps of one small partition; describe the first difference (or the kernel's
+    exception), or return None when every tensor agrees bit for bit after every step."""
     ours = _partition(rule, device)
-    theirs = {name: t.clone() for name, t in ours.items()}
+    theirs = _partition(rule, torch.device("cpu"))
     generator = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
-        grads = _gradients(ours["params"].numel(), step, generator).to(device)
-        hyper, inv_scale = _hyper(rule, step).to(device), 1.0 if step < STEPS else 1 / 3.7
+        grads, hyper = _gradients(ours["params"].numel(), step, generator), _hyper(rule, step)
+        inv_scale = 1.0 if step < STEPS else 1 / 3.7
         try:
-            kernel(*_arguments(rule, ours, grads, hyper, inv_scale))
+            kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale))
         except Exception as exc:  # e.g. no code for this GPU in the build: the reference can still run
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _REFERENCES[rule](*_arguments(rule, theirs, grads, hyper, inv_scale))
@@ -117,6 +119,6 @@ def compare(rule: str, device: torch.device, kernel: Callable) -> Optional[str]:
                 where = (mine != expected).nonzero().flatten()
                 first = int(where[0])
                 return (f"after step {step}, {name} differs from the reference at {where.numel()} of "
-                        f"{mine.numel()} elements (first at {first}: {ours[name].flatten()[first].item()!r} vs "
+                        f"{mine.numel()} elements (first at {first}: {ours[name].cpu().flatten()[first].item()!r} vs "
                         f"{theirs[name].flatten()[first].item()!r})")
     return None
