@@ -18,20 +18,13 @@ import torch
 
 from deepspeed_bnb.ops import adam8bit, reference
 from deepspeed_bnb.ops.reference import AdamHyper
+from deepspeed_bnb.ops.self_check import bits
 from deepspeed_bnb.state_layout import GroupLayout
 
 QMAP1 = bnb.functional.create_dynamic_map(signed=True)
 QMAP2 = bnb.functional.create_dynamic_map(signed=False)
 KERNEL = adam8bit.kernel_available()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Compare floats by their bit patterns (-0.0 differs from 0.0); every NaN counts as the same NaN (its sign and
-    payload are unspecified: x86 vector units and torch produce different ones)."""
-    if t.is_floating_point():
-        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.element_size() == 2 else t
 
 
 class Partition:

@@ -12,11 +12,10 @@
 import pytest
 import torch
 
-from deepspeed_bnb.ops import loader, reference, self_check
+from deepspeed_bnb.ops import loader, self_check
 
-RULES = ("adam", "lion", "momentum")
-STEP_FUNCTIONS = {"adam": reference.adam8bit_step, "lion": reference.lion8bit_step,
-                  "momentum": reference.momentum8bit_step}
+RULES = self_check.RULES
+STEP_FUNCTIONS = self_check.REFERENCES
 INV_SCALE = {"adam": 12, "lion": 8, "momentum": 8}  # argument positions in each operator's signature
 KERNEL = loader.load()
 

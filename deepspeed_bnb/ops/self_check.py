@@ -25,8 +25,8 @@ NUMELS = (700, 300, 520)  # three parameters: 8-bit (two blocks and a 188-elemen
 EIGHT_BIT = [True, False, True]
 HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
 
-_REFERENCES: Dict[str, Callable] = {"adam": reference.adam8bit_step, "lion": reference.lion8bit_step,
-                                    "momentum": reference.momentum8bit_step}
+REFERENCES: Dict[str, Callable] = {"adam": reference.adam8bit_step, "lion": reference.lion8bit_step,
+                                    "momentum": reference.momentum8bit_step}  # the oracle of each rule
 _OPERATORS = {"adam": "adam8bit_step_", "lion": "lion8bit_step_", "momentum": "momentum8bit_step_"}
 RULES = tuple(_OPERATORS)  # bnb update rules with a compiled kernel
 _verdicts: Dict[Tuple[str, str], Optional[str]] = {}  # (rule, device) -> disagreement or None
@@ -88,13 +88,12 @@ def _arguments(rule: str, t: dict, grads: torch.Tensor, hyper: torch.Tensor, inv
             t["lp"])
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns, every NaN as one NaN (vector units and torch give NaNs different signs and payloads)."""
-    t = t.cpu()
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Floats as their bit patterns, to compare exactly (-0.0 differs from 0.0); every NaN counts as the same NaN (its
+    sign and payload are unspecified: x86 vector units and torch produce different ones). Other dtypes unchanged."""
     if t.is_floating_point():
         t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
-        return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
-    return t
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.element_size() == 2 else t
 
 
 def compare(rule: str, device: torch.device, kernel: Callable) -> Optional[str]:
@@ -111,9 +110,9 @@ def compare(rule: str, device: torch.device, kernel: Callable) -> Optional[str]:
             kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale))
         except Exception as exc:  # e.g. no code for this GPU in the build: the reference can still run
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        _REFERENCES[rule](*_arguments(rule, theirs, grads, hyper, inv_scale))
+        REFERENCES[rule](*_arguments(rule, theirs, grads, hyper, inv_scale))
         for name in ours:
-            mine, expected = _bits(ours[name]), _bits(theirs[name])
+            mine, expected = bits(ours[name].cpu()), bits(theirs[name])
             if not torch.equal(mine, expected):
                 where = (mine != expected).nonzero().flatten()
                 first = int(where[0])
