@@ -28,17 +28,34 @@ def _convert(args):
     print(report)
 
 
+def _checkable_device(name: str) -> str:
+    """`name` if this machine has that device (cpu, or a CUDA GPU it can see), else ValueError naming it and the fix."""
+    import torch
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r} is not a device name ({exc}); use cpu, cuda or cuda:N") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise ValueError(f"--device {name!r}: this machine sees {gpus} CUDA GPU(s); use cpu"
+                         + (f" or cuda:0..cuda:{gpus - 1}" if gpus else ""))
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: the fused kernels exist for cpu and cuda only")
+    return name
+
+
 def _kernels(args):
     import torch
 
     from deepspeed_bnb.ops import cpu_features, loader, self_check
+    devices = [_checkable_device(d) for d in args.device] if args.device else \
+        ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if not loader.load():
         print(f"fused kernels: not built ({loader.error()}); training steps with the pure-torch reference")
         return 1
     needs = loader.compiled_for()
     print(f"fused kernels: {loader.source()} build, CPU "
           f"{cpu_features.kernel_path(needs) if needs is not None else 'path unknown (no instruction-set record)'}")
-    devices = args.device or ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     failures = 0
     for device in devices:
         for rule in self_check.RULES:

@@ -96,3 +96,14 @@ def test_cli_reports_the_check(capsys, monkeypatch):
                         lambda rule, device: "codes1 differs (planted)" if rule == "lion" else None)
     assert cli.main(["kernels", "--device", "cpu"]) == 1
     assert "cpu lion: FAILS: codes1 differs (planted)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, says", [("foo", "not a device name"), ("cuda:99", "CUDA GPU(s); use cpu"),
+                                          ("meta", "cpu and cuda only")])
+def test_cli_refuses_devices_it_cannot_check(device, says, capsys):
+    """A device name that is wrong, or a GPU this machine does not see, is an error naming the value and the fix
+    (exit 2), not a traceback."""
+    from deepspeed_bnb import cli
+    assert cli.main(["kernels", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert f"--device '{device}'" in err and says in err, err
