@@ -83,11 +83,8 @@ def qualname(obj) -> str:
 def update_path(engine) -> str:
     """In words, which code updates the weights (read back from the built engine, not from the config)."""
     zero, base = engine.optimizer, engine.optimizer.optimizer
-    if hasattr(zero, "bnb_fused"):
-        fused = zero.bnb_fused[0]
-        if fused is None:
-            return "bnb's own 8-bit update (per parameter segment)"
-        return f"deepspeed_bnb fused 8-bit kernel ({'C++' if fused.use_kernel else 'pure-torch reference'})"
+    if hasattr(zero, "bnb_update_summary"):
+        return f"deepspeed_bnb: {zero.bnb_update_summary()}"
     if type(base).__name__ == "FusedAdam":
         op = getattr(base, "multi_tensor_adam", None)
         return f"DeepSpeed FusedAdam, op {getattr(op, '__module__', '?')} (built for the CPU accelerator)"

@@ -82,9 +82,8 @@ def main():
         if rank == 0:
             print(f"resumed {path} at step {engine.global_steps} on {world} ranks", flush=True)
     if rank == 0:
-        fused = engine.optimizer.bnb_fused[0]
-        step = "bnb's own update" if fused is None else f"fused kernel ({'C++' if fused.use_kernel else 'reference'})"
-        print(f"{type(engine.optimizer).__name__} over {world} ranks, {step}, {n_params:,} parameters, "
+        print(f"{type(engine.optimizer).__name__} over {world} ranks, {engine.optimizer.bnb_update_summary()}, "
+              f"{n_params:,} parameters, "
               f"{len(batches.train):,} training bytes of stdlib source", flush=True)
 
     bar = tqdm(range(args.steps), disable=rank != 0, desc="train", dynamic_ncols=True)

@@ -102,7 +102,7 @@ def test_hyperparameters_come_from_the_checkpoint(saved):
 def test_checkpoint_loads_with_either_update_path(saved, tmp_path):
     """Saved by the fused kernel, loaded by bnb's own update and back: the flat state is the same."""
     path, engine, _ = saved
-    assert engine.optimizer.bnb_fused[0] is not None
+    assert engine.optimizer.bnb_steps[0].fused is not None
     unfused = build(bnb_fused_kernel=False)
     unfused.load_checkpoint(path, tag="t")
     for a, b in zip(unfused.optimizer.single_partition_of_fp32_groups,
@@ -113,4 +113,4 @@ def test_checkpoint_loads_with_either_update_path(saved, tmp_path):
     unfused.save_checkpoint(str(tmp_path), tag="u")
     fused = build()
     fused.load_checkpoint(str(tmp_path), tag="u")
-    assert fused.global_steps == 3 and fused.optimizer.bnb_fused[0] is not None
+    assert fused.global_steps == 3 and fused.optimizer.bnb_steps[0].fused is not None

@@ -66,44 +66,22 @@ def test_other_optimizers_keep_stock_behaviour(one_rank):
 
 
 def test_fused_kernel_setting(one_rank):
+    """`auto` fuses the 8-bit parameters of rules with a kernel, `true` requires a kernel for the rule, `false` never
+    fuses (which parameters and why: tests/test_fused_contract.py, tests/test_routing.py)."""
     assert DeepSpeedConfig(config()).zero_config.bnb_fused_kernel == "auto"
     model = make_model()
-    rmsprop = bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=rmsprop, config=config(bnb_fused_kernel="auto"))
-    assert engine.optimizer.bnb_fused == [None, None]  # no fused kernel for RMSprop: bnb's own update
+
+    def fused_rules(optimizer, **zero):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(**zero))
+        return [step.fused.rule if step.fused else None for step in engine.optimizer.bnb_steps]
+
+    # param group 1 holds only small parameters (bnb's default min_8bit_size: 32-bit state), so bnb's update steps it
+    # no fused kernel for RMSprop: bnb's own update
+    assert fused_rules(bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3), bnb_fused_kernel="auto") == [None, None]
     with pytest.raises(ValueError, match="bnb_fused_kernel: true.*'rmsprop'.*auto"):
-        deepspeed.initialize(model=model, optimizer=bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3),
-                             config=config(bnb_fused_kernel=True))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.SGD8bit(param_groups(model), lr=1e-2,
-                                                                               momentum=0.9),
-                                      config=config(bnb_fused_kernel=True))
-    assert [f.rule for f in engine.optimizer.bnb_fused] == ["momentum", "momentum"]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.Lion8bit(param_groups(model)),
-                                      config=config(bnb_fused_kernel=True))
-    assert [f.rule for f in engine.optimizer.bnb_fused] == ["lion", "lion"]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)),
-                                      config=config(bnb_fused_kernel=False))
-    assert engine.optimizer.bnb_fused == [None, None]
-
-
-def test_kernel_failing_its_first_use_check_is_not_used(one_rank, monkeypatch):
-    """A compiled kernel that disagrees with its reference on this device (ops/self_check.py) steps nothing: the
-    optimizer warns, naming the disagreement, and runs the reference. Control: with a passing check the same setup
-    uses the kernel. Both as if the kernel were built here, so only the check's verdict decides (the real check of the
-    real build: tests/test_self_check.py)."""
-    from deepspeed_bnb.ops import adam8bit, self_check
-    model = make_model()
-
-    def fused_partitions(**zero):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)),
-                                          config=config(**zero))
-        return engine.optimizer.bnb_fused
-
-    monkeypatch.setattr(adam8bit, "kernel_available", lambda: True)
-    monkeypatch.setattr(self_check, "disagreement", lambda rule, device: None)
-    assert [f.use_kernel for f in fused_partitions()] == [True, True]
-    monkeypatch.setattr(self_check, "disagreement", lambda rule, device: "codes1 differs (planted)")
-    with pytest.warns(RuntimeWarning, match=r"'adam' kernel failed its first-use check on cpu .*codes1 differs \(plan"):
-        fused = fused_partitions(bnb_fused_kernel=True)
-    assert [f.use_kernel for f in fused] == [False, False]
-    assert all(f is not None for f in fused)  # still fused: the reference, same results
+        fused_rules(bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3), bnb_fused_kernel=True)
+    sgd = bnb.optim.SGD8bit(param_groups(model), lr=1e-2, momentum=0.9)
+    assert fused_rules(sgd, bnb_fused_kernel=True) == ["momentum", None]
+    assert fused_rules(bnb.optim.Lion8bit(param_groups(model)), bnb_fused_kernel=True) == ["lion", None]
+    assert fused_rules(bnb.optim.AdamW8bit(param_groups(model))) == ["adam", None]
+    assert fused_rules(bnb.optim.AdamW8bit(param_groups(model)), bnb_fused_kernel=False) == [None, None]

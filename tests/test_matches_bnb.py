@@ -2,9 +2,9 @@
 
 Each bnb optimizer family runs through deepspeed.initialize (one CPU rank, ZeRO-2, two param groups with different
 lr / weight decay, 8-bit and fp32 state side by side) and, independently, as a plain bnb optimizer on a copy of the
-model. Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the fused kernel (the default
-for Adam-family, Lion and SGD-momentum optimizers), ZeRO equals the kernel's reference applied to each parameter on
-its own.
+model. Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the default settings, 8-bit
+parameters of Adam-family, Lion and SGD-momentum optimizers get the fused kernel (equal to its reference applied to
+each parameter on its own), and every other parameter bnb's own update (equal to plain bnb).
 """
 
 import bitsandbytes as bnb
@@ -18,8 +18,9 @@ from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.ops import adam8bit, reference
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
+from deepspeed_bnb.optim.partition_step import FUSED
 from deepspeed_bnb.state_layout import GroupLayout
-from toy import MIN_8BIT_SIZE, clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
+from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
 
 STEPS = 3
 FUSED_FACTORIES = {**FACTORIES, "SGD_32bit_momentum": lambda p: bnb.optim.SGD(p, lr=1e-2, momentum=0.9,
@@ -96,24 +97,30 @@ def test_control_stock_zero_differs_from_plain_bnb(one_rank):
 
 
 class PerParameterReference:
-    """The fused step's reference applied to each parameter alone (its own one-segment partition): no ZeRO at all."""
+    """The fused step's reference applied to each of `params` alone (its own one-segment partition), and plain bnb
+    (`factory`) to the other parameters: no ZeRO."""
 
-    def __init__(self, optimizer):
-        self.optimizer, self.state = optimizer, {}
+    def __init__(self, factory, groups, params):
+        self.params = set(params)
+        self.optimizer, self.state = factory(groups), {}
+        self.others = factory([{**g, "params": [p for p in g["params"] if p not in self.params]} for g in groups])
         self.qmap1 = bnb.functional.create_dynamic_map(signed=True)
         self.qmap2 = bnb.functional.create_dynamic_map(signed=False)
-        self.rule = optimizer.optimizer_name
+        self.rule = self.optimizer.optimizer_name
 
     def step(self, t):
+        self.others.step()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
+                if p not in self.params:
+                    p.grad = None
+                    continue
                 n = p.numel()
-                eight_bit = self.optimizer.args.optim_bits == 8 and n >= MIN_8BIT_SIZE
-                if p not in self.state:
+                if p not in self.state:  # 8-bit state: the kernel steps 8-bit parameters only
                     self.state[p] = [torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
-                                     torch.zeros(-(-n // 256)), torch.zeros(-(-n // 256)),
-                                     torch.zeros(0 if eight_bit else n), torch.zeros(0 if eight_bit else n)]
-                table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [eight_bit]), [0])
+                                     torch.zeros(-(-n // 256)), torch.zeros(-(-n // 256)), torch.zeros(0),
+                                     torch.zeros(0)]
+                table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
                 flat, state = p.data.view(-1), self.state[p]
                 if self.rule == "momentum":  # one state, as Lion; bnb's step counter picks the step-1 rule
                     hyper = adam8bit.hyper_table([MomentumHyper.momentum(group["lr"], group["betas"][0],
@@ -133,15 +140,19 @@ class PerParameterReference:
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "Adam8bit", "AdamW_32bit", "Lion8bit", "Lion_32bit",
                                   "SGD8bit_momentum", "SGD_32bit_momentum"])
-def test_fused_zero_dp1_matches_per_parameter_reference(one_rank, name):
-    """The fused kernel under ZeRO (default bnb_fused_kernel: auto) equals its reference run on each parameter alone;
-    its per-parameter state has plain bnb's keys, dtypes and shapes (checkpoints load with either path)."""
+def test_default_zero_dp1_is_kernel_reference_or_plain_bnb(one_rank, name):
+    """Under ZeRO with the default bnb_fused_kernel ("auto"), each 8-bit parameter is stepped as the fused kernel's
+    reference steps that parameter alone, and each 32-bit-state parameter as plain bnb steps it, bit for bit (the
+    reference model: the same split, no ZeRO); every parameter's state has plain bnb's keys, dtypes and shapes
+    (checkpoints load with either path)."""
     model = make_model(0)
     copy, bnb_copy = clone(model), clone(model)
     factory = FUSED_FACTORIES[name]
     engine, *_ = deepspeed.initialize(model=model, optimizer=factory(param_groups(model)), config=ds_config(1, stage=2))
-    assert all(f is not None for f in engine.optimizer.bnb_fused), "Adam, Lion, SGD-momentum step fused by default"
-    per_parameter = PerParameterReference(factory(param_groups(copy)))
+    routes = engine.optimizer.bnb_routes
+    fused = [q for (pname, _), q in zip(model.named_parameters(), copy.parameters()) if routes[pname] is FUSED]
+    assert bool(fused) == ("32bit" not in name), "8-bit Adam, Lion and SGD-momentum parameters: fused by default"
+    per_parameter = PerParameterReference(factory, param_groups(copy), fused)
     plain = factory(param_groups(bnb_copy))
     for step in range(STEPS):
         tokens, targets = global_batch(step)
@@ -152,13 +163,17 @@ def test_fused_zero_dp1_matches_per_parameter_reference(one_rank, name):
     train_plain(bnb_copy, plain)
     states = engine_param_states(engine)
     for (pname, p), q, r in zip(model.named_parameters(), copy.parameters(), bnb_copy.parameters()):
-        assert torch.equal(p.detach(), q.detach()), f"{name}: weights of {pname} differ"
         mine, theirs = states[p], flat_bnb_state(plain.state[r], r.numel())
         assert mine.keys() == theirs.keys(), pname
+        assert torch.equal(p.detach(), q.detach()), f"{name}: weights of {pname} differ ({routes[pname]})"
         for key in mine:
             assert type(mine[key]) is type(theirs[key]), f"{pname}.{key}"
             if torch.is_tensor(mine[key]):
                 assert (mine[key].dtype, mine[key].shape) == (theirs[key].dtype, theirs[key].shape), f"{pname}.{key}"
+        if routes[pname] is not FUSED:  # the same bnb update on the same weights and gradients: the same state
+            expected = flat_bnb_state(per_parameter.others.state[q], q.numel())
+            assert all(torch.equal(mine[k], expected[k]) if torch.is_tensor(mine[k]) else mine[k] == expected[k]
+                       for k in mine), f"{name}: state of {pname}"
     if name.startswith("Lion"):
         # tracks bnb's own update: each step moves an element by lr * sign (or not at all), so the two can drift
         # apart by at most 2 * lr per step, where the signs differ (near-zero directions, zero-gradient embedding

@@ -38,7 +38,7 @@ def adam8bit_step_(params, grads, codes1, codes2, absmax1, absmax2, state1, stat
     """One fused AdamW step, in place (argument meanings: reference.adam8bit_step)."""
     args = (params, grads, codes1, codes2, absmax1, absmax2, state1, state2, qmap1, qmap2, segments, hyper,
             float(inv_scale), lp_params)
-    if use_kernel and loader.load():
-        torch.ops.deepspeed_bnb.adam8bit_step_(*args)
+    if use_kernel:
+        loader.require().adam8bit_step_(*args)
     else:
         reference.adam8bit_step(*args)

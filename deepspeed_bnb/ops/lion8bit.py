@@ -16,7 +16,7 @@ def lion8bit_step_(params, grads, codes1, absmax1, state1, qmap1, segments, hype
                    lp_params: Optional[torch.Tensor] = None, use_kernel: bool = True) -> None:
     """One fused Lion step, in place (argument meanings: reference.lion8bit_step)."""
     args = (params, grads, codes1, absmax1, state1, qmap1, segments, hyper, float(inv_scale), lp_params)
-    if use_kernel and loader.load():
-        torch.ops.deepspeed_bnb.lion8bit_step_(*args)
+    if use_kernel:
+        loader.require().lion8bit_step_(*args)
     else:
         reference.lion8bit_step(*args)

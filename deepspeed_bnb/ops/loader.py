@@ -4,8 +4,8 @@ The JIT build compiles csrc/ops.cpp and the CPU kernels (plus the CUDA kernels w
 torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change and
 per kind of CPU (its name carries a tag of the target -march=native resolves to here: see cpu_features.py). A
 prebuilt extension compiled for instruction sets this CPU lacks is refused (it would die with SIGILL), with a warning.
-Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), it warns once and
-deepspeed_bnb falls back to the pure-torch reference (same results, slow).
+Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), load() says so and
+the ZeRO optimizer steps with bitsandbytes' own update instead, after one warning.
 """
 
 import importlib
@@ -82,20 +82,24 @@ def _build(verbose: bool) -> str:
 
 
 def load(verbose: bool = False) -> bool:
-    """Make torch.ops.deepspeed_bnb.* available; False (with one warning) when it cannot be built here."""
+    """Make torch.ops.deepspeed_bnb.* available; False when they cannot be built here (error() says why; the
+    caller decides what runs instead and says so)."""
     with _lock:
         if _state["loaded"] is None:
             try:
                 _state["source"] = "already registered" if _has_op() else _build(verbose)
                 from deepspeed_bnb.ops import fake  # noqa: F401  (registers the shape-only implementation)
                 _state["loaded"] = True
-            except Exception as exc:  # compiler, ninja, sources: any of them missing means the reference path
+            except Exception as exc:  # compiler, ninja, sources: any of them missing means no kernel here
                 _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"deepspeed_bnb: the fused 8-bit optimizer kernel could not be built or loaded "
-                              f"({_state['error']}); using the pure-torch reference (same results, much slower). "
-                              f"Install a C++ compiler and ninja, or set zero_optimization.bnb_fused_kernel: false "
-                              f"to silence this.", RuntimeWarning, stacklevel=2)
         return _state["loaded"]
+
+
+def require():
+    """torch.ops.deepspeed_bnb, loaded; a RuntimeError saying why when it cannot be (never a silent substitute)."""
+    if not load():
+        raise RuntimeError(f"deepspeed_bnb: the fused kernels could not be built or loaded here: {error()}")
+    return torch.ops.deepspeed_bnb
 
 
 def error() -> Optional[str]:

@@ -18,7 +18,7 @@ def momentum8bit_step_(params, grads, codes1, absmax1, state1, qmap1, segments, 
                        lp_params: Optional[torch.Tensor] = None, use_kernel: bool = True) -> None:
     """One fused SGD-with-momentum step, in place (argument meanings: reference.momentum8bit_step)."""
     args = (params, grads, codes1, absmax1, state1, qmap1, segments, hyper, float(inv_scale), lp_params)
-    if use_kernel and loader.load():
-        torch.ops.deepspeed_bnb.momentum8bit_step_(*args)
+    if use_kernel:
+        loader.require().momentum8bit_step_(*args)
     else:
         reference.momentum8bit_step(*args)

@@ -7,6 +7,7 @@ whole parameter. What bnb would decide per tensor from the tensor it is handed (
 config overrides) is decided here per *model* parameter, once, before ZeRO replaces the param lists.
 """
 
+import inspect
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -76,6 +77,13 @@ class BnbAdapter:
     def _get_config(self, gindex, pindex, group):
         config = self._bnb_get_config(gindex, pindex, group)
         config.update(self._current_override)
+        return config
+
+    def config(self, group: dict, gindex: int, override: dict) -> dict:
+        """What bnb's get_config gives a parameter of `group` with these per-parameter overrides (a subclass's own
+        get_config included): every field its update_step reads."""
+        config = self._bnb_get_config(gindex, 0, group)
+        config.update(override)
         return config
 
     def eight_bit(self, param: torch.Tensor) -> bool:
@@ -186,3 +194,23 @@ class BnbAdapter:
 
 def is_bnb_optimizer(optimizer: Optional[object]) -> bool:
     return isinstance(optimizer, Optimizer8bit)
+
+
+def check_steppable(optimizer) -> None:
+    """Refuse an optimizer this package cannot step as its author wrote it: not a bitsandbytes optimizer, or one
+    whose class overrides `step()` (under ZeRO bnb sees flat partitions, so the package calls `update_step` per
+    parameter segment and never `step()`: an override would be skipped without a word)."""
+    cls = type(optimizer)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if not is_bnb_optimizer(optimizer):
+        raise TypeError(f"deepspeed_bnb.BnbZeroOptimizer steps bitsandbytes optimizers (subclasses of "
+                        f"bitsandbytes.optim.optimizer.Optimizer8bit); got {name}. deepspeed.initialize builds "
+                        f"DeepSpeed's own ZeRO optimizer for other optimizers.")
+    # torch.optim.Optimizer wraps each class's step() in a profiling hook on first instantiation: compare the
+    # functions underneath
+    step = inspect.unwrap(cls.step)
+    if step is not inspect.unwrap(Optimizer8bit.step):
+        raise TypeError(f"deepspeed_bnb: {name} overrides step() ({step.__module__}.{step.__qualname__}), which "
+                        f"ZeRO never calls here: deepspeed_bnb runs bnb's init_state/update_step on each parameter's "
+                        f"share of the flat ZeRO partition. Move the per-step logic into update_step (called once "
+                        f"per parameter segment per step), or train without ZeRO.")

@@ -32,13 +32,34 @@ _STOCK = {}  # patched attribute name -> DeepSpeed's original, filled by install
 
 
 def _routes_to_bnb(engine, optimizer) -> bool:
-    return (is_bnb_optimizer(optimizer) and engine.zero_optimization_stage() in (1, 2)
-            and not getattr(engine, "zenflow", False))
+    return is_bnb_optimizer(optimizer) and engine.zero_optimization_stage() in (1, 2)
+
+
+def _configure_optimizer(self, client_optimizer, model_parameters):
+    # The swap in _configure_zero_optimizer below is how a bnb optimizer reaches BnbZeroOptimizer. Should a DeepSpeed
+    # release build its ZeRO optimizer by another route, stock ZeRO would step bnb on flat partitions (state that
+    # depends on the DP size, checkpoints that do not reload) without a word: refuse that here instead.
+    _STOCK["_configure_optimizer"](self, client_optimizer, model_parameters)
+    if _routes_to_bnb(self, client_optimizer) and not isinstance(self.optimizer, BnbZeroOptimizer):
+        import deepspeed
+        built = type(self.optimizer)
+        raise RuntimeError(
+            f"deepspeed_bnb: DeepSpeed {deepspeed.__version__} built {built.__module__}.{built.__qualname__} for the "
+            f"bitsandbytes optimizer {type(client_optimizer).__name__} under ZeRO stage "
+            f"{self.zero_optimization_stage()}, not deepspeed_bnb's BnbZeroOptimizer: this DeepSpeed no longer "
+            f"builds its stage-1/2 optimizer through DeepSpeedEngine._configure_zero_optimizer and the module-level "
+            f"name DeepSpeedZeroOptimizer, which is where deepspeed_bnb hooks in. Stock ZeRO would shard bnb's "
+            f"quantization state element-wise. Use a DeepSpeed version deepspeed_bnb supports (see its README).")
 
 
 def _configure_zero_optimizer(self, optimizer):
     if not _routes_to_bnb(self, optimizer):
         return _STOCK["_configure_zero_optimizer"](self, optimizer)
+    if getattr(self, "zenflow", False):
+        raise NotImplementedError(f"deepspeed_bnb: ZenFlow (zero_optimization.zenflow) steps the optimizer with its "
+                                  f"own CPU update; it cannot step the bitsandbytes optimizer "
+                                  f"{type(optimizer).__name__} block-aware. Remove the zenflow section, or use a "
+                                  f"non-bitsandbytes optimizer with ZenFlow.")
     stock_class = ds_engine.DeepSpeedZeroOptimizer
     ds_engine.DeepSpeedZeroOptimizer = functools.partial(BnbZeroOptimizer, **bnb_settings(self._config.zero_config))
     try:
@@ -145,6 +166,7 @@ def _is_zero_supported_optimizer(optimizer):
 
 
 _PATCHES = (  # (owner, attribute, replacement)
+    (ds_engine.DeepSpeedEngine, "_configure_optimizer", _configure_optimizer),
     (ds_engine.DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer),
     (ds_engine.DeepSpeedEngine, "_do_optimizer_sanity_check", _do_optimizer_sanity_check),
     (ds_engine.DeepSpeedEngine, "_load_zero_checkpoint", _load_zero_checkpoint),

@@ -3,42 +3,46 @@
 Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` (same module path here):
 - `flatten_dense_tensors_aligned`: every parameter starts on a 256-element block, the group is padded to
   `256 * dp`, so partitions are block-aligned (state_layout.py);
-- `_optimizer_step`: one fused kernel call per partition for Adam-family, Lion and SGD-momentum optimizers
-  (optim/fused_adam.py, with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`), otherwise
-  bnb's own update per parameter segment (optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter,
-  and alignment padding is never updated, so it stays exactly zero;
+- `_optimizer_step`: per partition, the fused kernel steps the parameters whose bnb update it provably computes
+  (optim/fused_contract.py: 8-bit state, bnb's own update_step, every config field modelled; DeepSpeed's unscale/clip
+  factor folded in through `unscale_and_clip_grads`), and bnb's own `update_step` steps the others, segment by
+  segment (optim/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and
+  alignment padding is never updated, so it stays exactly zero;
 - `state_dict` / `load_state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's
   element-wise trim/concatenate, which would corrupt quantization maps and per-block scales.
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
+import functools
 import warnings
 import zlib
-from typing import Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import logger
 
 from deepspeed_bnb.checkpoint.constants import MASTER_WEIGHTS_KEY
 from deepspeed_bnb.checkpoint.manifest import describe
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
 from deepspeed_bnb.checkpoint.sources import ListSource
-from deepspeed_bnb.ops import adam8bit, self_check
-from deepspeed_bnb.optim import fused_adam
-from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused_adam import FusedPartition, combined_inv_scale
+from deepspeed_bnb.ops import adam8bit, loader, self_check
+from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
+from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
+from deepspeed_bnb.optim.fused_partition import combined_inv_scale
+from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep, routes
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
-
 
 class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
+        check_steppable(init_optimizer)
         # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
@@ -49,9 +53,11 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
         self.bnb_layouts: List[GroupLayout] = []  # per param group: block-aligned layout of the flat buffer
         self.bnb_eight_bit: List[List[bool]] = []  # per group, per parameter in flat order: 8-bit state?
         self.bnb_segments = []  # per group: this rank's segment table (state_layout.Segment)
-        self._bnb_overrides = []  # per group, per segment: the bnb config overrides of its parameter
-        self.bnb_fused = []  # per group: FusedPartition when the fused kernel steps it, else None (bnb's own step)
-        self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the fused step
+        self.bnb_steps: List[PartitionStep] = []  # per group: this rank's step (fused kernel and/or bnb's update)
+        self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
+        device = self.single_partition_of_fp32_groups[0].device
+        # why no parameter may be fused here (None: the contract decides per parameter)
+        self.bnb_kernel_reason: Optional[str] = self._bnb_kernel_reason(bnb_fused_kernel, device)
         for i, params in enumerate(self.round_robin_bit16_groups):
             layout = self._bnb_check_layout(i)
             rank = dist.get_rank(group=self.real_dp_process_group[i])
@@ -67,36 +73,79 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
-            self._bnb_overrides.append([self.bnb.override(params[s.slot]) for s in segments])
-        fused = self._bnb_fused_setting(bnb_fused_kernel, self.single_partition_of_fp32_groups[0].device)
-        for i, segments in enumerate(self.bnb_segments):
-            self.bnb_fused.append(FusedPartition(segments, self._bnb_overrides[i],
-                                                 self.single_partition_of_fp32_groups[i].device,
-                                                 use_kernel=fused == "kernel", rule=self.bnb.optimizer_name)
-                                  if fused else None)
+            self.bnb_steps.append(PartitionStep(self.bnb, i, segments, [self.bnb.override(params[s.slot])
+                                                                        for s in segments],
+                                                partition.device, self.bnb_kernel_reason,
+                                                on_reroute=functools.partial(self._bnb_log_reroute, i)))
+        for i, step in enumerate(self.bnb_steps):
+            step.route(self.optimizer.param_groups[i])
+        self.bnb_routes = self._bnb_model_routes()  # parameter name -> FUSED or why bnb's update steps it
+        if dist.get_rank(group=self.dp_process_group) == 0:
+            logger.info(describe_routes(type(self.optimizer).__name__, self.bnb_routes))
 
-    def _bnb_fused_setting(self, setting, device):
-        """None (bnb's own step), "kernel" (compiled) or "reference" (pure torch, same results: no build here, or a
-        build that fails its first-use check on `device`, ops/self_check.py)."""
+    def _bnb_kernel_reason(self, setting, device) -> Optional[str]:
+        """Why bnb's own update steps every parameter of this optimizer on `device` (None: the fused kernel steps
+        each parameter whose bnb config it models; fused_contract.py). `true` turns every reason but the contract's
+        into an error; a kernel that should run here and cannot warns once."""
         if setting is False:
-            return None
-        if not fused_adam.supports(self.bnb.optimizer_name):
-            if setting is True:
-                raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {type(self.optimizer).__name__} uses "
-                                 f"bnb's '{self.bnb.optimizer_name}' update, which has no fused kernel (Adam, AdamW, "
-                                 f"Lion and SGD with momentum do). Use \"auto\" (fused where supported) or false.")
-            return None
-        if not adam8bit.kernel_available():
-            return "reference"
-        problem = self_check.disagreement(self.bnb.optimizer_name, device)
-        if problem:
-            warnings.warn(f"deepspeed_bnb: the compiled fused '{self.bnb.optimizer_name}' kernel failed its first-use "
-                          f"check on {device} against its pure-torch reference ({problem}), so the reference steps "
-                          f"this run instead (same results, slower). Please report it with your CPU/GPU model and "
-                          f"torch/CUDA versions; zero_optimization.bnb_fused_kernel: false runs bnb's own update.",
-                          RuntimeWarning, stacklevel=2)
-            return "reference"
-        return "kernel"
+            return "zero_optimization.bnb_fused_kernel is false"
+        reason = optimizer_reason(self.optimizer)
+        if reason is None and device.type not in KERNEL_DEVICES:
+            reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
+        if reason is None and device.type == "cuda" and setting == "auto":
+            # the CUDA kernels are compiled and checked at first use, but have not yet been run and benchmarked
+            # on a GPU by this project: an unproven path is never the silent default
+            return ("the fused CUDA kernels are opt-in until validated on GPUs (zero_optimization.bnb_fused_kernel: "
+                    "true uses them, after the first-use check)")
+        if reason is None and not adam8bit.kernel_available():
+            reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
+            self._bnb_fall_back(setting, reason)
+        if reason is None:
+            problem = self_check.disagreement(self.bnb.optimizer_name, device)
+            if problem:
+                reason = (f"the compiled '{self.bnb.optimizer_name}' kernel failed its first-use check on {device} "
+                          f"against its pure-torch reference ({problem})")
+                self._bnb_fall_back(setting, reason + "; please report it with your CPU/GPU model and torch/CUDA "
+                                                      "versions")
+        if reason is not None and setting is True:
+            raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {reason}. Use \"auto\" (the kernel where "
+                             f"it models bnb's update, bnb's own update elsewhere) or false.")
+        return reason
+
+    @staticmethod
+    def _bnb_fall_back(setting, reason: str) -> None:
+        if setting is not True:  # `true` raises instead (the caller)
+            warnings.warn(f"deepspeed_bnb: {reason}. bitsandbytes' own update steps this run instead (same "
+                          f"optimizer, bnb's speed); zero_optimization.bnb_fused_kernel: false silences this.",
+                          RuntimeWarning, stacklevel=4)
+
+    def _bnb_model_routes(self) -> Dict[str, Optional[str]]:
+        """Every model parameter's route (rank-independent: it depends on the parameter and its config only)."""
+        out = {}
+        for i, params in enumerate(self.round_robin_bit16_groups):
+            found = routes(self.bnb, self.bnb_kernel_reason, self.optimizer.param_groups[i], i,
+                           [self.bnb.override(p) for p in params], self.bnb_eight_bit[i])
+            out.update({self.param_names.get(p, f"group {i} #{j}"): r for j, (p, r) in enumerate(zip(params, found))})
+        return out
+
+    def _bnb_log_reroute(self, group_no, segments, old, new) -> None:
+        params = self.round_robin_bit16_groups[group_no]
+        changed = {self.param_names.get(params[s.slot], f"group {group_no} #{s.slot}"): r
+                   for s, was, r in zip(segments, old, new) if was != r}
+        self.bnb_routes.update(changed)
+        logger.info(f"rank {dist.get_rank(group=self.dp_process_group)}: the config changed; "
+                    + describe_routes(type(self.optimizer).__name__, changed))
+
+    def bnb_update_summary(self) -> str:
+        """In words, which code steps the parameters (for logs and benchmark tables)."""
+        fused = sum(route is FUSED for route in self.bnb_routes.values())
+        if not fused:
+            return "bnb's own update"
+        where = self.single_partition_of_fp32_groups[0].device.type
+        kernel = f"fused kernel ({'C++' if where == 'cpu' else where.upper()})"
+        if fused == len(self.bnb_routes):
+            return kernel
+        return f"{kernel} for {fused} of {len(self.bnb_routes)} parameters, bnb's own update for the rest"
 
     # ---- layout -------------------------------------------------------------------------------------------------
 
@@ -147,23 +196,19 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
     # ---- step ---------------------------------------------------------------------------------------------------
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-        # DeepSpeed multiplies the gradient partition by 1 / (loss scale * clip) just before _optimizer_step; for a
-        # fused group the factor is handed to the kernel instead, saving one pass over the partition.
+        # DeepSpeed multiplies the gradient partition by 1 / (loss scale * clip) just before _optimizer_step; the
+        # factor is handed to the partition's step instead, which folds it into the kernel's single pass (and
+        # multiplies only the segments bnb steps), saving one pass over the partition.
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
-            if self.bnb_fused[i] is not None and len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
+            if len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
                 self._bnb_inv_scale[i] = combined_inv_scale(self.loss_scale, self.clip_grad, total_norm)
                 return
         super().unscale_and_clip_grads(grad_groups_flat, total_norm)
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
-        group, state = self.optimizer.param_groups[group_no], self.optimizer.state[partition]
-        if self.bnb_fused[group_no] is not None:
-            self.bnb_fused[group_no].step(group, partition, partition.grad, state,
-                                          self._bnb_inv_scale.pop(group_no, 1.0))
-        else:
-            self.bnb.step(group, group_no, partition, partition.grad, state, self.bnb_segments[group_no],
-                          self._bnb_overrides[group_no])
+        self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
+                                      self.optimizer.state[partition], self._bnb_inv_scale.pop(group_no, 1.0))
         self._lazy_init_hp_params_optimizer_state()
 
     # ---- accounting ---------------------------------------------------------------------------------------------

@@ -1,0 +1,392 @@
+"""The default path steps every parameter exactly as the user's bitsandbytes optimizer would, or within the fused
+kernel's documented relation to it where the contract (optim/fused_contract.py) lets the kernel step.
+
+For every bitsandbytes optimizer class, and for each field of bnb's get_config set to a non-neutral value (plus
+per-parameter overrides), a partition of two param groups (8-bit and fp32-state parameters side by side) is stepped
+by the default path (PartitionStep with the kernel available) and, independently, by plain bitsandbytes on the same
+parameters and gradients:
+- every parameter the contract routes to bnb's own update, and every 32-bit-state parameter, ends bit for bit equal
+  to plain bnb (weights and state) after several steps;
+- every parameter the kernel steps is held, at each step, to bnb's own update from the same state (the
+  `bnb_fused_kernel: false` path run on a copy): codes within one quantization step, weights within a small
+  fraction of the step.
+Controls: a contract that fuses everything does not match plain bnb in the cases the contract routes to bnb; the
+per-step relation check catches a kernel run with a wrong learning rate.
+"""
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
+
+from deepspeed_bnb.checkpoint.param_state import gather_param_states
+from deepspeed_bnb.optim import fused_contract, partition_step
+from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep
+from deepspeed_bnb.state_layout import GroupLayout
+from test_fused_step import needs_kernel
+
+GROUPS = ((3000, 700), (1500, 300))  # per param group: with min_8bit_size=1000, one 8-bit and one fp32 parameter
+STEPS = 3
+CLASSES = sorted((getattr(bnb.optim, name) for name in dir(bnb.optim)
+                  if isinstance(getattr(bnb.optim, name), type) and issubclass(getattr(bnb.optim, name), Optimizer8bit)),
+                 key=lambda cls: cls.__name__)
+NEEDS_MOMENTUM = ("SGD", "LARS")
+
+
+def construct(cls, params):
+    extra = {"momentum": 0.9} if cls.__name__.startswith(NEEDS_MOMENTUM) else {}
+    return cls(params, lr=1e-3, min_8bit_size=1000, **extra)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One non-neutral setting of a get_config field, applied the way a user would set it."""
+
+    name: str
+    apply: Callable  # (optimizer, params) -> None; before the first step
+
+
+def _group(key, value_of, name=None):
+    def apply(optimizer, params):
+        for group in optimizer.param_groups:
+            group[key] = value_of(group.get(key))
+    return _named(name or key, apply)
+
+
+def _arg(key, value_of):
+    def apply(optimizer, params):
+        setattr(optimizer.args, key, value_of(getattr(optimizer.args, key)))
+        if key == "optim_bits" and getattr(optimizer.args, key) == 8 and "dynamic" not in optimizer.name2qmap:
+            optimizer.fill_qmap()
+    return _named(key, apply)
+
+
+def _override(name, key, value):
+    def apply(optimizer, params):  # GlobalOptimManager, as HF Trainer registers its 32-bit embedding override
+        GlobalOptimManager.get_instance().override_config(params[2], key, value)
+    return _named(name, apply)
+
+
+def _named(name, apply):
+    return Variant(name, apply)
+
+
+VARIANTS = [
+    _named("defaults", lambda optimizer, params: None),
+    _group("betas", lambda betas: tuple(b * 0.9 for b in betas)),
+    _group("betas", lambda betas: tuple(betas) + (0.999,), name="betas+1"),  # a third beta where bnb reads one
+    _group("eps", lambda eps: 1e-3),
+    _group("weight_decay", lambda wd: 0.2),
+    _group("lr", lambda lr: 5e-3),
+    _group("alpha", lambda alpha: 2.0),
+    _group("t_alpha", lambda t: 5),
+    _group("t_beta3", lambda t: 5),
+    _arg("optim_bits", lambda bits: 40 - bits),  # 8 <-> 32
+    _arg("min_8bit_size", lambda size: 0),  # every parameter 8-bit
+    _arg("max_unorm", lambda unorm: 0.0 if unorm else 1e-3),
+    _arg("skip_zeros", lambda skip: not skip),
+    _override("override lr", "lr", 3e-3),
+    _override("override optim_bits", "optim_bits", 32),
+    _override("override unknown key", "my_scale", 2.0),
+]
+
+
+def gradients(step: int) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    grads = [torch.randn(n, generator=g) for numels in GROUPS for n in numels]
+    grads[0][512:1024] = 0.0  # whole zero blocks (bnb's CPU path moves them; the kernel keeps them)
+    grads[2][:100] = 0.0
+    return grads
+
+
+def initial_params() -> List[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(n, generator=g) * 0.1) for numels in GROUPS for n in numels]
+
+
+def split(flat_list):
+    it = iter(flat_list)
+    return [[next(it) for _ in numels] for numels in GROUPS]
+
+
+class Partitions:
+    """Each param group flattened block-aligned (DP=1), as BnbZeroOptimizer holds it, stepped by PartitionStep."""
+
+    def __init__(self, optimizer, params, kernel_reason: Optional[str]):
+        self.optimizer, self.params = optimizer, params
+        self.adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), 256)
+        self.layouts = [GroupLayout(numels, 1) for numels in GROUPS]
+        self.eight_bit = [[self.adapter.eight_bit(p) for p in group] for group in split(params)]
+        self.flat, self.states, self.steps = [], [], []
+        for i, (group_params, layout) in enumerate(zip(split(params), self.layouts)):
+            flat = torch.zeros(layout.total_numel)
+            for slot, p in zip(layout.slots, group_params):
+                flat.narrow(0, slot.offset, slot.numel).copy_(p.detach())
+            segments = layout.segments(0, self.eight_bit[i])
+            group = optimizer.param_groups[i]
+            self.flat.append(flat)
+            self.states.append(self.adapter.allocate(group, i, segments, layout.partition_size, self.eight_bit[i],
+                                                     "cpu"))
+            self.steps.append(self.stepper(i, kernel_reason))
+
+    def stepper(self, i, kernel_reason) -> PartitionStep:
+        segments = self.layouts[i].segments(0, self.eight_bit[i])
+        return PartitionStep(self.adapter, i, segments, [self.adapter.override(split(self.params)[i][s.slot])
+                                                         for s in segments], "cpu", kernel_reason)
+
+    def step(self, grads, steps=None, states=None, flat=None):
+        for i, layout in enumerate(self.layouts):
+            flat_grad = torch.zeros(layout.total_numel)
+            for slot, grad in zip(layout.slots, split(grads)[i]):
+                flat_grad.narrow(0, slot.offset, slot.numel).copy_(grad)
+            (steps or self.steps)[i].step(self.optimizer.param_groups[i], (flat or self.flat)[i], flat_grad,
+                                          (states or self.states)[i])
+
+    def routes(self) -> List[Optional[str]]:
+        return [route for step in self.steps for route in step.routes]
+
+    def weights(self, flat=None) -> List[torch.Tensor]:
+        return [(flat or self.flat)[i].narrow(0, slot.offset, slot.numel).clone()
+                for i, layout in enumerate(self.layouts) for slot in layout.slots]
+
+    def param_states(self, states=None) -> List[dict]:
+        out = []
+        for i, layout in enumerate(self.layouts):
+            state = (states or self.states)[i]
+            out += gather_param_states(layout, self.eight_bit[i], self.adapter.stored_classes(state), [state])
+        return out
+
+
+def plain_bnb_state(state: dict, numel: int) -> dict:
+    """Plain bnb's state of one parameter, shaped like the gathered one (scratch `unorm_vec` left out)."""
+    return {k: (v.reshape(-1, numel).squeeze(0) if k in ("state1", "state2") else v)
+            for k, v in state.items() if k != "unorm_vec"}
+
+
+def assert_same(mine: dict, theirs: dict, where: str) -> None:
+    assert mine.keys() == theirs.keys(), where
+    for key in mine:
+        if torch.is_tensor(mine[key]):
+            assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{where}: {key}"
+        else:
+            assert mine[key] == theirs[key], f"{where}: {key}"
+
+
+BNB_CPU_TABLE_STEP = 2 / 65536  # bnb's CPU quantizer looks normalized values up in 65,536 cells over [-1, 1]
+
+
+def relation_breaks(mine: dict, bnbs: dict, w_mine, w_bnb, w_before) -> List[str]:
+    """One fused step against bnb's own step from the same state: each code within one quantization step of bnb's
+    (the kernel rounds to the nearest code, bnb's CPU path through a look-up table, ties down, whose cells are
+    coarser than the map's codes near 0: there the two may differ by up to one cell), each absmax within fp32 noise,
+    the weights within 1% of the step they took. Returns what breaks it."""
+    breaks = []
+    for key, absmax, qmap in (("state1", "absmax1", "qmap1"), ("state2", "absmax2", "qmap2")):
+        if key not in bnbs or bnbs[key].dtype != torch.uint8:
+            continue
+        qmap = bnbs[qmap]
+        rank = torch.argsort(torch.argsort(qmap))  # a code's position among the map's sorted values
+        steps = (rank[mine[key].long()] - rank[bnbs[key].long()]).abs()
+        # bnb's CPU table cannot tell the map's smallest codes apart (0 and |u| < 3e-5 included)
+        unresolved = (qmap[mine[key].long()] - qmap[bnbs[key].long()]).abs() <= BNB_CPU_TABLE_STEP
+        # in a block whose absmax is 0 every code means 0 (bnb's CPU path stores code 0 there, the kernel 0.0's)
+        scaled = (bnbs[absmax] > 0).repeat_interleave(256)[:steps.numel()]
+        if ((steps > 1) & ~unresolved & scaled).any():
+            breaks.append(f"{key} codes more than one step apart")
+    for key in ("absmax1", "absmax2"):
+        if key in bnbs and not torch.allclose(mine[key], bnbs[key], rtol=1e-5, atol=0):
+            breaks.append(f"{key} differs")
+    moved = (w_bnb - w_before).abs().max().item()
+    if (w_mine - w_bnb).abs().max().item() > 0.01 * moved:
+        breaks.append("weights off by more than 1% of the step")
+    return breaks
+
+
+@dataclass
+class Outcome:
+    """The default path and plain bnb after STEPS steps, and what the per-step relation check found."""
+
+    routes: List[Optional[str]]  # per parameter (DP=1: one segment each): FUSED or why bnb's update steps it
+    eight_bit: List[bool]  # per parameter
+    weights: List[torch.Tensor]  # the default path's
+    states: List[dict]  # the default path's, per parameter, bnb-shaped
+    plain_weights: List[torch.Tensor]  # plain bnb's
+    plain_states: List[dict]  # plain bnb's
+    checked: int = 0  # fused parameter-steps held to bnb's own step
+    breaks: List[str] = field(default_factory=list)  # relation breaks found
+
+    def bnb_routed_mismatches(self, where: str) -> List[str]:
+        """Parameters the contract gives bnb's update whose weights or state differ from plain bnb in any bit."""
+        out = []
+        for j, route in enumerate(self.routes):
+            if route is FUSED:
+                continue
+            if not torch.equal(self.weights[j], self.plain_weights[j]):
+                out.append(f"{where}, parameter {j} ({route}): weights")
+            elif not same_state(self.states[j], self.plain_states[j]):
+                out.append(f"{where}, parameter {j} ({route}): state")
+        return out
+
+
+def same_state(mine: dict, theirs: dict) -> bool:
+    if mine.keys() != theirs.keys():
+        return False
+    return all(torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a, b) if torch.is_tensor(b) else a == b
+               for a, b in ((mine[k], theirs[k]) for k in mine))
+
+
+def run(cls, variant: Variant) -> Outcome:
+    """The default path (kernel where the contract allows) and plain bnb side by side, same parameters and
+    gradients; at every step the default path's fused parameters are compared with bnb's own step (the
+    `bnb_fused_kernel: false` path) from the same state."""
+    params, plain_params = initial_params(), initial_params()
+    optimizer = construct(cls, [{"params": g, "lr": 1e-3 * (i + 1)} for i, g in enumerate(split(params))])
+    plain = construct(cls, [{"params": g, "lr": 1e-3 * (i + 1)} for i, g in enumerate(split(plain_params))])
+    manager = GlobalOptimManager.get_instance()
+    try:
+        variant.apply(optimizer, params)
+        variant.apply(plain, plain_params)
+        ours = Partitions(optimizer, params, None)
+        teacher = [ours.stepper(i, "zero_optimization.bnb_fused_kernel is false") for i in range(len(GROUPS))]
+        checked, breaks = 0, []
+        for step in range(STEPS):
+            grads = gradients(step)
+            before_states, before_flat = copy.deepcopy(ours.states), [f.clone() for f in ours.flat]
+            w_before = ours.weights()
+            ours.step(grads)
+            for p, g in zip(plain_params, grads):
+                p.grad = g.clone()
+            plain.step()
+            ours.step(grads, steps=teacher, states=before_states, flat=before_flat)  # bnb's step, same start
+            mine, bnbs = ours.param_states(), ours.param_states(before_states)
+            for j, (route, w_mine, w_bnb) in enumerate(zip(ours.routes(), ours.weights(), ours.weights(before_flat))):
+                if route is FUSED:
+                    checked += 1
+                    breaks += [f"parameter {j}, step {step + 1}: {b}"
+                               for b in relation_breaks(mine[j], bnbs[j], w_mine, w_bnb, w_before[j])]
+        return Outcome(routes=ours.routes(), eight_bit=[e for group in ours.eight_bit for e in group],
+                       weights=ours.weights(), states=ours.param_states(),
+                       plain_weights=[q.detach() for q in plain_params],
+                       plain_states=[plain_bnb_state(plain.state[q], q.numel()) for q in plain_params],
+                       checked=checked, breaks=breaks)
+    finally:
+        for p in params + plain_params:
+            manager.pid2config.pop(id(p), None)
+
+
+def _bnb_refuses(cls, variant) -> Optional[Exception]:
+    """The exception plain bnb raises for this setting on its first step, or None (it trains)."""
+    params = initial_params()
+    optimizer = construct(cls, [{"params": g} for g in split(params)])
+    try:
+        variant.apply(optimizer, params)
+        for p, g in zip(params, gradients(0)):
+            p.grad = g
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001  (whatever bnb raises, the default path must raise it too)
+        return exc
+    finally:
+        for p in params:
+            GlobalOptimManager.get_instance().pid2config.pop(id(p), None)
+    return None
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_default_path_is_bnbs_update(cls, variant):
+    refused = _bnb_refuses(cls, variant)
+    if refused is not None:  # a setting bnb itself rejects stays rejected: the default path is not more lenient
+        with pytest.raises(type(refused)):
+            run(cls, variant)
+        return
+    outcome = run(cls, variant)
+    where = f"{cls.__name__}, {variant.name}"
+    assert not outcome.bnb_routed_mismatches(where), outcome.bnb_routed_mismatches(where)
+    assert not outcome.breaks, f"{where}: {outcome.breaks}"
+    assert all(route is not FUSED for route, eight in zip(outcome.routes, outcome.eight_bit) if not eight), \
+        "32-bit state is always bnb's own update"
+    if variant.name == "defaults" and cls.__name__.endswith("8bit") and construct(
+            cls, initial_params()).optimizer_name in fused_contract.RULES:
+        assert outcome.checked > 0, "the kernel steps the 8-bit parameters of a plain 8-bit optimizer"
+
+
+def _routes(cls, name):
+    return run(cls, next(v for v in VARIANTS if v.name == name)).routes
+
+
+@needs_kernel
+def test_contract_routes_what_the_kernel_does_not_model():
+    """Spot checks of the routes the matrix above relies on (8-bit parameters are #0 and #2)."""
+    assert _routes(bnb.optim.AdamW8bit, "defaults")[0] is FUSED
+    assert _routes(bnb.optim.AdamW8bit, "lr")[0] is FUSED
+    assert "skip_zeros=True" in _routes(bnb.optim.AdamW8bit, "skip_zeros")[0]
+    assert "betas" in _routes(bnb.optim.AdamW8bit, "betas+1")[0]
+    assert _routes(bnb.optim.Lion8bit, "betas+1")[0] is FUSED  # Optimizer1State reads two betas only
+    assert "alpha=2.0" in _routes(bnb.optim.AdamW8bit, "alpha")[0]
+    assert _routes(bnb.optim.AdamW8bit, "max_unorm")[0] is FUSED  # bnb's 8-bit update ignores it
+    overridden = _routes(bnb.optim.AdamW8bit, "override unknown key")
+    assert overridden[0] is FUSED and "'my_scale'" in overridden[2]
+    assert "32-bit state" in _routes(bnb.optim.AdamW8bit, "override optim_bits")[2]
+    assert "no fused kernel" in _routes(bnb.optim.RMSprop8bit, "defaults")[0]
+
+
+def test_fields_are_the_ones_bnb_reads():
+    """The contract enumerates exactly the fields the installed bnb's get_config returns, for every class."""
+    for cls in CLASSES:
+        optimizer = construct(cls, initial_params())
+        assert set(optimizer.get_config(0, 0, optimizer.param_groups[0])) == set(fused_contract.FIELDS), cls
+
+
+class CalledUpdate(bnb.optim.AdamW8bit):
+    calls = 0
+
+    def update_step(self, group, p, gindex, pindex):
+        CalledUpdate.calls += 1
+        return super().update_step(group, p, gindex, pindex)
+
+
+@needs_kernel
+def test_overridden_update_step_is_always_called():
+    CalledUpdate.calls = 0
+    outcome = run(CalledUpdate, VARIANTS[0])
+    assert all("overrides bnb's update_step" in route for route in outcome.routes)
+    assert not outcome.bnb_routed_mismatches("CalledUpdate")
+    assert CalledUpdate.calls == 3 * STEPS * len(outcome.routes)  # ours, the teacher's and plain bnb's
+
+
+@needs_kernel
+@pytest.mark.parametrize("cls, name", [(bnb.optim.AdamW8bit, "skip_zeros"), (bnb.optim.AdamW8bit, "alpha"),
+                                       (bnb.optim.AdamW, "max_unorm"), (bnb.optim.Lion, "defaults"),
+                                       (CalledUpdate, "defaults")], ids=str)
+def test_control_fusing_everything_differs_from_bnb(cls, name, monkeypatch):
+    """Without the contract (every parameter fused, 32-bit state and overridden update_step included), parameters
+    the contract gives bnb's update no longer equal plain bnb: the exact comparison above is not vacuous."""
+    routed = [j for j, route in enumerate(_routes(cls, name)) if route is not FUSED]
+    monkeypatch.setattr(partition_step, "param_reason", lambda rule, config, eight_bit: None)
+    monkeypatch.setattr(partition_step, "optimizer_reason", lambda optimizer: None)
+    outcome = run(cls, next(v for v in VARIANTS if v.name == name))
+    assert routed and all(route is FUSED for route in outcome.routes)
+    outcome.routes = ["the real contract's" if j in routed else FUSED for j in range(len(outcome.weights))]
+    assert outcome.bnb_routed_mismatches(name)
+
+
+@needs_kernel
+def test_control_relation_check_catches_a_wrong_kernel(monkeypatch):
+    """A kernel fed a learning rate 10% off fails the per-step comparison with bnb's own step; the right one passes."""
+    assert not run(bnb.optim.AdamW8bit, VARIANTS[0]).breaks
+    real = partition_step.PartitionStep.step
+
+    def wrong_lr(self, group, *args, **kwargs):
+        if self.kernel_reason is None:  # the default path, not the teacher
+            group = {**group, "lr": group["lr"] * 1.1}
+        return real(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(partition_step.PartitionStep, "step", wrong_lr)
+    outcome = run(bnb.optim.AdamW8bit, VARIANTS[0])
+    assert any("weights off" in b for b in outcome.breaks), outcome.breaks
