@@ -7,6 +7,8 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   (optim/fused_adam.py, with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`), otherwise
   bnb's own update per parameter segment (optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter,
   and alignment padding is never updated, so it stays exactly zero;
+- `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
+  dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
 - `state_dict` / `load_state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's
   element-wise trim/concatenate, which would corrupt quantization maps and per-block scales.
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
@@ -32,6 +34,7 @@ from deepspeed_bnb.optim.fused_adam import FusedPartition, combined_inv_scale
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
+from deepspeed_bnb.utils.tensor_fragment import link_param_states
 
 
 class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
@@ -143,6 +146,12 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
                     f"ranks, but {type(self.optimizer).__name__} applies a per-tensor trust ratio "
                     f"(max_unorm={self.bnb.max_unorm(params)}) to fp32 state. Use 8-bit state for it (lower "
                     f"min_8bit_size), max_unorm=0, or fewer data-parallel ranks.")
+
+    def _link_all_hp_params(self):
+        # DeepSpeed's fragments would hand out uint8 codes as moments (safe_get_full_optimizer_state); route state keys
+        # through bnb state instead, dequantized and requantized (utils/tensor_fragment.py).
+        super()._link_all_hp_params()
+        link_param_states(self)
 
     # ---- step ---------------------------------------------------------------------------------------------------
 
