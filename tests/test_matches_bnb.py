@@ -16,6 +16,7 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
+from bnb_state import bnb_moments
 from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
@@ -66,23 +67,6 @@ def flat_bnb_state(state, numel):
 TORCH_ALIASES = {"adam": "exp_avg exp_avg_sq", "lamb": "exp_avg exp_avg_sq", "ademamix": "exp_avg exp_avg_slow exp_avg_sq",
                  "lion": "exp_avg", "momentum": "momentum_buffer", "lars": "momentum_buffer", "rmsprop": "square_avg",
                  "adagrad": "sum"}
-
-
-def bnb_moments(state: dict, numel: int) -> dict:
-    """Plain bnb's state1/state2 of one parameter as fp32 (rows, numel): codes through bnb's dequantize_blockwise."""
-    out = {}
-    for i in (1, 2):
-        if f"state{i}" not in state:
-            continue
-        value = state[f"state{i}"]
-        value = value.reshape(value.numel() // numel, numel)  # AdEMAMix's state1: two rows
-        if value.dtype == torch.uint8:
-            absmax = state[f"absmax{i}"].reshape(value.shape[0], -1)
-            value = torch.stack([bnb.functional.dequantize_blockwise(codes, absmax=scale, code=state[f"qmap{i}"],
-                                                                     blocksize=256)
-                                 for codes, scale in zip(value, absmax)])
-        out[f"state{i}"] = value
-    return out
 
 
 def check_state_api(model, reference, plain, rule):
