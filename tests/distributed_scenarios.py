@@ -304,14 +304,13 @@ def state_gets(engine) -> dict:
             for name, p in engine.module.named_parameters() for key in STATE_KEYS}
 
 
-def scenario_param_state(world, rank, out):
-    engine = build(world, stage=2)
-    run_steps(engine, range(3), world, rank)
-    params = dict(engine.module.named_parameters())
+def check_state_gets(engine, world):
+    """(full gets == the ranks' local gets joined, full gets == bnb's dequantization of the joined raw state,
+    name -> [(start, numel) of each rank's fragment])."""
     gathered = global_state(engine, world)  # every parameter's raw bnb state, joined over the ranks
     joined_ok = bnb_ok = True
-    fragments = {}  # name -> [(start, numel) of each rank's fragment]
-    for name, p in params.items():
+    fragments = {}
+    for name, p in engine.module.named_parameters():
         reference = bnb_moments(gathered[name], p.numel())
         for key, bnb_key in zip(STATE_KEYS, ("state1", "state2")):
             full, local = safe_get_full_optimizer_state(p, key), safe_get_local_optimizer_state(p, key)
@@ -324,6 +323,17 @@ def scenario_param_state(world, rank, out):
             joined_ok &= torch.equal(joined, full.flatten()) and full.shape == p.shape
             bnb_ok &= torch.equal(full.flatten(), reference[bnb_key][0])
             fragments[name] = [(first, piece.numel()) for first, piece in pieces]
+    return all_ranks(joined_ok), all_ranks(bnb_ok), fragments
+
+
+def scenario_param_state(world, rank, out):
+    round_robin = build(world, stage=2, round_robin_gradients=True)  # flat order differs from the model's
+    run_steps(round_robin, range(3), world, rank)
+    round_robin_ok = check_state_gets(round_robin, world)[:2]
+    engine = build(world, stage=2)
+    run_steps(engine, range(3), world, rank)
+    params = dict(engine.module.named_parameters())
+    joined_ok, bnb_ok, fragments = check_state_gets(engine, world)
     split = [name for name, pieces in fragments.items() if all(numel for _, numel in pieces)]
 
     for name, p in params.items():  # every moment set from values that are the same at every DP size
@@ -345,7 +355,8 @@ def scenario_param_state(world, rank, out):
     gets_path = os.path.join(out, "param_state_gets.pt")
     if rank == 0:
         torch.save({"full_set": full_set, "local_set": local_set}, gets_path)
-    return {"joined_equals_full": all_ranks(joined_ok), "full_equals_bnb": all_ranks(bnb_ok), "split": split,
+    return {"joined_equals_full": joined_ok, "full_equals_bnb": bnb_ok, "round_robin_ok": all(round_robin_ok),
+            "split": split,
             "fragments": fragments, "reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
             "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before),
             "checkpoint": ckpt, "tag": "set", "gets": gets_path}

@@ -107,6 +107,7 @@ def test_param_state_full_is_local_fragments_and_bnb_state(results):
     assert run["split"] == ["fc1.weight"], "the toy model's fc1.weight spans both partitions at DP=2"
     assert run["joined_equals_full"], "full get != the ranks' local gets joined at their fragment addresses"
     assert run["full_equals_bnb"], "full get != bnb's dequantize_blockwise of the parameter's joined state"
+    assert run["round_robin_ok"], "the same with round_robin_gradients (another flat order)"
 
 
 @pytest.fixture(scope="module")

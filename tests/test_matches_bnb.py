@@ -64,9 +64,9 @@ def flat_bnb_state(state, numel):
 
 # The API's names besides bnb's own state1/state2: torch's name of each of bnb's state rows (state1's rows, then
 # state2's), per bnb update rule; DeepSpeed's FusedAdam/FusedLamb/FusedLion use the same ones.
-TORCH_ALIASES = {"adam": "exp_avg exp_avg_sq", "lamb": "exp_avg exp_avg_sq", "ademamix": "exp_avg exp_avg_slow exp_avg_sq",
-                 "lion": "exp_avg", "momentum": "momentum_buffer", "lars": "momentum_buffer", "rmsprop": "square_avg",
-                 "adagrad": "sum"}
+TORCH_ALIASES = {"adam": "exp_avg exp_avg_sq", "lamb": "exp_avg exp_avg_sq",
+                 "ademamix": "exp_avg exp_avg_slow exp_avg_sq", "lion": "exp_avg", "momentum": "momentum_buffer",
+                 "lars": "momentum_buffer", "rmsprop": "square_avg", "adagrad": "sum"}
 
 
 def check_state_api(model, reference, plain, rule):

@@ -31,10 +31,10 @@ ROUND_TRIP = {  # optimizer -> (name, holds squares: bnb's unsigned map) to set 
 HALF = 0.5  # of a quantization step: what rounding to the nearest code guarantees
 
 
-def build(name, **zero):
+def build(name, stage=2, **config):
     model = make_model(0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=FACTORIES[name](param_groups(model)),
-                                      config=ds_config(1, stage=2, **zero))
+                                      config=ds_config(1, stage=stage, **config))
     return engine
 
 
@@ -146,7 +146,8 @@ def test_refusals_name_key_parameter_optimizer_and_keys(one_rank):
     safe_set_full_optimizer_state(b, moment_values("y", b.shape), "exp_avg")  # fp32 state takes any sign: a copy
 
 
-@pytest.mark.parametrize("name,names", [("Lion8bit", "state1, exp_avg"), ("SGD8bit_momentum", "state1, momentum_buffer")])
+@pytest.mark.parametrize("name,names", [("Lion8bit", "state1, exp_avg"),
+                                        ("SGD8bit_momentum", "state1, momentum_buffer")])
 def test_one_state_rules_name_their_momentum(one_rank, name, names):
     """Lion's momentum is DeepSpeed FusedLion's exp_avg; SGD's (m = beta * m + g, a sum, no average) is torch's
     momentum_buffer, and not exp_avg."""
@@ -160,17 +161,18 @@ def test_one_state_rules_name_their_momentum(one_rank, name, names):
     refusal(lambda: safe_get_full_optimizer_state(p, missing), f"'{missing}'", name.split("_")[0], names)
 
 
-def test_bf16_parameters_get_fp32_state(one_rank):
-    engine = build("AdamW8bit", bf16=True)
-    for n, p in engine.module.named_parameters():
-        assert p.dtype == torch.bfloat16
+@pytest.mark.parametrize("config", [dict(bf16=True), dict(offload=True), dict(stage=1)])
+def test_bf16_offload_stage1(one_rank, config):
+    """bf16 parameters get fp32 state of their shape; under offload the state lives on the CPU, beside the param's."""
+    engine = build("AdamW8bit", **config)
     train_steps(engine, range(1))
     p = engine.module.fc1.weight
-    values = moment_values("bf16.exp_avg", p.shape)
+    assert p.dtype == (torch.bfloat16 if config.get("bf16") else torch.float32)
+    values = moment_values("config.exp_avg", p.shape)
     safe_set_full_optimizer_state(p, values, "exp_avg")
-    got = safe_get_full_optimizer_state(p, "exp_avg")
-    assert got.dtype == torch.float32 and got.shape == p.shape
-    assert step_ratio(got, values, False, p.numel()) <= HALF
+    got, local = safe_get_full_optimizer_state(p, "exp_avg"), safe_get_local_optimizer_state(p, "exp_avg")
+    assert got.dtype == local.dtype == torch.float32 and got.shape == p.shape and local.device == p.device
+    assert step_ratio(got, values, False, p.numel()) <= HALF and torch.equal(local, got.flatten())
 
 
 def test_other_engines_keep_deepspeeds_behaviour(one_rank):

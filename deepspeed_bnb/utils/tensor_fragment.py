@@ -143,8 +143,8 @@ class ParamOptimizerState:
         else:
             why = "is not a per-element state of this optimizer"
         return (f"deepspeed_bnb: optimizer state key {key!r} of parameter {self.name} ({precision} state, "
-                f"{type(zero.optimizer).__name__}, bnb's '{rule}' update) {why}. The optimizer-state functions give its "
-                f"fp32 moments (8-bit ones dequantized) under these keys: {', '.join(names)}.")
+                f"{type(zero.optimizer).__name__}, bnb's '{rule}' update) {why}. The optimizer-state functions give "
+                f"its fp32 moments (8-bit ones dequantized) under these keys: {', '.join(names)}.")
 
     def _lead(self, name: StateName) -> tuple:
         """Leading dimensions of a name's values: (2,) for AdEMAMix's whole state1, else ()."""
