@@ -14,9 +14,11 @@ from deepspeed_bnb.runtime.zero import config as _zero_config  # noqa: E402
 from deepspeed_bnb.runtime.zero.config import BnbZeroConfig  # noqa: E402,F401
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer  # noqa: E402,F401
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout  # noqa: E402,F401
+from deepspeed_bnb.utils import tensor_fragment as _tensor_fragment  # noqa: E402
 
 __version__ = "0.1.0"
 
 _zero_config.install()
 _engine.install()
+_tensor_fragment.install()  # safe_{get,set}_local_optimizer_state for ZeRO-1/2 bnb parameters
 _integrations.install_lazily()  # Accelerate, if and when it is imported

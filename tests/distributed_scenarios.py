@@ -9,7 +9,10 @@ the pytest side compares across world sizes. Scenarios:
 - stock_elastic: the same resume with stock DeepSpeed's elastic checkpoint (expected to fail: negative control);
 - whole_mismatch: a replicated (whole) state tensor that differs between ranks makes the save refuse;
 - elastic_save / elastic_load: save at DP=N, load at DP=M (another stage for even M, a loader with another lr),
-  compare every parameter's state with what was saved and the continued losses with the run that never stopped.
+  compare every parameter's state with what was saved and the continued losses with the run that never stopped;
+- param_state: DeepSpeed's safe_{get,set}_{full,local}_optimizer_state across ranks (full = the ranks' local
+  fragments joined = bnb's dequantization of the gathered state; a set, full or on one rank only, reaches the next
+  checkpoint); the gets are saved for the pytest side to measure and to compare with DP=1.
 """
 
 import argparse
@@ -29,7 +32,11 @@ import deepspeed_bnb  # noqa: E402,F401
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed_bnb.runtime.engine import stock_deepspeed  # noqa: E402
 from deepspeed_bnb.checkpoint.param_state import gather_param_states  # noqa: E402
-from toy import MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model, param_groups  # noqa: E402
+from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
+                             safe_set_full_optimizer_state, safe_set_local_optimizer_state)
+from bnb_state import bnb_moments  # noqa: E402
+from toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model, moment_values,  # noqa: E402
+                 param_groups)
 
 TRAIN_CONFIGS = {
     # name -> ds_config overrides
@@ -288,9 +295,77 @@ def scenario_elastic_load(world, rank, out, sources):
     return results
 
 
+STATE_KEYS = ("exp_avg", "exp_avg_sq")  # what param_state sets and gets (Adam's names for bnb's state1, state2)
+
+
+def state_gets(engine) -> dict:
+    """"<param>.<key>" -> safe_get_full_optimizer_state (a collective: every rank calls it in the same order)."""
+    return {f"{name}.{key}": safe_get_full_optimizer_state(p, key).cpu()
+            for name, p in engine.module.named_parameters() for key in STATE_KEYS}
+
+
+def check_state_gets(engine, world):
+    """(full gets == the ranks' local gets joined, full gets == bnb's dequantization of the joined raw state,
+    name -> [(start, numel) of each rank's fragment])."""
+    gathered = global_state(engine, world)  # every parameter's raw bnb state, joined over the ranks
+    joined_ok = bnb_ok = True
+    fragments = {}
+    for name, p in engine.module.named_parameters():
+        reference = bnb_moments(gathered[name], p.numel())
+        for key, bnb_key in zip(STATE_KEYS, ("state1", "state2")):
+            full, local = safe_get_full_optimizer_state(p, key), safe_get_local_optimizer_state(p, key)
+            start = p._hp_mapping.lp_fragment_address.start if p._hp_mapping is not None else 0
+            pieces = [None] * world
+            dist.all_gather_object(pieces, (start, local.cpu()))
+            joined = torch.zeros(p.numel())
+            for first, piece in pieces:
+                joined[first:first + piece.numel()] = piece
+            joined_ok &= torch.equal(joined, full.flatten()) and full.shape == p.shape
+            bnb_ok &= torch.equal(full.flatten(), reference[bnb_key][0])
+            fragments[name] = [(first, piece.numel()) for first, piece in pieces]
+    return all_ranks(joined_ok), all_ranks(bnb_ok), fragments
+
+
+def scenario_param_state(world, rank, out):
+    round_robin = build(world, stage=2, round_robin_gradients=True)  # flat order differs from the model's
+    run_steps(round_robin, range(3), world, rank)
+    round_robin_ok = check_state_gets(round_robin, world)[:2]
+    engine = build(world, stage=2)
+    run_steps(engine, range(3), world, rank)
+    params = dict(engine.module.named_parameters())
+    joined_ok, bnb_ok, fragments = check_state_gets(engine, world)
+    split = [name for name, pieces in fragments.items() if all(numel for _, numel in pieces)]
+
+    for name, p in params.items():  # every moment set from values that are the same at every DP size
+        for key in STATE_KEYS:
+            safe_set_full_optimizer_state(p, moment_values(f"{name}.{key}", p.shape, key == "exp_avg_sq"), key)
+    full_set = state_gets(engine)
+    target = params[split[0]]  # a set by one rank alone, in a parameter split across the ranks
+    if rank == world - 1:
+        local = safe_get_local_optimizer_state(target, "exp_avg")
+        safe_set_local_optimizer_state(target, moment_values(f"{split[0]}.exp_avg.local", local.shape), "exp_avg")
+    local_set = state_gets(engine)
+
+    ckpt = os.path.join(out, "ckpt_param_state")
+    engine.save_checkpoint(ckpt, tag="set")
+    fresh = build(world, seed=1, stage=2)
+    before = state_gets(fresh)
+    fresh.load_checkpoint(ckpt, tag="set")
+    reloaded = state_gets(fresh)
+    gets_path = os.path.join(out, "param_state_gets.pt")
+    if rank == 0:
+        torch.save({"full_set": full_set, "local_set": local_set}, gets_path)
+    return {"joined_equals_full": joined_ok, "full_equals_bnb": bnb_ok, "round_robin_ok": all(round_robin_ok),
+            "split": split,
+            "fragments": fragments, "reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
+            "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before),
+            "checkpoint": ckpt, "tag": "set", "gets": gets_path}
+
+
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch,
-             "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load}
+             "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
+             "param_state": scenario_param_state}
 
 
 def main():

@@ -3,18 +3,25 @@
 The scenarios run in tests/distributed_scenarios.py, one torchrun launch per world size shared by all tests here.
 Controls: stock DeepSpeed does not track DP=1 within the same bar, dropping the optimizer state on resume changes
 the losses, and stock DeepSpeed's elastic checkpoint of a bnb optimizer fails to load.
+DeepSpeed's parameter-level optimizer-state API at DP=2 (param_state): full gets are the ranks' local fragments joined
+and bnb's own dequantization of the joined state; sets come back within half a quantization step, equal to the same
+sets at DP=1, and a set by one rank alone reaches the checkpoint, which reloads identically at DP=2 and at DP=1.
 """
 
 import json
 import os
 
 import pytest
+import torch
+from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
+from bnb_state import step_ratio
 from conftest import torchrun
+from toy import MIN_8BIT_SIZE, build_engine, moment_values
 
 FP32_TOL = 1e-5  # issue bar: max |Δloss| over 20 steps
 BF16_TOL = 5e-3  # bf16 rounds the gradients and the model copy: bf16 noise, not the optimizer
-SCENARIOS = {1: "train", 2: "train,resume,stock_elastic,whole_mismatch", 3: "train,resume"}
+SCENARIOS = {1: "train", 2: "train,resume,stock_elastic,whole_mismatch,param_state", 3: "train,resume"}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +100,53 @@ def test_whole_state_differing_between_ranks_refuses_to_save(results):
     assert "'my_map' (param group 0) differs between ranks" in run["outcome"]
     assert "bnb_keep_whole" in run["outcome"]
     assert not run["latest_written"], "a refused save must not publish anything"
+
+
+def test_param_state_full_is_local_fragments_and_bnb_state(results):
+    run = results[2]["param_state"]
+    assert run["split"] == ["fc1.weight"], "the toy model's fc1.weight spans both partitions at DP=2"
+    assert run["joined_equals_full"], "full get != the ranks' local gets joined at their fragment addresses"
+    assert run["full_equals_bnb"], "full get != bnb's dequantize_blockwise of the parameter's joined state"
+    assert run["round_robin_ok"], "the same with round_robin_gradients (another flat order)"
+
+
+@pytest.fixture(scope="module")
+def param_state_gets(results):
+    return torch.load(results[2]["param_state"]["gets"], weights_only=False)
+
+
+def test_param_state_sets_come_back_within_half_a_step(results, param_state_gets):
+    full_set, local_set = param_state_gets["full_set"], param_state_gets["local_set"]
+    for label, got in full_set.items():
+        name, key = label.rsplit(".", 1)
+        values = moment_values(label, got.shape, key == "exp_avg_sq")
+        if got.numel() >= MIN_8BIT_SIZE:
+            assert step_ratio(got, values, key == "exp_avg_sq", got.numel()) <= 0.5, label
+        else:
+            assert torch.equal(got, values), label
+    # rank 1 alone set its fragment of fc1.weight's exp_avg: that fragment changed, rank 0's did not, nothing else did
+    (_, kept), (start, numel) = results[2]["param_state"]["fragments"]["fc1.weight"]
+    before, after = full_set["fc1.weight.exp_avg"].flatten(), local_set["fc1.weight.exp_avg"].flatten()
+    assert torch.equal(after[:kept], before[:kept]) and start == kept
+    mine = moment_values("fc1.weight.exp_avg.local", (numel,))
+    assert step_ratio(after[start:], mine, False, numel) <= 0.5
+    assert not torch.equal(after[start:], before[start:])
+    assert all(torch.equal(local_set[k], full_set[k]) for k in full_set if k != "fc1.weight.exp_avg")
+
+
+def test_param_state_same_at_dp1_and_reloads_at_dp2_and_dp1(one_rank, results, param_state_gets):
+    """The same sets at DP=1 give the DP=2 gets bit for bit; DP=2's checkpoint (with the one-rank set in it) reloads
+    into a fresh engine at DP=2 (in the launch) and at DP=1 (here) with every get unchanged."""
+    run = results[2]["param_state"]
+    assert run["reloaded_identical"] and run["fresh_differs"]
+    engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)
+    for name, p in engine.module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(p, moment_values(f"{name}.{key}", p.shape, key == "exp_avg_sq"), key)
+            assert torch.equal(safe_get_full_optimizer_state(p, key), param_state_gets["full_set"][f"{name}.{key}"])
+    fresh = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE)
+    gets = lambda: {f"{n}.{k}": safe_get_full_optimizer_state(p, k)  # noqa: E731
+                    for n, p in fresh.module.named_parameters() for k in ("exp_avg", "exp_avg_sq")}
+    assert any(not torch.equal(v, param_state_gets["local_set"][k]) for k, v in gets().items()), "control"
+    fresh.load_checkpoint(run["checkpoint"], tag=run["tag"])
+    assert all(torch.equal(v, param_state_gets["local_set"][k]) for k, v in gets().items())

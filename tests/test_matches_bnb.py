@@ -2,9 +2,11 @@
 
 Each bnb optimizer family runs through deepspeed.initialize (one CPU rank, ZeRO-2, two param groups with different
 lr / weight decay, 8-bit and fp32 state side by side) and, independently, as a plain bnb optimizer on a copy of the
-model. Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the default settings, 8-bit
-parameters of Adam-family, Lion and SGD-momentum optimizers get the fused kernel (equal to its reference applied to
-each parameter on its own), and every other parameter bnb's own update (equal to plain bnb).
+model. DeepSpeed's parameter-level API (safe_get_full/local_optimizer_state) returns plain bnb's state dequantized by
+bnb's own dequantize_blockwise, bit for bit, under bnb's and torch's names. Control: stock DeepSpeed ZeRO with the
+same bnb optimizer does not match, and its API hands out 8-bit codes and knows no `exp_avg`. With the default
+settings, 8-bit parameters of Adam-family, Lion and SGD-momentum optimizers get the fused kernel (equal to its
+reference applied to each parameter on its own), and every other parameter bnb's own update (equal to plain bnb).
 """
 
 import bitsandbytes as bnb
@@ -14,6 +16,8 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
+from bnb_state import bnb_moments
+from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.ops import adam8bit, reference
@@ -59,6 +63,29 @@ def flat_bnb_state(state, numel):
     return out
 
 
+# The API's names besides bnb's own state1/state2: torch's name of each of bnb's state rows (state1's rows, then
+# state2's), per bnb update rule; DeepSpeed's FusedAdam/FusedLamb/FusedLion use the same ones.
+TORCH_ALIASES = {"adam": "exp_avg exp_avg_sq", "lamb": "exp_avg exp_avg_sq",
+                 "ademamix": "exp_avg exp_avg_slow exp_avg_sq", "lion": "exp_avg", "momentum": "momentum_buffer",
+                 "lars": "momentum_buffer", "rmsprop": "square_avg", "adagrad": "sum"}
+
+
+def check_state_api(model, reference, plain, rule):
+    """DeepSpeed's safe_get_full/local_optimizer_state give every parameter's bnb state, dequantized, by every name."""
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        moments = bnb_moments(plain.state[q], q.numel())
+        expected = {key: (rows[0] if len(rows) == 1 else rows) for key, rows in moments.items()}
+        expected.update(zip(TORCH_ALIASES[rule].split(), torch.cat(list(moments.values()))))
+        assert sorted(p._hp_mapping.get_optim_state_keys()) == sorted(expected), pname
+        for key, value in expected.items():
+            full, local = safe_get_full_optimizer_state(p, key), safe_get_local_optimizer_state(p, key)
+            shape = (*value.shape[:-1], *q.shape)
+            assert full.dtype == local.dtype == torch.float32, f"{pname}.{key}"
+            assert full.shape == shape and torch.equal(full, value.reshape(shape)), f"{pname}.{key}"
+            assert torch.equal(local, value), f"{pname}.{key}"  # DP=1: the whole parameter, flattened
+        assert any(v.abs().max() > 0 for v in expected.values()), f"{pname}: the state moved"
+
+
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_zero_dp1_matches_plain_bnb(one_rank, name):
     model = make_model(0)
@@ -81,6 +108,7 @@ def test_zero_dp1_matches_plain_bnb(one_rank, name):
             else:
                 assert mine[key] == theirs[key], f"{pname}.{key}"
     assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), make_model(0).parameters()))
+    check_state_api(model, reference, plain, plain.optimizer_name)
 
 
 def test_control_stock_zero_differs_from_plain_bnb(one_rank):
@@ -94,6 +122,11 @@ def test_control_stock_zero_differs_from_plain_bnb(one_rank):
     train_steps(engine, range(STEPS))
     train_plain(reference, plain)
     assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), reference.parameters()))
+    # and its state API hands out the 8-bit codes as numbers (0..255), not moments, and knows no exp_avg
+    codes = safe_get_full_optimizer_state(model.fc1.weight, "state1")
+    assert codes.max() > 1 and torch.equal(codes, codes.round())
+    with pytest.raises(ValueError, match="exp_avg not found"):
+        safe_get_full_optimizer_state(model.fc1.weight, "exp_avg")
 
 
 class PerParameterReference:

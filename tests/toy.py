@@ -6,6 +6,8 @@ partition at DP=3 (fc1.weight: 12040 elements of a ~31k-element group).
 """
 
 import copy
+import math
+import zlib
 
 import torch
 from torch import nn
@@ -106,3 +108,16 @@ def train_steps(engine, steps):
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def moment_values(label: str, shape, positive: bool = False) -> torch.Tensor:
+    """Deterministic optimizer-state values to set (the same at every DP size): each 256-element block of the
+    flattened tensor gets its own scale between 1e-7 and 1e-1, and the second block, where there is one, is all zero."""
+    g = torch.Generator().manual_seed(zlib.crc32(label.encode()))
+    shape = tuple(shape)
+    n = math.prod(shape)
+    blocks = -(-n // 256)
+    scale = (10.0 ** (-7 + 6 * torch.rand(blocks, generator=g))).repeat_interleave(256)[:n]
+    values = torch.randn(n, generator=g) * scale
+    values[256:512] = 0.0
+    return (values.abs() if positive else values).reshape(shape)

@@ -15,18 +15,8 @@ from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+from deepspeed_bnb.optim.state_names import TORCH_NAMES
 from deepspeed_bnb.state_layout import BLOCK_SIZE
-
-TORCH_NAMES = {  # bnb update rule -> torch's name for each state row (state1 rows, then state2)
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "lamb": ("exp_avg", "exp_avg_sq"),
-    "ademamix": ("exp_avg", "exp_avg_slow", "exp_avg_sq"),  # state1 holds the fast and the slow EMA
-    "lion": ("exp_avg",),
-    "momentum": ("momentum_buffer",),
-    "lars": ("momentum_buffer",),
-    "rmsprop": ("square_avg",),
-    "adagrad": ("sum",),
-}
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:

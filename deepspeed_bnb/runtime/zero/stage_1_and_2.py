@@ -8,6 +8,8 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   factor folded in through `unscale_and_clip_grads`), and bnb's own `update_step` steps the others, segment by
   segment (optim/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and
   alignment padding is never updated, so it stays exactly zero;
+- `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
+  dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
 - `state_dict` / `load_state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's
   element-wise trim/concatenate, which would corrupt quantization maps and per-block scales.
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
@@ -36,6 +38,8 @@ from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep, routes
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
+from deepspeed_bnb.utils.tensor_fragment import link_param_states
+
 
 class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
@@ -192,6 +196,12 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
                     f"ranks, but {type(self.optimizer).__name__} applies a per-tensor trust ratio "
                     f"(max_unorm={self.bnb.max_unorm(params)}) to fp32 state. Use 8-bit state for it (lower "
                     f"min_8bit_size), max_unorm=0, or fewer data-parallel ranks.")
+
+    def _link_all_hp_params(self):
+        # DeepSpeed's fragments would hand out uint8 codes as moments (safe_get_full_optimizer_state); route state keys
+        # through bnb state instead, dequantized and requantized (utils/tensor_fragment.py).
+        super()._link_all_hp_params()
+        link_param_states(self)
 
     # ---- step ---------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,52 @@
+"""Public names of a bitsandbytes optimizer's per-element state: bnb's own keys and torch's names for the same moments.
+
+bitsandbytes calls its moments `state1` / `state2` whatever the update rule; torch's optimizers (and DeepSpeed's
+FusedAdam, DeepSpeedCPUAdam, FusedLamb, FusedLion, which follow them) name each moment after what it is. Both sets
+of names reach the same fp32 values: `export` writes them into `optimizer.safetensors`, and DeepSpeed's
+`safe_{get,set}_{full,local}_optimizer_state` accept them (utils/tensor_fragment.py).
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+ROW_NAMES: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    # bnb update rule (Optimizer8bit.optimizer_name) -> bnb state key -> torch's name of each of its rows. A key
+    # with one name has no leading rows; AdEMAMix's state1 holds two (fast EMA, slow EMA), one name each.
+    "adam": {"state1": ("exp_avg",), "state2": ("exp_avg_sq",)},  # torch Adam/AdamW, DeepSpeed FusedAdam
+    "lamb": {"state1": ("exp_avg",), "state2": ("exp_avg_sq",)},  # DeepSpeed FusedLamb
+    "ademamix": {"state1": ("exp_avg", "exp_avg_slow"), "state2": ("exp_avg_sq",)},
+    "lion": {"state1": ("exp_avg",)},  # DeepSpeed FusedLion / DeepSpeedCPULion call Lion's momentum exp_avg
+    # m = beta * m + g is a running sum, not an average: torch.optim.SGD's name, not exp_avg
+    "momentum": {"state1": ("momentum_buffer",)},
+    "lars": {"state1": ("momentum_buffer",)},
+    "rmsprop": {"state1": ("square_avg",)},  # torch.optim.RMSprop
+    "adagrad": {"state1": ("sum",)},  # torch.optim.Adagrad
+}
+
+TORCH_NAMES: Dict[str, Tuple[str, ...]] = {  # bnb update rule -> torch's names, state1 rows then state2
+    rule: tuple(name for names in keys.values() for name in names) for rule, keys in ROW_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class StateName:
+    """Where one public state name lives in bnb's state."""
+
+    key: str  # bnb's per-element state key (state1, state2, ...)
+    row: Optional[int]  # the row of that key's leading dimension (AdEMAMix's state1), or None: the whole key
+
+
+def public_names(rule: str, element_rows: Mapping[str, int]) -> Dict[str, StateName]:
+    """Every name that reaches a per-element state: bnb's keys themselves, then torch's names for them.
+
+    `element_rows`: bnb's per-element keys for one parameter -> their number of leading rows (0: none).
+    """
+    names = {key: StateName(key, None) for key in element_rows}
+    for key, row_names in ROW_NAMES.get(rule, {}).items():
+        if key not in element_rows:
+            continue
+        if len(row_names) == 1:
+            names.setdefault(row_names[0], StateName(key, None))
+        elif len(row_names) == element_rows[key]:
+            for row, name in enumerate(row_names):
+                names.setdefault(name, StateName(key, row))
+    return names

@@ -1,0 +1,1 @@
+"""Overrides of deepspeed.utils, at the same module paths."""

@@ -1,0 +1,41 @@
+"""Independent measures of optimizer state for the state-API tests: plain bitsandbytes' state dequantized by
+bitsandbytes itself, and how far values came back from a set, in quantization steps of bnb's own maps."""
+
+import bitsandbytes as bnb
+import torch
+
+from deepspeed_bnb.ops.reference import code_gap
+
+ROUNDING = 2.0 ** -22  # fp32 slack, relative to the value: the scaled value v * (1 / absmax) and qmap[c] * absmax are
+# each rounded (measured without it: up to 0.500004 steps where the map's steps are narrowest relative to the value)
+
+
+def bnb_moments(state: dict, numel: int) -> dict:
+    """One parameter's bnb state1/state2 as fp32 (rows, numel): 8-bit codes through bnb's dequantize_blockwise."""
+    out = {}
+    for i in (1, 2):
+        if f"state{i}" not in state:
+            continue
+        value = state[f"state{i}"]
+        value = value.reshape(value.numel() // numel, numel)  # AdEMAMix's state1: two rows
+        if value.dtype == torch.uint8:
+            absmax = state[f"absmax{i}"].reshape(value.shape[0], -1)
+            value = torch.stack([bnb.functional.dequantize_blockwise(codes, absmax=scale, code=state[f"qmap{i}"],
+                                                                     blocksize=256)
+                                 for codes, scale in zip(value, absmax)])
+        out[f"state{i}"] = value
+    return out
+
+
+def step_ratio(got: torch.Tensor, values: torch.Tensor, unsigned: bool, numel: int) -> float:
+    """Largest |got - value| (less fp32 rounding) over the gap between the two codes of bnb's map around the value,
+    each 256-element block of each row of `numel` elements scaled by its largest |value| (nearest code: <= 0.5)."""
+    qmap = bnb.functional.create_dynamic_map(signed=not unsigned)
+    worst = 0.0
+    for g, v in zip(got.reshape(-1, numel).cpu(), values.reshape(-1, numel).cpu()):
+        absmax = torch.nn.functional.pad(v.abs(), (0, -numel % 256)).view(-1, 256).amax(dim=1)
+        gap, error = code_gap(v, absmax, qmap), ((g - v).abs() - ROUNDING * v.abs()).clamp(min=0)
+        assert (error[gap == 0] == 0).all(), "a block of zeros must come back exactly"
+        if (gap > 0).any():
+            worst = max(worst, float((error[gap > 0] / gap[gap > 0]).max()))
+    return worst
