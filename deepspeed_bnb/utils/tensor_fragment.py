@@ -139,7 +139,7 @@ class ParamOptimizerState:
             why = "holds 8-bit codes without bnb's absmax/qmap pair, so it has no known dequantization"
         elif cls in _WHY_NOT and (key in specs or not self._eight_bit()):
             why = _WHY_NOT[cls] + ("" if key in specs else f"; and only 8-bit-state parameters have it, this one "
-                                   f"has fp32 state")
+                                   "has fp32 state")
         else:
             why = "is not a per-element state of this optimizer"
         return (f"deepspeed_bnb: optimizer state key {key!r} of parameter {self.name} ({precision} state, "
