@@ -138,7 +138,7 @@ class ParamOptimizerState:
         elif key in specs and cls == StateClass.ELEMENT:
             why = "holds 8-bit codes without bnb's absmax/qmap pair, so it has no known dequantization"
         elif cls in _WHY_NOT and (key in specs or not self._eight_bit()):
-            why = _WHY_NOT[cls] + ("" if key in specs else f"; and only 8-bit-state parameters have it, this one "
+            why = _WHY_NOT[cls] + ("" if key in specs else "; and only 8-bit-state parameters have it, this one "
                                    "has fp32 state")
         else:
             why = "is not a per-element state of this optimizer"
