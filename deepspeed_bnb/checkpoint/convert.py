@@ -23,7 +23,6 @@ from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, em
 from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.reshape import write_rank_files
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
-from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
@@ -121,6 +120,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
         group = optimizer.param_groups[0]
         hyperparams = {**{k: v for k, v in group.items() if k != "params"},
                        **{k: v for k, v in hyper.items() if k in group or k == "initial_lr"}}
+        from deepspeed_bnb.optim.bnb_adapter import BnbAdapter  # the live driver probes the target class's keys
         adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
         can_8bit = optimizer.args.optim_bits == 8
         eight_bit = [to == "8bit" and can_8bit and uses_8bit_state(shape.numel(), 8, min_8bit_size)

@@ -16,14 +16,7 @@ from tqdm import tqdm
 from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
 from deepspeed_bnb.optim.state_names import TORCH_NAMES
-from deepspeed_bnb.state_layout import BLOCK_SIZE
-
-
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """fp32 values of blockwise 8-bit state: qmap[code] * absmax[block] (rows kept)."""
-    n = codes.shape[-1]
-    scale = absmax.repeat_interleave(BLOCK_SIZE, dim=-1).narrow(-1, 0, n)
-    return qmap[codes.long()] * scale
+from deepspeed_bnb.ops.reference import dequantize_blockwise
 
 
 def fp32_moments(state: dict) -> list:
@@ -35,7 +28,7 @@ def fp32_moments(state: dict) -> list:
             continue
         value = state[key]
         if value.dtype == torch.uint8:
-            value = dequantize(value, state[f"absmax{i}"], state[f"qmap{i}"])
+            value = dequantize_blockwise(value, state[f"absmax{i}"], state[f"qmap{i}"])
         rows.extend(value.unbind(0) if value.dim() == 2 else [value])
     return rows
 

@@ -10,8 +10,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from deepspeed_bnb.optim.bnb_adapter import FP32_PREFIX
-from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.state_layout import GroupLayout
 
 

@@ -12,8 +12,7 @@ import torch
 
 from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.reshard import Run, copy_runs, plan
-from deepspeed_bnb.optim.bnb_adapter import FP32_PREFIX
-from deepspeed_bnb.optim.state_classes import StateClass, zeros_like_partitioned
+from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
 from deepspeed_bnb.state_layout import GroupLayout
 
 

@@ -1,4 +1,4 @@
-"""Where per-rank optimizer states come from when loading: DeepSpeed's in-memory list, or the files of a tag on disk.
+"""Where per-rank optimizer states come from when loading: the files of a tag on disk.
 
 Loading at a new DP size needs the files of the old ranks that overlap the new partition (and rank 0's, which holds
 the whole tensors), not every file: files are opened lazily and memory-mapped, and a missing or unreadable file is an
@@ -6,30 +6,13 @@ error that names it.
 """
 
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List
 
 import torch
 
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"  # DeepSpeed's key for the ZeRO optimizer's state in a rank file
-
-
-class ListSource:
-    """The list DeepSpeed hands to `load_state_dict` (entries of ranks it did not read are None)."""
-
-    def __init__(self, state_dicts: Sequence[Optional[dict]]):
-        self._state_dicts = list(state_dicts)
-        self.dp = len(self._state_dicts)
-
-    def name(self, rank: int) -> str:
-        return f"the ZeRO optimizer state of data-parallel rank {rank}"
-
-    def state(self, rank: int) -> dict:
-        state = self._state_dicts[rank]
-        if state is None:
-            raise CheckpointMismatchError(f"{self.name(rank)} was not loaded, but this rank's partition needs it.")
-        return state
 
 
 class FileSource:

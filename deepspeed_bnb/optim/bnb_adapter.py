@@ -8,17 +8,21 @@ config overrides) is decided here per *model* parameter, once, before ZeRO repla
 """
 
 import inspect
+import sys
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
 
 import torch
-from bitsandbytes.optim.optimizer import Optimizer8bit
 
-from deepspeed_bnb.optim.state_classes import StateClass, StateClassError, classify, zeros_like_partitioned
+from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, StateClassError, classify, \
+    zeros_like_partitioned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, uses_8bit_state
 
+if TYPE_CHECKING:
+    from bitsandbytes.optim.optimizer import Optimizer8bit
+
 PROBE_NUMEL = 3 * BLOCK_SIZE  # > 1 block, so element-, block- and 256-entry-shaped tensors all differ
-FP32_PREFIX = "fp32."  # flat-state keys of fp32-precision segments (their own compact element space)
+BNB_OPTIMIZER_MODULE = "bitsandbytes.optim.optimizer"  # defines Optimizer8bit, the base of every bnb optimizer
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class _NoOverrides:
 class BnbAdapter:
     """Per-parameter precision and config of one bnb optimizer, and its update run segment by segment."""
 
-    def __init__(self, optimizer: Optimizer8bit, keep_whole: Iterable[str], keep_whole_threshold: int):
+    def __init__(self, optimizer: "Optimizer8bit", keep_whole: Iterable[str], keep_whole_threshold: int):
         self.optimizer = optimizer
         self.optimizer_name = optimizer.optimizer_name
         self.keep_whole = frozenset(keep_whole)
@@ -192,8 +196,16 @@ class BnbAdapter:
         state.update(scalars)
 
 
+def _optimizer8bit() -> Optional[type]:
+    """bnb's Optimizer8bit if bitsandbytes is loaded, else None. Never imports bitsandbytes (about 2 s and a GPU
+    probe): a bnb optimizer cannot exist before its module has been imported, so a process without one pays nothing."""
+    module = sys.modules.get(BNB_OPTIMIZER_MODULE)
+    return getattr(module, "Optimizer8bit", None)
+
+
 def is_bnb_optimizer(optimizer: Optional[object]) -> bool:
-    return isinstance(optimizer, Optimizer8bit)
+    base = _optimizer8bit()
+    return base is not None and isinstance(optimizer, base)
 
 
 def check_steppable(optimizer) -> None:
@@ -209,7 +221,7 @@ def check_steppable(optimizer) -> None:
     # torch.optim.Optimizer wraps each class's step() in a profiling hook on first instantiation: compare the
     # functions underneath
     step = inspect.unwrap(cls.step)
-    if step is not inspect.unwrap(Optimizer8bit.step):
+    if step is not inspect.unwrap(_optimizer8bit().step):
         raise TypeError(f"deepspeed_bnb: {name} overrides step() ({step.__module__}.{step.__qualname__}), which "
                         f"ZeRO never calls here: deepspeed_bnb runs bnb's init_state/update_step on each parameter's "
                         f"share of the flat ZeRO partition. Move the per-step logic into update_step (called once "

@@ -15,6 +15,9 @@ import torch
 from deepspeed_bnb.state_layout import BLOCK_SIZE, num_blocks
 
 
+FP32_PREFIX = "fp32."  # flat-state keys of fp32-precision segments (their own compact element space)
+
+
 class StateClass(str, enum.Enum):
     ELEMENT = "element"  # one value per parameter element (codes, fp32 moments); leading rows allowed (AdEMAMix)
     BLOCK = "block"  # one value per 256-element block (absmax); leading rows allowed

@@ -10,8 +10,9 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   alignment padding is never updated, so it stays exactly zero;
 - `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
   dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
-- `state_dict` / `load_state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's
-  element-wise trim/concatenate, which would corrupt quantization maps and per-block scales.
+- `state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's element-wise
+  trim/concatenate, which would corrupt quantization maps and per-block scales; it loads at any DP size through
+  `bnb_load_checkpoint` (runtime/engine.py routes `engine.load_checkpoint` there; `load_state_dict` refuses).
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
@@ -29,7 +30,6 @@ from deepspeed.utils import logger
 from deepspeed_bnb.checkpoint.constants import MASTER_WEIGHTS_KEY
 from deepspeed_bnb.checkpoint.manifest import describe
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
-from deepspeed_bnb.checkpoint.sources import ListSource
 from deepspeed_bnb.ops import adam8bit, loader, self_check
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
@@ -287,13 +287,13 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
                                                         dist.get_rank(group=self.dp_process_group), records)
         return state_dict
 
-    def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
-                        checkpoint_folder=None, load_serial=None, param_shapes=None):
-        """DeepSpeed's entry point (a list with one state per saving rank); see bnb_load_checkpoint."""
-        if checkpoint_folder:
-            raise NotImplementedError("deepspeed_bnb: DeepSpeed universal checkpoints cannot hold bitsandbytes "
-                                      "state; drop `load_universal_checkpoint` and load the ZeRO checkpoint itself.")
-        self.bnb_load_checkpoint(ListSource(state_dict_list), load_optimizer_states, load_from_fp32_weights)
+    def load_state_dict(self, state_dict_list, *args, **kwargs):
+        # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for this class
+        # (runtime/engine.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing over
+        # DeepSpeed's in-memory list (every rank's whole file, element-wise) is refused rather than half supported.
+        raise NotImplementedError("deepspeed_bnb: BnbZeroOptimizer loads its checkpoints through "
+                                  "engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
+                                  "ZeRO states is not an entry point. Call engine.load_checkpoint instead.")
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size (sources.py)."""
