@@ -77,7 +77,7 @@ setup(
         "safetensors",
     ],
     extras_require={
-        # the real clients (#5): examples/train_accelerate.py, examples/train_hf_trainer.py and their tests
+        # the real clients: examples/train_accelerate.py, examples/train_hf_trainer.py and their tests
         "clients": ["accelerate>=1.0", "transformers>=4.45"],
         # benchmarks/compare_adam.py draws its plots with matplotlib
         "bench": ["matplotlib"],
