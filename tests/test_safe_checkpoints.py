@@ -7,13 +7,15 @@
   engine loads exactly the previous checkpoint or exactly the new one (every weight, master weight and optimizer-state
   byte, and the step count), and a later save succeeds and leaves nothing staged behind.
 - The one non-atomic moment (overwrite, between retiring the old copy and renaming the new one in) is recovered by
-  the next load; and a save from there without that load in between works too.
+  the next load; and a save from there without that load in between, failing at each of its steps in turn, keeps
+  the old checkpoint or publishes the new one too.
 - Controls: broken protocols (`latest` moved first; the old tag deleted before the new one is in; no recovery on
   load; stock DeepSpeed's save) fed through the same faults are caught by the same checker.
 - One real SIGKILL: a child process killed at that non-atomic moment; a fresh process loads the previous checkpoint.
 - A truncated, corrupted or missing file fails the load with an error naming the file, before anything changes.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,7 +62,9 @@ PROTOCOL = (
     ("move-latest", "replace latest.tmp-PID -> latest"),  # `latest` names the new tag
 )
 OVERWRITE_ONLY = ("clear-old-retired", "retire-old-tag")
-TORN = ("rmtree", "torch.save", "copyfile", "write")  # the calls a crash can land in the middle of
+# The calls a crash can also land in the middle of: the file writes, and the one removal that finds files to remove
+# in these saves (the others find their directory empty or absent; a crash inside them is a crash before them).
+TORN_KINDS, TORN_STEPS = ("torch.save", "copyfile", "write"), (("overwrite", "delete-retired"),)
 MODES = {"overwrite": "a", "new-tag": "b"}  # the previous checkpoint is tag "a"; its save is the new one's `latest`
 
 
@@ -81,7 +85,8 @@ def expected(mode, step):
 
 
 FAULTS = [(mode, step, False) for mode in MODES for step, _ in protocol(mode)]
-FAULTS += [(mode, step, True) for mode in MODES for step, call in protocol(mode) if call.split()[0] in TORN]
+FAULTS += [(mode, step, True) for mode in MODES for step, call in protocol(mode)
+           if call.split()[0] in TORN_KINDS or (mode, step) in TORN_STEPS]
 
 
 class Saves:
@@ -190,9 +195,23 @@ def test_retired_tag_is_recovered_on_load(saves):
     assert "a" in listing(folder) and retired not in listing(folder)
 
 
-def test_save_after_an_interrupted_overwrite_without_a_load(saves):
-    """From the same moment, the next save of `a` (no load in between) publishes; the retired copy goes."""
+# From that moment the next save of `a` (no load in between) finds no `a` to retire: the overwrite's calls without
+# the two retire steps, the old checkpoint living on as the retired copy until the new one is in place.
+AFTER_INTERRUPTED_OVERWRITE = [(step, call) for step, call in protocol("overwrite") if step not in OVERWRITE_ONLY]
+
+
+@pytest.mark.parametrize("step", [step for step, _ in AFTER_INTERRUPTED_OVERWRITE] + ["none"])
+def test_save_after_an_interrupted_overwrite_without_a_load(saves, step):
+    """That save, failing at each of its steps in turn (or at none), keeps the old checkpoint or publishes the new."""
     folder = saves.fail_protocol_step("overwrite", "publish-tag")
+    ids, calls = zip(*AFTER_INTERRUPTED_OVERWRITE)
+    index = ids.index(step) if step in ids else None
+    with watch(folder, fail_at=index) as seen, \
+            (pytest.raises(InjectedFault) if index is not None else contextlib.nullcontext()):
+        saves.engine.save_checkpoint(folder, tag="a")
+    assert [str(call) for call in seen] == list(calls[:len(calls) if index is None else index + 1])
+    published = index is None or index > ids.index("publish-tag")
+    assert saves.what_loads(folder) == ("new" if published else "old")
     saves.engine.save_checkpoint(folder, tag="a")
     assert listing(folder) == ["a", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     assert saves.what_loads(folder) == "new"
