@@ -257,7 +257,7 @@ def test_broken_protocol_is_caught(saves, monkeypatch, variant):
     assert fill(hole, mode) in caught, f"{variant}: a fault at {fill(hole, mode)} went unnoticed; caught: {caught}"
 
 
-def test_sigkill_at_the_non_atomic_moment(saves, one_rank, tmp_path):
+def test_sigkill_at_the_non_atomic_moment(one_rank, tmp_path):
     """A real SIGKILL (no unwinding, no cleanup) in a child, between retiring `a` and publishing its new copy."""
     folder, reference = str(tmp_path / "killed"), str(tmp_path / "reference.pt")
     index = [s for s, _ in protocol("overwrite")].index("publish-tag")
