@@ -184,8 +184,10 @@ def scenario_stock_elastic(world, rank, out):
         fresh.load_checkpoint(ckpt, tag="s2")
         outcome = "loaded, state identical" if all_ranks(same_snapshot(reference, snapshot(fresh))) \
             else "loaded, state differs"
-    except Exception as exc:  # the failure is the expected result of this control
-        outcome = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    except Exception as exc:  # the failure is the expected result of this control; the test checks which one
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {"outcome": "failed", "type": type(exc).__name__, "message": str(exc)[:200],
+                "raised_in": where.name, "statement": where.line}
     return {"outcome": outcome}
 
 

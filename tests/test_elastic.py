@@ -4,16 +4,19 @@ Two checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint o
 is loaded at each M, with the other ZeRO stage for even M, by an engine built with a 50x larger lr. Checks: every
 parameter's codes, absmax, fp32 moments, step and fp32 master weights equal what was saved, byte for byte; the saved
 lr is restored; 10 more steps track the run that never stopped. Control: loading without optimizer state diverges.
-Seven launches: one per N that saves and loads from N' <= N, then one per M < 4 that loads from the larger N (and,
-at M=3, the DP=1 checkpoints rewritten offline for 3 ranks by `deepspeed-bnb reshape`).
+DP=1 runs in the test process (one rank): its saves come first and its loads last. Five launches between them: one
+per N in 2..4 that saves and loads from N' <= N, then one per M in 2..3 that loads from the larger N (and, at M=3,
+the DP=1 checkpoints rewritten offline for 3 ranks by `deepspeed-bnb reshape`).
 """
 
+import functools
 import glob
 import json
 import os
 import shutil
 
 import pytest
+import torch
 
 from conftest import torchrun
 from deepspeed_bnb.checkpoint.reshape import reshape
@@ -22,11 +25,35 @@ SIZES = (1, 2, 3, 4)
 FP32_TOL, BF16_TOL = 1e-5, 5e-3
 
 
+def in_this_process(out, scenarios, sources):
+    """The scenarios distributed_scenarios.py would run at DP=1, run here on the test's one-rank group (one thread,
+    as a launched rank has)."""
+    from distributed_scenarios import SCENARIOS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: SCENARIOS[name](1, 0, out, *([sources] if name == "elastic_load" else []))
+                for name in scenarios.split(",")}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def launched(out, world, scenarios, sources):
+    torchrun("distributed_scenarios.py", world, "--out", out, "--scenarios", scenarios,
+             "--elastic-from", ",".join(sources))
+    path = os.path.join(out, f"results_world{world}.json")
+    with open(path) as f:
+        result = json.load(f)
+    os.remove(path)
+    return result
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("elastic")
+def runs(one_rank, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("elastic"))
     saves, loads = {}, {}
-    plan = [(w, "elastic_save,elastic_load", [str(n) for n in SIZES[:w]]) for w in SIZES]
+    plan = [(1, "elastic_save,elastic_load", ["1"])]
+    plan += [(w, "elastic_save,elastic_load", [str(n) for n in SIZES[:w]]) for w in SIZES[1:]]
     plan += [(w, "elastic_load", [str(n) for n in SIZES[w:]] + (["r1"] if w == 3 else [])) for w in SIZES[:-1]]
     for world, scenarios, sources in plan:
         if "r1" in sources:  # the DP=1 checkpoints, rewritten offline for 3 ranks, must load like the originals
@@ -34,12 +61,8 @@ def runs(tmp_path_factory):
                 folder = os.path.join(out, "elastic", kind)
                 reshape(os.path.join(folder, "dp1"), os.path.join(folder, "reshaped1"), 3, progress=False)
                 shutil.copy(os.path.join(folder, "dp1", "reference_state.pt"), os.path.join(folder, "reshaped1"))
-        torchrun("distributed_scenarios.py", world, "--out", str(out), "--scenarios", scenarios,
-                 "--elastic-from", ",".join(map(str, sources)))
-        path = os.path.join(out, f"results_world{world}.json")
-        with open(path) as f:
-            result = json.load(f)
-        os.remove(path)
+        run = in_this_process if world == 1 else functools.partial(launched, world=world)
+        result = run(out, scenarios=scenarios, sources=sources)
         for name, value in result.items():
             assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
         if "elastic_save" in result:
