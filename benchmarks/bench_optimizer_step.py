@@ -44,7 +44,7 @@ def fused(rule, n, use_kernel, device="cpu"):
     update = rules.get(rule)
     signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
-    codes = [torch.full((n,), 127 if s else 0, dtype=torch.uint8, device=device) for s in signed]  # the code of 0.0
+    codes = [torch.full((n,), 127 if s else 0, dtype=torch.uint8, device=device) for s in signed]  # code of 0.0
     absmax = [torch.zeros(-(-n // 256), device=device) for _ in signed]
     qmaps = [bnb.functional.create_dynamic_map(s).to(device) for s in signed]
     empty = [torch.zeros(0, device=device) for _ in signed]

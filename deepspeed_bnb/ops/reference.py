@@ -5,8 +5,8 @@ What it does: updates one flat fp32 partition in place, walking a segment table 
 offset, length, 8-bit or fp32 state, hyper-parameter row). This file *is* the canonical semantics the compiled
 kernels (csrc/cpu, csrc/cuda) are held to bit for bit; it is slow and written for clarity.
 
-Canonical semantics (why: bnb's backends disagree with each other, see
-../shared/reference/bnb_8bit_optimizer_semantics.md):
+Canonical semantics (why: bnb's backends disagree with each other: its CUDA kernels, its CPU path and its 32-bit
+kernels round, skip non-finite gradients and apply weight decay differently, as noted below):
 - IEEE fp32, every operation individually rounded: no FMA contraction; sqrt and division correctly rounded (computed
   in fp64 and rounded once, which is exact for them; torch's own fp32 sqrt is not correctly rounded on x86 CPUs).
 - Per element, with `g = grad * inv_scale` (DeepSpeed's combined unscale/clip factor, skipped when it is 1):

@@ -11,17 +11,21 @@ Every operator has the same argument layout, grouped by kind and numbered by mom
     params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale
 (`argument_names`); moment 1 (m) uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
 
-Adding a rule touches these files (tests/test_rules.py checks that they agree):
-1. deepspeed_bnb/ops/reference.py: its semantics, a `<name>8bit_step` function with the layout above, and its
-   hyper-row class (a frozen dataclass with FIELDS and row()).
+Adding a rule touches these files (tests/test_rules.py checks that they agree with each other):
+1. deepspeed_bnb/ops/reference.py: its semantics, a `<name>8bit_step` function with the argument layout above, and
+   its hyper-row class (a frozen dataclass with FIELDS and row()).
 2. deepspeed_bnb/ops/rules.py (here): its UpdateRule in RULES, with the function building its row from get_config.
 3. deepspeed_bnb/optim/fused_contract.py: its FieldRule in RULES (which get_config values the kernel models).
 4. csrc/ops.cpp: its operator schema (one m.def).
-5. Its kernels: the per-element arithmetic and row struct in csrc/include/dsbnb/adam8bit.h; csrc/cpu/<op>_cpu.cpp
-   (a Rule for fused_cpu.h's one-state walk, or its own walk); csrc/cuda/<op>.cu (a Rule for fused_device.cuh),
-   csrc/cuda/<op>_cuda.cpp and its launch declaration in csrc/cuda/adam8bit_launch.h.
+5. Its kernels: the per-element arithmetic and the row struct in csrc/include/dsbnb/adam8bit.h; csrc/cpu/<op>_cpu.cpp
+   (a Rule for fused_cpu.h's one-state walk, or a walk of its own); csrc/cuda/<op>.cu (a Rule for fused_device.cuh's
+   one-state kernel, or a kernel of its own), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
 6. deepspeed_bnb/ops/build_flags.py: its sources.
-7. tests: a tests/test_fused_<name>.py holding the kernel to the reference and the reference to bnb.
+7. tests: a tests/test_fused_<name>.py holding its kernel to the reference and the reference to bnb, listed in
+   tests/kernel_tests.py (for the portable and GPU runs).
+The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
+test need no change: they read this registry or build_flags. Optional: a row in benchmarks/bench_optimizer_step.py
+(CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/test_matches_bnb.py (HYPER_ROWS).
 """
 
 from dataclasses import dataclass

@@ -62,7 +62,7 @@ def _partition(rule: str, device: torch.device) -> dict:
     tensors = {"params": torch.randn(size, generator=torch.Generator().manual_seed(0)),
                "segments": rules.segment_table(layout.segments(0, EIGHT_BIT), HYPER_ROWS)}
     for k, signed in zip(range(1, rules.get(rule).moments + 1), rules.SIGNED_MAPS):
-        # signed: the code of 0.0 in bnb's signed map (127), as bnb initializes; unsigned: code 0 is 0.0
+        # the code of 0.0: 127 in bnb's signed map, 0 in the unsigned one
         tensors.update({f"codes{k}": torch.full((size,), 127 if signed else 0, dtype=torch.uint8),
                         f"absmax{k}": torch.zeros(size // 256), f"state{k}": torch.zeros(fp32),
                         f"qmap{k}": reference.dynamic_map(signed)})
