@@ -27,16 +27,16 @@ bnb = cpu_bench.bnb
 
 # implementation -> maker of one step on the GPU (bytes moved per element: cpu_bench.least_bytes)
 IMPLEMENTATIONS = {
-    "deepspeed_bnb CUDA kernel AdamW (8-bit)": lambda n: cpu_bench.fused_8bit(n, True, "cuda"),
+    "deepspeed_bnb CUDA kernel AdamW (8-bit)": lambda n: cpu_bench.fused("adam", n, True, "cuda"),
     "torch AdamW fused (fp32)": lambda n: cpu_bench.torch_optimizer(n, lambda p: torch.optim.AdamW(
         p, lr=cpu_bench.LR, betas=cpu_bench.BETAS, eps=cpu_bench.EPS, weight_decay=cpu_bench.WD, fused=True), "cuda"),
     "bitsandbytes CUDA AdamW8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
         p, lr=cpu_bench.LR, betas=cpu_bench.BETAS, eps=cpu_bench.EPS, weight_decay=cpu_bench.WD, min_8bit_size=0),
         "cuda"),
-    "deepspeed_bnb CUDA kernel Lion (8-bit)": lambda n: cpu_bench.fused_lion_8bit(n, True, "cuda"),
+    "deepspeed_bnb CUDA kernel Lion (8-bit)": lambda n: cpu_bench.fused("lion", n, True, "cuda"),
     "bitsandbytes CUDA Lion8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.Lion8bit(
         p, lr=cpu_bench.LION_LR, betas=cpu_bench.LION_BETAS, weight_decay=cpu_bench.WD, min_8bit_size=0), "cuda"),
-    "deepspeed_bnb CUDA kernel SGD-momentum (8-bit)": lambda n: cpu_bench.fused_momentum_8bit(n, True, "cuda"),
+    "deepspeed_bnb CUDA kernel SGD-momentum (8-bit)": lambda n: cpu_bench.fused("momentum", n, True, "cuda"),
     "bitsandbytes CUDA SGD8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.SGD8bit(
         p, lr=cpu_bench.SGD_LR, momentum=cpu_bench.SGD_MOMENTUM, weight_decay=cpu_bench.WD, min_8bit_size=0), "cuda"),
 }
@@ -68,7 +68,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_step.py: no CUDA device here (torch.cuda.is_available() is False)")
-    if not cpu_bench.adam8bit.kernel_available():
+    if not cpu_bench.loader.load():
         sys.exit("bench_cuda_step.py: the fused kernels could not be built here (see the warning above)")
     ceiling = copy_bandwidth()
     print(f"torch {torch.__version__}, bitsandbytes {getattr(bnb, '__version__', '?')}, "

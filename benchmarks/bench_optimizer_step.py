@@ -26,58 +26,35 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bitsandbytes as bnb  # noqa: E402
 
-from deepspeed_bnb.ops import adam8bit, cpu_features, lion8bit, loader, momentum8bit  # noqa: E402
-from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper  # noqa: E402
+from deepspeed_bnb.ops import cpu_features, loader, rules  # noqa: E402
 from deepspeed_bnb.state_layout import GroupLayout  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 LION_LR, LION_BETAS = 1e-4, (0.9, 0.99)
 SGD_LR, SGD_MOMENTUM = 1e-2, 0.9
+# each rule's settings as bnb's get_config gives them (SGD's betas: momentum, dampening), as the fused rows see them
+CONFIGS = {"adam": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD},
+           "lion": {"lr": LION_LR, "betas": LION_BETAS, "eps": EPS, "weight_decay": WD},
+           "momentum": {"lr": SGD_LR, "betas": (SGD_MOMENTUM, 0.0), "eps": EPS, "weight_decay": WD}}
 
 
-def one_state(n, device):
-    """A flat partition of n elements with one 8-bit state: params, gradients, codes, absmax, map, segment table."""
+def fused(rule, n, use_kernel, device="cpu"):
+    """One step of deepspeed_bnb's fused `rule` over a flat partition of n elements with 8-bit state, its hyper row
+    rebuilt every step as the ZeRO optimizer does (the step counter starts at 1: the warm-up round)."""
+    update = rules.get(rule)
+    signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
-    codes, absmax = torch.full((n,), 127, dtype=torch.uint8, device=device), torch.zeros(-(-n // 256), device=device)
-    qmap = bnb.functional.create_dynamic_map(True).to(device)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0]).to(device)
-    return params, grads, codes, absmax, qmap, table
-
-
-def fused_8bit(n, use_kernel, device="cpu"):
-    params, grads, codes1, absmax1, qmap1, table = one_state(n, device)
-    codes2, absmax2 = torch.zeros(n, dtype=torch.uint8, device=device), torch.zeros(-(-n // 256), device=device)
-    empty = torch.zeros(0, device=device)
-    qmap2 = bnb.functional.create_dynamic_map(False).to(device)
+    codes = [torch.full((n,), 127 if s else 0, dtype=torch.uint8, device=device) for s in signed]  # code of 0.0
+    absmax = [torch.zeros(-(-n // 256), device=device) for _ in signed]
+    qmaps = [bnb.functional.create_dynamic_map(s).to(device) for s in signed]
+    empty = [torch.zeros(0, device=device) for _ in signed]
+    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0]).to(device)
     step = [0]
 
     def run():
         step[0] += 1
-        hyper = adam8bit.hyper_table([AdamHyper.adamw(LR, *BETAS, EPS, WD, step[0])]).to(device)
-        adam8bit.adam8bit_step_(params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table,
-                                hyper, 1.0, None, use_kernel=use_kernel)
-    return run
-
-
-def fused_lion_8bit(n, use_kernel, device="cpu"):
-    params, grads, codes1, absmax1, qmap1, table = one_state(n, device)
-    hyper = adam8bit.hyper_table([LionHyper.lion(LION_LR, *LION_BETAS, WD)]).to(device)
-    empty = torch.zeros(0, device=device)
-
-    def run():
-        lion8bit.lion8bit_step_(params, grads, codes1, absmax1, empty, qmap1, table, hyper, 1.0, None,
-                                use_kernel=use_kernel)
-    return run
-
-
-def fused_momentum_8bit(n, use_kernel, device="cpu"):
-    params, grads, codes1, absmax1, qmap1, table = one_state(n, device)
-    hyper = adam8bit.hyper_table([MomentumHyper.momentum(SGD_LR, SGD_MOMENTUM, WD, 2)]).to(device)  # past step 1
-    empty = torch.zeros(0, device=device)
-
-    def run():
-        momentum8bit.momentum8bit_step_(params, grads, codes1, absmax1, empty, qmap1, table, hyper, 1.0,
-                                        None, use_kernel=use_kernel)
+        hyper = rules.hyper_table([update.row(CONFIGS[rule], step[0])]).to(device)
+        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, 1.0, use_kernel=use_kernel)
     return run
 
 
@@ -105,17 +82,17 @@ def deepspeed_cpu_adam(n):
 YARDSTICK = "memory: in-place pass x = -x (the ceiling; fastest round)"
 IMPLEMENTATIONS = {
     YARDSTICK: memory_pass,
-    "deepspeed_bnb C++ kernel (8-bit)": lambda n: fused_8bit(n, True),
+    "deepspeed_bnb C++ kernel (8-bit)": lambda n: fused("adam", n, True),
     "bitsandbytes CPU AdamW8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
         p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, min_8bit_size=0)),
     "torch AdamW fused (fp32)": lambda n: torch_optimizer(n, lambda p: torch.optim.AdamW(
         p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
     "DeepSpeedCPUAdam (fp32)": deepspeed_cpu_adam,
-    "deepspeed_bnb reference (pure torch)": lambda n: fused_8bit(n, False),
-    "deepspeed_bnb C++ kernel Lion (8-bit)": lambda n: fused_lion_8bit(n, True),
+    "deepspeed_bnb reference (pure torch)": lambda n: fused("adam", n, False),
+    "deepspeed_bnb C++ kernel Lion (8-bit)": lambda n: fused("lion", n, True),
     "bitsandbytes CPU Lion8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.Lion8bit(
         p, lr=LION_LR, betas=LION_BETAS, weight_decay=WD, min_8bit_size=0)),
-    "deepspeed_bnb C++ kernel SGD-momentum (8-bit)": lambda n: fused_momentum_8bit(n, True),
+    "deepspeed_bnb C++ kernel SGD-momentum (8-bit)": lambda n: fused("momentum", n, True),
     "bitsandbytes CPU SGD8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.SGD8bit(
         p, lr=SGD_LR, momentum=SGD_MOMENTUM, weight_decay=WD, min_8bit_size=0)),
 }
@@ -170,7 +147,7 @@ def cpu_description():
                      "?")
     except OSError:
         model = "CPU unknown"
-    needs = loader.compiled_for() if adam8bit.kernel_available() else None
+    needs = loader.compiled_for() if loader.load() else None
     return f"{model}, kernel: {cpu_features.kernel_path(needs) if needs is not None else 'not compiled'}"
 
 
@@ -183,8 +160,8 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.threads, args.repeats = [1], [1], 3
-    if not adam8bit.kernel_available():
-        print("note: the C++ kernel could not be built; its row measures the reference instead")
+    if not loader.load():
+        print(f"note: the C++ kernels could not be built ({loader.error()}); their rows say unavailable")
     print(f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, {os.cpu_count()} CPUs ({cpu_description()})\n")
     print("| elements | threads | implementation | M elements/s | GB/s (least bytes) | of streaming bandwidth "
           "| vs torch fused fp32 AdamW | vs bnb CPU 8-bit, same rule |")

@@ -1,8 +1,9 @@
 // ops.cpp — the schema of deepspeed_bnb's operators, defined once (torch.library). Implementations register per device:
 // csrc/cpu/adam8bit_cpu.cpp, lion8bit_cpu.cpp and momentum8bit_cpu.cpp (CPU), csrc/cuda/adam8bit_cuda.cpp,
 // lion8bit_cuda.cpp and momentum8bit_cuda.cpp (CUDA); the pure-torch references with the same signatures are in
-// deepspeed_bnb/ops/reference.py, the shape-only (fake) implementations in deepspeed_bnb/ops/fake.py. Build: see
-// deepspeed_bnb/ops/loader.py.
+// deepspeed_bnb/ops/reference.py, the shape-only (fake) implementations in deepspeed_bnb/ops/fake.py. Each operator is
+// one update rule of deepspeed_bnb/ops/rules.py, which gives its argument layout (tests/test_rules.py holds these
+// schemas to it). Build: see deepspeed_bnb/ops/loader.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(deepspeed_bnb, m) {
@@ -11,15 +12,14 @@ TORCH_LIBRARY(deepspeed_bnb, m) {
     // (beta1, beta2, 1 - beta1, 1 - beta2, eps * c2, 1 - lr * wd, -lr * c2 / (1 - beta1^t)), c2 = sqrt(1 - beta2^t).
     m.def("adam8bit_step_(Tensor(a!) params, Tensor grads, Tensor(b!) codes1, Tensor(c!) codes2, "
           "Tensor(d!) absmax1, Tensor(e!) absmax2, Tensor(f!) state1, Tensor(g!) state2, Tensor qmap1, "
-          "Tensor qmap2, Tensor segments, Tensor hyper, float inv_scale, Tensor(h!)? lp_params) -> ()");
+          "Tensor qmap2, Tensor segments, Tensor hyper, float inv_scale) -> ()");
     // One fused Lion step of a flat ZeRO partition, in place (semantics: reference.py, lion8bit_step). One state, the
     // momentum: codes1/absmax1 (8-bit segments, signed map qmap1) or state1 (fp32 segments). segments as above;
     // hyper: float32 [H, 6] (beta1, beta2, 1 - beta1, 1 - beta2, 1 - lr * wd, lr).
     m.def("lion8bit_step_(Tensor(a!) params, Tensor grads, Tensor(b!) codes1, Tensor(c!) absmax1, Tensor(d!) state1, "
-          "Tensor qmap1, Tensor segments, Tensor hyper, float inv_scale, Tensor(e!)? lp_params) -> ()");
+          "Tensor qmap1, Tensor segments, Tensor hyper, float inv_scale) -> ()");
     // One fused SGD-with-momentum step (bnb's "momentum" rule; semantics: reference.py, momentum8bit_step). Arguments
     // as lion8bit_step_; hyper: float32 [H, 4] (beta1, weight_decay, lr, first: nonzero at step 1).
     m.def("momentum8bit_step_(Tensor(a!) params, Tensor grads, Tensor(b!) codes1, Tensor(c!) absmax1, "
-          "Tensor(d!) state1, Tensor qmap1, Tensor segments, Tensor hyper, float inv_scale, "
-          "Tensor(e!)? lp_params) -> ()");
+          "Tensor(d!) state1, Tensor qmap1, Tensor segments, Tensor hyper, float inv_scale) -> ()");
 }

@@ -47,7 +47,7 @@ def _checkable_device(name: str) -> str:
 def _kernels(args):
     import torch
 
-    from deepspeed_bnb.ops import cpu_features, loader, self_check
+    from deepspeed_bnb.ops import cpu_features, loader, rules, self_check
     devices = [_checkable_device(d) for d in args.device] if args.device else \
         ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if not loader.load():
@@ -58,7 +58,7 @@ def _kernels(args):
           f"{cpu_features.kernel_path(needs) if needs is not None else 'path unknown (no instruction-set record)'}")
     failures = 0
     for device in devices:
-        for rule in self_check.RULES:
+        for rule in rules.RULES:
             problem = self_check.disagreement(rule, device)
             failures += problem is not None
             print(f"  {device} {rule}: " + ("same bits as the reference" if problem is None else f"FAILS: {problem}"))

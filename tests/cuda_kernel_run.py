@@ -15,9 +15,9 @@ DSBNB_STAND_INS, e.g. "deepspeed,bitsandbytes"):
   refuses to import without DeepSpeed and bitsandbytes;
 - a stand-in `bitsandbytes` with only functional.create_dynamic_map (reference.dynamic_map, held to bnb's bit for bit
   by tests/test_fused_step.py) takes bitsandbytes' place: the selected tests use nothing else of it.
-Then it runs the kernel-vs-reference tests of test_fused_step.py, test_fused_lion.py and test_fused_momentum.py for
-the device and the first-use check the ZeRO optimizer runs there (test_self_check.py), and fails when none ran (a
-machine without a GPU skips them all).
+Then it runs the kernel-vs-reference tests of every rule's test file (kernel_tests.py) for the device and the
+first-use check the ZeRO optimizer runs there (test_self_check.py), and fails when none ran (a machine without a GPU
+skips them all).
 """
 
 import argparse
@@ -100,7 +100,8 @@ def main():
         sys.exit(f"the fused kernels could not be built: {loader.error()}")
     counter = Counter()
     selected = f"{args.device}_kernel"
-    files = ("test_fused_step.py", "test_fused_lion.py", "test_fused_momentum.py", "test_self_check.py")
+    from kernel_tests import RULE_TEST_FILES
+    files = (*RULE_TEST_FILES, "test_self_check.py")
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", selected, "-rs",
                         *(os.path.join(TESTS, name) for name in files)], plugins=[counter])
     print(f"{counter.passed} kernel-vs-reference tests passed on {args.device}", flush=True)

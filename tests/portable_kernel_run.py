@@ -13,6 +13,7 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, ROOT)
 
 from deepspeed_bnb.ops import build_flags, loader  # noqa: E402
+from kernel_tests import RULE_TEST_FILES  # noqa: E402
 
 flags = ["-O3", "-march=x86-64-v2", "-fopenmp"] + build_flags.EXACT_CPU_FLAGS
 load(name="deepspeed_bnb_ops_x86_64_v2", sources=[os.path.join(ROOT, p) for p in build_flags.CPU_SOURCES],
@@ -21,5 +22,4 @@ load(name="deepspeed_bnb_ops_x86_64_v2", sources=[os.path.join(ROOT, p) for p in
 # the operators the tests call must be these, not a JIT build of the default flags
 assert loader.load() and loader.source() == "already registered", (loader.source(), loader.error())
 sys.exit(pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-k", "not cuda",
-                      *(os.path.join(TESTS, name) for name in ("test_fused_step.py", "test_fused_lion.py",
-                                                               "test_fused_momentum.py"))]))
+                      *(os.path.join(TESTS, name) for name in RULE_TEST_FILES)]))

@@ -1,8 +1,9 @@
-"""The CUDA kernels compile here, without a GPU: nvcc builds csrc/cuda/adam8bit.cu, lion8bit.cu and momentum8bit.cu
-for sm_80 and sm_90, and their torch bindings pass a syntax check against this torch's headers (the CPU wheel lacks
-one generated CUDA header, supplied by tests/cuda_shim). Running the kernels needs a GPU: tests/test_fused_step.py,
-test_fused_lion.py and test_fused_momentum.py do it where one is present. Every CUDA source of build_flags is
-covered (test_every_cuda_source_is_checked)."""
+"""The CUDA kernels compile here, without a GPU: nvcc builds every kernel of build_flags.CUDA_SOURCES (csrc/cuda/*.cu)
+for sm_80 and sm_90, and their torch bindings (csrc/cuda/*_cuda.cpp) pass a syntax check against this torch's headers
+(the CPU wheel lacks one generated CUDA header, supplied by tests/cuda_shim). Running the kernels needs a GPU:
+tests/test_fused_step.py, test_fused_lion.py and test_fused_momentum.py do it where one is present. Every CUDA source
+is one or the other (test_every_cuda_source_is_checked); every rule has its CUDA implementation there
+(tests/test_rules.py)."""
 
 import os
 import shutil
@@ -10,6 +11,8 @@ import subprocess
 
 import pytest
 import torch
+
+from deepspeed_bnb.ops.build_flags import CUDA_SOURCES, NVCC_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -22,19 +25,20 @@ def nvcc():
     return found
 
 
-KERNELS = ["adam8bit", "lion8bit", "momentum8bit"]
-BINDINGS = ["adam8bit_cuda", "lion8bit_cuda", "momentum8bit_cuda"]
+KERNELS = [os.path.basename(path)[:-len(".cu")] for path in CUDA_SOURCES if path.endswith(".cu")]
+BINDINGS = [os.path.basename(path)[:-len(".cpp")] for path in CUDA_SOURCES if path.endswith("_cuda.cpp")]
 
 
 def test_every_cuda_source_is_checked():
-    from deepspeed_bnb.ops.build_flags import CUDA_SOURCES
+    """Each CUDA source is compiled by nvcc (a kernel) or syntax-checked (a binding), in csrc/cuda; and there are
+    some (control: an empty list would pass every parametrized test below vacuously)."""
+    assert KERNELS and BINDINGS
     assert sorted(CUDA_SOURCES) == sorted([f"csrc/cuda/{k}.cu" for k in KERNELS] +
                                           [f"csrc/cuda/{b}.cpp" for b in BINDINGS])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_compiles_for_sm80_and_sm90(tmp_path, kernel):
-    from deepspeed_bnb.ops.build_flags import NVCC_FLAGS
     cmd = [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
            os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o", str(tmp_path / f"{kernel}.o")]

@@ -1,6 +1,6 @@
 """The fused 8-bit Lion step: compiled kernels bit-identical to the reference; the reference held to bitsandbytes.
 
-- CPU kernel == reference, bit for bit (params, codes, absmax, fp32 momentum, bf16 copy), over the random partitions
+- CPU kernel == reference, bit for bit (params, codes, absmax, fp32 momentum), over the random partitions
   of test_fused_step.py (8-bit and fp32 segments, short tails, all-zero blocks, huge/tiny/NaN/Inf gradients, three
   hyper rows, an unscale factor, bf16/fp16 gradients), starting from random codes, with momentum state that is
   already NaN/Inf, with an unsorted map (the portable path), and on values on and next to every midpoint of the map.
@@ -11,7 +11,7 @@
   against an exact fp64 Lion no worse than 1.1x bnb's own (max and mean); elements whose gradient is always zero
   never move (control: bnb's CPU path moves them by lr per step, as its quantizer cannot store 0 and sign(beta1 * m)
   is then +-1).
-- torch.library.opcheck on the operator. CUDA: the kernel-vs-reference comparison runs where a GPU is present.
+- CUDA: the kernel-vs-reference comparison runs where a GPU is present.
 """
 
 from functools import partial
@@ -20,7 +20,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from deepspeed_bnb.ops import adam8bit, lion8bit, reference
+from deepspeed_bnb.ops import reference, rules
 from deepspeed_bnb.ops.reference import LionHyper
 from deepspeed_bnb.state_layout import GroupLayout
 from test_fused_step import (QMAP1, Partition, _blocks_led_by_one, _kernel_vs_reference, _on_and_near_midpoints,
@@ -32,11 +32,12 @@ SHUFFLED = QMAP1[torch.randperm(256, generator=torch.Generator().manual_seed(5))
 class LionPartition(Partition):
     """test_fused_step's random partition with Lion's one state, starting from random codes and block scales."""
 
-    NAMES = ("params", "codes1", "absmax1", "state1", "lp")
+    RULE = "lion"
+    NAMES = ("params", "codes1", "absmax1", "state1")
 
     def __init__(self, seed: int, device="cpu", grad_dtype=torch.float32, qmap=QMAP1, corrupt=False):
         super().__init__(seed, device=device, grad_dtype=grad_dtype)
-        g, self.qmap = self.generator, qmap.to(device)
+        g, self.qmaps = self.generator, [qmap.to(device)]
         self.codes1 = torch.randint(0, 256, self.codes1.shape, generator=g, dtype=torch.uint8).to(device)
         self.absmax1 = (torch.rand(self.absmax1.shape, generator=g) * 1e-2).to(device)
         self.state1 = (torch.randn(self.state1.shape, generator=g) * 1e-3).to(device)
@@ -49,16 +50,12 @@ class LionPartition(Partition):
     def hyper(self, step: int) -> torch.Tensor:
         rows = [LionHyper.lion(1e-4, 0.9, 0.99, 0.1), LionHyper.lion(3e-3, 0.95, 0.98, 0.0),
                 LionHyper.lion(1e-3, 0.5, 0.9, 1.0)]
-        return adam8bit.hyper_table(rows).to(self.device)
-
-    def step(self, step: int, grads, use_kernel: bool, inv_scale: float):
-        lion8bit.lion8bit_step_(self.params, grads, self.codes1, self.absmax1, self.state1, self.qmap, self.table,
-                                self.hyper(step), inv_scale, self.lp, use_kernel=use_kernel)
+        return rules.hyper_table(rows).to(self.device)
 
 
 def _check(device, seed, grad_dtype=torch.float32, kind=LionPartition):
     start, done = _kernel_vs_reference(device, seed, grad_dtype, kind)
-    used = {"params", "lp"}  # not two no-ops compared: everything a segment uses has changed
+    used = {"params"}  # not two no-ops compared: everything a segment uses has changed
     used |= {"codes1", "absmax1"} if any(s.eight_bit for s in start.segments) else set()
     used |= {"state1"} if not all(s.eight_bit for s in start.segments) else set()
     for name, before, after in zip(start.NAMES, start.tensors(), done.tensors()):
@@ -86,14 +83,14 @@ def test_cpu_kernel_non_finite_state_and_unsorted_map(seed):
     _check("cpu", 300 + seed, kind=partial(LionPartition, qmap=SHUFFLED))
 
 
-def one_state_first_step_codes(step, hyper, grads: torch.Tensor, qmap, use_kernel: bool) -> torch.Tensor:
-    """codes1 after one step of a one-state operator (`step`: lion8bit_step_ or momentum8bit_step_) from zero
-    state, with a hyper row under which m = g reaches the quantizer unchanged when every block's largest |g| is 1."""
+def one_state_first_step_codes(rule, hyper, grads: torch.Tensor, qmap, use_kernel: bool) -> torch.Tensor:
+    """codes1 after one step of a one-state rule ("lion" or "momentum") from zero state, with a hyper row under which
+    m = g reaches the quantizer unchanged when every block's largest |g| is 1."""
     n = grads.numel()
-    params, lp, empty = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(0)
+    params, empty = torch.zeros(n), torch.zeros(0)
     codes1, absmax1 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n // 256)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    step(params, grads, codes1, absmax1, empty, qmap, table, hyper, 1.0, lp, use_kernel=use_kernel)
+    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    rules.step_(rule, params, grads, [codes1], [absmax1], [empty], [qmap], table, hyper, 1.0, use_kernel=use_kernel)
     return codes1
 
 
@@ -112,8 +109,8 @@ def assert_midpoints_quantized_as_reference(first_step_codes, qmap):
 @needs_kernel
 @pytest.mark.parametrize("qmap", [QMAP1, SHUFFLED], ids=["bnb map", "unsorted map"])
 def test_cpu_kernel_quantizer_on_and_next_to_midpoints(qmap):
-    hyper = adam8bit.hyper_table([LionHyper.lion(1e-3, 0.9, 0.0, 0.0)])  # beta2 = 0: m = g
-    assert_midpoints_quantized_as_reference(partial(one_state_first_step_codes, lion8bit.lion8bit_step_, hyper), qmap)
+    hyper = rules.hyper_table([LionHyper.lion(1e-3, 0.9, 0.0, 0.0)])  # beta2 = 0: m = g
+    assert_midpoints_quantized_as_reference(partial(one_state_first_step_codes, "lion", hyper), qmap)
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["reference", "kernel"])
@@ -125,11 +122,11 @@ def test_semantics_by_hand(use_kernel):
     momentum = torch.tensor([1.0, 0.0, -1.0, 3.0])
     grads = torch.zeros(layout.partition_size)
     grads[:4] = torch.tensor([-1.5, 0.0, 1.0, float("nan")])
-    table = adam8bit.segment_table(layout.segments(0, [False]), [0])
-    hyper = adam8bit.hyper_table([LionHyper.lion(0.5, 0.5, 0.75, 0.25)])
+    table = rules.segment_table(layout.segments(0, [False]), [0])
+    hyper = rules.hyper_table([LionHyper.lion(0.5, 0.5, 0.75, 0.25)])
     empty_codes, empty = torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
-    lion8bit.lion8bit_step_(params, grads, empty_codes, empty, momentum, QMAP1, table, hyper, 1.0,
-                            use_kernel=use_kernel)
+    rules.step_("lion", params, grads, [empty_codes], [empty], [momentum], [QMAP1], table, hyper, 1.0,
+                use_kernel=use_kernel)
     # 0: direction 0.5 - 0.75 < 0 from the *old* momentum (the new one, 0.375, is positive): 0.875 + 0.5
     # 1: direction 0, sign 0: decay only; 2: direction -0.5 + 0.5 = 0: decay only; 3: NaN gradient: untouched
     assert params[:4].tolist() == [1.375, -1.75, 3.5, 8.0]
@@ -151,15 +148,6 @@ def test_control_fma_contraction_is_detected():
     separate = beta2 * m + omb2 * g
     fused = (beta2.double() * m.double() + omb2.double() * g.double()).float()
     assert not torch.equal(bits(separate), bits(fused))
-
-
-@needs_kernel
-def test_opcheck():
-    part = LionPartition(7)
-    args = (part.params, part.grads(1), part.codes1, part.absmax1, part.state1, QMAP1, part.table, part.hyper(1), 1.0,
-            part.lp)
-    torch.library.opcheck(torch.ops.deepspeed_bnb.lion8bit_step_.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
 
 
 # --- the reference against bitsandbytes ------------------------------------------------------------------------
@@ -187,8 +175,8 @@ def run_both(n=8192, steps=20, unused_rows=False, seed=0):
     plain = bnb.optim.Lion8bit([param], lr=lr, betas=betas, weight_decay=wd, min_8bit_size=0)
     ours = start.clone()
     codes1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n // 256)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    hyper = adam8bit.hyper_table([LionHyper.lion(lr, *betas, wd)])
+    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    hyper = rules.hyper_table([LionHyper.lion(lr, *betas, wd)])
     for grad in grads:
         param.grad = grad.clone()
         plain.step()

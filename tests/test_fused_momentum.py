@@ -1,7 +1,7 @@
 """The fused 8-bit SGD-with-momentum step: compiled kernels bit-identical to the reference; the reference held to
 bitsandbytes' "momentum" rule (SGD8bit).
 
-- CPU kernel == reference, bit for bit (params, codes, absmax, fp32 momentum, bf16 copy), over the random partitions
+- CPU kernel == reference, bit for bit (params, codes, absmax, fp32 momentum), over the random partitions
   of test_fused_step.py (8-bit and fp32 segments, short tails, all-zero blocks, huge/tiny/NaN/Inf gradients, three
   hyper rows with and without weight decay, an unscale factor, bf16/fp16 gradients), from step 1 (m = g) and from
   later steps on random codes, with momentum state that is already NaN/Inf, with an unsorted map (the portable path),
@@ -14,7 +14,7 @@ bitsandbytes' "momentum" rule (SGD8bit).
   against an exact fp64 momentum SGD no worse than 1.1x bnb's own (max and mean); elements whose gradient is always
   zero never move (with a control on bnb's behaviour, see the test). bnb's dampening and nesterov are not used by its
   rule: the reference ignores them too (checked on bnb itself).
-- torch.library.opcheck on the operator. CUDA: the kernel-vs-reference comparison runs where a GPU is present.
+- CUDA: the kernel-vs-reference comparison runs where a GPU is present.
 Run: pytest tests/test_fused_momentum.py (a few seconds once the extension is built).
 """
 
@@ -24,7 +24,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from deepspeed_bnb.ops import adam8bit, momentum8bit, reference
+from deepspeed_bnb.ops import reference, rules
 from deepspeed_bnb.ops.reference import MomentumHyper
 from deepspeed_bnb.state_layout import GroupLayout
 from test_fused_lion import (SHUFFLED, LionPartition, assert_codes_within_one_step, assert_error_no_worse_than_bnb,
@@ -36,6 +36,8 @@ class MomentumPartition(LionPartition):
     """Lion's random one-state partition (random start codes and scales) with SGD-momentum hyper rows. `later`: start
     past step 1, so the random momentum is used from the first step on."""
 
+    RULE = "momentum"
+
     def __init__(self, seed: int, later: bool = False, **kwargs):
         super().__init__(seed, **kwargs)
         self.later = later
@@ -44,16 +46,12 @@ class MomentumPartition(LionPartition):
         step += 1 if self.later else 0
         rows = [MomentumHyper.momentum(1e-2, 0.9, 0.01, step), MomentumHyper.momentum(3e-3, 0.95, 0.0, step),
                 MomentumHyper.momentum(1e-1, 0.5, 1e-4, step)]
-        return adam8bit.hyper_table(rows).to(self.device)
-
-    def step(self, step: int, grads, use_kernel: bool, inv_scale: float):
-        momentum8bit.momentum8bit_step_(self.params, grads, self.codes1, self.absmax1, self.state1, self.qmap,
-                                        self.table, self.hyper(step), inv_scale, self.lp, use_kernel=use_kernel)
+        return rules.hyper_table(rows).to(self.device)
 
 
 def _check(device, seed, grad_dtype=torch.float32, kind=MomentumPartition):
     start, done = _kernel_vs_reference(device, seed, grad_dtype, kind)
-    used = {"params", "lp"}  # not two no-ops compared: everything a segment uses has changed
+    used = {"params"}  # not two no-ops compared: everything a segment uses has changed
     used |= {"codes1", "absmax1"} if any(s.eight_bit for s in start.segments) else set()
     used |= {"state1"} if not all(s.eight_bit for s in start.segments) else set()
     for name, before, after in zip(start.NAMES, start.tensors(), done.tensors()):
@@ -83,9 +81,8 @@ def test_cpu_kernel_non_finite_state_and_unsorted_map(seed):
 @needs_kernel
 @pytest.mark.parametrize("qmap", [QMAP1, SHUFFLED], ids=["bnb map", "unsorted map"])
 def test_cpu_kernel_quantizer_on_and_next_to_midpoints(qmap):
-    hyper = adam8bit.hyper_table([MomentumHyper.momentum(1e-3, 0.9, 0.0, 1)])  # step 1, no weight decay: m = g
-    assert_midpoints_quantized_as_reference(
-        partial(one_state_first_step_codes, momentum8bit.momentum8bit_step_, hyper), qmap)
+    hyper = rules.hyper_table([MomentumHyper.momentum(1e-3, 0.9, 0.0, 1)])  # step 1, no weight decay: m = g
+    assert_midpoints_quantized_as_reference(partial(one_state_first_step_codes, "momentum", hyper), qmap)
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["reference", "kernel"])
@@ -98,11 +95,11 @@ def test_semantics_by_hand(use_kernel, step):
     momentum = torch.tensor([1.0, 0.0, -1.0, 3.0])
     grads = torch.zeros(layout.partition_size)
     grads[:4] = torch.tensor([-1.5, 0.0, 1.0, float("nan")])
-    table = adam8bit.segment_table(layout.segments(0, [False]), [0])
-    hyper = adam8bit.hyper_table([MomentumHyper.momentum(0.5, 0.5, 0.25, step)])
+    table = rules.segment_table(layout.segments(0, [False]), [0])
+    hyper = rules.hyper_table([MomentumHyper.momentum(0.5, 0.5, 0.25, step)])
     empty_codes, empty = torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
-    momentum8bit.momentum8bit_step_(params, grads, empty_codes, empty, momentum, QMAP1, table, hyper, 1.0,
-                                    use_kernel=use_kernel)
+    rules.step_("momentum", params, grads, [empty_codes], [empty], [momentum], [QMAP1], table, hyper, 1.0,
+                use_kernel=use_kernel)
     # g' = g + 0.25 p = [-1.25, -0.5, 2, (NaN: skipped)]; step 1: m = g'; step 2: m = 0.5 m_old + g'; p -= 0.5 m
     if step == 1:
         assert momentum.tolist() == [-1.25, -0.5, 2.0, 3.0]
@@ -121,10 +118,10 @@ def test_no_weight_decay_term_without_weight_decay(use_kernel):
     params = torch.zeros(layout.partition_size)
     params[:2] = torch.tensor([float("inf"), 1.0])
     momentum, grads = torch.zeros(2), torch.zeros(layout.partition_size)
-    table = adam8bit.segment_table(layout.segments(0, [False]), [0])
-    hyper = adam8bit.hyper_table([MomentumHyper.momentum(0.5, 0.5, 0.0, 2)])
-    momentum8bit.momentum8bit_step_(params, grads, torch.zeros(0, dtype=torch.uint8), torch.zeros(0), momentum,
-                                    QMAP1, table, hyper, 1.0, use_kernel=use_kernel)
+    table = rules.segment_table(layout.segments(0, [False]), [0])
+    hyper = rules.hyper_table([MomentumHyper.momentum(0.5, 0.5, 0.0, 2)])
+    rules.step_("momentum", params, grads, [torch.zeros(0, dtype=torch.uint8)], [torch.zeros(0)], [momentum],
+                [QMAP1], table, hyper, 1.0, use_kernel=use_kernel)
     assert momentum.tolist() == [0.0, 0.0] and params[:2].tolist() == [float("inf"), 1.0]
 
 
@@ -141,15 +138,6 @@ def test_control_fma_contraction_is_detected():
     beta1, lr = torch.tensor(0.9), torch.tensor(0.01)
     assert not torch.equal(bits(beta1 * m + g), bits((beta1.double() * m.double() + g.double()).float()))
     assert not torch.equal(bits(p - lr * m), bits((p.double() - lr.double() * m.double()).float()))
-
-
-@needs_kernel
-def test_opcheck():
-    part = MomentumPartition(7, later=True)
-    args = (part.params, part.grads(1), part.codes1, part.absmax1, part.state1, QMAP1, part.table, part.hyper(1), 1.0,
-            part.lp)
-    torch.library.opcheck(torch.ops.deepspeed_bnb.momentum8bit_step_.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
 
 
 # --- the reference against bitsandbytes ------------------------------------------------------------------------
@@ -177,11 +165,11 @@ def run_both(n=8192, steps=20, unused_rows=False, seed=0, **bnb_extra):
     plain = bnb.optim.SGD8bit([param], lr=lr, momentum=beta1, weight_decay=wd, min_8bit_size=0, **bnb_extra)
     ours = start.clone()
     codes1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n // 256)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
     for t, grad in enumerate(grads, start=1):
         param.grad = grad.clone()
         plain.step()
-        hyper = adam8bit.hyper_table([MomentumHyper.momentum(lr, beta1, wd, t)])
+        hyper = rules.hyper_table([MomentumHyper.momentum(lr, beta1, wd, t)])
         reference.momentum8bit_step(ours, grad, codes1, absmax1, torch.zeros(0), QMAP1, table, hyper, 1.0)
     theirs = (param.detach(), plain.state[param]["state1"], plain.state[param]["absmax1"])
     return (ours, codes1, absmax1), theirs, exact_momentum(start, grads, lr, beta1, wd), start

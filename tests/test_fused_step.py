@@ -1,13 +1,13 @@
 """The fused 8-bit AdamW step: compiled kernels bit-identical to the reference; the reference held to bitsandbytes.
 
-- CPU kernel == reference, bit for bit (params, codes, absmax, fp32 state, bf16 copy), over random partitions with
+- CPU kernel == reference, bit for bit (params, codes, absmax, fp32 state), over random partitions with
   8-bit and fp32 segments, tails that are not a multiple of 256, all-zero blocks, huge and tiny gradients, NaN/Inf,
   several hyper-parameter rows, an unscale factor, bf16 gradients; several steps each. Control: an FMA-contracted
   variant of the arithmetic (what a careless build would do) differs from the reference, so the bar can fail.
 - reference vs bitsandbytes 0.50 (its CPU path): codes within one step of bnb's; error against an exact fp64 AdamW no
   worse than 1.1x bnb's own; elements whose gradient is always zero never move (bnb's CPU path drifts them: it
   cannot store 0, so m = 0 comes back as ~2e-5 * absmax).
-- torch.library.opcheck on the operator. CUDA: the same comparisons run where a GPU is present.
+- CUDA: the same comparisons run where a GPU is present. (torch.library.opcheck of every operator: test_rules.py.)
 """
 
 import math
@@ -16,21 +16,22 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from deepspeed_bnb.ops import adam8bit, reference
+from deepspeed_bnb.ops import loader, reference, rules
 from deepspeed_bnb.ops.reference import AdamHyper
 from deepspeed_bnb.ops.self_check import bits
 from deepspeed_bnb.state_layout import GroupLayout
 
 QMAP1 = bnb.functional.create_dynamic_map(signed=True)
 QMAP2 = bnb.functional.create_dynamic_map(signed=False)
-KERNEL = adam8bit.kernel_available()
+KERNEL = loader.load()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
 
 
 class Partition:
-    """A random partition: several parameters (8-bit and fp32), their segment table and state."""
+    """A random partition: several parameters (8-bit and fp32), their segment table and the state of RULE."""
 
-    NAMES = ("params", "codes1", "codes2", "absmax1", "absmax2", "state1", "state2", "lp")  # what a step updates
+    RULE = "adam"
+    NAMES = ("params", "codes1", "codes2", "absmax1", "absmax2", "state1", "state2")  # what a step updates
 
     def __init__(self, seed: int, device="cpu", dp=3, rank=1, grad_dtype=torch.float32):
         g = torch.Generator().manual_seed(seed)
@@ -49,9 +50,9 @@ class Partition:
         self.absmax2 = torch.zeros(size // 256, device=device)
         self.state1 = torch.zeros(fp32, device=device)
         self.state2 = torch.zeros(fp32, device=device)
-        self.lp = torch.zeros(size, dtype=torch.bfloat16, device=device)
+        self.qmaps = [QMAP1.to(device), QMAP2.to(device)]
         self.generator, self.device, self.grad_dtype = g, device, grad_dtype
-        self.table = adam8bit.segment_table(self.segments, self.rows).to(device)
+        self.table = rules.segment_table(self.segments, self.rows).to(device)
 
     def grads(self, step: int) -> torch.Tensor:
         g = self.generator
@@ -67,7 +68,7 @@ class Partition:
     def hyper(self, step: int) -> torch.Tensor:
         rows = [AdamHyper.adamw(1e-3, 0.9, 0.999, 1e-8, 0.01, step), AdamHyper.adamw(3e-2, 0.8, 0.95, 1e-6, 0.0, step),
                 AdamHyper.adamw(1e-4, 0.9, 0.99, 1e-8, 0.1, step)]
-        return adam8bit.hyper_table(rows).to(self.device)
+        return rules.hyper_table(rows).to(self.device)
 
     def tensors(self):
         return tuple(getattr(self, name) for name in self.NAMES)
@@ -80,9 +81,10 @@ class Partition:
         return other
 
     def step(self, step: int, grads, use_kernel: bool, inv_scale: float):
-        adam8bit.adam8bit_step_(self.params, grads, self.codes1, self.codes2, self.absmax1, self.absmax2, self.state1,
-                                self.state2, QMAP1.to(self.device), QMAP2.to(self.device), self.table,
-                                self.hyper(step), inv_scale, self.lp, use_kernel=use_kernel)
+        moments = range(1, rules.get(self.RULE).moments + 1)
+        rules.step_(self.RULE, self.params, grads, *([getattr(self, f"{kind}{k}") for k in moments]
+                                                     for kind in ("codes", "absmax", "state")),
+                    self.qmaps, self.table, self.hyper(step), inv_scale, use_kernel=use_kernel)
 
 
 def assert_bit_identical(a: Partition, b: Partition, context: str):
@@ -135,15 +137,14 @@ def _first_step_codes(grads: torch.Tensor, qmap1, qmap2, use_kernel: bool, devic
     """(codes1, codes2) after one step from zero state with beta1 = beta2 = 0: m = g and v = g * g reach the
     quantizer unchanged when every block's largest |g| is 1 (absmax 1, so normalizing is exact)."""
     n = grads.numel()
-    params, lp = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
-    codes1, codes2 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-    absmax1, absmax2, empty = torch.zeros(n // 256), torch.zeros(n // 256), torch.zeros(0)
-    table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-    rows = adam8bit.hyper_table([AdamHyper.adamw(1e-3, 0.0, 0.0, 1e-8, 0.0, 1)])
-    args = [t.to(device) for t in (params, grads, codes1, codes2, absmax1, absmax2, empty, empty, qmap1, qmap2, table,
-                                   rows)]
-    adam8bit.adam8bit_step_(*args, 1.0, lp.to(device), use_kernel=use_kernel)
-    return args[2].cpu(), args[3].cpu()
+    params, empty = torch.zeros(n, device=device), torch.zeros(0, device=device)
+    codes = [torch.full((n,), 127, dtype=torch.uint8, device=device), torch.zeros(n, dtype=torch.uint8, device=device)]
+    absmax = [torch.zeros(n // 256, device=device), torch.zeros(n // 256, device=device)]
+    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0]).to(device)
+    rows = rules.hyper_table([AdamHyper.adamw(1e-3, 0.0, 0.0, 1e-8, 0.0, 1)]).to(device)
+    rules.step_("adam", params, grads.to(device), codes, absmax, [empty, empty], [qmap1.to(device), qmap2.to(device)],
+                table, rows, 1.0, use_kernel=use_kernel)
+    return codes[0].cpu(), codes[1].cpu()
 
 
 def _blocks_led_by_one(values: torch.Tensor) -> torch.Tensor:
@@ -223,15 +224,6 @@ def test_control_fma_contraction_is_detected():
     assert not torch.equal(bits(separate), bits(fused))
 
 
-@needs_kernel
-def test_opcheck():
-    part = Partition(7)
-    args = (part.params, part.grads(1), part.codes1, part.codes2, part.absmax1, part.absmax2, part.state1,
-            part.state2, QMAP1, QMAP2, part.table, part.hyper(1), 1.0, part.lp)
-    torch.library.opcheck(torch.ops.deepspeed_bnb.adam8bit_step_.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
-
-
 # --- the reference against bitsandbytes ------------------------------------------------------------------------
 
 
@@ -260,12 +252,12 @@ def run_both(n=8192, steps=20, unused_rows=False, seed=0):
     ours = start.clone()
     codes1, codes2 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     absmax1, absmax2 = torch.zeros(n // 256), torch.zeros(n // 256)
-    table = adam8bit.segment_table(layout.segments(0, [True]), [0])
+    table = rules.segment_table(layout.segments(0, [True]), [0])
     for t, grad in enumerate(grads, start=1):
         param.grad = grad.clone()
         plain.step()
         reference.adam8bit_step(ours, grad, codes1, codes2, absmax1, absmax2, torch.zeros(0), torch.zeros(0), QMAP1,
-                                QMAP2, table, adam8bit.hyper_table([AdamHyper.adamw(lr, *betas, eps, wd, t)]), 1.0)
+                                QMAP2, table, rules.hyper_table([AdamHyper.adamw(lr, *betas, eps, wd, t)]), 1.0)
     exact = exact_adamw(start, grads, lr, betas, eps, wd)
     theirs = (param.detach(), plain.state[param]["state1"], plain.state[param]["absmax1"])
     return (ours, codes1, absmax1), theirs, exact, start

@@ -20,7 +20,7 @@ from bnb_state import bnb_moments
 from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
-from deepspeed_bnb.ops import adam8bit, reference
+from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
 from deepspeed_bnb.optim.partition_step import FUSED
 from deepspeed_bnb.state_layout import GroupLayout
@@ -129,6 +129,16 @@ def test_control_stock_zero_differs_from_plain_bnb(one_rank):
         safe_get_full_optimizer_state(model.fc1.weight, "exp_avg")
 
 
+# each rule's hyper row from a param group, written out here rather than taken from the registry's row builders
+# (rules.RULES[...].row), so that this comparison holds those to bnb's own parameters too
+HYPER_ROWS = {
+    "adam": lambda group, t: AdamHyper.adamw(group["lr"], *group["betas"], group["eps"], group["weight_decay"], t),
+    "lion": lambda group, t: LionHyper.lion(group["lr"], *group["betas"], group["weight_decay"]),
+    # betas = (momentum, dampening): bnb's rule ignores the dampening; its step counter picks the step-1 rule
+    "momentum": lambda group, t: MomentumHyper.momentum(group["lr"], group["betas"][0], group["weight_decay"], t),
+}
+
+
 class PerParameterReference:
     """The fused step's reference applied to each of `params` alone (its own one-segment partition), and plain bnb
     (`factory`) to the other parameters: no ZeRO."""
@@ -137,9 +147,9 @@ class PerParameterReference:
         self.params = set(params)
         self.optimizer, self.state = factory(groups), {}
         self.others = factory([{**g, "params": [p for p in g["params"] if p not in self.params]} for g in groups])
-        self.qmap1 = bnb.functional.create_dynamic_map(signed=True)
-        self.qmap2 = bnb.functional.create_dynamic_map(signed=False)
         self.rule = self.optimizer.optimizer_name
+        self.moments = range(rules.get(self.rule).moments)
+        self.qmaps = [bnb.functional.create_dynamic_map(signed=signed) for signed in rules.SIGNED_MAPS]
 
     def step(self, t):
         self.others.step()
@@ -149,25 +159,16 @@ class PerParameterReference:
                     p.grad = None
                     continue
                 n = p.numel()
-                if p not in self.state:  # 8-bit state: the kernel steps 8-bit parameters only
-                    self.state[p] = [torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
-                                     torch.zeros(-(-n // 256)), torch.zeros(-(-n // 256)), torch.zeros(0),
-                                     torch.zeros(0)]
-                table = adam8bit.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
-                flat, state = p.data.view(-1), self.state[p]
-                if self.rule == "momentum":  # one state, as Lion; bnb's step counter picks the step-1 rule
-                    hyper = adam8bit.hyper_table([MomentumHyper.momentum(group["lr"], group["betas"][0],
-                                                                         group["weight_decay"], t)])
-                    reference.momentum8bit_step(flat, p.grad.view(-1), state[0], state[2], state[4], self.qmap1,
-                                                table, hyper, 1.0)
-                elif self.rule == "lion":  # one state: codes1, absmax1, fp32 state1
-                    hyper = adam8bit.hyper_table([LionHyper.lion(group["lr"], *group["betas"], group["weight_decay"])])
-                    reference.lion8bit_step(flat, p.grad.view(-1), state[0], state[2], state[4], self.qmap1, table,
-                                            hyper, 1.0)
-                else:
-                    hyper = adam8bit.hyper_table([AdamHyper.adamw(group["lr"], *group["betas"], group["eps"],
-                                                                  group["weight_decay"], t)])
-                    reference.adam8bit_step(flat, p.grad.view(-1), *state, self.qmap1, self.qmap2, table, hyper, 1.0)
+                if p not in self.state:  # 8-bit state (the kernel steps 8-bit parameters only): codes, absmax
+                    self.state[p] = ([torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)],
+                                     [torch.zeros(-(-n // 256)), torch.zeros(-(-n // 256))])
+                codes, absmax = self.state[p]
+                table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+                hyper = rules.hyper_table([HYPER_ROWS[self.rule](group, t)])
+                rules.step_(self.rule, p.data.view(-1), p.grad.view(-1), *([row[k] for k in self.moments]
+                                                                           for row in (codes, absmax)),
+                            [torch.zeros(0) for _ in self.moments], [self.qmaps[k] for k in self.moments], table,
+                            hyper, 1.0, use_kernel=False)
                 p.grad = None
 
 

@@ -16,7 +16,7 @@ import torch
 from bitsandbytes.optim.optimizer import Optimizer2State
 
 import deepspeed_bnb  # noqa: F401
-from deepspeed_bnb.ops import adam8bit, loader, self_check
+from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim import partition_step
 from deepspeed_bnb.optim.partition_step import FUSED
 from deepspeed_bnb.runtime import engine as engine_module
@@ -137,7 +137,7 @@ def test_kernel_that_cannot_run_falls_back_to_bnb_with_one_warning(one_rank, mon
     """No build (compiler missing, or a prebuilt one for another CPU that JIT could not replace) or a failed first-use
     check: one warning, then bnb's own update, equal to `false` bit for bit; `true` refuses instead."""
     if failure == "no build":
-        monkeypatch.setattr(adam8bit, "kernel_available", lambda: False)
+        monkeypatch.setattr(loader, "load", lambda: False)
         monkeypatch.setitem(loader._state, "error", "RuntimeError: no compiler (planted)")
         says = re.escape("could not be built or loaded here (RuntimeError: no compiler (planted))")
     else:

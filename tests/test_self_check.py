@@ -1,49 +1,53 @@
 """The first-use check (ops/self_check.py) passes the compiled kernels and catches wrong ones.
 
-- The compiled CPU kernels of all three rules pass it here (and the CUDA kernels wherever a GPU is present: the
-  `cuda_kernel` tests run by tests/cuda_kernel_run.py).
+- The compiled CPU kernels of every rule of the registry (ops/rules.py) pass it here (and the CUDA kernels wherever a
+  GPU is present: the `cuda_kernel` tests run by tests/cuda_kernel_run.py).
 - Controls, so the check cannot pass vacuously: "kernels" made from the reference with one plausible bug each (one code
-  off, the unscale factor ignored, NaN gradients applied as zeros, the bf16 copy not refreshed, an exception such as a
-  build without code for this GPU) are all caught, and the message names what differs.
-- The ZeRO optimizer steps with the reference, after one warning naming the disagreement, when its kernel fails the
-  check (tests/test_config.py holds the engine-level test).
+  off, the unscale factor ignored, NaN gradients applied as zeros, every segment stepped with the first hyper row, an
+  exception such as a build without code for this GPU) are all caught, and the message names what differs.
+- The ZeRO optimizer steps with bnb's own update, after one warning naming the disagreement, when its kernel fails
+  the check (tests/test_routing.py holds the engine-level test).
 """
 
 import pytest
 import torch
 
-from deepspeed_bnb.ops import loader, self_check
+from deepspeed_bnb.ops import loader, rules, self_check
 
-RULES = self_check.RULES
-STEP_FUNCTIONS = self_check.REFERENCES
-INV_SCALE = {"adam": 12, "lion": 8, "momentum": 8}  # argument positions in each operator's signature
+RULES = tuple(rules.RULES)
 KERNEL = loader.load()
+
+
+def _reference(rule):
+    return rules.RULES[rule].reference
 
 
 def _one_code_off(rule):
     def kernel(*args):
-        STEP_FUNCTIONS[rule](*args)
+        _reference(rule)(*args)
         args[2][700] ^= 1  # codes1 of the first parameter's tail block
     return kernel
 
 
 def _ignores_unscale(rule):
     def kernel(*args):
-        args = list(args)
-        args[INV_SCALE[rule]] = 1.0
-        STEP_FUNCTIONS[rule](*args)
+        _reference(rule)(*args[:-1], 1.0)  # inv_scale is every operator's last argument
     return kernel
 
 
 def _nan_as_zero(rule):
     def kernel(params, grads, *rest):
-        STEP_FUNCTIONS[rule](params, torch.nan_to_num(grads, nan=0.0), *rest)
+        _reference(rule)(params, torch.nan_to_num(grads, nan=0.0), *rest)
     return kernel
 
 
-def _stale_low_copy(rule):
+def _first_hyper_row_only(rule):
+    """A kernel that reads the hyper row of segment 0 for every segment (a wrong index into the hyper table)."""
     def kernel(*args):
-        STEP_FUNCTIONS[rule](*args[:-1], None)
+        position = rules.argument_names(rule).index("segments")
+        segments = args[position].clone()  # the caller's table stays as it is: the parameters must tell
+        segments[:, -1] = segments[0, -1]  # hyper_row, the last column
+        _reference(rule)(*args[:position], segments, *args[position + 1:])
     return kernel
 
 
@@ -56,12 +60,12 @@ def _raises(rule):
 @pytest.mark.parametrize("rule", RULES)
 def test_control_reference_agrees_with_itself(rule):
     """The harness is not rigged: the reference as the "kernel" passes (so a failure below is the mutation's)."""
-    assert self_check.compare(rule, torch.device("cpu"), STEP_FUNCTIONS[rule]) is None
+    assert self_check.compare(rule, torch.device("cpu"), _reference(rule)) is None
 
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("mutant, says", [(_one_code_off, "codes1 differs"), (_ignores_unscale, "after step 3"),
-                                          (_nan_as_zero, "differs"), (_stale_low_copy, "lp differs"),
+                                          (_nan_as_zero, "differs"), (_first_hyper_row_only, "params differs"),
                                           (_raises, "raised RuntimeError: CUDA error: no kernel image")])
 def test_wrong_kernels_are_caught(rule, mutant, says):
     problem = self_check.compare(rule, torch.device("cpu"), mutant(rule))

@@ -2,10 +2,10 @@
 // whole ZeRO partition, walking its segment table, parallel over 256-element blocks (ATen's thread pool).
 //
 // Per block, in one pass: gradient unscale/clip factor, dequantize (qmap[code] * absmax), moments, decoupled weight
-// decay and parameter update (fp32 master), optional bf16/fp16 copy, then per-block absmax and requantization to the
-// nearest code. Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/test_fused_step.py); the arithmetic
-// itself lives in csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the partition walk, checks, dispatch and
-// quantizer helpers in fused_cpu.h, shared with the Lion kernel (lion8bit_cpu.cpp).
+// decay and parameter update (fp32 master), then per-block absmax and requantization to the nearest code.
+// Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/test_fused_step.py); the arithmetic itself lives in
+// csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the partition walk, checks, dispatch and quantizer
+// helpers in fused_cpu.h, shared with the Lion kernel (lion8bit_cpu.cpp).
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (kOptimizerStatic8bit2StateBlockwise), llm.c's AdamW kernels.
 // Build: JIT by deepspeed_bnb/ops/loader.py (ninja; cached under TORCH_EXTENSIONS_DIR), or ahead of time with
 // `DEEPSPEED_BNB_BUILD_EXT=1 pip install -e .`. Flags that keep it exact: -ffp-contract=off, no -ffast-math.
@@ -99,7 +99,7 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
 void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor codes2,
                        at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                        const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
-                       const at::Tensor& hyper, double inv_scale, const std::optional<at::Tensor>& lp_params) {
+                       const at::Tensor& hyper, double inv_scale) {
     const dsbnb::cpu::Checker check("adam8bit_step_");
     check.expect(params, "params", at::kFloat);
     check.expect(codes1, "codes1", at::kByte);
@@ -124,11 +124,11 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
     float *a1 = absmax1.data_ptr<float>(), *a2 = absmax2.data_ptr<float>();
     float *s1 = state1.data_ptr<float>(), *s2 = state2.data_ptr<float>();
     const float *q1 = qmap1.data_ptr<float>(), *q2 = qmap2.data_ptr<float>();
-    dsbnb::cpu::dispatch(check, params, grads, lp_params, inv_scale, [&](auto* g, auto* low, auto scale) {
+    dsbnb::cpu::dispatch(check, params, grads, inv_scale, [&](auto* g, auto scale) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         constexpr bool kScale = decltype(scale)::value;
-        dsbnb::cpu::for_each_block(segments, work, p, low, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
-                                                                 int64_t base) {
+        dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
+                                                       int64_t base) {
             if (s.eight_bit) {
                 const int64_t block = base / kBlock;
                 block_8bit<G, kScale>(h[s.hyper_row], len, p + base, g + base, c1 + base, c2 + base, a1 + block,

@@ -2,7 +2,7 @@
 // lion8bit_cpu.cpp for Lion, momentum8bit_cpu.cpp for SGD with momentum): the quantizer tables of a map (built once per
 // map), per-block helpers (dequantize, gradient widening, absmax with the reference's NaN rule, requantization to the
 // nearest code), argument and segment-table checks, the parallel walk over a partition's 256-element blocks (ATen's
-// thread pool), and the dispatch on the gradient dtype, the optional bf16/fp16 parameter copy and the unscale factor.
+// thread pool), and the dispatch on the gradient dtype and the unscale factor.
 //
 // Semantics: deepspeed_bnb/ops/reference.py, bit for bit; the arithmetic lives in csrc/include/dsbnb/adam8bit.h.
 // Build and test: as the kernels that include it (see adam8bit_cpu.cpp); -ffp-contract=off, no -ffast-math.
@@ -17,7 +17,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -239,52 +238,33 @@ inline std::vector<Work> plan_blocks(const Checker& check, const at::Tensor& seg
     return work;
 }
 
-// Calls f(grad pointer, low-copy pointer or (float*)nullptr, std::integral_constant<bool, scale>) with the typed
-// pointers: one instantiation per gradient dtype (fp32, bf16, fp16), copy dtype (none, bf16, fp16) and scaling.
+// Calls f(grad pointer, std::integral_constant<bool, scale>) with the typed gradient pointer: one instantiation per
+// gradient dtype (fp32, bf16, fp16) and scaling.
 template <typename F>
-void dispatch(const Checker& check, at::Tensor params, const at::Tensor& grads,
-              const std::optional<at::Tensor>& lp_params, double inv_scale, F&& f) {
+void dispatch(const Checker& check, const at::Tensor& params, const at::Tensor& grads, double inv_scale, F&& f) {
     check(grads.device().is_cpu() && grads.is_contiguous(), "grads must be a contiguous CPU tensor");
     check(grads.numel() == params.numel(), "grads and params differ in size");
-    at::Tensor low;
-    if (lp_params.has_value()) {
-        low = *lp_params;
-        check(low.is_contiguous() && low.numel() == params.numel() && low.device().is_cpu(),
-              "lp_params must be a contiguous CPU tensor of the partition's size");
-        check(low.scalar_type() == at::kBFloat16 || low.scalar_type() == at::kHalf, "lp_params must be bf16 or fp16");
-    }
     const bool scale = inv_scale != 1.0;
-    auto with_scale = [&](auto* grad_ptr, auto* low_ptr) {
+    auto with_scale = [&](auto* grad_ptr) {
         if (scale) {
-            f(grad_ptr, low_ptr, std::true_type{});
+            f(grad_ptr, std::true_type{});
         } else {
-            f(grad_ptr, low_ptr, std::false_type{});
-        }
-    };
-    auto with_low = [&](auto* grad_ptr) {
-        if (!low.defined()) {
-            with_scale(grad_ptr, static_cast<float*>(nullptr));
-        } else if (low.scalar_type() == at::kBFloat16) {
-            with_scale(grad_ptr, low.data_ptr<c10::BFloat16>());
-        } else {
-            with_scale(grad_ptr, low.data_ptr<c10::Half>());
+            f(grad_ptr, std::false_type{});
         }
     };
     switch (grads.scalar_type()) {
-        case at::kFloat: with_low(grads.data_ptr<float>()); break;
-        case at::kBFloat16: with_low(grads.data_ptr<c10::BFloat16>()); break;
-        case at::kHalf: with_low(grads.data_ptr<c10::Half>()); break;
+        case at::kFloat: with_scale(grads.data_ptr<float>()); break;
+        case at::kBFloat16: with_scale(grads.data_ptr<c10::BFloat16>()); break;
+        case at::kHalf: with_scale(grads.data_ptr<c10::Half>()); break;
         default: check(false, std::string("grads must be float32, bfloat16 or float16, got ") +
                                   c10::toString(grads.scalar_type()));
     }
 }
 
-// Runs block(segment, start, len, base) for every work item on ATen's thread pool — the block's first element inside
-// its segment, its length (up to 256) and its first element in the partition — then refreshes that block's
-// bf16/fp16 copy of the parameters (round to nearest even; NaN as c10's canonical NaN) when `low` is not null.
-template <typename LowT, typename Block>
-void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, const float* params, LowT* low,
-                    Block&& block) {
+// Runs block(segment, start, len, base) for every work item on ATen's thread pool: the block's first element inside
+// its segment, its length (up to 256) and its first element in the partition.
+template <typename Block>
+void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, Block&& block) {
     const auto* table = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
     at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t begin, int64_t end) {
         for (int64_t w = begin; w < end; ++w) {
@@ -293,9 +273,6 @@ void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, c
             const int64_t len = std::min<int64_t>(kBlock, s.numel - start);
             const int64_t base = s.offset + start;
             block(s, start, len, base);
-            if (low != nullptr) {
-                for (int64_t j = 0; j < len; ++j) low[base + j] = static_cast<LowT>(params[base + j]);
-            }
         }
     });
 }
@@ -356,7 +333,7 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
 template <typename Rule>
 void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                     at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper,
-                    double inv_scale, const std::optional<at::Tensor>& lp_params) {
+                    double inv_scale) {
     const Checker check(op);
     check.expect(params, "params", at::kFloat);
     check.expect(codes1, "codes1", at::kByte);
@@ -374,10 +351,10 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
     float* a1 = absmax1.data_ptr<float>();
     float* s1 = state1.data_ptr<float>();
     const float* q1 = qmap1.data_ptr<float>();
-    dispatch(check, params, grads, lp_params, inv_scale, [&](auto* g, auto* low, auto scale) {
+    dispatch(check, params, grads, inv_scale, [&](auto* g, auto scale) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         constexpr bool kScale = decltype(scale)::value;
-        for_each_block(segments, work, p, low, [&](const Segment& s, int64_t start, int64_t len, int64_t base) {
+        for_each_block(segments, work, [&](const Segment& s, int64_t start, int64_t len, int64_t base) {
             if (s.eight_bit) {
                 one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p + base, g + base, c1 + base,
                                                  a1 + base / kBlock, q1, t1, inv);

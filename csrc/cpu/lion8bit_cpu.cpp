@@ -3,7 +3,7 @@
 //
 // Per block, in one pass: gradient unscale/clip factor, dequantize the momentum (qmap[code] * absmax), decoupled
 // weight decay and the signed step lr * sign(beta1 * m + (1 - beta1) * g) on the fp32 master, the new momentum
-// beta2 * m + (1 - beta2) * g, optional bf16/fp16 copy, then per-block absmax and requantization to the nearest code.
+// beta2 * m + (1 - beta2) * g, then per-block absmax and requantization to the nearest code.
 // Semantics: deepspeed_bnb/ops/reference.py (lion8bit_step), bit for bit (tests/test_fused_lion.py); the arithmetic
 // lives in csrc/include/dsbnb/adam8bit.h (lion_param, lion_momentum), shared with the CUDA kernel; the partition
 // walk, checks, dispatch and quantizer in fused_cpu.h and the AVX-512 full-block path in adam8bit_avx512.h, shared
@@ -41,10 +41,9 @@ struct LionRule {
 };
 
 void lion8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
-    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper, double inv_scale,
-    const std::optional<at::Tensor>& lp_params) {
+    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper, double inv_scale) {
     dsbnb::cpu::one_state_step<LionRule>("lion8bit_step_", params, grads, codes1, absmax1, state1, qmap1, segments,
-                                       hyper, inv_scale, lp_params);
+                                         hyper, inv_scale);
 }
 
 }  // namespace

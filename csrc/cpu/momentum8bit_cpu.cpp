@@ -3,8 +3,8 @@
 // its segment table, parallel over 256-element blocks (ATen's thread pool).
 //
 // Per block, in one pass: gradient unscale/clip factor, dequantize the momentum (qmap[code] * absmax), coupled weight
-// decay g + p * wd, the new momentum (g at step 1, else beta1 * m + g), p - lr * m on the fp32 master, optional
-// bf16/fp16 copy, then per-block absmax and requantization to the nearest code.
+// decay g + p * wd, the new momentum (g at step 1, else beta1 * m + g), p - lr * m on the fp32 master, then per-block
+// absmax and requantization to the nearest code.
 // Semantics: deepspeed_bnb/ops/reference.py (momentum8bit_step), bit for bit (tests/test_fused_momentum.py); the
 // arithmetic lives in csrc/include/dsbnb/adam8bit.h (momentum_state, momentum_param), shared with the CUDA kernel;
 // the partition walk, checks, dispatch and quantizer in fused_cpu.h and the AVX-512 full-block path in
@@ -42,10 +42,9 @@ struct MomentumRule {
 };
 
 void momentum8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
-    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper, double inv_scale,
-    const std::optional<at::Tensor>& lp_params) {
+    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper, double inv_scale) {
     dsbnb::cpu::one_state_step<MomentumRule>("momentum8bit_step_", params, grads, codes1, absmax1, state1, qmap1,
-                                             segments, hyper, inv_scale, lp_params);
+                                             segments, hyper, inv_scale);
 }
 
 }  // namespace

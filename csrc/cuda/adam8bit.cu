@@ -22,7 +22,6 @@ using device::kPerLane;
 using device::kWarpsPerBlock;
 using device::load_grad;
 using device::nan_max;
-using device::store_low;
 using device::warp_nan_max;
 
 __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const int64_t* __restrict__ block_starts,
@@ -32,8 +31,7 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                                      float* __restrict__ absmax1, float* __restrict__ absmax2,
                                      float* __restrict__ state1, float* __restrict__ state2,
                                      const float* __restrict__ qmap1, const float* __restrict__ qmap2,
-                                     DeviceTables t1, DeviceTables t2, bool scale, float inv_scale, void* low,
-                                     LowType low_type) {
+                                     DeviceTables t1, DeviceTables t2, bool scale, float inv_scale) {
     __shared__ float q1[256], q2[256], mid1[256], mid2[256];
     __shared__ uint8_t order1[256], order2[256];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -80,7 +78,6 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                     }
                     max1 = nan_max(max1, fabsf(m[k]));
                     max2 = nan_max(max2, fabsf(v[k]));
-                    if (low != nullptr) store_low(low, low_type, i, params[i]);
                 }
             }
             max1 = warp_nan_max(max1);
@@ -114,7 +111,6 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                     state1[f] = mm;
                     state2[f] = vv;
                 }
-                if (low != nullptr) store_low(low, low_type, i, params[i]);
             }
         }
     }
@@ -126,13 +122,12 @@ int launch_adam8bit_step(const Segment* segments, const int64_t* block_starts, i
                          int64_t total_blocks, const Hyper* hyper, float* params, const void* grads, GradType grad_type,
                          uint8_t* codes1, uint8_t* codes2, float* absmax1, float* absmax2, float* state1,
                          float* state2, const float* qmap1, const float* qmap2, DeviceTables tables1,
-                         DeviceTables tables2, bool scale, float inv_scale, void* low, LowType low_type,
-                         void* stream) {
+                         DeviceTables tables2, bool scale, float inv_scale, void* stream) {
     if (total_blocks == 0) return 0;
     const int grid = device::grid_for(total_blocks);  // persistent, grid-stride
     adam8bit_step_kernel<<<grid, 32 * kWarpsPerBlock, 0, static_cast<cudaStream_t>(stream)>>>(
         segments, block_starts, num_segments, total_blocks, hyper, params, grads, grad_type, codes1, codes2, absmax1,
-        absmax2, state1, state2, qmap1, qmap2, tables1, tables2, scale, inv_scale, low, low_type);
+        absmax2, state1, state2, qmap1, qmap2, tables1, tables2, scale, inv_scale);
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,7 +1,7 @@
 // fused_cuda.h — host code the torch bindings of the CUDA kernels share (adam8bit_cuda.cpp, lion8bit_cuda.cpp,
 // momentum8bit_cuda.cpp): the quantizer tables of a map uploaded once per map, the segment table's block offsets
 // uploaded once per table (both cached per tensor, so a steady-state step never synchronizes with the device), the
-// per-call segment checks on the cached host rows, and the gradient / bf16-fp16 copy arguments of the launch.
+// per-call segment checks on the cached host rows, and the gradient argument of the launch.
 // Build: only with a CUDA build of torch, with the bindings. Test: tests/test_cuda_build.py (syntax, without a GPU);
 // tests/test_fused_step.py, test_fused_lion.py and test_fused_momentum.py on a machine with a GPU.
 #pragma once
@@ -15,9 +15,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "adam8bit_launch.h"
@@ -163,16 +161,6 @@ inline GradType grad_type(const Checker& check, const at::Tensor& grads) {
                                                                : GradType::kFloat32;
     check(grads.scalar_type() == at::kFloat || type != GradType::kFloat32, "grads must be float32, bfloat16 or float16");
     return type;
-}
-
-// The optional bf16/fp16 copy of the parameters: its pointer (null when absent) and type.
-inline std::pair<void*, LowType> low_copy(const Checker& check, const at::Tensor& params,
-                                          const std::optional<at::Tensor>& lp_params) {
-    if (!lp_params.has_value()) return {nullptr, LowType::kNone};
-    const at::Tensor& lp = *lp_params;
-    check(lp.is_cuda() && lp.is_contiguous() && lp.numel() == params.numel(), "lp_params: partition-sized");
-    check(lp.scalar_type() == at::kBFloat16 || lp.scalar_type() == at::kHalf, "lp_params must be bf16 or fp16");
-    return {lp.data_ptr(), lp.scalar_type() == at::kBFloat16 ? LowType::kBFloat16 : LowType::kFloat16};
 }
 
 }  // namespace binding

@@ -1,9 +1,9 @@
 // fused_device.cuh — device helpers the CUDA kernels of the fused 8-bit optimizer steps share (adam8bit.cu for AdamW,
 // lion8bit.cu for Lion, momentum8bit.cu for SGD with momentum): the launch shape (one warp per 256-element block, 8
 // elements per lane, a persistent grid striding over the blocks of all segments), the segment lookup of a block,
-// gradient loads (fp32/bf16/fp16 widened exactly), the bf16/fp16 parameter copy (c10's rounding and NaN), the
-// NaN-propagating warp max, and the whole kernel of the one-state rules (one_state_step_kernel). Like the kernels,
-// free of torch headers (compiled by nvcc alone, see adam8bit.cu).
+// gradient loads (fp32/bf16/fp16 widened exactly), the NaN-propagating warp max, and the whole kernel of the
+// one-state rules (one_state_step_kernel). Like the kernels, free of torch headers (compiled by nvcc alone, see
+// adam8bit.cu).
 // Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_step.py,
 // test_fused_lion.py and test_fused_momentum.py run it where a GPU is present.
 #pragma once
@@ -27,14 +27,6 @@ __device__ __forceinline__ float load_grad(const void* grads, GradType type, int
         }
         case GradType::kFloat16: return __half2float(static_cast<const __half*>(grads)[i]);
         default: return static_cast<const float*>(grads)[i];
-    }
-}
-
-__device__ __forceinline__ void store_low(void* low, LowType type, int64_t i, float p) {
-    if (type == LowType::kBFloat16) {
-        static_cast<uint16_t*>(low)[i] = bf16_bits(p);
-    } else if (type == LowType::kFloat16) {
-        static_cast<__half*>(low)[i] = (p != p) ? __ushort_as_half(0x7E00) : __float2half_rn(p);  // c10's NaN
     }
 }
 
@@ -80,7 +72,7 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                                       float* __restrict__ params, const void* __restrict__ grads, GradType grad_type,
                                       uint8_t* __restrict__ codes1, float* __restrict__ absmax1,
                                       float* __restrict__ state1, const float* __restrict__ qmap1, DeviceTables t1,
-                                      bool scale, float inv_scale, void* low, LowType low_type) {
+                                      bool scale, float inv_scale) {
     __shared__ float q1[256], mid1[256];
     __shared__ uint8_t order1[256];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -119,7 +111,6 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                         m[k] = m_old;
                     }
                     max1 = nan_max(max1, fabsf(m[k]));
-                    if (low != nullptr) store_low(low, low_type, i, params[i]);
                 }
             }
             max1 = warp_nan_max(max1);  // every lane has read absmax1[block] before lane 0 overwrites it
@@ -145,7 +136,6 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                     Rule::apply(params[i], state1[f], g, h, m_new);
                     state1[f] = m_new;
                 }
-                if (low != nullptr) store_low(low, low_type, i, params[i]);
             }
         }
     }
@@ -156,13 +146,12 @@ template <typename Rule>
 int launch_one_state_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
                           int64_t total_blocks, const typename Rule::Row* hyper, float* params, const void* grads,
                           GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
-                          DeviceTables tables1, bool scale, float inv_scale, void* low, LowType low_type,
-                          void* stream) {
+                          DeviceTables tables1, bool scale, float inv_scale, void* stream) {
     if (total_blocks == 0) return 0;
     one_state_step_kernel<Rule><<<grid_for(total_blocks), 32 * kWarpsPerBlock, 0,
                                    static_cast<cudaStream_t>(stream)>>>(
         segments, block_starts, num_segments, total_blocks, hyper, params, grads, grad_type, codes1, absmax1, state1,
-        qmap1, tables1, scale, inv_scale, low, low_type);
+        qmap1, tables1, scale, inv_scale);
     return static_cast<int>(cudaGetLastError());
 }
 

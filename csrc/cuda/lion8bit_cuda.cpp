@@ -13,7 +13,7 @@ namespace binding = dsbnb::binding;
 
 void lion8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                         at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments,
-                        const at::Tensor& hyper, double inv_scale, const std::optional<at::Tensor>& lp_params) {
+                        const at::Tensor& hyper, double inv_scale) {
     const binding::Checker check("lion8bit_step_");
     const dsbnb::StateSizes states[1] = {{codes1.numel(), absmax1.numel(), state1.numel()}};
     const c10::cuda::CUDAGuard guard(params.device());
@@ -22,13 +22,12 @@ void lion8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor c
         {&params, &hyper, &absmax1, &state1, &qmap1}, {&codes1}, segments, hyper, dsbnb::kLionHyperFields, states, 1);
     check(qmap1.numel() == 256, "qmap1 must hold 256 entries");
     const dsbnb::GradType grad_type = binding::grad_type(check, grads);
-    const auto low = binding::low_copy(check, params, lp_params);
     const int status = dsbnb::launch_lion8bit_step(
         reinterpret_cast<const dsbnb::Segment*>(segments.data_ptr<int64_t>()), blocks.starts.data_ptr<int64_t>(),
         segments.size(0), blocks.total, reinterpret_cast<const dsbnb::LionHyper*>(hyper.data_ptr<float>()),
         params.data_ptr<float>(), grads.data_ptr(), grad_type, codes1.data_ptr<uint8_t>(), absmax1.data_ptr<float>(),
         state1.data_ptr<float>(), qmap1.data_ptr<float>(), binding::tables_for(qmap1), inv_scale != 1.0,
-        static_cast<float>(inv_scale), low.first, low.second, c10::cuda::getCurrentCUDAStream().stream());
+        static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
     check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));
 }
 

@@ -23,7 +23,6 @@ from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(_ROOT, "csrc")
 NAME = "deepspeed_bnb_ops"
-OPS = ("adam8bit_step_", "lion8bit_step_", "momentum8bit_step_")  # every operator ops.cpp defines
 
 _lock = threading.Lock()
 # loaded: tried yet? error: why not; source: prebuilt/jit; needs: the instruction sets the loaded build may use
@@ -35,7 +34,9 @@ def sources(cuda: bool):
 
 
 def _has_op() -> bool:
-    return hasattr(torch.ops, "deepspeed_bnb") and all(hasattr(torch.ops.deepspeed_bnb, op) for op in OPS)
+    """Every operator of the rule registry is registered already (e.g. by a build the caller loaded itself)."""
+    from deepspeed_bnb.ops.rules import OPERATORS  # imported here: rules imports this module
+    return hasattr(torch.ops, "deepspeed_bnb") and all(hasattr(torch.ops.deepspeed_bnb, op) for op in OPERATORS)
 
 
 def _prebuilt_refusal() -> Optional[str]:
@@ -88,7 +89,7 @@ def load(verbose: bool = False) -> bool:
         if _state["loaded"] is None:
             try:
                 _state["source"] = "already registered" if _has_op() else _build(verbose)
-                from deepspeed_bnb.ops import fake  # noqa: F401  (registers the shape-only implementation)
+                from deepspeed_bnb.ops import fake  # noqa: F401  (registers the shape-only implementations)
                 _state["loaded"] = True
             except Exception as exc:  # compiler, ninja, sources: any of them missing means no kernel here
                 _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {exc}"

@@ -5,8 +5,8 @@ What it does: updates one flat fp32 partition in place, walking a segment table 
 offset, length, 8-bit or fp32 state, hyper-parameter row). This file *is* the canonical semantics the compiled
 kernels (csrc/cpu, csrc/cuda) are held to bit for bit; it is slow and written for clarity.
 
-Canonical semantics (why: bnb's backends disagree with each other, see
-../shared/reference/bnb_8bit_optimizer_semantics.md):
+Canonical semantics (why: bnb's backends disagree with each other: its CUDA kernels, its CPU path and its 32-bit
+kernels round, skip non-finite gradients and apply weight decay differently, as noted below):
 - IEEE fp32, every operation individually rounded: no FMA contraction; sqrt and division correctly rounded (computed
   in fp64 and rounded once, which is exact for them; torch's own fp32 sqrt is not correctly rounded on x86 CPUs).
 - Per element, with `g = grad * inv_scale` (DeepSpeed's combined unscale/clip factor, skipped when it is 1):
@@ -41,8 +41,7 @@ Canonical semantics (why: bnb's backends disagree with each other, see
   element whose gradient is always zero); bnb CUDA's extra sign fix (a tiny negative value never rounds to +0) is not
   applied. A block whose absmax is 0 (or NaN) stores the code of 0.0. absmax propagates NaN like torch.amax.
 - fp32 state segments keep their state in fp32 arrays packed in segment order.
-- The optional bf16/fp16 copy rounds to nearest even; NaN becomes the canonical quiet NaN. Elsewhere the sign and
-  payload of a NaN are unspecified (x86 vector units and torch produce different ones).
+- The sign and payload of a NaN are unspecified (x86 vector units and torch produce different ones).
 - Alignment padding (elements in no segment) is never read or written.
 References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_blockwise_cpu`), `csrc/kernels.cu`
 (`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION and MOMENTUM branches,
@@ -54,11 +53,12 @@ tests/test_fused_momentum.py (SGD with momentum) hold the kernels to it.
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, Tuple
 
 import torch
 
-BLOCK_SIZE = 256
+from deepspeed_bnb.state_layout import BLOCK_SIZE  # pure math: importable without DeepSpeed and bitsandbytes
+
 SEGMENT_FIELDS = 5  # columns of the segment table: offset, numel, eight_bit, fp32_offset, hyper_row
 HYPER_FIELDS = 7  # columns of the AdamW hyper-parameter table, see AdamHyper.row()
 LION_HYPER_FIELDS = 6  # columns of the Lion hyper-parameter table, see LionHyper.row()
@@ -266,9 +266,9 @@ class _State:
             self.fp32.copy_(value)
 
 
-def _walk(params, grads, segments, hyper, inv_scale: float, lp_params, update) -> None:
+def _walk(params, grads, segments, hyper, inv_scale: float, update) -> None:
     """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's parameter view,
-    g: its scaled fp32 gradient, finite: isfinite(g), h: its hyper row); then refresh the bf16/fp16 copy."""
+    g: its scaled fp32 gradient, finite: isfinite(g), h: its hyper row)."""
     hyper = hyper.float()
     for offset, numel, eight_bit, fp32_offset, row in segments.tolist():
         p = params.narrow(0, offset, numel)
@@ -276,21 +276,18 @@ def _walk(params, grads, segments, hyper, inv_scale: float, lp_params, update) -
         if inv_scale != 1.0:
             g = g * _f32(inv_scale)
         update(_Segment(offset, numel, bool(eight_bit), fp32_offset), p, g, torch.isfinite(g), hyper[row])
-        if lp_params is not None:
-            low = p.to(lp_params.dtype)  # round to nearest even; NaN as the canonical quiet NaN (c10's conversion)
-            lp_params.narrow(0, offset, numel).copy_(torch.where(torch.isnan(p), torch.nan, low))
 
 
 @torch.no_grad()
 def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, codes2: torch.Tensor,
                   absmax1: torch.Tensor, absmax2: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
                   qmap1: torch.Tensor, qmap2: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                  inv_scale: float, lp_params: Optional[torch.Tensor] = None) -> None:
+                  inv_scale: float) -> None:
     """In place: one AdamW step of every segment of a flat partition (see the module docstring for semantics).
 
     params fp32 [P]; grads fp32/bf16/fp16 [P]; codes1/codes2 uint8 [P] and absmax1/absmax2 fp32 [P/256] (8-bit
     segments, indexed by partition offset); state1/state2 fp32 [F] (fp32 segments, by fp32 offset); qmap1/qmap2 fp32
-    [256]; segments int64 [S, 5]; hyper fp32 [H, 7]; lp_params: optional bf16/fp16 [P] copy of params, refreshed.
+    [256]; segments int64 [S, 5]; hyper fp32 [H, 7].
     """
     def update(segment, p, g, finite, h):
         first = _State(segment, codes1, absmax1, qmap1, state1)
@@ -301,13 +298,13 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         p.copy_(torch.where(finite, _param_update(p, m, v, h), p))
         first.store(m)
         second.store(v)
-    _walk(params, grads, segments, hyper, inv_scale, lp_params, update)
+    _walk(params, grads, segments, hyper, inv_scale, update)
 
 
 @torch.no_grad()
 def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                   state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                  inv_scale: float, lp_params: Optional[torch.Tensor] = None) -> None:
+                  inv_scale: float) -> None:
     """In place: one Lion step of every segment of a flat partition (see the module docstring for semantics).
 
     As adam8bit_step with one state (the momentum): codes1 uint8 [P] and absmax1 fp32 [P/256] for 8-bit segments,
@@ -319,13 +316,13 @@ def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         new_p, m = _lion_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, lp_params, update)
+    _walk(params, grads, segments, hyper, inv_scale, update)
 
 
 @torch.no_grad()
 def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                       state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                      inv_scale: float, lp_params: Optional[torch.Tensor] = None) -> None:
+                      inv_scale: float) -> None:
     """In place: one SGD-with-momentum step of every segment of a flat partition (see the module docstring).
 
     Arguments as lion8bit_step (one state, the momentum); hyper fp32 [H, 4] (MomentumHyper rows).
@@ -336,4 +333,4 @@ def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.T
         new_p, m = _momentum_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, lp_params, update)
+    _walk(params, grads, segments, hyper, inv_scale, update)

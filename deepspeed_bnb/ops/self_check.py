@@ -6,8 +6,9 @@ where it was not: a GPU generation or CUDA toolkit the kernels never ran on, a c
 despite -ffp-contract=off, a prebuilt extension without code for this GPU ("no kernel image is available"). Wrong
 optimizer state is silent for weeks; so before its first real step the kernel runs a small partition that touches
 every path (8-bit and fp32 segments, a block tail, an all-zero block, NaN/Inf/huge/tiny gradients, two hyper rows, an
-unscale factor, the bf16 copy) and is compared with the reference run on the CPU (the oracle the test suite holds
-the CPU kernels to); a kernel that raises or differs by one bit is not used.
+unscale factor) and is compared with the reference run on the CPU (the oracle the test suite holds the CPU kernels
+to); a kernel that raises or differs by one bit is not used. Every rule of the registry (ops/rules.py) is checked the
+same way: its partition, hyper rows and argument list follow from its moment count and its row builder.
 Cost: a few milliseconds, once per rule and device per process. It uses bnb's default maps: a custom map's own
 quantizer path (an unsorted map, one the compact key table refuses) is covered by the test suite only.
 """
@@ -16,44 +17,32 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import adam8bit, reference
-from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
+from deepspeed_bnb.ops import reference, rules
 from deepspeed_bnb.state_layout import GroupLayout
 
 STEPS = 3  # steps compared: state starts at zero, so the first step alone would not dequantize anything
 NUMELS = (700, 300, 520)  # three parameters: 8-bit (two blocks and a 188-element tail), fp32, 8-bit
 EIGHT_BIT = [True, False, True]
 HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
-
-REFERENCES: Dict[str, Callable] = {"adam": reference.adam8bit_step, "lion": reference.lion8bit_step,
-                                    "momentum": reference.momentum8bit_step}  # the oracle of each rule
-_OPERATORS = {"adam": "adam8bit_step_", "lion": "lion8bit_step_", "momentum": "momentum8bit_step_"}
-RULES = tuple(_OPERATORS)  # bnb update rules with a compiled kernel
+# two param groups as bnb's get_config gives them (every rule reads what it needs: momentum's betas[1] is its unused
+# dampening); the first decays, the second does not
+CONFIGS = ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+           {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0})
 _verdicts: Dict[Tuple[str, str], Optional[str]] = {}  # (rule, device) -> disagreement or None
-
-
-def compiled(rule: str) -> Callable:
-    """The compiled operator of a bnb update rule ("adam", "lion" or "momentum"); the caller has loaded it."""
-    return getattr(torch.ops.deepspeed_bnb, _OPERATORS[rule])
 
 
 def disagreement(rule: str, device) -> Optional[str]:
     """Why the compiled kernel of `rule` must not be used on `device` (it raised, or differs from the reference), or
-    None; checked once per rule and device."""
+    None; checked once per rule and device. The caller has loaded the kernels."""
     key = (rule, str(torch.device(device)))
     if key not in _verdicts:
-        _verdicts[key] = compare(rule, torch.device(device), compiled(rule))
+        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel())
     return _verdicts[key]
 
 
 def _hyper(rule: str, step: int) -> torch.Tensor:
-    if rule == "lion":
-        rows = [LionHyper.lion(1e-4, 0.9, 0.99, 0.01), LionHyper.lion(3e-3, 0.8, 0.95, 0.0)]
-    elif rule == "momentum":
-        rows = [MomentumHyper.momentum(1e-2, 0.9, 0.01, step), MomentumHyper.momentum(3e-2, 0.5, 0.0, step)]
-    else:
-        rows = [AdamHyper.adamw(1e-3, 0.9, 0.999, 1e-8, 0.01, step), AdamHyper.adamw(3e-2, 0.8, 0.95, 1e-6, 0.0, step)]
-    return adam8bit.hyper_table(rows)
+    entry = rules.get(rule)
+    return rules.hyper_table([entry.row(config, step) for config in CONFIGS], entry.hyper)
 
 
 def _gradients(size: int, step: int, generator: torch.Generator) -> torch.Tensor:
@@ -66,26 +55,25 @@ def _gradients(size: int, step: int, generator: torch.Generator) -> torch.Tensor
 
 
 def _partition(rule: str, device: torch.device) -> dict:
-    """Zero state and random parameters of one partition, the tensors of the operator's signature by name."""
+    """Zero state and random parameters of one partition: the tensors of the operator's signature by name (codes1,
+    absmax1, state1, qmap1 and so on for each moment)."""
     layout = GroupLayout(NUMELS, 1)
-    segments = layout.segments(0, EIGHT_BIT)
     size, fp32 = layout.partition_size, layout.fp32_numel(0, EIGHT_BIT)
     tensors = {"params": torch.randn(size, generator=torch.Generator().manual_seed(0)),
-               "codes1": torch.full((size,), 127, dtype=torch.uint8), "absmax1": torch.zeros(size // 256),
-               "state1": torch.zeros(fp32), "qmap1": reference.dynamic_map(True),
-               "segments": adam8bit.segment_table(segments, HYPER_ROWS), "lp": torch.zeros(size, dtype=torch.bfloat16)}
-    if rule == "adam":
-        tensors.update(codes2=torch.zeros(size, dtype=torch.uint8), absmax2=torch.zeros(size // 256),
-                       state2=torch.zeros(fp32), qmap2=reference.dynamic_map(False))
+               "segments": rules.segment_table(layout.segments(0, EIGHT_BIT), HYPER_ROWS)}
+    for k, signed in zip(range(1, rules.get(rule).moments + 1), rules.SIGNED_MAPS):
+        # the code of 0.0: 127 in bnb's signed map, 0 in the unsigned one
+        tensors.update({f"codes{k}": torch.full((size,), 127 if signed else 0, dtype=torch.uint8),
+                        f"absmax{k}": torch.zeros(size // 256), f"state{k}": torch.zeros(fp32),
+                        f"qmap{k}": reference.dynamic_map(signed)})
     return {name: t.to(device) for name, t in tensors.items()}
 
 
 def _arguments(rule: str, t: dict, grads: torch.Tensor, hyper: torch.Tensor, inv_scale: float) -> tuple:
-    if rule == "adam":
-        return (t["params"], grads, t["codes1"], t["codes2"], t["absmax1"], t["absmax2"], t["state1"], t["state2"],
-                t["qmap1"], t["qmap2"], t["segments"], hyper, inv_scale, t["lp"])
-    return (t["params"], grads, t["codes1"], t["absmax1"], t["state1"], t["qmap1"], t["segments"], hyper, inv_scale,
-            t["lp"])
+    moments = range(1, rules.get(rule).moments + 1)
+    return rules.arguments(rule, t["params"], grads, *([t[f"{kind}{k}"] for k in moments]
+                                                        for kind in ("codes", "absmax", "state", "qmap")),
+                           t["segments"], hyper, inv_scale)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +98,7 @@ def compare(rule: str, device: torch.device, kernel: Callable) -> Optional[str]:
             kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale))
         except Exception as exc:  # e.g. no code for this GPU in the build: the reference can still run
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        REFERENCES[rule](*_arguments(rule, theirs, grads, hyper, inv_scale))
+        rules.get(rule).reference(*_arguments(rule, theirs, grads, hyper, inv_scale))
         for name in ours:
             mine, expected = bits(ours[name].cpu()), bits(theirs[name])
             if not torch.equal(mine, expected):

@@ -18,6 +18,8 @@ from typing import Callable, Dict, Mapping, Optional
 
 import torch
 
+from deepspeed_bnb.ops import rules
+
 # Every key `Optimizer8bit.get_config` returns in bitsandbytes 0.50 (tests/test_fused_contract.py holds this to the
 # installed bnb, so a field a new release adds is noticed rather than ignored).
 KERNEL_DEVICES = ("cpu", "cuda")  # device types with compiled kernels (csrc/cpu, csrc/cuda)
@@ -109,9 +111,10 @@ RULES: Dict[str, FieldRule] = {
 
 
 def base_update_step(rule: str):
-    """The bnb `update_step` whose arithmetic the kernel of `rule` reproduces."""
+    """The bnb `update_step` whose arithmetic the kernel of `rule` reproduces: bnb keeps two moments in an
+    Optimizer2State, one in an Optimizer1State."""
     from bitsandbytes.optim.optimizer import Optimizer1State, Optimizer2State
-    return (Optimizer2State if rule == "adam" else Optimizer1State).update_step
+    return (Optimizer2State if rules.get(rule).moments == 2 else Optimizer1State).update_step
 
 
 def optimizer_reason(optimizer) -> Optional[str]:
@@ -119,7 +122,7 @@ def optimizer_reason(optimizer) -> Optional[str]:
     update_step), or None."""
     rule = optimizer.optimizer_name
     if rule not in RULES:
-        return f"bnb's '{rule}' update has no fused kernel (Adam, AdamW, Lion and SGD with momentum do)"
+        return f"bnb's '{rule}' update has no fused kernel (its {', '.join(map(repr, RULES))} updates have one)"
     update_step = type(optimizer).update_step
     if update_step is not base_update_step(rule):
         return (f"{update_step.__module__}.{update_step.__qualname__} overrides bnb's update_step, so the optimizer "

@@ -13,33 +13,18 @@ from typing import Sequence
 
 import torch
 
-from deepspeed_bnb.ops import adam8bit, lion8bit, momentum8bit
-from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
+from deepspeed_bnb.ops import rules
 from deepspeed_bnb.optim.bnb_adapter import FP32_PREFIX
 from deepspeed_bnb.state_layout import Segment
-
-FUSED_RULES = ("adam", "lion", "momentum")  # bnb update rules (Optimizer8bit.optimizer_name) with a fused kernel
-_ROW_KINDS = {"adam": AdamHyper, "lion": LionHyper, "momentum": MomentumHyper}
-
-
-def hyper_row(rule: str, config: dict, step: int):
-    """The hyper row of one bnb config (get_config's fields) at `step` (counted from 1, as bnb counts it)."""
-    beta1, beta2 = config["betas"][0], config["betas"][1]
-    if rule == "lion":
-        return LionHyper.lion(config["lr"], beta1, beta2, config["weight_decay"])
-    if rule == "momentum":  # betas = (momentum, dampening): bnb never uses the dampening
-        return MomentumHyper.momentum(config["lr"], beta1, config["weight_decay"], step)
-    return AdamHyper.adamw(config["lr"], beta1, beta2, config["eps"], config["weight_decay"], step)
 
 
 class FusedPartition:
     """The fused step of some segments of one partition (segment table built once, hyper rows every step)."""
 
     def __init__(self, rule: str, segments: Sequence[Segment], rows: Sequence[int], device, use_kernel: bool = True):
-        if rule not in FUSED_RULES:
-            raise ValueError(f"FusedPartition: no fused kernel for bnb's {rule!r} update (only {FUSED_RULES})")
-        self.rule = rule
-        self.table = adam8bit.segment_table(segments, rows).to(device)  # rows: index into step()'s configs
+        self.update_rule = rules.get(rule)  # its registry entry; a ValueError for a rule without a fused kernel
+        self.rule = rule  # bnb's rule name
+        self.table = rules.segment_table(segments, rows).to(device)  # rows: index into step()'s configs
         self.use_kernel = use_kernel  # False: the pure-torch reference (tests only)
         self.device = device
         self._empty = torch.zeros(0, device=device)
@@ -53,23 +38,16 @@ class FusedPartition:
         caller's."""
         if not self.table.numel():
             return
-        hyper = adam8bit.hyper_table([hyper_row(self.rule, c, step) for c in configs],
-                                     _ROW_KINDS[self.rule]).to(self.device)
-        codes1, absmax1 = state.get("state1", self._empty_codes), state.get("absmax1", self._empty)
-        state1 = state.get(FP32_PREFIX + "state1", self._empty)
-        qmap1 = state.get("qmap1", self._no_map)  # a partition without 8-bit parameters has no maps
-        if self.rule == "lion":
-            lion8bit.lion8bit_step_(params, grads, codes1, absmax1, state1, qmap1, self.table, hyper, inv_scale, None,
-                                    use_kernel=self.use_kernel)
-        elif self.rule == "momentum":
-            momentum8bit.momentum8bit_step_(params, grads, codes1, absmax1, state1, qmap1, self.table, hyper,
-                                            inv_scale, None, use_kernel=self.use_kernel)
-        else:
-            adam8bit.adam8bit_step_(params, grads, codes1, state.get("state2", self._empty_codes), absmax1,
-                                    state.get("absmax2", self._empty), state1,
-                                    state.get(FP32_PREFIX + "state2", self._empty), qmap1, state.get("qmap2", qmap1),
-                                    self.table,
-                                    hyper, inv_scale, None, use_kernel=self.use_kernel)
+        update = self.update_rule
+        hyper = rules.hyper_table([update.row(c, step) for c in configs], update.hyper).to(self.device)
+        # bnb's keys per moment k: codes "state<k>", "absmax<k>", fp32 state FP32_PREFIX + "state<k>", map "qmap<k>"
+        # (a partition without 8-bit parameters has no codes, scales or maps)
+        moments = range(1, update.moments + 1)
+        rules.step_(update, params, grads, [state.get(f"state{k}", self._empty_codes) for k in moments],
+                    [state.get(f"absmax{k}", self._empty) for k in moments],
+                    [state.get(f"{FP32_PREFIX}state{k}", self._empty) for k in moments],
+                    [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale,
+                    use_kernel=self.use_kernel)
 
 
 def combined_inv_scale(loss_scale, clip_grad: float, total_norm) -> float:

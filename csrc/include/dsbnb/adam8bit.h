@@ -154,15 +154,6 @@ DSBNB_HD int nearest_sorted(float u, const float* midpoints, const int32_t* lut,
     return i;
 }
 
-// bf16 bits of a float: round to nearest even, NaN as the canonical quiet NaN 0x7FC0 (c10::BFloat16's conversion).
-DSBNB_HD uint16_t bf16_bits(float f) {
-    if (f != f) return 0x7FC0;
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
-
 // The sizes of one optimizer state's arrays, for the segment checks: its codes and absmax (8-bit segments) and its
 // packed fp32 array (fp32 segments).
 struct StateSizes {

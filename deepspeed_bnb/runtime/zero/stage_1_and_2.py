@@ -30,7 +30,7 @@ from deepspeed.utils import logger
 from deepspeed_bnb.checkpoint.constants import MASTER_WEIGHTS_KEY
 from deepspeed_bnb.checkpoint.manifest import describe
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
-from deepspeed_bnb.ops import adam8bit, loader, self_check
+from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
 from deepspeed_bnb.optim.fused_partition import combined_inv_scale
@@ -101,7 +101,7 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
             # on a GPU by this project: an unproven path is never the silent default
             return ("the fused CUDA kernels are opt-in until validated on GPUs (zero_optimization.bnb_fused_kernel: "
                     "true uses them, after the first-use check)")
-        if reason is None and not adam8bit.kernel_available():
+        if reason is None and not loader.load():
             reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
             self._bnb_fall_back(setting, reason)
         if reason is None:

@@ -1,0 +1,133 @@
+"""The registry of bitsandbytes update rules with a fused 8-bit kernel, and the one entry point that runs a rule's step.
+
+Each rule (bnb's `optimizer_name`: "adam", "lion", "momentum") is one `UpdateRule` in RULES: how many moments it keeps,
+which compiled operator and which pure-torch reference compute it, and how its hyper-parameter rows are built from
+bnb's own per-parameter config. Everything else reads it from here: the loader (which operators a build must
+register), the shape-only implementations (ops/fake.py), the first-use check (ops/self_check.py), the ZeRO step
+(optim/fused_partition.py), `deepspeed-bnb kernels`, the benchmarks and the tests. `segment_table` and `hyper_table`
+pack the two small tensors every operator walks; `step_` runs a rule's step, compiled or reference.
+
+Every operator has the same argument layout, grouped by kind and numbered by moment (k = 1..moments):
+    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale
+(`argument_names`); moment 1 (m) uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
+
+Adding a rule touches these files (tests/test_rules.py checks that they agree with each other):
+1. deepspeed_bnb/ops/reference.py: its semantics, a `<name>8bit_step` function with the argument layout above, and
+   its hyper-row class (a frozen dataclass with FIELDS and row()).
+2. deepspeed_bnb/ops/rules.py (here): its UpdateRule in RULES, with the function building its row from get_config.
+3. deepspeed_bnb/optim/fused_contract.py: its FieldRule in RULES (which get_config values the kernel models).
+4. csrc/ops.cpp: its operator schema (one m.def).
+5. Its kernels: the per-element arithmetic and the row struct in csrc/include/dsbnb/adam8bit.h; csrc/cpu/<op>_cpu.cpp
+   (a Rule for fused_cpu.h's one-state walk, or a walk of its own); csrc/cuda/<op>.cu (a Rule for fused_device.cuh's
+   one-state kernel, or a kernel of its own), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
+6. deepspeed_bnb/ops/build_flags.py: its sources.
+7. tests: a tests/test_fused_<name>.py holding its kernel to the reference and the reference to bnb, listed in
+   tests/kernel_tests.py (for the portable and GPU runs).
+The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
+test need no change: they read this registry or build_flags. Optional: a row in benchmarks/bench_optimizer_step.py
+(CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/test_matches_bnb.py (HYPER_ROWS).
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from deepspeed_bnb.ops import loader, reference
+from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
+from deepspeed_bnb.state_layout import Segment
+
+SIGNED_MAPS = (True, False)  # bnb's map of moment 1 (m) is signed, of moment 2 (Adam's v) unsigned
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """One bnb update rule with a fused 8-bit kernel."""
+
+    name: str  # bnb's rule name (Optimizer8bit.optimizer_name), the key of RULES and of fused_contract.RULES
+    moments: int  # 2: m (codes1/absmax1/state1, signed qmap1) and v (codes2/..., unsigned qmap2); 1: m only
+    operator: str  # the compiled operator, torch.ops.deepspeed_bnb.<operator> (schema: csrc/ops.cpp)
+    reference: Callable  # its pure-torch oracle in ops/reference.py, same arguments as the operator
+    hyper: type  # its hyper-table row class (reference.AdamHyper, LionHyper, MomentumHyper)
+    row: Callable  # row(config, step): the hyper row of one bnb get_config dict at bnb's step (counted from 1)
+
+    def kernel(self) -> Callable:
+        """The compiled operator, loaded; a RuntimeError saying why when it cannot be (never the reference)."""
+        return getattr(loader.require(), self.operator)
+
+
+def _adam_row(config: dict, step: int) -> AdamHyper:
+    return AdamHyper.adamw(config["lr"], config["betas"][0], config["betas"][1], config["eps"], config["weight_decay"],
+                           step)
+
+
+def _lion_row(config: dict, step: int) -> LionHyper:
+    return LionHyper.lion(config["lr"], config["betas"][0], config["betas"][1], config["weight_decay"])
+
+
+def _momentum_row(config: dict, step: int) -> MomentumHyper:
+    # betas = (momentum, dampening): bnb's rule never uses the dampening
+    return MomentumHyper.momentum(config["lr"], config["betas"][0], config["weight_decay"], step)
+
+
+RULES: Dict[str, UpdateRule] = {rule.name: rule for rule in (
+    UpdateRule("adam", 2, "adam8bit_step_", reference.adam8bit_step, AdamHyper, _adam_row),
+    UpdateRule("lion", 1, "lion8bit_step_", reference.lion8bit_step, LionHyper, _lion_row),
+    UpdateRule("momentum", 1, "momentum8bit_step_", reference.momentum8bit_step, MomentumHyper, _momentum_row),
+)}
+OPERATORS = tuple(rule.operator for rule in RULES.values())  # every operator a build must register
+
+
+def get(rule) -> UpdateRule:
+    """The UpdateRule of a bnb rule name (an UpdateRule passes through); a ValueError naming the known ones."""
+    if isinstance(rule, UpdateRule):
+        return rule
+    if rule not in RULES:
+        raise ValueError(f"no fused kernel for bnb's {rule!r} update rule (the fused rules are {', '.join(RULES)})")
+    return RULES[rule]
+
+
+def segment_table(segments: Sequence[Segment], hyper_rows: Sequence[int]) -> torch.Tensor:
+    """int64 [S, 5]: offset, numel, eight_bit, fp32_offset, hyper_row per segment."""
+    rows = [(s.offset, s.numel, int(s.eight_bit), max(s.fp32_offset, 0), row) for s, row in zip(segments, hyper_rows)]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, reference.SEGMENT_FIELDS)
+
+
+def hyper_table(rows: Sequence, kind: Optional[type] = None) -> torch.Tensor:
+    """float32 [H, kind.FIELDS]: each row (an AdamHyper, LionHyper or MomentumHyper) rounded once from fp64. `kind`,
+    the row class, defaults to the rows' own (AdamHyper when there are none)."""
+    kind = kind or (type(rows[0]) if rows else AdamHyper)
+    if any(type(r) is not kind for r in rows):
+        raise TypeError(f"hyper_table: every row must be a {kind.__name__}")
+    return torch.tensor([r.row() for r in rows], dtype=torch.float64).float().reshape(-1, kind.FIELDS)
+
+
+def argument_names(rule) -> Tuple[str, ...]:
+    """The operator's (and the reference's) arguments in order, by name."""
+    numbers = range(1, get(rule).moments + 1)
+    per_moment = [f"{kind}{k}" for kind in ("codes", "absmax", "state", "qmap") for k in numbers]
+    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale")
+
+
+def arguments(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
+              absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
+              segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0) -> tuple:
+    """The operator's positional arguments: codes, absmax, fp32 state and qmaps hold one tensor per moment of the
+    rule (moment 1 first); a ValueError when a count differs."""
+    rule = get(rule)
+    for kind, tensors in (("codes", codes), ("absmax", absmax), ("state", state), ("qmaps", qmaps)):
+        if len(tensors) != rule.moments:
+            raise ValueError(f"bnb's {rule.name!r} rule keeps {rule.moments} moment(s): {kind} needs "
+                             f"{rule.moments} tensor(s), got {len(tensors)}")
+    return (params, grads, *codes, *absmax, *state, *qmaps, segments, hyper, float(inv_scale))
+
+
+def step_(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
+          absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
+          segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0, use_kernel: bool = True) -> None:
+    """One fused step of `rule` over a flat partition, in place (arguments: `arguments`; their meaning:
+    reference.adam8bit_step). use_kernel: the compiled operator, which raises when it is not loaded (no silent
+    fallback); False: the pure-torch reference (tests, benchmarks)."""
+    rule = get(rule)
+    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale)
+    (rule.kernel() if use_kernel else rule.reference)(*args)
