@@ -9,7 +9,8 @@ Environment variables:
                               CUDA kernel when torch has CUDA), instead of JIT-compiling them with ninja on first use.
                               Needs torch in the build environment: pip install --no-build-isolation -e .
   DEEPSPEED_BNB_PORTABLE=1    with the above: compile the CPU kernel for AVX2 instead of this machine (-march=native),
-                              for builds that run elsewhere. TORCH_CUDA_ARCH_LIST picks the GPU architectures.
+                              for builds that run elsewhere; or name an x86-64 level (x86-64-v2: no AVX2 at all).
+                              TORCH_CUDA_ARCH_LIST picks the GPU architectures.
 """
 
 import importlib.util
@@ -34,7 +35,7 @@ def extensions():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     flags, features = (_ops_module(name) for name in ("build_flags", "cpu_features"))
-    cpu_flags = flags.CPU_PORTABLE_FLAGS if os.environ.get("DEEPSPEED_BNB_PORTABLE") == "1" else flags.CPU_FLAGS
+    cpu_flags = flags.prebuilt_cpu_flags(os.environ.get(flags.PORTABLE_ENV, ""))
     sources = ["csrc/python_module.cpp", *flags.CPU_SOURCES]
     common = dict(include_dirs=[os.path.join(HERE, "csrc", "include")], extra_link_args=flags.LINK_FLAGS)
     if torch.version.cuda is not None:

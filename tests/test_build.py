@@ -1,14 +1,15 @@
 """How the operators are built and what happens when they cannot be: prebuilt by setup.py, or JIT, or the reference.
 
 - `DEEPSPEED_BNB_BUILD_EXT=1 setup.py build_ext` produces deepspeed_bnb._C; a package holding it (and no C++
-  sources, so no JIT is possible) loads the prebuilt operator and its results equal the reference's.
+  sources, so no JIT is possible) loads the prebuilt operator, and every rule's kernel-vs-reference test passes
+  against it. On x86 it is built for x86-64-v2 (no AVX2: the portable loops that ARM and older x86 run), so the
+  kernels are shown bit-identical to the reference on that path too (this machine's own JIT build runs the AVX2 or
+  AVX-512 paths).
 - Without a working build the loader says why (loader.error()) and the operators refuse to run: the ZeRO optimizer
   then steps with bnb's own update after one warning (tests/test_routing.py); nothing silently runs the reference.
 - A build is only ever loaded on a CPU with the instruction sets it was compiled for: setup.py records them beside
   _C and the loader refuses a prebuilt build this CPU cannot run (it would die with SIGILL); JIT builds are cached
   per set of instruction sets, so a shared cache never hands one CPU another's build.
-- Built for a CPU without AVX2 (the portable loops that ARM and older x86 run), the kernels are still bit-identical
-  to the reference (this machine's own build runs the AVX2 or AVX-512 paths instead).
 """
 
 import os
@@ -21,15 +22,20 @@ import warnings
 import pytest
 import torch
 
-from conftest import TESTS
+from conftest import TESTS, without_launch_vars
 from deepspeed_bnb.ops import cpu_features, loader
-from deepspeed_bnb.ops.build_flags import CPU_FLAGS
+from deepspeed_bnb.ops.build_flags import CPU_FLAGS, PORTABLE_ENV, prebuilt_cpu_flags
 
 ROOT = os.path.dirname(TESTS)
+X86 = platform.machine() in ("x86_64", "AMD64")
+PREBUILT_LEVEL = "x86-64-v2" if X86 else ""  # elsewhere: this machine's CPU
 
 
 def test_prebuilt_extension_is_used(tmp_path):
-    env = {**os.environ, "DEEPSPEED_BNB_BUILD_EXT": "1"}
+    """setup.py's build, on x86 for x86-64-v2 (SSE4.2: no AVX2, no AVX-512, so the portable loops and
+    KeyTable::lookup run everywhere): a package holding it and no C++ sources (so no JIT is possible) loads it, and
+    every rule's kernel-vs-reference test passes against it."""
+    env = {**os.environ, "DEEPSPEED_BNB_BUILD_EXT": "1", PORTABLE_ENV: PREBUILT_LEVEL}
     built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
                             "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]
@@ -37,23 +43,23 @@ def test_prebuilt_extension_is_used(tmp_path):
     shutil.copytree(os.path.join(ROOT, "deepspeed_bnb"), package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in os.listdir(tmp_path / "lib" / "deepspeed_bnb"):
         shutil.copy(tmp_path / "lib" / "deepspeed_bnb" / name, package / name)
-    code = ("import torch, sys; sys.path.insert(0, %r)\n"
-
-            "from test_fused_step import Partition\n"
+    code = ("import sys, pytest; sys.path.insert(0, %r)\n"
             "from deepspeed_bnb.ops import loader\n"
+            "from kernel_tests import RULE_TEST_FILES\n"
             "assert loader.load() and loader.source() == 'prebuilt', (loader.source(), loader.error())\n"
-            "a = Partition(3); b = a.clone(); g = a.grads(1)\n"
-            "a.step(1, g, True, 1.0); b.step(1, g, False, 1.0)\n"
-            "assert torch.equal(a.params, b.params) and torch.equal(a.codes1, b.codes1)\n"
-            "print('ok', loader.__file__)") % TESTS
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
+            "print('prebuilt', loader.__file__)\n"
+            "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-k', 'not cuda', *(%r + '/' + f for f in "
+            "RULE_TEST_FILES)]))") % (TESTS, TESTS)
+    env = {**without_launch_vars(), "PYTHONPATH": str(tmp_path / "pkg")}
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
-                          text=True)  # not the source tree: it would come first
-    assert done.returncode == 0 and str(package) in done.stdout, done.stdout + done.stderr[-4000:]
+                          text=True, timeout=900)  # not the source tree: it would come first
+    assert done.returncode == 0 and f"prebuilt {package}" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
 
     # what the build needs is recorded beside it, and this CPU has it (else the run above would have been refused)
     needs = (package / cpu_features.ISA_FILE).read_text().split()
-    assert needs == sorted(cpu_features.compiler_needs(CPU_FLAGS)) and needs
+    assert needs == sorted(cpu_features.compiler_needs(prebuilt_cpu_flags(PREBUILT_LEVEL))) and needs
+    assert not X86 or ("avx2" not in needs and "sse4_2" in needs)
     # the same package, but recorded as needing an instruction set this CPU lacks: refused before it is imported
     (package / cpu_features.ISA_FILE).write_text("\n".join(needs + ["avx512_not_on_this_cpu"]) + "\n")
     code = ("import sys, warnings\n"
@@ -140,14 +146,6 @@ def test_missing_toolchain_is_reported_not_hidden(monkeypatch):
     before = a.params.clone()
     a.step(1, a.grads(1), False, 1.0)  # the reference
     assert not torch.equal(before, a.params)
-
-
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds for -march=x86-64-v2 (an x86 CPU)")
-def test_portable_build_without_avx2_matches_the_reference(tmp_path):
-    from conftest import run_or_fail, without_launch_vars
-    env = {**without_launch_vars(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    done = run_or_fail([sys.executable, os.path.join(TESTS, "portable_kernel_run.py")], env, timeout=900, cwd=ROOT)
-    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
 
 
 def test_device_harness_runs_without_deepspeed_and_bitsandbytes():

@@ -8,6 +8,7 @@ is one or the other (test_every_cuda_source_is_checked); every rule has its CUDA
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -37,14 +38,10 @@ def test_every_cuda_source_is_checked():
                                           [f"csrc/cuda/{b}.cpp" for b in BINDINGS])
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_kernel_compiles_for_sm80_and_sm90(tmp_path, kernel):
-    cmd = [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
-           "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-           os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o", str(tmp_path / f"{kernel}.o")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert os.path.getsize(tmp_path / f"{kernel}.o") > 0
+def _kernel_command(kernel, out_dir):
+    return [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
+            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+            os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o", os.path.join(out_dir, f"{kernel}.o")]
 
 
 def cuda_include():
@@ -56,11 +53,32 @@ def cuda_include():
     pytest.skip(f"no CUDA headers (cuda_runtime.h) under {candidates}")
 
 
-@pytest.mark.parametrize("binding", BINDINGS)
-def test_binding_syntax(binding):
+def _binding_command(binding):
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
-    cmd = ["g++", "-fsyntax-only", "-std=c++20", f"-I{os.path.join(ROOT, 'tests', 'cuda_shim')}",
-           f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
-           f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", os.path.join(CSRC, "cuda", f"{binding}.cpp")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    return ["g++", "-fsyntax-only", "-std=c++20", f"-I{os.path.join(ROOT, 'tests', 'cuda_shim')}",
+            f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
+            f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", os.path.join(CSRC, "cuda", f"{binding}.cpp")]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Every compile of this file, run side by side (each is one process): name -> (return code, stderr)."""
+    out_dir = str(tmp_path_factory.mktemp("cuda_objects"))
+    commands = {**{k: _kernel_command(k, out_dir) for k in KERNELS}, **{b: _binding_command(b) for b in BINDINGS}}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        runs = dict(zip(commands, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
+                                           commands.values())))
+    return {name: (run.returncode, run.stderr, out_dir) for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_compiles_for_sm80_and_sm90(compiled, kernel):
+    returncode, stderr, out_dir = compiled[kernel]
+    assert returncode == 0, stderr[-4000:]
+    assert os.path.getsize(os.path.join(out_dir, f"{kernel}.o")) > 0
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_binding_syntax(compiled, binding):
+    returncode, stderr, _ = compiled[binding]
+    assert returncode == 0, stderr[-4000:]

@@ -16,5 +16,19 @@ CUDA_SOURCES = ["csrc/cuda/adam8bit.cu", "csrc/cuda/adam8bit_cuda.cpp", "csrc/cu
 EXACT_CPU_FLAGS = ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math"]
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp"] + EXACT_CPU_FLAGS
 CPU_PORTABLE_FLAGS = ["-O3", "-mavx2", "-fopenmp"] + EXACT_CPU_FLAGS
+PORTABLE_ENV = "DEEPSPEED_BNB_PORTABLE"  # setup.py: "1" (any AVX2 CPU) or an x86-64 level such as x86-64-v2
+X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # gcc's -march levels
+
+
+def prebuilt_cpu_flags(portable: str = "") -> list:
+    """The CPU flags of a setup.py build: this machine's CPU (""), any AVX2 CPU ("1"), or an x86-64 level."""
+    if not portable:
+        return CPU_FLAGS
+    if portable == "1":
+        return CPU_PORTABLE_FLAGS
+    if portable in X86_LEVELS:
+        return ["-O3", f"-march={portable}", "-fopenmp"] + EXACT_CPU_FLAGS
+    raise ValueError(f"{PORTABLE_ENV}={portable!r}: expected 1 (any AVX2 CPU) or one of {', '.join(X86_LEVELS)} "
+                     f"(a CPU level to build the kernels for), or unset (this machine's CPU)")
 NVCC_FLAGS = ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", "-ftz=false"]
 LINK_FLAGS = ["-fopenmp"]
