@@ -58,3 +58,10 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 900) -> subproc
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            os.path.join(TESTS, script), *args]
     return run_or_fail(cmd, launch_env(), timeout)
+
+
+@pytest.fixture(scope="session")
+def scenario_results(one_rank, tmp_path_factory):
+    """Every multi-rank scenario's result, world -> scenario -> value (tests/scenario_runs.py: shared launches)."""
+    from scenario_runs import run_all
+    return run_all(str(tmp_path_factory.mktemp("scenarios")))

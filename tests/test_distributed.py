@@ -1,6 +1,7 @@
 """Multi-rank behaviour on CPU ranks (gloo): DP=2 and DP=3 track DP=1, same-DP checkpoints resume bit-exactly.
 
-The scenarios run in tests/distributed_scenarios.py, one torchrun launch per world size shared by all tests here.
+The scenarios run in tests/distributed_scenarios.py, DP=1 in the test process and DP=2, 3 in torchrun launches shared
+with test_elastic.py (tests/scenario_runs.py).
 Controls: stock DeepSpeed does not track DP=1 within the same bar, dropping the optimizer state on resume changes
 the losses, and stock DeepSpeed's elastic checkpoint of a bnb optimizer fails to load.
 DeepSpeed's parameter-level optimizer-state API at DP=2 (param_state): full gets are the ranks' local fragments joined
@@ -8,33 +9,18 @@ and bnb's own dequantization of the joined state; sets come back within half a q
 sets at DP=1, and a set by one rank alone reaches the checkpoint, which reloads identically at DP=2 and at DP=1.
 """
 
-import json
-import os
-
 import pytest
 import torch
 from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
 from bnb_state import step_ratio
-from conftest import torchrun
 from toy import MIN_8BIT_SIZE, build_engine, moment_values
 
 FP32_TOL = 1e-5  # issue bar: max |Δloss| over 20 steps
 BF16_TOL = 5e-3  # bf16 rounds the gradients and the model copy: bf16 noise, not the optimizer
-SCENARIOS = {1: "train", 2: "train,resume,stock_elastic,whole_mismatch,param_state", 3: "train,resume"}
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = {}
-    for world, scenarios in SCENARIOS.items():
-        folder = tmp_path_factory.mktemp(f"world{world}")
-        torchrun("distributed_scenarios.py", world, "--out", str(folder), "--scenarios", scenarios)
-        with open(os.path.join(folder, f"results_world{world}.json")) as f:
-            out[world] = json.load(f)
-        for name, value in out[world].items():
-            assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
-    return out
+def results(scenario_results):
+    return scenario_results
 
 
 def max_delta(a, b):

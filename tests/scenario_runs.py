@@ -1,0 +1,77 @@
+"""The multi-rank scenarios (tests/distributed_scenarios.py), run once per test session for test_distributed.py and
+test_elastic.py together, since each torchrun launch costs ~10 s of imports before any scenario runs.
+
+DP=1 runs in the test process (one rank), first and last. Between them five launches: one per N in 2..4 that runs
+test_distributed's scenarios of that world size (2 and 3), saves the elastic checkpoints and loads those of
+N' <= N; then one per M in 2..3 that loads the checkpoints of the larger N (and, at M=3, the DP=1 ones rewritten
+offline for 3 ranks by `deepspeed-bnb reshape`). Every launch must succeed and no scenario may fail: the results are
+the union per world.
+"""
+
+import json
+import os
+import shutil
+
+import torch
+
+from conftest import torchrun
+
+SIZES = (1, 2, 3, 4)  # data-parallel sizes of the elastic checkpoints (every N saves, every M loads)
+DISTRIBUTED = {1: "train", 2: "train,resume,stock_elastic,whole_mismatch,param_state", 3: "train,resume"}
+RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for 3 ranks
+
+
+def plan():
+    """(world size, scenarios, elastic sources) of each run, in order: every checkpoint is saved before it is loaded."""
+    first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"])),
+              [str(n) for n in SIZES[:w]]) for w in SIZES]
+    later = [(w, "elastic_load", [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
+    later.append((1, "elastic_load", [str(n) for n in SIZES[1:]]))  # in this process again: no launch
+    return first + later
+
+
+def in_this_process(out, world, scenarios, sources):
+    """The scenarios distributed_scenarios.py would run at DP=1, run on the test's one-rank group (one thread, as a
+    launched rank has)."""
+    from distributed_scenarios import SCENARIOS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: SCENARIOS[name](1, 0, out, *([sources] if name == "elastic_load" else []))
+                for name in scenarios.split(",")}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def launched(out, world, scenarios, sources):
+    torchrun("distributed_scenarios.py", world, "--out", out, "--scenarios", scenarios,
+             "--elastic-from", ",".join(sources))
+    path = os.path.join(out, f"results_world{world}.json")
+    with open(path) as f:
+        result = json.load(f)
+    os.remove(path)
+    return result
+
+
+def reshape_dp1_for_three(out):
+    from deepspeed_bnb.checkpoint.reshape import reshape
+    for kind in ("fp32_stage1", "bf16_stage2"):
+        folder = os.path.join(out, "elastic", kind)
+        reshape(os.path.join(folder, "dp1"), os.path.join(folder, "reshaped1"), 3, progress=False)
+        shutil.copy(os.path.join(folder, "dp1", "reference_state.pt"), os.path.join(folder, "reshaped1"))
+
+
+def run_all(out) -> dict:
+    """world -> scenario -> result (elastic_load: the union of that world's loads)."""
+    results = {}
+    for world, scenarios, sources in plan():
+        if RESHAPED in sources:
+            reshape_dp1_for_three(out)
+        run = in_this_process if world == 1 else launched
+        for name, value in run(out, world=world, scenarios=scenarios, sources=sources).items():
+            assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
+            if name == "elastic_load":
+                results.setdefault(world, {}).setdefault(name, {}).update(value)
+            else:
+                results.setdefault(world, {})[name] = value
+    return results
