@@ -114,3 +114,17 @@ def test_checkpoint_loads_with_either_update_path(saved, tmp_path):
     fused = build()
     fused.load_checkpoint(str(tmp_path), tag="u")
     assert fused.global_steps == 3 and fused.optimizer.bnb_steps[0].fused is not None
+
+
+def test_deepspeeds_list_entry_point_is_refused(saved):
+    """DeepSpeed's load_state_dict(list of every rank's element-wise state) is not how BnbZeroOptimizer loads: it
+    says which entry point to use, and changes nothing. Control: engine.load_checkpoint loads the same checkpoint."""
+    path, engine, _ = saved
+    fresh = build(lr=5e-2)
+    before = [p.clone() for p in fresh.optimizer.single_partition_of_fp32_groups]
+    state = torch.load(f"{path}/t/zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    with pytest.raises(NotImplementedError, match=r"engine.load_checkpoint"):
+        fresh.optimizer.load_state_dict([state["optimizer_state_dict"]])
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.optimizer.single_partition_of_fp32_groups))
+    fresh.load_checkpoint(path, tag="t")
+    assert [g["lr"] for g in fresh.optimizer.param_groups] == [1e-3, 5e-4]
