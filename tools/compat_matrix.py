@@ -178,7 +178,7 @@ def claim_result(ids, junit: str, output: str, seconds: float) -> dict:
         record.update(outcome="not run", excerpt=excerpt(output))
     elif bad:
         first = bad[0]
-        problem = next(first.iter(tag) for tag in ("failure", "error", "skipped") if first.find(tag) is not None)
+        problem = next(first.find(tag) for tag in ("failure", "error", "skipped") if first.find(tag) is not None)
         record.update(outcome="fail", first_failed=node_id(first),
                       excerpt=excerpt((problem.get("message") or "") + "\n" + (problem.text or "")))
     else:
