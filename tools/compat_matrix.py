@@ -170,7 +170,7 @@ def excerpt(text: str, lines: int = 4) -> str:
 def claim_result(ids, junit: str, output: str, seconds: float) -> dict:
     """Outcome of one claim's pytest run: pass / fail / not run, test counts, seconds and a failure excerpt."""
     cases = list(ElementTree.parse(junit).getroot().iter("testcase")) if os.path.exists(junit) else []
-    mine = [c for c in cases if any(node_id(c) == i or node_id(c).startswith(i + "::") for i in ids)]
+    mine = [c for c in cases if any(node_id(c) == i or node_id(c).startswith((i + "::", i + "[")) for i in ids)]
     bad = [c for c in mine if c.find("failure") is not None or c.find("error") is not None
            or c.find("skipped") is not None]  # a skip would be a vacuous pass
     record = {"tests": len(mine), "failed": len(bad), "seconds": round(seconds)}
