@@ -2,7 +2,8 @@
 
 Each bnb optimizer family runs through deepspeed.initialize (one CPU rank, ZeRO-2, two param groups with different
 lr / weight decay, 8-bit and fp32 state side by side) and, independently, as a plain bnb optimizer on a copy of the
-model. Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the fused kernel (the default
+model. Per-parameter overrides registered with bnb's GlobalOptimManager apply as in plain bnb (control: without them
+the run differs). Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the fused kernel (the default
 for Adam-family, Lion and SGD-momentum optimizers), ZeRO equals the kernel's reference applied to each parameter on
 its own.
 """
@@ -69,9 +70,15 @@ def test_zero_dp1_matches_plain_bnb(one_rank, name):
     train_steps(engine, range(STEPS))
     train_plain(reference, plain)
 
+    assert_equals_plain(engine, model, reference, plain, name)
+    assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), make_model(0).parameters()))
+
+
+def assert_equals_plain(engine, model, reference, plain, label):
+    """The ZeRO run's weights and every parameter's state (values and dtypes) equal plain bnb's; returns the state."""
     states = engine_param_states(engine)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.detach(), q.detach()), f"{name}: weights of {pname} differ"
+        assert torch.equal(p.detach(), q.detach()), f"{label}: weights of {pname} differ"
         mine, theirs = states[p], flat_bnb_state(plain.state[q], q.numel())
         assert mine.keys() == theirs.keys(), pname
         for key in mine:
@@ -79,7 +86,7 @@ def test_zero_dp1_matches_plain_bnb(one_rank, name):
                 assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{pname}.{key}"
             else:
                 assert mine[key] == theirs[key], f"{pname}.{key}"
-    assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), make_model(0).parameters()))
+    return states
 
 
 def test_control_stock_zero_differs_from_plain_bnb(one_rank):
@@ -93,6 +100,41 @@ def test_control_stock_zero_differs_from_plain_bnb(one_rank):
     train_steps(engine, range(STEPS))
     train_plain(reference, plain)
     assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def with_overrides(model, groups, overrides: bool):
+    """bnb's GlobalOptimManager overrides for this model: 32-bit state for fc1.weight (override_config, before
+    register_parameters, which bnb 0.49 and 0.50 both honour) and another lr for head.weight (a module override)."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+    if overrides:
+        manager.override_config(model.fc1.weight, "optim_bits", 32)
+        manager.register_parameters(groups)
+        manager.register_module_override(model.head, "weight", {"lr": 5e-3})
+    return groups
+
+
+def test_per_parameter_overrides_match_plain_bnb(one_rank):
+    """Overrides registered per model parameter apply to that parameter's segments under ZeRO as in plain bnb."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    runs = {}
+    try:
+        for overrides in (True, False):
+            model = make_model(0)
+            reference = clone(model)
+            optimizer = FACTORIES["AdamW8bit"](with_overrides(model, param_groups(model), overrides))
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                              config=ds_config(1, stage=2, bnb_fused_kernel=False))
+            plain = FACTORIES["AdamW8bit"](with_overrides(reference, param_groups(reference), overrides))
+            train_steps(engine, range(STEPS))
+            train_plain(reference, plain)
+            runs[overrides] = (model, assert_equals_plain(engine, model, reference, plain, f"overrides={overrides}"))
+    finally:
+        manager.initialize()
+    (model, states), (control, control_states) = runs[True], runs[False]
+    assert states[model.fc1.weight]["state1"].dtype == torch.float32  # the override took effect ...
+    assert control_states[control.fc1.weight]["state1"].dtype == torch.uint8  # ... and is not the default
+    assert not torch.equal(model.head.weight.detach(), control.head.weight.detach())  # the lr override moved it
 
 
 class PerParameterReference:
