@@ -3,9 +3,9 @@
 Each bnb optimizer family runs through deepspeed.initialize (one CPU rank, ZeRO-2, two param groups with different
 lr / weight decay, 8-bit and fp32 state side by side) and, independently, as a plain bnb optimizer on a copy of the
 model. Per-parameter overrides registered with bnb's GlobalOptimManager apply as in plain bnb (control: without them
-the run differs). Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the fused kernel (the default
-for Adam-family, Lion and SGD-momentum optimizers), ZeRO equals the kernel's reference applied to each parameter on
-its own.
+the run differs). Control: stock DeepSpeed ZeRO with the same bnb optimizer does not match. With the fused kernel (the
+default for Adam-family, Lion and SGD-momentum optimizers), ZeRO equals the kernel's reference applied to each
+parameter on its own.
 """
 
 import bitsandbytes as bnb

@@ -97,7 +97,7 @@ def select(cells, only):
         return cells
     chosen = []
     for wanted in map(parse_only, only):
-        matching = [c for c in cells if wanted.get("deepspeed", c[0]) == c[0] and wanted.get("bitsandbytes", c[1]) == c[1]]
+        matching = [(d, b) for d, b in cells if wanted.get("deepspeed", d) == d and wanted.get("bitsandbytes", b) == b]
         if not matching and len(wanted) == 2:
             matching = [(wanted["deepspeed"], wanted["bitsandbytes"])]
         if not matching:
@@ -109,7 +109,8 @@ def select(cells, only):
 
 def clean_env(**extra) -> dict:
     """This environment without another venv's or checkout's paths, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", ALLOW_UNTESTED_ENV)}
+    dropped = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", ALLOW_UNTESTED_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(PYTHONNOUSERSITE="1", **extra)
     return env
 
@@ -278,7 +279,8 @@ def render(results: dict) -> str:
         "The core correctness tests of this repository against DeepSpeed and bitsandbytes releases, one fresh venv",
         f"per cell (CPU: {TORCH}, gloo ranks). Written by `tools/compat_matrix.sh` (rerun one cell with",
         "`tools/compat_matrix.sh --only deepspeed==X.Y.Z`); each verdict gives the number of tests behind it and their",
-        "time. Time: the whole cell, venv and install included (the first cell of a run also JIT-compiles the kernels).",
+        "time. Time: the whole cell, venv and install included (the first cell of a run also JIT-compiles the",
+        "kernels).",
         "",
         "| DeepSpeed | bitsandbytes | " + " | ".join(claims) + " | time | commit |",
         "|---|---|" + "---|" * len(claims) + "---:|---|",
