@@ -156,7 +156,9 @@ def node_id(case) -> str:
 
 
 def excerpt(text: str, lines: int = 4) -> str:
-    """The last few distinct error lines of a failure (exception lines and failed asserts), shortened."""
+    """The last few distinct error lines of a failure (exception lines and failed asserts), shortened, with the
+    checkout and the throwaway venv named by role rather than by path (the table is committed)."""
+    text = re.sub(r"\S*/deepspeed_bnb_compat_\w+/venv", "<venv>", text).replace(REPO + os.sep, "")
     found = []
     for line in text.splitlines():
         line = line.strip()
@@ -332,7 +334,7 @@ def main():
           flush=True)
     started = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("compat_matrix: terminated"))  # still delete the temp dir
-    with tempfile.TemporaryDirectory(prefix="deepspeed_bnb_compat_") as work:
+    with tempfile.TemporaryDirectory(prefix="deepspeed_bnb_compat_") as work:  # the prefix excerpt() hides
         for n, (deepspeed, bnb) in enumerate(cells, 1):
             print(f"[{n}/{len(cells)}] deepspeed=={deepspeed} bitsandbytes=={bnb} ...", end=" ", flush=True)
             cell = run_cell(deepspeed, bnb, work, args)
