@@ -158,7 +158,7 @@ def node_id(case) -> str:
 def excerpt(text: str, lines: int = 4) -> str:
     """The last few distinct error lines of a failure (exception lines and failed asserts), shortened, with the
     checkout and the throwaway venv named by role rather than by path (the table is committed)."""
-    text = re.sub(r"\S*/deepspeed_bnb_compat_\w+/venv", "<venv>", text).replace(REPO + os.sep, "")
+    text = re.sub(r"[^\s('\"]*/deepspeed_bnb_compat_\w+/venv", "<venv>", text).replace(REPO + os.sep, "")
     found = []
     for line in text.splitlines():
         line = line.strip()
