@@ -37,9 +37,10 @@ def is_tested(package: str, found: str) -> bool:
     return release in {Version(v) for v in TESTED[package]}
 
 
-def _listed(package: str) -> str:
+def listed(package: str, conjunction: str = "and") -> str:
+    """The tested releases of `package` as words: "0.19.7 and 0.19.8"."""
     releases = TESTED[package]
-    return releases[0] if len(releases) == 1 else ", ".join(releases[:-1]) + " and " + releases[-1]
+    return releases[0] if len(releases) == 1 else ", ".join(releases[:-1]) + f" {conjunction} " + releases[-1]
 
 
 def check_versions(installed=None) -> None:
@@ -49,11 +50,11 @@ def check_versions(installed=None) -> None:
         try:
             found = (installed or {}).get(package) or version(package)
         except PackageNotFoundError:
-            problems.append(f"{package} is not installed (tested: {package} {_listed(package)})")
+            problems.append(f"{package} is not installed (tested: {package} {listed(package)})")
             continue
         if not is_tested(package, found):
             problems.append(f"{package} {found} is installed; deepspeed_bnb is tested with {package} "
-                            f"{_listed(package)} only")
+                            f"{listed(package)} only")
     if not problems:
         return
     message = ("deepspeed_bnb: " + "; ".join(problems) + ". Install a tested release (pip install "

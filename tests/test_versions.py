@@ -73,3 +73,21 @@ def test_setup_requires_exactly_the_tested_releases(package, found):
 def test_every_tested_release_is_an_accepted_example():
     """Keeps the examples above in step with TESTED (a release added there needs its accepted case here)."""
     assert {(p, v) for p, releases in TESTED.items() for v in releases} <= set(ACCEPTED)
+
+
+def test_deepspeed_without_parameter_padding_is_refused_with_the_reason():
+    """DeepSpeed < 0.19.7 has no `param_padding` in flatten_dense_tensors_aligned: BnbZeroOptimizer refuses it (even
+    under the escape hatch) naming the missing feature, instead of a TypeError deep inside DeepSpeed's __init__."""
+    from deepspeed_bnb.runtime.zero.compat import has_parameter_padding, require_parameter_padding
+
+    class ZeroBefore0197:  # the signature DeepSpeed 0.19.6 and earlier have
+        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
+            pass
+
+    assert has_parameter_padding()  # the installed (tested) DeepSpeed has it
+    require_parameter_padding()
+    with pytest.raises(RuntimeError) as failure:
+        require_parameter_padding(ZeroBefore0197)
+    message = str(failure.value)
+    assert "DeepSpeed 0.19.7 added it: flatten_dense_tensors_aligned(param_padding=...)" in message
+    assert "Install DeepSpeed 0.19.7 or 0.19.8 (the releases deepspeed_bnb is tested with)" in message

@@ -30,6 +30,7 @@ from deepspeed_bnb.optim import fused_adam
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused_adam import FusedPartition, combined_inv_scale
 from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.runtime.zero.compat import require_parameter_padding
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
 
@@ -39,6 +40,7 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
+        require_parameter_padding()  # DeepSpeed < 0.19.7 cannot place the block-aligned layout (compat.py)
         # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)

@@ -1,0 +1,31 @@
+"""What BnbZeroOptimizer needs from DeepSpeed's ZeRO-1/2 optimizer that not every DeepSpeed release has.
+
+DeepSpeed 0.19.7 added per-parameter padding inside ZeRO-1/2 flat groups (`zero_optimization.parameter_alignment`):
+`flatten_dense_tensors_aligned(..., param_padding=...)`, the `round_robin_bit16_padding` / `round_robin_bit16_offsets`
+lists, and their use in gradient partitioning, offload, the links to the fp32 partition and checkpoints. The
+block-aligned layout of bitsandbytes state is chosen through exactly that padding. Releases before it (0.19.0-0.19.6,
+0.18.x) keep parameters contiguous in all those places, so supporting them would mean copying those DeepSpeed
+functions; they are refused here with the reason, even under DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS=1.
+"""
+
+import inspect
+
+import deepspeed
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from deepspeed_bnb._versions import listed
+
+PARAMETER_PADDING_SINCE = "0.19.7"
+
+
+def has_parameter_padding(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:
+    return "param_padding" in inspect.signature(zero_optimizer_class.flatten_dense_tensors_aligned).parameters
+
+
+def require_parameter_padding(zero_optimizer_class=DeepSpeedZeroOptimizer) -> None:
+    if not has_parameter_padding(zero_optimizer_class):
+        raise RuntimeError(
+            f"deepspeed_bnb: DeepSpeed {deepspeed.__version__} has no per-parameter padding in ZeRO-1/2 flat groups "
+            f"(DeepSpeed {PARAMETER_PADDING_SINCE} added it: flatten_dense_tensors_aligned(param_padding=...)), and "
+            f"the block-aligned layout of bitsandbytes state is built on it. Install DeepSpeed "
+            f"{listed('deepspeed', 'or')} (the releases deepspeed_bnb is tested with).")
