@@ -137,6 +137,29 @@ def test_per_parameter_overrides_match_plain_bnb(one_rank):
     assert not torch.equal(model.head.weight.detach(), control.head.weight.detach())  # the lr override moved it
 
 
+def test_fused_unscale_factor_is_deepspeeds(one_rank):
+    """The unscale/clip factor handed to the fused kernel is the one DeepSpeed's own unscale_and_clip_grads multiplies
+    the gradient partition by, for clipping norms, norms below the bar and invalid norms (inf, NaN, -1)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model)),
+                                      config=ds_config(1, stage=2, clip=0.05))
+    opt = engine.optimizer
+    partition = opt.single_partition_of_fp32_groups[0]
+    grad = torch.randn(partition.numel(), generator=torch.Generator().manual_seed(0))
+    factors = {}
+    for norm in (123.0, 0.01, float("inf"), float("nan"), -1.0):
+        partition.grad = grad.clone()
+        opt.unscale_and_clip_grads([partition.grad], torch.tensor(norm))
+        assert torch.equal(partition.grad, grad), "a fused group's gradient is scaled inside the kernel, not here"
+        factors[norm] = opt._bnb_inv_scale.pop(0)
+        theirs = grad.clone()
+        DeepSpeedZeroOptimizer.unscale_and_clip_grads(opt, [theirs], torch.tensor(norm))
+        torch.testing.assert_close(grad * factors[norm], theirs, rtol=0, atol=0, equal_nan=True)
+    assert factors[123.0] < 1.0 and factors[0.01] == 1.0  # control: clipping is active for the large norm only
+    partition.grad = None
+
+
 class PerParameterReference:
     """The fused step's reference applied to each parameter alone (its own one-segment partition): no ZeRO at all."""
 

@@ -28,7 +28,7 @@ from deepspeed_bnb.checkpoint.sources import ListSource
 from deepspeed_bnb.ops import adam8bit, self_check
 from deepspeed_bnb.optim import fused_adam
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused_adam import FusedPartition, combined_inv_scale
+from deepspeed_bnb.optim.fused_adam import FusedPartition
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.zero.compat import require_parameter_padding
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
@@ -150,10 +150,14 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         # DeepSpeed multiplies the gradient partition by 1 / (loss scale * clip) just before _optimizer_step; for a
-        # fused group the factor is handed to the kernel instead, saving one pass over the partition.
+        # fused group the factor is handed to the kernel instead, saving one pass over the partition. DeepSpeed's own
+        # method computes it, on a one-element probe: its formula differs between releases (0.19.8 clips an invalid
+        # norm as inf), and the kernel's product must stay bit-identical to its mul_.
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
             if self.bnb_fused[i] is not None and len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
-                self._bnb_inv_scale[i] = combined_inv_scale(self.loss_scale, self.clip_grad, total_norm)
+                probe = torch.ones(1, dtype=torch.float32, device=partition.grad.device)
+                super().unscale_and_clip_grads([probe], total_norm)
+                self._bnb_inv_scale[i] = probe.item()
                 return
         super().unscale_and_clip_grads(grad_groups_flat, total_norm)
 
