@@ -6,6 +6,9 @@ lists, and their use in gradient partitioning, offload, the links to the fp32 pa
 block-aligned layout of bitsandbytes state is chosen through exactly that padding. Releases before it (0.19.0-0.19.6,
 0.18.x) keep parameters contiguous in all those places, so supporting them would mean copying those DeepSpeed
 functions; they are refused here with the reason, even under DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS=1.
+
+Between the supported releases: DeepSpeed 0.19.8 copies gradients into the ZeRO-Offload CPU buffers asynchronously
+and waits for those copies before loading a checkpoint (`_wait_for_offload_copies`); 0.19.7 copies synchronously.
 """
 
 import inspect
@@ -29,3 +32,10 @@ def require_parameter_padding(zero_optimizer_class=DeepSpeedZeroOptimizer) -> No
             f"(DeepSpeed {PARAMETER_PADDING_SINCE} added it: flatten_dense_tensors_aligned(param_padding=...)), and "
             f"the block-aligned layout of bitsandbytes state is built on it. Install DeepSpeed "
             f"{listed('deepspeed', 'or')} (the releases deepspeed_bnb is tested with).")
+
+
+def wait_for_offload_copies(zero_optimizer) -> None:
+    """Let pending gradient copies to the offload buffers finish before a load overwrites state (0.19.8 and later)."""
+    wait = getattr(zero_optimizer, "_wait_for_offload_copies", None)
+    if wait is not None:  # DeepSpeed 0.19.7 has no asynchronous copies to wait for
+        wait()

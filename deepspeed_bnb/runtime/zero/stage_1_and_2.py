@@ -30,7 +30,7 @@ from deepspeed_bnb.optim import fused_adam
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused_adam import FusedPartition
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.runtime.zero.compat import require_parameter_padding
+from deepspeed_bnb.runtime.zero.compat import require_parameter_padding, wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
 
@@ -248,7 +248,7 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size (sources.py)."""
-        self._wait_for_offload_copies()
+        wait_for_offload_copies(self)
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
                      MASTER_WEIGHTS_KEY if load_from_fp32_weights else None)
