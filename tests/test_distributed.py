@@ -11,6 +11,7 @@ import os
 import pytest
 
 from conftest import torchrun
+from deepspeed_bnb.runtime.zero.compat import reduces_grad_accum
 
 FP32_TOL = 1e-5  # issue bar: max |Δloss| over 20 steps
 BF16_TOL = 5e-3  # bf16 rounds the gradients and the model copy: bf16 noise, not the optimizer
@@ -65,6 +66,9 @@ def test_offload_and_accumulation_match_their_baselines(results, world):
 @pytest.mark.parametrize("config", ["bf16_stage2_clip", "bf16_stage1_fp32_accum"])
 def test_bf16_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]
+    if "refused" in run:  # only where DeepSpeed would not average ZeRO-1's fp32 accumulator (0.19.7)
+        assert config == "bf16_stage1_fp32_accum" and not reduces_grad_accum(), run["refused"]
+        return
     assert run["optimizer"] == "BnbZeroOptimizer"
     assert max_delta(run["losses"], single["losses"]) < BF16_TOL
     assert run["losses"][-1] < run["losses"][0] - 0.5

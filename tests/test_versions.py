@@ -91,3 +91,20 @@ def test_deepspeed_without_parameter_padding_is_refused_with_the_reason():
     message = str(failure.value)
     assert "DeepSpeed 0.19.7 added it: flatten_dense_tensors_aligned(param_padding=...)" in message
     assert "Install DeepSpeed 0.19.7 or 0.19.8 (the releases deepspeed_bnb is tested with)" in message
+
+
+@pytest.mark.parametrize("deepspeed_version,grad_accum,world,refused", [
+    ("0.19.7", True, 2, True), ("0.19.7+cpu", True, 3, True),
+    ("0.19.7", True, 1, False), ("0.19.7", False, 2, False), ("0.19.8", True, 2, False)])
+def test_zero1_fp32_grad_accum_refused_where_deepspeed_does_not_average_it(deepspeed_version, grad_accum, world,
+                                                                           refused):
+    """DeepSpeed 0.19.7 steps ZeRO-1's separate fp32 gradient accumulator unreduced (tests/test_distributed.py shows
+    the divergence there): refused on more than one rank, naming the release that fixed it; allowed everywhere else."""
+    from deepspeed_bnb.runtime.zero.compat import require_reduced_grad_accum
+    if not refused:
+        require_reduced_grad_accum(grad_accum, world, deepspeed_version)
+        return
+    with pytest.raises(NotImplementedError) as failure:
+        require_reduced_grad_accum(grad_accum, world, deepspeed_version)
+    assert f"DeepSpeed {deepspeed_version} does not average gradients" in str(failure.value)
+    assert "fixed in DeepSpeed 0.19.8" in str(failure.value)

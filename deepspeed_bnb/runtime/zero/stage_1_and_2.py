@@ -30,7 +30,8 @@ from deepspeed_bnb.optim import fused_adam
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused_adam import FusedPartition
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.runtime.zero.compat import require_parameter_padding, wait_for_offload_copies
+from deepspeed_bnb.runtime.zero.compat import require_parameter_padding, require_reduced_grad_accum, \
+    wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
 
@@ -45,6 +46,8 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         super().__init__(init_optimizer, param_names, *args, **kwargs)
+        # DeepSpeed 0.19.7 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
+        require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
         if self.torch_autocast_gradscaler is not None:
             raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
                                       "DeepSpeed's own fp16/bf16 config sections.")
