@@ -69,9 +69,10 @@ setup(
     packages=find_packages(include=["deepspeed_bnb", "deepspeed_bnb.*"]),
     python_requires=">=3.9",
     install_requires=[
-        # ranges we test; deepspeed_bnb/_versions.py refuses others at import (it overrides ZeRO internals)
-        "deepspeed>=0.19.8,<0.20",
-        "bitsandbytes>=0.50.2,<0.51",
+        # exactly the tested releases (deepspeed_bnb/_versions.py TESTED, which refuses others at import: it
+        # overrides ZeRO internals); DeepSpeed 0.19.7 and 0.19.8, bitsandbytes 0.50.2 (tools/compat_matrix.md)
+        "deepspeed>=0.19.7,<=0.19.8",
+        "bitsandbytes==0.50.2",
         "torch>=2.4",
         "ninja",
         "packaging",

@@ -88,7 +88,11 @@ def scenario_train(world, rank, out):
     results = {}
     for name, cfg in {**TRAIN_CONFIGS, **STOCK_CONFIGS}.items():
         cfg = dict(cfg)
-        engine = build(world, stock=name.startswith("stock"), **cfg)
+        try:
+            engine = build(world, stock=name.startswith("stock"), **cfg)
+        except NotImplementedError as exc:  # a combination the installed DeepSpeed cannot run (runtime/zero/compat.py)
+            results[name] = {"refused": str(exc)}
+            continue
         results[name] = {"losses": run_steps(engine, range(20), world, rank, cfg.get("micro_steps", 1)),
                          "optimizer": type(engine.optimizer).__name__}
         if name == "bf16_stage2_clip":

@@ -14,6 +14,7 @@ import torch
 from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
 from bnb_state import step_ratio
+from deepspeed_bnb.runtime.zero.compat import reduces_grad_accum
 from toy import MIN_8BIT_SIZE, build_engine, moment_values
 
 FP32_TOL = 1e-5  # issue bar: max |Δloss| over 20 steps
@@ -58,6 +59,9 @@ def test_offload_and_accumulation_match_their_baselines(results, world):
 @pytest.mark.parametrize("config", ["bf16_stage2_clip", "bf16_stage1_fp32_accum"])
 def test_bf16_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]
+    if "refused" in run:  # only where DeepSpeed would not average ZeRO-1's fp32 accumulator (0.19.7)
+        assert config == "bf16_stage1_fp32_accum" and not reduces_grad_accum(), run["refused"]
+        return
     assert run["optimizer"] == "BnbZeroOptimizer"
     assert max_delta(run["losses"], single["losses"]) < BF16_TOL
     assert run["losses"][-1] < run["losses"][0] - 0.5

@@ -3,9 +3,10 @@
 Each bnb optimizer family runs through deepspeed.initialize (one CPU rank, ZeRO-2, two param groups with different
 lr / weight decay, 8-bit and fp32 state side by side) and, independently, as a plain bnb optimizer on a copy of the
 model. DeepSpeed's parameter-level API (safe_get_full/local_optimizer_state) returns plain bnb's state dequantized by
-bnb's own dequantize_blockwise, bit for bit, under bnb's and torch's names. Control: stock DeepSpeed ZeRO with the
-same bnb optimizer does not match, and its API hands out 8-bit codes and knows no `exp_avg`. With the default
-settings, 8-bit parameters of Adam-family, Lion and SGD-momentum optimizers get the fused kernel (equal to its
+bnb's own dequantize_blockwise, bit for bit, under bnb's and torch's names. Per-parameter overrides registered with
+bnb's GlobalOptimManager apply as in plain bnb (control: without them the run differs). Control: stock DeepSpeed ZeRO
+with the same bnb optimizer does not match, and its API hands out 8-bit codes and knows no `exp_avg`. With the
+default settings, 8-bit parameters of Adam-family, Lion and SGD-momentum optimizers get the fused kernel (equal to its
 reference applied to each parameter on its own), and every other parameter bnb's own update (equal to plain bnb).
 """
 
@@ -97,9 +98,16 @@ def test_zero_dp1_matches_plain_bnb(one_rank, name):
     train_steps(engine, range(STEPS))
     train_plain(reference, plain)
 
+    assert_equals_plain(engine, model, reference, plain, name)
+    assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), make_model(0).parameters()))
+    check_state_api(model, reference, plain, plain.optimizer_name)
+
+
+def assert_equals_plain(engine, model, reference, plain, label):
+    """The ZeRO run's weights and every parameter's state (values and dtypes) equal plain bnb's; returns the state."""
     states = engine_param_states(engine)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.detach(), q.detach()), f"{name}: weights of {pname} differ"
+        assert torch.equal(p.detach(), q.detach()), f"{label}: weights of {pname} differ"
         mine, theirs = states[p], flat_bnb_state(plain.state[q], q.numel())
         assert mine.keys() == theirs.keys(), pname
         for key in mine:
@@ -107,8 +115,7 @@ def test_zero_dp1_matches_plain_bnb(one_rank, name):
                 assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{pname}.{key}"
             else:
                 assert mine[key] == theirs[key], f"{pname}.{key}"
-    assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), make_model(0).parameters()))
-    check_state_api(model, reference, plain, plain.optimizer_name)
+    return states
 
 
 def test_control_stock_zero_differs_from_plain_bnb(one_rank):
@@ -137,6 +144,64 @@ HYPER_ROWS = {
     # betas = (momentum, dampening): bnb's rule ignores the dampening; its step counter picks the step-1 rule
     "momentum": lambda group, t: MomentumHyper.momentum(group["lr"], group["betas"][0], group["weight_decay"], t),
 }
+
+
+def with_overrides(model, groups, overrides: bool):
+    """bnb's GlobalOptimManager overrides for this model: 32-bit state for fc1.weight (override_config, before
+    register_parameters, which bnb 0.49 and 0.50 both honour) and another lr for head.weight (a module override)."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+    if overrides:
+        manager.override_config(model.fc1.weight, "optim_bits", 32)
+        manager.register_parameters(groups)
+        manager.register_module_override(model.head, "weight", {"lr": 5e-3})
+    return groups
+
+
+def test_per_parameter_overrides_match_plain_bnb(one_rank):
+    """Overrides registered per model parameter apply to that parameter's segments under ZeRO as in plain bnb."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    runs = {}
+    try:
+        for overrides in (True, False):
+            model = make_model(0)
+            reference = clone(model)
+            optimizer = FACTORIES["AdamW8bit"](with_overrides(model, param_groups(model), overrides))
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                              config=ds_config(1, stage=2, bnb_fused_kernel=False))
+            plain = FACTORIES["AdamW8bit"](with_overrides(reference, param_groups(reference), overrides))
+            train_steps(engine, range(STEPS))
+            train_plain(reference, plain)
+            runs[overrides] = (model, assert_equals_plain(engine, model, reference, plain, f"overrides={overrides}"))
+    finally:
+        manager.initialize()
+    (model, states), (control, control_states) = runs[True], runs[False]
+    assert states[model.fc1.weight]["state1"].dtype == torch.float32  # the override took effect ...
+    assert control_states[control.fc1.weight]["state1"].dtype == torch.uint8  # ... and is not the default
+    assert not torch.equal(model.head.weight.detach(), control.head.weight.detach())  # the lr override moved it
+
+
+def test_fused_unscale_factor_is_deepspeeds(one_rank):
+    """The unscale/clip factor handed to the fused kernel is the one DeepSpeed's own unscale_and_clip_grads multiplies
+    the gradient partition by, for clipping norms, norms below the bar and invalid norms (inf, NaN, -1)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model)),
+                                      config=ds_config(1, stage=2, clip=0.05))
+    opt = engine.optimizer
+    partition = opt.single_partition_of_fp32_groups[0]
+    grad = torch.randn(partition.numel(), generator=torch.Generator().manual_seed(0))
+    factors = {}
+    for norm in (123.0, 0.01, float("inf"), float("nan"), -1.0):
+        partition.grad = grad.clone()
+        opt.unscale_and_clip_grads([partition.grad], torch.tensor(norm))
+        assert torch.equal(partition.grad, grad), "a fused group's gradient is scaled inside the kernel, not here"
+        factors[norm] = opt._bnb_inv_scale.pop(0)
+        theirs = grad.clone()
+        DeepSpeedZeroOptimizer.unscale_and_clip_grads(opt, [theirs], torch.tensor(norm))
+        torch.testing.assert_close(grad * factors[norm], theirs, rtol=0, atol=0, equal_nan=True)
+    assert factors[123.0] < 1.0 and factors[0.01] == 1.0  # control: clipping is active for the large norm only
+    partition.grad = None
 
 
 class PerParameterReference:

@@ -100,3 +100,26 @@ def test_engine_init_reports_unclassifiable_key(one_rank):
     optimizer.extra_numel = 1000
     with pytest.raises(StateClassError, match="'my_map'"):
         deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(1, stage=2))
+
+
+class WithWholeTensorOption(bnb.optim.AdamW8bit):
+    """Reports one of bitsandbytes 0.49's whole-tensor options in its config, as 0.49's get_config does (0.50 removed
+    `percentile_clipping` and `block_wise`, so this is the only way to exercise the check on 0.50)."""
+
+    option: dict = {}
+
+    def get_config(self, gindex, pindex, group):
+        return {**super().get_config(gindex, pindex, group), **self.option}
+
+
+@pytest.mark.parametrize("option,value,default", [("percentile_clipping", 5, 100), ("block_wise", False, True)])
+def test_whole_tensor_options_are_refused_naming_the_option(option, value, default):
+    """Their state (a gradient-norm history, one scale per tensor) needs the whole parameter, which ZeRO splits."""
+    refused = WithWholeTensorOption([torch.nn.Parameter(torch.zeros(4096))])
+    refused.option = {option: value}
+    with pytest.raises(NotImplementedError) as failure:
+        BnbAdapter(refused, ("qmap1", "qmap2"), 256)
+    assert f"{option}={value!r}" in str(failure.value) and f"{option}={default!r}" in str(failure.value)
+    accepted = WithWholeTensorOption([torch.nn.Parameter(torch.zeros(4096))])  # control: bnb's default passes
+    accepted.option = {option: default}
+    assert BnbAdapter(accepted, ("qmap1", "qmap2"), 256).eight_bit(accepted.param_groups[0]["params"][0])

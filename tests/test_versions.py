@@ -1,25 +1,42 @@
-"""Untested DeepSpeed / bitsandbytes releases are refused at import with the supported range in the message."""
+"""Only the tested DeepSpeed / bitsandbytes releases are accepted at import; the message names the installed release
+and the tested ones; setup.py requires the same releases."""
 
+import ast
+import os
 import subprocess
 import sys
 
 import pytest
+from packaging.requirements import Requirement
 
-from deepspeed_bnb._versions import ALLOW_UNTESTED_ENV, UnsupportedVersionError, check_versions
+from deepspeed_bnb._versions import ALLOW_UNTESTED_ENV, TESTED, UnsupportedVersionError, check_versions, is_tested
+
+ACCEPTED = [("deepspeed", "0.19.7"), ("deepspeed", "0.19.8"), ("deepspeed", "0.19.8+cpu"),
+            ("bitsandbytes", "0.50.2"), ("bitsandbytes", "0.50.2+cu128")]
+REFUSED = [("deepspeed", "0.16.9"), ("deepspeed", "0.18.9"), ("deepspeed", "0.19.6"), ("deepspeed", "0.19.8.post1"),
+           ("deepspeed", "0.19.9"), ("deepspeed", "0.20.0"), ("bitsandbytes", "0.49.2"), ("bitsandbytes", "0.50.1"),
+           ("bitsandbytes", "0.50.3"), ("bitsandbytes", "0.51.0"), ("bitsandbytes", "not-a-version")]
 
 
 def test_installed_versions_pass():
     check_versions()
 
 
-@pytest.mark.parametrize("package,found", [("deepspeed", "0.18.0"), ("deepspeed", "0.20.1"),
-                                           ("bitsandbytes", "0.49.0"), ("bitsandbytes", "0.51.0")])
-def test_untested_version_names_package_and_range(package, found, monkeypatch):
+@pytest.mark.parametrize("package,found", ACCEPTED)
+def test_tested_release_is_accepted(package, found, monkeypatch):
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    check_versions({package: found})
+
+
+@pytest.mark.parametrize("package,found", REFUSED)
+def test_untested_release_is_refused_naming_it_and_the_tested_ones(package, found, monkeypatch):
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(UnsupportedVersionError) as failure:
         check_versions({package: found})
     message = str(failure.value)
-    assert f"{package} {found} is installed" in message and f"{package}>=" in message and ALLOW_UNTESTED_ENV in message
+    listed = {"deepspeed": "deepspeed 0.19.7 and 0.19.8 only", "bitsandbytes": "bitsandbytes 0.50.2 only"}[package]
+    assert f"{package} {found} is installed; deepspeed_bnb is tested with {listed}" in message
+    assert "pip install 'deepspeed==0.19.8' 'bitsandbytes==0.50.2'" in message and f"{ALLOW_UNTESTED_ENV}=1" in message
 
 
 def test_escape_hatch_warns_instead(monkeypatch):
@@ -33,5 +50,61 @@ def test_import_fails_on_untested_version():
     code = ("import importlib.metadata as m; real = m.version\n"
             "m.version = lambda p: '0.18.0' if p == 'deepspeed' else real(p)\n"
             "import deepspeed_bnb")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode != 0 and "deepspeed 0.18.0 is installed; deepspeed_bnb supports" in done.stderr
+    env = {k: v for k, v in os.environ.items() if k != ALLOW_UNTESTED_ENV}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "deepspeed 0.18.0 is installed; deepspeed_bnb is tested with" in done.stderr
+
+
+def setup_requirements() -> dict:
+    """setup.py's install_requires, read without running it."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    requires = next(k.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    for k in node.keywords if k.arg == "install_requires")
+    return {r.name: r for r in map(Requirement, ast.literal_eval(requires))}
+
+
+@pytest.mark.parametrize("package,found", ACCEPTED + REFUSED[:-1])
+def test_setup_requires_exactly_the_tested_releases(package, found):
+    assert setup_requirements()[package].specifier.contains(found) == is_tested(package, found)
+
+
+def test_every_tested_release_is_an_accepted_example():
+    """Keeps the examples above in step with TESTED (a release added there needs its accepted case here)."""
+    assert {(p, v) for p, releases in TESTED.items() for v in releases} <= set(ACCEPTED)
+
+
+def test_deepspeed_without_parameter_padding_is_refused_with_the_reason():
+    """DeepSpeed < 0.19.7 has no `param_padding` in flatten_dense_tensors_aligned: BnbZeroOptimizer refuses it (even
+    under the escape hatch) naming the missing feature, instead of a TypeError deep inside DeepSpeed's __init__."""
+    from deepspeed_bnb.runtime.zero.compat import has_parameter_padding, require_parameter_padding
+
+    class ZeroBefore0197:  # the signature DeepSpeed 0.19.6 and earlier have
+        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
+            pass
+
+    assert has_parameter_padding()  # the installed (tested) DeepSpeed has it
+    require_parameter_padding()
+    with pytest.raises(RuntimeError) as failure:
+        require_parameter_padding(ZeroBefore0197)
+    message = str(failure.value)
+    assert "DeepSpeed 0.19.7 added it: flatten_dense_tensors_aligned(param_padding=...)" in message
+    assert "Install DeepSpeed 0.19.7 or 0.19.8 (the releases deepspeed_bnb is tested with)" in message
+
+
+@pytest.mark.parametrize("deepspeed_version,grad_accum,world,refused", [
+    ("0.19.7", True, 2, True), ("0.19.7+cpu", True, 3, True),
+    ("0.19.7", True, 1, False), ("0.19.7", False, 2, False), ("0.19.8", True, 2, False)])
+def test_zero1_fp32_grad_accum_refused_where_deepspeed_does_not_average_it(deepspeed_version, grad_accum, world,
+                                                                           refused):
+    """DeepSpeed 0.19.7 steps ZeRO-1's separate fp32 gradient accumulator unreduced (tests/test_distributed.py shows
+    the divergence there): refused on more than one rank, naming the release that fixed it; allowed everywhere else."""
+    from deepspeed_bnb.runtime.zero.compat import require_reduced_grad_accum
+    if not refused:
+        require_reduced_grad_accum(grad_accum, world, deepspeed_version)
+        return
+    with pytest.raises(NotImplementedError) as failure:
+        require_reduced_grad_accum(grad_accum, world, deepspeed_version)
+    assert f"DeepSpeed {deepspeed_version} does not average gradients" in str(failure.value)
+    assert "fixed in DeepSpeed 0.19.8" in str(failure.value)

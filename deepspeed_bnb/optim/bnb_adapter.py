@@ -49,6 +49,23 @@ class _NoOverrides:
     uses_config_override = False
 
 
+# Options of bitsandbytes 0.49 (0.50 removed them) under which bnb's update reads statistics of the whole parameter
+# tensor: percentile_clipping < 100 clips by a history of its gradient norms (state "gnorm_vec"), block_wise=False
+# quantizes 8-bit state with one scale per tensor ("max1", "new_max1"). A ZeRO segment holds part of a tensor, and
+# the fused kernels implement neither, so such a parameter would silently get another update than plain bnb's.
+WHOLE_TENSOR_OPTIONS = {"percentile_clipping": 100, "block_wise": True}  # option -> the only value supported
+
+
+def _refuse_whole_tensor_options(optimizer, config: dict, gindex: int, pindex: int, eight_bit: bool) -> None:
+    for option, supported in WHOLE_TENSOR_OPTIONS.items():
+        if option in config and config[option] != supported and (eight_bit or option != "block_wise"):
+            raise NotImplementedError(
+                f"deepspeed_bnb: {type(optimizer).__name__} uses {option}={config[option]!r} for parameter {pindex} of "
+                f"param group {gindex}; bitsandbytes computes it over the whole parameter tensor, which ZeRO splits "
+                f"into segments. Build the optimizer with {option}={supported!r} (bitsandbytes' default; 0.50 "
+                f"removed the option).")
+
+
 class BnbAdapter:
     """Per-parameter precision and config of one bnb optimizer, and its update run segment by segment."""
 
@@ -65,11 +82,19 @@ class BnbAdapter:
         manager = optimizer.mng
         for gindex, group in enumerate(optimizer.param_groups):
             for pindex, p in enumerate(group["params"]):
-                override = {**manager.index2config.get((gindex, pindex), {}), **manager.pid2config.get(id(p), {})}
+                # bnb's own get_config decides which registered overrides apply to the parameter (bitsandbytes 0.49
+                # looks up `index2config` only; 0.50 falls back to `pid2config`, i.e. `override_config` made after
+                # `register_parameters`): the override is what it changes, so ZeRO follows the installed release.
                 config = optimizer.get_config(gindex, pindex, group)
-                self._overrides[id(p)] = override
+                optimizer.mng = _NoOverrides()
+                try:
+                    plain = optimizer.get_config(gindex, pindex, group)
+                finally:
+                    optimizer.mng = manager
+                self._overrides[id(p)] = {k: v for k, v in config.items() if k not in plain or plain[k] != v}
                 self._eight_bit[id(p)] = uses_8bit_state(p.numel(), config["optim_bits"], config["min_8bit_size"])
                 self._max_unorm[id(p)] = float(config.get("max_unorm", 0.0))
+                _refuse_whole_tensor_options(optimizer, config, gindex, pindex, self._eight_bit[id(p)])
         optimizer.initialized = True  # bnb's step() would re-run check_overrides/to_gpu; it is never called now
         optimizer.mng = _NoOverrides()
         self._bnb_get_config = optimizer.get_config

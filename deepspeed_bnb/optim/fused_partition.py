@@ -48,21 +48,3 @@ class FusedPartition:
                     [state.get(f"{FP32_PREFIX}state{k}", self._empty) for k in moments],
                     [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale,
                     use_kernel=self.use_kernel)
-
-
-def combined_inv_scale(loss_scale, clip_grad: float, total_norm) -> float:
-    """1 / combined_scale exactly as DeepSpeedZeroOptimizer.unscale_and_clip_grads computes it (1.0: no scaling),
-    so the kernel can fold the unscale/clip multiply into its single pass (bit-identical to DeepSpeed's grad.mul_)."""
-    from deepspeed.runtime.utils import is_invalid_grad_norm
-    if clip_grad == 0.0 and loss_scale == 1.0:
-        return 1.0
-    combined_scale = loss_scale
-    if clip_grad > 0.0:
-        clip_norm = total_norm
-        if is_invalid_grad_norm(clip_norm):
-            clip_norm = torch.tensor(float("inf"), dtype=torch.float)
-        clip = ((clip_norm / loss_scale) + 1e-6) / clip_grad
-        clip = torch.clamp(clip, min=1.0)
-        combined_scale = clip * loss_scale
-    inverse = 1.0 / combined_scale  # a float32 tensor when clipping, else a Python float that mul_ rounds to fp32
-    return float(inverse.item() if torch.is_tensor(inverse) else inverse)

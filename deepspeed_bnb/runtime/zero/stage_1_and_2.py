@@ -33,9 +33,10 @@ from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, 
 from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
-from deepspeed_bnb.optim.fused_partition import combined_inv_scale
 from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep, routes
 from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.runtime.zero.compat import require_parameter_padding, require_reduced_grad_accum, \
+    wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
 from deepspeed_bnb.utils.tensor_fragment import link_param_states
@@ -46,11 +47,14 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
+        require_parameter_padding()  # DeepSpeed < 0.19.7 cannot place the block-aligned layout (compat.py)
         check_steppable(init_optimizer)
         # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         super().__init__(init_optimizer, param_names, *args, **kwargs)
+        # DeepSpeed 0.19.7 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
+        require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
         if self.torch_autocast_gradscaler is not None:
             raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
                                       "DeepSpeed's own fp16/bf16 config sections.")
@@ -208,10 +212,14 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         # DeepSpeed multiplies the gradient partition by 1 / (loss scale * clip) just before _optimizer_step; the
         # factor is handed to the partition's step instead, which folds it into the kernel's single pass (and
-        # multiplies only the segments bnb steps), saving one pass over the partition.
+        # multiplies only the segments bnb steps), saving one pass over the partition. DeepSpeed's own method computes
+        # it, on a one-element probe: its formula differs between releases (0.19.8 clips an invalid norm as inf), and
+        # the step's product must stay bit-identical to its mul_.
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
             if len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
-                self._bnb_inv_scale[i] = combined_inv_scale(self.loss_scale, self.clip_grad, total_norm)
+                probe = torch.ones(1, dtype=torch.float32, device=partition.grad.device)
+                super().unscale_and_clip_grads([probe], total_norm)
+                self._bnb_inv_scale[i] = probe.item()
                 return
         super().unscale_and_clip_grads(grad_groups_flat, total_norm)
 
@@ -297,7 +305,7 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size (sources.py)."""
-        self._wait_for_offload_copies()
+        wait_for_offload_copies(self)
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
                      MASTER_WEIGHTS_KEY if load_from_fp32_weights else None)
