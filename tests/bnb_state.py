@@ -1,5 +1,5 @@
-"""Independent measures of optimizer state for the state-API tests: plain bitsandbytes' state dequantized by
-bitsandbytes itself, and how far values came back from a set, in quantization steps of bnb's own maps."""
+"""Plain bitsandbytes' state as the tests compare it: shaped like the state gathered from a ZeRO partition,
+dequantized by bitsandbytes itself, and how far values came back from a set, in quantization steps of bnb's maps."""
 
 import bitsandbytes as bnb
 import torch
@@ -8,6 +8,19 @@ from deepspeed_bnb.ops.reference import code_gap
 
 ROUNDING = 2.0 ** -22  # fp32 slack, relative to the value: the scaled value v * (1 / absmax) and qmap[c] * absmax are
 # each rounded (measured without it: up to 0.500004 steps where the map's steps are narrowest relative to the value)
+
+
+def flat_bnb_state(state, numel):
+    """Plain bnb's state of one parameter, flattened like the gathered state: (rows..., numel) / (rows..., blocks)."""
+    out = {}
+    for key, value in state.items():
+        if key == "unorm_vec":
+            continue  # scratch: written by each step, never carried to the next
+        if key in ("state1", "state2"):
+            value = value.reshape(-1, numel)  # AdEMAMix keeps two rows (fast and slow EMA)
+            value = value[0] if value.shape[0] == 1 else value
+        out[key] = value
+    return out
 
 
 def bnb_moments(state: dict, numel: int) -> dict:

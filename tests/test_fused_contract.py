@@ -23,6 +23,7 @@ import pytest
 import torch
 from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 
+from bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.optim import fused_contract, partition_step
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
@@ -162,21 +163,6 @@ class Partitions:
         return out
 
 
-def plain_bnb_state(state: dict, numel: int) -> dict:
-    """Plain bnb's state of one parameter, shaped like the gathered one (scratch `unorm_vec` left out)."""
-    return {k: (v.reshape(-1, numel).squeeze(0) if k in ("state1", "state2") else v)
-            for k, v in state.items() if k != "unorm_vec"}
-
-
-def assert_same(mine: dict, theirs: dict, where: str) -> None:
-    assert mine.keys() == theirs.keys(), where
-    for key in mine:
-        if torch.is_tensor(mine[key]):
-            assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{where}: {key}"
-        else:
-            assert mine[key] == theirs[key], f"{where}: {key}"
-
-
 BNB_CPU_TABLE_STEP = 2 / 65536  # bnb's CPU quantizer looks normalized values up in 65,536 cells over [-1, 1]
 
 
@@ -281,7 +267,7 @@ def run(cls, variant: Variant) -> Outcome:
         return Outcome(routes=ours.routes(), eight_bit=[e for group in ours.eight_bit for e in group],
                        weights=ours.weights(), states=ours.param_states(),
                        plain_weights=[q.detach() for q in plain_params],
-                       plain_states=[plain_bnb_state(plain.state[q], q.numel()) for q in plain_params],
+                       plain_states=[flat_bnb_state(plain.state[q], q.numel()) for q in plain_params],
                        checked=checked, breaks=breaks)
     finally:
         for p in params + plain_params:

@@ -17,7 +17,7 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
-from bnb_state import bnb_moments
+from bnb_state import bnb_moments, flat_bnb_state
 from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
@@ -48,19 +48,6 @@ def engine_param_states(engine):
         per_param = gather_param_states(opt.bnb_layouts[i], opt.bnb_eight_bit[i], opt.bnb.stored_classes(state),
                                         [state])
         out.update({p: s for p, s in zip(params, per_param)})
-    return out
-
-
-def flat_bnb_state(state, numel):
-    """Plain bnb's state of one parameter, flattened like the gathered state: (rows..., numel) / (rows..., blocks)."""
-    out = {}
-    for key, value in state.items():
-        if key == "unorm_vec":
-            continue  # scratch: written by each step, never carried to the next
-        if key in ("state1", "state2"):
-            value = value.reshape(-1, numel)  # AdEMAMix keeps two rows (fast and slow EMA)
-            value = value[0] if value.shape[0] == 1 else value
-        out[key] = value
     return out
 
 
