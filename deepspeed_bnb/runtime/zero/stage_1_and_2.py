@@ -81,12 +81,11 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
-            self.bnb_steps.append(PartitionStep(self.bnb, i, segments, [self.bnb.override(params[s.slot])
-                                                                        for s in segments],
-                                                partition.device, self.bnb_kernel_reason,
-                                                on_reroute=functools.partial(self._bnb_log_reroute, i)))
-        for i, step in enumerate(self.bnb_steps):
-            step.route(self.optimizer.param_groups[i])
+            step = PartitionStep(self.bnb, i, segments, [self.bnb.override(params[s.slot]) for s in segments],
+                                 partition.device, self.bnb_kernel_reason,
+                                 on_reroute=functools.partial(self._bnb_log_reroute, i))
+            step.route(group)  # known before the first step, for the log below and for inspection
+            self.bnb_steps.append(step)
         self.bnb_routes = self._bnb_model_routes()  # parameter name -> FUSED or why bnb's update steps it
         if dist.get_rank(group=self.dp_process_group) == 0:
             logger.info(describe_routes(type(self.optimizer).__name__, self.bnb_routes))
