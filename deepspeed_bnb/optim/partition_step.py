@@ -29,20 +29,24 @@ def distinct(values: Sequence[dict]):
     return unique, index
 
 
+def route_table(adapter: BnbAdapter, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
+                eight_bit: Sequence[bool]) -> List[Optional[str]]:
+    """Per parameter piece (its config variant among `configs`, its precision): FUSED, or why bnb's own update steps
+    it. `kernel_reason`: why no parameter may be fused here at all (no kernel on this device, a failed first-use
+    check, ...)."""
+    memo = {}  # (variant, precision) -> route
+    for key in zip(variant, eight_bit):
+        if key not in memo:
+            memo[key] = (kernel_reason or optimizer_reason(adapter.optimizer)
+                         or param_reason(adapter.optimizer_name, configs[key[0]], key[1]))
+    return [memo[key] for key in zip(variant, eight_bit)]
+
+
 def routes(adapter: BnbAdapter, kernel_reason: Optional[str], group: dict, gindex: int, overrides: Sequence[dict],
            eight_bit: Sequence[bool]) -> List[Optional[str]]:
-    """Per parameter (given its overrides and precision): FUSED, or why bnb's own update steps it. `kernel_reason`:
-    why no parameter may be fused here at all (no kernel on this device, a failed first-use check, ...)."""
+    """Per parameter of a param group (given its overrides and precision): FUSED, or why bnb's own update steps it."""
     variants, index = distinct(overrides)
-    memo = {}  # (variant, precision) -> route
-    out = []
-    for v, eight in zip(index, eight_bit):
-        if (v, eight) not in memo:
-            memo[v, eight] = (kernel_reason or optimizer_reason(adapter.optimizer)
-                              or param_reason(adapter.optimizer_name, adapter.config(group, gindex, variants[v]),
-                                              eight))
-        out.append(memo[v, eight])
-    return out
+    return route_table(adapter, kernel_reason, [adapter.config(group, gindex, v) for v in variants], index, eight_bit)
 
 
 class PartitionStep:
@@ -60,12 +64,14 @@ class PartitionStep:
         self.routes: Optional[List[Optional[str]]] = None  # per segment: FUSED or the reason bnb steps it
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
         self._fused_variants: List[int] = []  # variant of each hyper row of the kernel
+        self._configs: List[dict] = []  # bnb's config of each variant, as of the last route()
         self._bnb: List[int] = []  # indices of the segments bnb steps
 
     def route(self, group: dict) -> None:
         """(Re)decide each segment's path from `group`'s current config; the kernel is rebuilt only on change."""
-        new = routes(self.adapter, self.kernel_reason, group, self.gindex,
-                     [self.variants[v] for v in self.variant], [s.eight_bit for s in self.segments])
+        self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
+        new = route_table(self.adapter, self.kernel_reason, self._configs, self.variant,
+                          [s.eight_bit for s in self.segments])
         if new == self.routes:
             return
         old, self.routes = self.routes, new
@@ -84,8 +90,7 @@ class PartitionStep:
         self.route(group)
         step = state["step"] + 1  # bnb counts the step before using it
         if self.fused is not None:
-            configs = [self.adapter.config(group, self.gindex, self.variants[v]) for v in self._fused_variants]
-            self.fused.step(configs, step, params, grads, state, inv_scale)
+            self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale)
         bnb_segments = [self.segments[i] for i in self._bnb]
         if inv_scale != 1.0:
             for segment in bnb_segments:  # what DeepSpeed's grad.mul_(1 / combined_scale) does, segment by segment
