@@ -239,8 +239,14 @@ def run_cell(deepspeed: str, bnb: str, work: str, args) -> dict:
 
 
 def git_commit() -> str:
-    done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=REPO)
-    return done.stdout.strip()
+    """The commit the cell tested, "-dirty" when files other than this script's own results differ from it (the
+    results are rewritten after every cell, so they differ from the second cell on)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    own = {os.path.relpath(path, REPO) for path in (RESULTS_JSON, RESULTS_MD)}
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True, cwd=REPO).stdout.splitlines()
+    dirty = any(line[3:] not in own for line in changed)
+    return commit.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def load_results() -> dict:
