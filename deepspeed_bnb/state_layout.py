@@ -1,11 +1,18 @@
-"""Block-aligned placement of parameters in ZeRO's flat buffers and the per-rank segments it implies (pure math).
+"""Block-aligned placement of parameters in ZeRO's partitions and the per-rank segments it implies (pure math).
 
 DeepSpeed ZeRO-1/2 flattens each param group into one buffer, pads it to a multiple of `2 * dp` and hands every rank
 one equal slice. bitsandbytes quantizes optimizer state in 256-element blocks counted from the start of whatever
 tensor it is given, so under stock ZeRO the blocks follow the partition, straddle parameters and move when `dp`
 changes. Here every parameter starts on a block boundary and the group is padded to a multiple of `block * dp`:
 partitions are block-aligned too, each block belongs to exactly one parameter, and a parameter's quantized state is
-the same bytes whatever the DP size. Nothing here touches torch.distributed; it is unit-tested in one process.
+the same bytes whatever the DP size (GroupLayout).
+
+ZeRO-3 partitions each parameter on its own, padded to a multiple of `dp`, and a rank's optimizer partition is its
+slices of several parameters side by side: rank r owns elements [r * c, (r + 1) * c) with c = ceil(numel / dp), which
+starts on a block boundary only by chance. Here a parameter is padded to a multiple of `block * dp` instead, so every
+slice is whole blocks (ShardedLayout; with block=1 the same class describes stock ZeRO-3's slices). Both layouts give
+the same segment tables, so the step, checkpoints and resharding do not care which stage wrote them. Nothing here
+touches torch.distributed; it is unit-tested in one process.
 """
 
 import math
@@ -152,6 +159,96 @@ class GroupLayout:
     @classmethod
     def from_dict(cls, data: dict) -> "GroupLayout":
         return cls(numels=tuple(int(n) for n in data["numels"]), dp=int(data["dp"]), block=int(data["block"]))
+
+
+@dataclass(frozen=True)
+class ShardedLayout:
+    """One param group under ZeRO-3: each parameter split on its own into `dp` equal, block-aligned slices.
+
+    A rank's partition is its slice of every parameter, in group order; ZeRO-3 sub-groups are runs of consecutive
+    parameters, each described by the ShardedLayout of its own numels. Same interface as GroupLayout.
+    """
+
+    numels: Tuple[int, ...]  # elements of each parameter, in the group's order
+    dp: int  # data-parallel size every parameter is partitioned over
+    block: int = BLOCK_SIZE  # every slice is a multiple of it (1: stock ZeRO-3, slices of ceil(numel / dp))
+    kind = "sharded"  # to_dict tag (a class attribute, not a field)
+
+    def __post_init__(self):
+        if self.dp < 1 or self.block < 1:
+            raise ValueError(f"ShardedLayout: dp and block must be >= 1, got dp={self.dp}, block={self.block}")
+        if not self.numels:
+            raise ValueError("ShardedLayout: a param group needs at least one parameter")
+        if any(n <= 0 for n in self.numels):
+            raise ValueError(f"ShardedLayout: every parameter needs at least one element, got numels {self.numels}")
+
+    def slice_numel(self, index: int) -> int:
+        """Elements of parameter `index` on every rank, padding included (DeepSpeed's `partition_numel()`)."""
+        return round_up(self.numels[index], self.block * self.dp) // self.dp
+
+    @cached_property
+    def offsets(self) -> Tuple[int, ...]:
+        """Where each parameter's slice starts inside every rank's partition (the same on every rank)."""
+        out, offset = [], 0
+        for index in range(len(self.numels)):
+            out.append(offset)
+            offset += self.slice_numel(index)
+        return tuple(out)
+
+    @property
+    def partition_size(self) -> int:
+        return self.offsets[-1] + self.slice_numel(len(self.numels) - 1)
+
+    @property
+    def total_numel(self) -> int:
+        return self.partition_size * self.dp
+
+    @property
+    def padding_numel(self) -> int:
+        """Elements of padding over all ranks (after each parameter, up to its slices' common size)."""
+        return self.total_numel - sum(self.numels)
+
+    def tail_padding(self, rank: int) -> int:
+        """Always 0: ZeRO-3 keeps each rank's whole partition, padding included, in checkpoints."""
+        return 0
+
+    def segments(self, rank: int, eight_bit: Sequence[bool]) -> Tuple[Segment, ...]:
+        """The segment table of `rank`: the non-empty part of each parameter's slice, in group order."""
+        if len(eight_bit) != len(self.numels):
+            raise ValueError(f"ShardedLayout.segments: {len(eight_bit)} precisions for {len(self.numels)} parameters")
+        if not 0 <= rank < self.dp:
+            raise ValueError(f"ShardedLayout.segments: rank {rank} outside [0, {self.dp})")
+        rows, fp32_offset = [], 0
+        for index, (numel, offset) in enumerate(zip(self.numels, self.offsets)):
+            size = self.slice_numel(index)
+            start = rank * size
+            length = min(numel - start, size)
+            if length <= 0:
+                continue  # a rank past the end of a small parameter owns none of it
+            is8 = bool(eight_bit[index])
+            rows.append(Segment(slot=index, param_start=start, numel=length, offset=offset, eight_bit=is8,
+                                fp32_offset=-1 if is8 else fp32_offset))
+            if not is8:
+                fp32_offset += length
+        return tuple(rows)
+
+    def fp32_numel(self, rank: int, eight_bit: Sequence[bool]) -> int:
+        return sum(s.numel for s in self.segments(rank, eight_bit) if not s.eight_bit)
+
+    def sub_layout(self, start: int, stop: int) -> "ShardedLayout":
+        """The layout of parameters [start, stop): a ZeRO-3 sub-group's flat partition."""
+        return ShardedLayout(numels=self.numels[start:stop], dp=self.dp, block=self.block)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "numels": list(self.numels), "dp": self.dp, "block": self.block}
+
+
+def layout_from_dict(data: dict):
+    """GroupLayout or ShardedLayout from its to_dict() (a dict without "kind" is a GroupLayout: format 1 files)."""
+    if data.get("kind", "flat") == ShardedLayout.kind:
+        return ShardedLayout(numels=tuple(int(n) for n in data["numels"]), dp=int(data["dp"]),
+                             block=int(data["block"]))
+    return GroupLayout.from_dict(data)
 
 
 def zero_alignment(stock_alignment: int, layout: GroupLayout) -> int:

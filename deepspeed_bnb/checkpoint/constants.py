@@ -21,3 +21,7 @@ KEY_CLASSES_KEY = "key_classes"  # flat-state key -> StateClass value ("element"
 STATE_KEY = "state"  # flat-state key -> tensor (untrimmed partition arrays, whole tensors) or scalar
 BASE_OPTIMIZER_STATE_KEY = "base_optimizer_state"  # DeepSpeed's entry (checkpoint.constants.BASE_OPTIMIZER_STATE)
 MASTER_WEIGHTS_KEY = "single_partition_of_fp32_groups"  # DeepSpeed's per-rank fp32 master weights (unpadded tail)
+# ZeRO-3 records only (stage 1/2 records have neither; readers then use LAYOUT_KEY and MASTER_WEIGHTS_KEY):
+MASTER_ENTRY_KEY = "master_entry"  # record: ZeRO state-dict entry with this rank's fp32 master weights, all groups
+MASTER_LAYOUT_KEY = "master_layout"  # group: layout of its fp32 master weights in that entry (stock ZeRO-3 slices)
+FP32_FLAT_GROUPS_KEY = "fp32_flat_groups"  # DeepSpeed's ZeRO-3 entry: per sub-group, this rank's fp32 slices

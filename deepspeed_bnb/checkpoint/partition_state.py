@@ -13,7 +13,7 @@ import torch
 from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.reshard import Run, copy_runs, plan
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
-from deepspeed_bnb.state_layout import GroupLayout
+from deepspeed_bnb.state_layout import GroupLayout, layout_from_dict
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -31,6 +31,7 @@ class GroupRecord:
     key_classes: Dict[str, StateClass]  # flat-state key -> class (the same on every rank)
     state: dict  # the flat state of this rank's partition (live tensors, loaded in place)
     master: Optional[torch.Tensor] = None  # this rank's fp32 master-weight partition (loaded in place)
+    master_layout: Optional[object] = None  # layout of the master weights as saved, when not `layout` (ZeRO-3)
 
 
 def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str], eight_bit: Sequence[bool],
@@ -52,9 +53,11 @@ def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str
                        master=torch.zeros(layout.partition_size, dtype=torch.float32))
 
 
-def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups: Sequence[GroupRecord]) -> dict:
-    """The record of one rank. Whole tensors (maps) are the same everywhere and stored once, by rank 0."""
-    return {
+def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups: Sequence[GroupRecord],
+                 master_entry: Optional[str] = None) -> dict:
+    """The record of one rank. Whole tensors (maps) are the same everywhere and stored once, by rank 0.
+    `master_entry`: the ZeRO state-dict entry holding the master weights when it is not DeepSpeed's stage-1/2 one."""
+    record = {
         C.FORMAT_KEY: C.FORMAT_VERSION,
         C.OPTIMIZER_CLASS_KEY: optimizer_class,
         C.OPTIMIZER_NAME_KEY: optimizer_name,
@@ -67,8 +70,12 @@ def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups
             C.KEY_CLASSES_KEY: {k: cls.value for k, cls in g.key_classes.items()},
             C.STATE_KEY: {k: v for k, v in g.state.items()
                           if k in g.key_classes and (dp_rank == 0 or g.key_classes[k] != StateClass.WHOLE)},
+            **({C.MASTER_LAYOUT_KEY: g.master_layout.to_dict()} if g.master_layout is not None else {}),
         } for g in groups],
     }
+    if master_entry is not None:
+        record[C.MASTER_ENTRY_KEY] = master_entry
+    return record
 
 
 def is_record(value) -> bool:
@@ -102,7 +109,7 @@ def _first_difference(saved: Sequence, current: Sequence, names: Sequence[str]) 
 
 def _check_group(saved: dict, live: GroupRecord, where: str) -> GroupLayout:
     """The saved group is of the same model, precisions and state keys; returns its (saving) layout."""
-    layout = GroupLayout.from_dict(saved[C.LAYOUT_KEY])
+    layout = layout_from_dict(saved[C.LAYOUT_KEY])
     if list(saved[C.PARAM_NAMES_KEY]) != list(live.param_names):
         detail = _first_difference(saved[C.PARAM_NAMES_KEY], live.param_names, live.param_names)
         raise CheckpointMismatchError(f"{where}: the checkpoint is of a different model ({detail}).")
@@ -135,11 +142,12 @@ def _check_tensor(value, shape, dtype, where: str) -> None:
 
 
 def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer_class: str,
-                 optimizer_states: bool, master_key: Optional[str]) -> None:
-    """Load this rank's share of a checkpoint written at DP size `source.dp` (any DP; same model and optimizer).
+                 optimizer_states: bool, master_weights: bool) -> None:
+    """Load this rank's share of a checkpoint written at DP size `source.dp` (any DP, stage 1, 2 or 3; same model
+    and optimizer).
 
-    `source` gives each old rank's optimizer_state_dict (sources.py); `master_key` names the entry holding the
-    old ranks' fp32 master-weight partitions (None: keep the live ones). Nothing changes unless everything fits.
+    `source` gives each old rank's optimizer_state_dict (sources.py); `master_weights`: also load the old ranks' fp32
+    master-weight partitions (False: keep the live ones). Nothing changes unless everything fits.
     """
     records = {}
 
@@ -163,32 +171,66 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
         _expect(layout.dp == source.dp, f"{source.name(0)}, param group {g}: written for {layout.dp} ranks, but the "
                                         f"checkpoint has {source.dp} rank files.")
     runs = [plan(old, live.layout, live.eight_bit, new_rank) for old, live in zip(old_layouts, groups)]
-    needed = sorted({0} | {run.src_rank for group_runs in runs for run in group_runs})
+    master_layouts = [layout_from_dict(saved.get(C.MASTER_LAYOUT_KEY, saved[C.LAYOUT_KEY]))
+                      for saved in first[C.GROUPS_KEY]]
+    master_runs = [plan(old, live.layout, live.eight_bit, new_rank) for old, live in zip(master_layouts, groups)]
+    masters = {}
+
+    def master(rank, g):
+        if (rank, g) not in masters:
+            masters[(rank, g)] = _saved_master(source.state(rank), record(rank), g, master_layouts)
+        return masters[(rank, g)]
+
+    needed = sorted({0} | {run.src_rank for group_runs in runs + (master_runs if master_weights else [])
+                           for run in group_runs})
 
     # -- validate every input before changing anything --
     for rank in needed:
         rec = record(rank)
         for g, (saved, live, old) in enumerate(zip(rec[C.GROUPS_KEY], groups, old_layouts)):
             where = f"{source.name(rank)}, param group {g}"
-            _expect(GroupLayout.from_dict(saved[C.LAYOUT_KEY]) == old and
+            _expect(layout_from_dict(saved[C.LAYOUT_KEY]) == old and
                     saved[C.KEY_CLASSES_KEY] == first[C.GROUPS_KEY][g][C.KEY_CLASSES_KEY],
                     f"{where}: layout or state keys differ from rank 0's file; the checkpoint mixes files of "
                     f"different runs.")
             if optimizer_states:
                 _check_saved_state(saved[C.STATE_KEY], live, old, rank, where)
-            if master_key is not None:
-                weights = source.state(rank)[master_key][g]
-                _check_tensor(weights, (old.partition_size - old.tail_padding(rank),), live.master.dtype,
+            if master_weights:
+                m = master_layouts[g]
+                _check_tensor(master(rank, g), (m.partition_size - m.tail_padding(rank),), live.master.dtype,
                               f"{source.name(rank)}: fp32 master weights of param group {g}")
 
     # -- apply --
     for g, (live, group_runs) in enumerate(zip(groups, runs)):
         if optimizer_states:
             _apply_group(g, live, group_runs, record)
-        if master_key is not None:
+        if master_weights:
             live.master.zero_()
-            copy_runs(live.master, lambda rank, g=g: source.state(rank)[master_key][g], group_runs,
-                      StateClass.ELEMENT)
+            copy_runs(live.master, lambda rank, g=g: master(rank, g), master_runs[g], StateClass.ELEMENT)
+
+
+def _flat_range(tensors: Sequence[torch.Tensor], start: int, length: int) -> torch.Tensor:
+    """Elements [start, start + length) of the concatenation of `tensors`, copying only the pieces it spans."""
+    pieces, offset = [], 0
+    for tensor in tensors:
+        lo, hi = max(start, offset), min(start + length, offset + tensor.numel())
+        if lo < hi:
+            pieces.append(tensor.reshape(-1).narrow(0, lo - offset, hi - lo))
+        offset += tensor.numel()
+    if not pieces or sum(p.numel() for p in pieces) != length:
+        return torch.empty(0) if not pieces else torch.cat(pieces)  # the shape check names the damage
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _saved_master(zero_state: dict, record: dict, g: int, master_layouts: Sequence) -> torch.Tensor:
+    """An old rank's fp32 master weights of param group `g`. Stage 1/2 keep them per group in DeepSpeed's
+    MASTER_WEIGHTS_KEY; stage 3 in the entry the record names (DeepSpeed's fp32_flat_groups, one tensor per sub-group,
+    stock ZeRO-3 slices so that DeepSpeed's zero_to_fp32 reads them), the groups one after another."""
+    entry = record.get(C.MASTER_ENTRY_KEY)
+    if entry is None:
+        return zero_state[C.MASTER_WEIGHTS_KEY][g]
+    start = sum(layout.partition_size for layout in master_layouts[:g])
+    return _flat_range(zero_state[entry], start, master_layouts[g].partition_size)
 
 
 def _check_saved_state(saved: dict, live: GroupRecord, old: GroupLayout, rank: int, where: str) -> None:

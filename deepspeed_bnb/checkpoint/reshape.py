@@ -78,7 +78,7 @@ def reshape(path: str, out_dir: str, dp: int, progress: bool = True) -> str:
 
     def fill(rank):
         groups = [ckpt.empty_group(g, dp, rank) for g in range(len(ckpt.groups))]
-        load_records(ckpt.source, groups, rank, first[C.OPTIMIZER_CLASS_KEY], True, C.MASTER_WEIGHTS_KEY)
+        load_records(ckpt.source, groups, rank, first[C.OPTIMIZER_CLASS_KEY], True, True)
         return groups
 
     return write_rank_files(ckpt, out_dir, dp, fill, first[C.OPTIMIZER_CLASS_KEY], first[C.OPTIMIZER_NAME_KEY],

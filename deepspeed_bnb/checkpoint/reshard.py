@@ -34,9 +34,10 @@ class Run:
 
 def plan(old: GroupLayout, new: GroupLayout, eight_bit: Sequence[bool], new_rank: int) -> Tuple[Run, ...]:
     """The runs that fill `new_rank`'s partition of `new` from the partitions of `old` (same parameters)."""
-    if old.numels != new.numels or old.block != new.block:
+    if old.numels != new.numels:
         raise ValueError(f"reshard.plan: layouts hold different parameters ({len(old.numels)} vs {len(new.numels)} "
-                         f"tensors) or block sizes ({old.block} vs {new.block})")
+                         f"tensors)")
+    # runs are block-aligned when both layouts are (state); fp32 master weights may come from stock ZeRO-3's slices
     old_pieces: Dict[int, list] = {}
     for rank in range(old.dp):
         for seg in old.segments(rank, eight_bit):

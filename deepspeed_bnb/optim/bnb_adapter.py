@@ -36,6 +36,11 @@ class StateKey:
     template: object  # what bnb created for the probe: tensor (dtype, leading rows, whole value) or scalar
 
 
+def model_numel(param: torch.Tensor) -> int:
+    """Elements of a model parameter, also when ZeRO-3 has partitioned it (its `.data` is then empty: `ds_numel`)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
 class _NoOverrides:
     """Stands in for bnb's GlobalOptimManager once overrides are resolved per model parameter.
 
@@ -92,7 +97,7 @@ class BnbAdapter:
                 finally:
                     optimizer.mng = manager
                 self._overrides[id(p)] = {k: v for k, v in config.items() if k not in plain or plain[k] != v}
-                self._eight_bit[id(p)] = uses_8bit_state(p.numel(), config["optim_bits"], config["min_8bit_size"])
+                self._eight_bit[id(p)] = uses_8bit_state(model_numel(p), config["optim_bits"], config["min_8bit_size"])
                 self._max_unorm[id(p)] = float(config.get("max_unorm", 0.0))
                 _refuse_whole_tensor_options(optimizer, config, gindex, pindex, self._eight_bit[id(p)])
         optimizer.initialized = True  # bnb's step() would re-run check_overrides/to_gpu; it is never called now

@@ -1,8 +1,9 @@
-"""Teaches `deepspeed.runtime.engine.DeepSpeedEngine` to build BnbZeroOptimizer for bitsandbytes optimizers.
+"""Teaches `deepspeed.runtime.engine.DeepSpeedEngine` to build deepspeed_bnb's ZeRO optimizers for bitsandbytes ones.
 
-`DeepSpeedEngine._configure_zero_optimizer` instantiates `DeepSpeedZeroOptimizer` by its module-level name; the
-wrapper installed here rebinds that name, for the duration of the call only, when the client optimizer is a
-bitsandbytes optimizer and ZeRO stage is 1 or 2, and `_load_zero_checkpoint` lets such an engine load its checkpoints
+`DeepSpeedEngine._configure_zero_optimizer` instantiates `DeepSpeedZeroOptimizer` (stages 1/2) and
+`deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` by their module-level names; the wrapper installed here
+rebinds the name, for the duration of the call only, to BnbZeroOptimizer / BnbZeroStage3Optimizer when the client
+optimizer is a bitsandbytes optimizer, and `_load_zero_checkpoint` lets such an engine load its checkpoints
 at any data-parallel size; `save_checkpoint` / `load_checkpoint` of such an engine publish tags crash-safely with a
 checksummed manifest and verify it on load (checkpoint/manifest.py). Every other optimizer and stage keeps
 DeepSpeed's behaviour.
@@ -15,6 +16,7 @@ import os
 import shutil
 
 import deepspeed.runtime.engine as ds_engine
+import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_is_zero_supported_optimizer
 
@@ -25,14 +27,27 @@ from deepspeed_bnb.checkpoint.manifest import file_digest, latest_tag, list_file
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.sources import FileSource, rank_file_paths
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
+from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import bnb_settings
+from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 
 _STOCK = {}  # patched attribute name -> DeepSpeed's original, filled by install()
 
 
+# ZeRO stage -> (module, its module-level name that DeepSpeed instantiates, deepspeed_bnb's class)
+_ZERO_CLASSES = {1: (ds_engine, "DeepSpeedZeroOptimizer", BnbZeroOptimizer),
+                 2: (ds_engine, "DeepSpeedZeroOptimizer", BnbZeroOptimizer),
+                 3: (ds_stage3, "DeepSpeedZeroOptimizer_Stage3", BnbZeroStage3Optimizer)}
+
+
 def _routes_to_bnb(engine, optimizer) -> bool:
-    return is_bnb_optimizer(optimizer) and engine.zero_optimization_stage() in (1, 2)
+    return is_bnb_optimizer(optimizer) and engine.zero_optimization_stage() in _ZERO_CLASSES
+
+
+def is_bnb_zero(optimizer) -> bool:
+    """Whether `optimizer` (an engine's) is one of deepspeed_bnb's ZeRO optimizers."""
+    return isinstance(optimizer, BnbPartitionsMixin)
 
 
 def _configure_optimizer(self, client_optimizer, model_parameters):
@@ -40,16 +55,20 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
     # release build its ZeRO optimizer by another route, stock ZeRO would step bnb on flat partitions (state that
     # depends on the DP size, checkpoints that do not reload) without a word: refuse that here instead.
     _STOCK["_configure_optimizer"](self, client_optimizer, model_parameters)
-    if _routes_to_bnb(self, client_optimizer) and not isinstance(self.optimizer, BnbZeroOptimizer):
+    if not _routes_to_bnb(self, client_optimizer):
+        return
+    stage = self.zero_optimization_stage()
+    module, name, ours = _ZERO_CLASSES[stage]
+    if not isinstance(self.optimizer, ours):
         import deepspeed
         built = type(self.optimizer)
         raise RuntimeError(
             f"deepspeed_bnb: DeepSpeed {deepspeed.__version__} built {built.__module__}.{built.__qualname__} for the "
-            f"bitsandbytes optimizer {type(client_optimizer).__name__} under ZeRO stage "
-            f"{self.zero_optimization_stage()}, not deepspeed_bnb's BnbZeroOptimizer: this DeepSpeed no longer "
-            f"builds its stage-1/2 optimizer through DeepSpeedEngine._configure_zero_optimizer and the module-level "
-            f"name DeepSpeedZeroOptimizer, which is where deepspeed_bnb hooks in. Stock ZeRO would shard bnb's "
-            f"quantization state element-wise. Use a DeepSpeed version deepspeed_bnb supports (see its README).")
+            f"bitsandbytes optimizer {type(client_optimizer).__name__} under ZeRO stage {stage}, not deepspeed_bnb's "
+            f"{ours.__name__}: this DeepSpeed no longer builds its stage-{stage} optimizer through "
+            f"DeepSpeedEngine._configure_zero_optimizer and the module-level name {module.__name__}.{name}, which is "
+            f"where deepspeed_bnb hooks in. Stock ZeRO would shard bnb's quantization state element-wise. Use a "
+            f"DeepSpeed version deepspeed_bnb supports (see its README).")
 
 
 def _configure_zero_optimizer(self, optimizer):
@@ -60,12 +79,20 @@ def _configure_zero_optimizer(self, optimizer):
                                   f"own CPU update; it cannot step the bitsandbytes optimizer "
                                   f"{type(optimizer).__name__} block-aware. Remove the zenflow section, or use a "
                                   f"non-bitsandbytes optimizer with ZenFlow.")
-    stock_class = ds_engine.DeepSpeedZeroOptimizer
-    ds_engine.DeepSpeedZeroOptimizer = functools.partial(BnbZeroOptimizer, **bnb_settings(self._config.zero_config))
+    if getattr(self, "super_offload", lambda: False)():
+        raise NotImplementedError(f"deepspeed_bnb: SuperOffload (offload_optimizer.super_offload) steps the optimizer "
+                                  f"with DeepSpeedCPUAdam; it cannot step the bitsandbytes optimizer "
+                                  f"{type(optimizer).__name__}. Remove super_offload.")
+    module, name, ours = _ZERO_CLASSES[self.zero_optimization_stage()]
+    if module is ds_stage3:
+        # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one
+        import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
+    stock_class = getattr(module, name)
+    setattr(module, name, functools.partial(ours, **bnb_settings(self._config.zero_config)))
     try:
         return _STOCK["_configure_zero_optimizer"](self, optimizer)
     finally:
-        ds_engine.DeepSpeedZeroOptimizer = stock_class
+        setattr(module, name, stock_class)
 
 
 def _do_optimizer_sanity_check(self, basic_optimizer):
@@ -79,7 +106,7 @@ def _do_optimizer_sanity_check(self, basic_optimizer):
 
 
 def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
-    if not isinstance(self.optimizer, BnbZeroOptimizer):
+    if not is_bnb_zero(self.optimizer):
         return _STOCK["_load_zero_checkpoint"](self, load_dir, tag, load_optimizer_states)
     # Stock DeepSpeed refuses another DP size unless the checkpoint is universal (which cannot hold bnb state), and in
     # elastic mode every rank reads every file. Our per-rank records describe their own layout, so each new rank reads
@@ -92,6 +119,18 @@ def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         self.loaded_checkpoint_dp_world_size, self.bfloat16_enabled())
     self.optimizer.bnb_load_checkpoint(FileSource(paths), load_optimizer_states, self.zero_load_from_fp32_weights())
     return True
+
+
+def _get_all_ckpt_names(self, checkpoints_path, tag):
+    # At stage 3 every rank reads the model-states file of its own DP rank; a rank that did not exist when the
+    # checkpoint was saved (it loads at a larger DP size) has none. Those files differ only in the rank they name (the
+    # parameters are partitioned, so the module entries are empty), so such a rank reads rank 0's, as DeepSpeed does
+    # for universal checkpoints.
+    names = _STOCK["_get_all_ckpt_names"](self, checkpoints_path, tag)
+    if not names and is_bnb_zero(self.optimizer) and self.zero_optimization_partition_weights():
+        import glob
+        names = sorted(glob.glob(self._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0")))
+    return names
 
 
 def _publisher(engine) -> bool:
@@ -122,7 +161,7 @@ def _collective_check(check) -> None:
 
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
     stock = _STOCK["save_checkpoint"]
-    if not isinstance(self.optimizer, BnbZeroOptimizer) or self.checkpoint_engine.is_decoupled():
+    if not is_bnb_zero(self.optimizer) or self.checkpoint_engine.is_decoupled():
         return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
@@ -145,7 +184,7 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
 
 
 def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-    if isinstance(self.optimizer, BnbZeroOptimizer) and not self.load_universal_checkpoint():
+    if is_bnb_zero(self.optimizer) and not self.load_universal_checkpoint():
         if tag is None:
             tag = latest_tag(load_dir)
         if tag is not None:
@@ -170,6 +209,7 @@ _PATCHES = (  # (owner, attribute, replacement)
     (ds_engine.DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer),
     (ds_engine.DeepSpeedEngine, "_do_optimizer_sanity_check", _do_optimizer_sanity_check),
     (ds_engine.DeepSpeedEngine, "_load_zero_checkpoint", _load_zero_checkpoint),
+    (ds_engine.DeepSpeedEngine, "_get_all_ckpt_names", _get_all_ckpt_names),
     (ds_engine.DeepSpeedEngine, "save_checkpoint", save_checkpoint),
     (ds_engine.DeepSpeedEngine, "load_checkpoint", load_checkpoint),
     (ds_engine, "is_zero_supported_optimizer", _is_zero_supported_optimizer),

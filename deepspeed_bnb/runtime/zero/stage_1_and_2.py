@@ -17,32 +17,26 @@ Everything else (gradient partitioning, reduction, clipping, loss scaling, all-g
 """
 
 import functools
-import warnings
-import zlib
-from typing import Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.utils import logger
 
-from deepspeed_bnb.checkpoint.constants import MASTER_WEIGHTS_KEY
 from deepspeed_bnb.checkpoint.manifest import describe
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
-from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
-from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
-from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep, routes
-from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero.compat import require_parameter_padding, require_reduced_grad_accum, \
     wait_for_offload_copies
+from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
 from deepspeed_bnb.utils.tensor_fragment import link_param_states
 
 
-class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
+class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
@@ -86,73 +80,13 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
                                  on_reroute=functools.partial(self._bnb_log_reroute, i))
             step.route(group)  # known before the first step, for the log below and for inspection
             self.bnb_steps.append(step)
-        self.bnb_routes = self._bnb_model_routes()  # parameter name -> FUSED or why bnb's update steps it
-        if dist.get_rank(group=self.dp_process_group) == 0:
-            logger.info(describe_routes(type(self.optimizer).__name__, self.bnb_routes))
+        self._bnb_log_routes()  # self.bnb_routes: parameter name -> FUSED or why bnb's update steps it
 
-    def _bnb_kernel_reason(self, setting, device) -> Optional[str]:
-        """Why bnb's own update steps every parameter of this optimizer on `device` (None: the fused kernel steps
-        each parameter whose bnb config it models; fused_contract.py). `true` turns every reason but the contract's
-        into an error; a kernel that should run here and cannot warns once."""
-        if setting is False:
-            return "zero_optimization.bnb_fused_kernel is false"
-        reason = optimizer_reason(self.optimizer)
-        if reason is None and device.type not in KERNEL_DEVICES:
-            reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
-        if reason is None and device.type == "cuda" and setting == "auto":
-            # the CUDA kernels are compiled and checked at first use, but have not yet been run and benchmarked
-            # on a GPU by this project: an unproven path is never the silent default
-            return ("the fused CUDA kernels are opt-in until validated on GPUs (zero_optimization.bnb_fused_kernel: "
-                    "true uses them, after the first-use check)")
-        if reason is None and not loader.load():
-            reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
-            self._bnb_fall_back(setting, reason)
-        if reason is None:
-            problem = self_check.disagreement(self.bnb.optimizer_name, device)
-            if problem:
-                reason = (f"the compiled '{self.bnb.optimizer_name}' kernel failed its first-use check on {device} "
-                          f"against its pure-torch reference ({problem})")
-                self._bnb_fall_back(setting, reason + "; please report it with your CPU/GPU model and torch/CUDA "
-                                                      "versions")
-        if reason is not None and setting is True:
-            raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {reason}. Use \"auto\" (the kernel where "
-                             f"it models bnb's update, bnb's own update elsewhere) or false.")
-        return reason
+    def _bnb_partitions(self):
+        return [(params, i, self.bnb_eight_bit[i]) for i, params in enumerate(self.round_robin_bit16_groups)]
 
-    @staticmethod
-    def _bnb_fall_back(setting, reason: str) -> None:
-        if setting is not True:  # `true` raises instead (the caller)
-            warnings.warn(f"deepspeed_bnb: {reason}. bitsandbytes' own update steps this run instead (same "
-                          f"optimizer, bnb's speed); zero_optimization.bnb_fused_kernel: false silences this.",
-                          RuntimeWarning, stacklevel=4)
-
-    def _bnb_model_routes(self) -> Dict[str, Optional[str]]:
-        """Every model parameter's route (rank-independent: it depends on the parameter and its config only)."""
-        out = {}
-        for i, params in enumerate(self.round_robin_bit16_groups):
-            found = routes(self.bnb, self.bnb_kernel_reason, self.optimizer.param_groups[i], i,
-                           [self.bnb.override(p) for p in params], self.bnb_eight_bit[i])
-            out.update({self.param_names.get(p, f"group {i} #{j}"): r for j, (p, r) in enumerate(zip(params, found))})
-        return out
-
-    def _bnb_log_reroute(self, group_no, segments, old, new) -> None:
-        params = self.round_robin_bit16_groups[group_no]
-        changed = {self.param_names.get(params[s.slot], f"group {group_no} #{s.slot}"): r
-                   for s, was, r in zip(segments, old, new) if was != r}
-        self.bnb_routes.update(changed)
-        logger.info(f"rank {dist.get_rank(group=self.dp_process_group)}: the config changed; "
-                    + describe_routes(type(self.optimizer).__name__, changed))
-
-    def bnb_update_summary(self) -> str:
-        """In words, which code steps the parameters (for logs and benchmark tables)."""
-        fused = sum(route is FUSED for route in self.bnb_routes.values())
-        if not fused:
-            return "bnb's own update"
-        where = self.single_partition_of_fp32_groups[0].device.type
-        kernel = f"fused kernel ({'C++' if where == 'cpu' else where.upper()})"
-        if fused == len(self.bnb_routes):
-            return kernel
-        return f"{kernel} for {fused} of {len(self.bnb_routes)} parameters, bnb's own update for the rest"
+    def _bnb_device(self):
+        return self.single_partition_of_fp32_groups[0].device
 
     # ---- layout -------------------------------------------------------------------------------------------------
 
@@ -230,15 +164,6 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
 
     # ---- accounting ---------------------------------------------------------------------------------------------
 
-    def bnb_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds, measured from the tensors (shared maps counted once)."""
-        seen = {}
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    seen[value.data_ptr()] = value.numel() * value.element_size()
-        return sum(seen.values())
-
     def bnb_partition_numel(self) -> int:
         """Model-parameter elements this rank updates (its segments; alignment padding excluded)."""
         return sum(seg.numel for segments in self.bnb_segments for seg in segments)
@@ -264,27 +189,6 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
                                        state=state, master=partition.data))
         return records
 
-    def _bnb_optimizer_class(self) -> str:
-        cls = type(self.optimizer)
-        return f"{cls.__module__}.{cls.__qualname__}"
-
-    def _bnb_check_whole_state(self, records: List[GroupRecord]) -> None:
-        # Whole tensors are saved once (by rank 0) for all ranks: make sure they really are the same everywhere.
-        keys = [(g, key) for g, record in enumerate(records) for key in sorted(record.state)
-                if record.key_classes.get(key) == StateClass.WHOLE]
-        if not keys:
-            return
-        mine = torch.tensor([zlib.crc32(records[g].state[key].detach().cpu().contiguous().view(torch.uint8)
-                                        .numpy().tobytes()) for g, key in keys], dtype=torch.int64)
-        lowest, highest = mine.clone(), mine.clone()
-        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.dp_process_group)
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.dp_process_group)
-        differing = [f"{key!r} (param group {g})" for (g, key), lo, hi in zip(keys, lowest, highest) if lo != hi]
-        if differing:
-            raise RuntimeError(f"deepspeed_bnb: whole (replicated) optimizer state {', '.join(differing)} differs "
-                               f"between ranks, so it cannot be saved once for all of them. If it is per-rank state, "
-                               f"remove it from zero_optimization.bnb_keep_whole (or lower bnb_keep_whole_threshold).")
-
     def state_dict(self):
         state_dict = super().state_dict()
         records = self._bnb_group_records()
@@ -307,7 +211,7 @@ class BnbZeroOptimizer(DeepSpeedZeroOptimizer):
         wait_for_offload_copies(self)
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
-                     MASTER_WEIGHTS_KEY if load_from_fp32_weights else None)
+                     load_from_fp32_weights)
         self._load_global_state(source.state(rank if rank < source.dp else 0))
         if not load_from_fp32_weights:
             self._restore_from_bit16_weights()
