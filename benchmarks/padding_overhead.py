@@ -1,7 +1,9 @@
-"""Padding cost of the block-aligned layout: every parameter starts on a 256-element block, groups pad to 256 * dp.
+"""Padding cost of the block-aligned layouts: ZeRO-1/2 (every parameter starts on a 256-element block, groups pad to
+256 * dp) and ZeRO-3 (every parameter padded to 256 * dp, so each rank's slice is whole blocks).
 
-Pure arithmetic on real model shapes (no weights are built): prints, per model and DP size, the padding elements and
-their share of the parameters. Usage: python benchmarks/padding_overhead.py [--dp 1 8 64 1024]
+Pure arithmetic on real model shapes (no weights are built): prints, per model, stage and DP size, the padding
+elements and their share of the parameters, beside stock ZeRO-3's own padding (each parameter to a multiple of dp).
+Usage: python benchmarks/padding_overhead.py [--dp 1 8 64 1024]
 """
 
 import argparse
@@ -10,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepspeed_bnb.state_layout import GroupLayout  # noqa: E402
+from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout  # noqa: E402
 
 
 def gpt2_shapes(layers=12, width=768, vocab=50257, context=1024):
@@ -44,14 +46,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 8, 64, 1024], help="data-parallel sizes")
     args = parser.parse_args()
-    print("| model | parameters | tensors | DP | padding elements | padding / parameters |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | parameters | tensors | ZeRO stage | DP | padding elements | padding / parameters | "
+          "stock ZeRO-3 padding |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
     for name, groups in MODELS.items():
         params = sum(map(sum, groups))
         tensors = sum(map(len, groups))
-        for dp in args.dp:
-            padding = sum(GroupLayout(tuple(g), dp).padding_numel for g in groups)
-            print(f"| {name} | {params:,} | {tensors} | {dp} | {padding:,} | {100 * padding / params:.4f}% |")
+        for stage, layout in (("1/2", GroupLayout), ("3", ShardedLayout)):
+            for dp in args.dp:
+                padding = sum(layout(tuple(g), dp).padding_numel for g in groups)
+                stock = (f"{100 * sum(ShardedLayout(tuple(g), dp, block=1).padding_numel for g in groups) / params:.4f}%"
+                         if stage == "3" else "")
+                print(f"| {name} | {params:,} | {tensors} | {stage} | {dp} | {padding:,} | "
+                      f"{100 * padding / params:.4f}% | {stock} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ the pytest side compares across world sizes. Scenarios:
 """
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -49,14 +50,20 @@ TRAIN_CONFIGS = {
     "fp32_stage2_bnb_update": dict(stage=2, bnb_fused_kernel=False),  # bnb's own update instead of the fused kernel
     "bf16_stage2_clip": dict(stage=2, bf16=True, clip=0.05),
     "bf16_stage1_fp32_accum": dict(stage=1, bf16=True, data_types={"grad_accum_dtype": "fp32"}),
+    "fp32_stage3": dict(stage=3),  # every parameter persistent (the toy's are all below the 1e5 default)
+    # parameters partitioned at construction (as HF does), several sub-groups, none persistent, clipping
+    "fp32_stage3_zero_init": dict(stage=3, zero_init=True, sub_group_size=4000, stage3_param_persistence_threshold=0,
+                                  clip=0.05),
+    "fp32_stage3_offload": dict(stage=3, offload=True),
 }
-STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2)}
+STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(stage=3)}
 
 
-def build(world, seed=0, stock=False, lr=1e-3, **cfg):
-    model = make_model(seed)
+def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, **cfg):
     extra = {k: cfg.pop(k) for k in ("data_types",) if k in cfg}
     config = {**ds_config(world, **cfg), **extra}
+    with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
+        model = make_model(seed)
     optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=lr), min_8bit_size=MIN_8BIT_SIZE)
     if stock:
         config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers
@@ -222,32 +229,49 @@ def scenario_whole_mismatch(world, rank, out):
 
 # Elastic checkpoints: each kind is saved at every DP size N and loaded at every M (stage flipped for some M, and by a
 # loader built with another lr: hyper-parameters and moments must come from the checkpoint).
-ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict(stage=2, bf16=True)}
+ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict(stage=2, bf16=True),
+                 "fp32_stage3": dict(stage=3, stage3_gather_16bit_weights_on_model_save=True)}
+RESHAPED_KINDS = ("fp32_stage1", "bf16_stage2")  # the kinds `deepspeed-bnb reshape` rewrites (stage 1/2 files)
 LOADER_LR = 5e-2
+LOADER_STAGES = {1: {2: 2, 4: 3}, 2: {2: 1, 4: 1}, 3: {2: 2, 4: 1}}  # saving stage -> {M: loading stage} (else same)
 
 
 def loader_stage(kind_stage, world):
-    return kind_stage if world % 2 else 3 - kind_stage  # even M switches stage 1 <-> 2
+    return LOADER_STAGES[kind_stage].get(world, kind_stage)
+
+
+def stage3_exports(engine, folder, reference):
+    """DeepSpeed's own readers of a ZeRO-3 checkpoint give the trained weights: zero_to_fp32 (from the rank files)
+    and the 16-bit model gathered at save (stage3_gather_16bit_weights_on_model_save)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    engine.save_16bit_model(folder, "model16.bin")
+    if dist.get_rank() != 0:
+        return None
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(folder, tag="t")
+    gathered = torch.load(os.path.join(folder, "model16.bin"), weights_only=True)
+    return {"zero_to_fp32": all(torch.equal(fp32[n].flatten(), ref["master"]) for n, ref in reference.items()),
+            "gathered_16bit": all(torch.equal(gathered[n].flatten(), ref["master"]) for n, ref in reference.items())}
 
 
 def global_state(engine, world):
-    """Every parameter's bnb state and fp32 master weights, gathered from all ranks (independent of the layout)."""
-    opt = engine.optimizer
-    mine = [({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in opt.optimizer.state[p].items()},
-             p.detach().cpu().clone()) for p in opt.single_partition_of_fp32_groups]
+    """Every parameter's bnb state and fp32 master weights, gathered from all ranks (independent of the layout and of
+    the ZeRO stage: the optimizer's checkpoint records, which describe their own layout)."""
+    records = engine.optimizer._bnb_group_records()
+    mine = [({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in r.state.items()},
+             r.master.detach().cpu().clone()) for r in records]
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     out = {}
-    for g, params in enumerate(opt.round_robin_bit16_groups):
-        layout, eight_bit = opt.bnb_layouts[g], opt.bnb_eight_bit[g]
+    for g, record in enumerate(records):
+        layout, eight_bit = record.layout, record.eight_bit
         states = [everyone[r][g][0] for r in range(world)]
-        per_param = gather_param_states(layout, eight_bit, opt.bnb.stored_classes(states[0]), states)
+        per_param = gather_param_states(layout, eight_bit, record.key_classes, states)
         masters = {}
         for rank in range(world):
             for seg in layout.segments(rank, eight_bit):
                 masters.setdefault(seg.slot, []).append(everyone[rank][g][1].narrow(0, seg.offset, seg.numel))
-        for slot, p in enumerate(params):
-            out[opt.param_names[p]] = {**per_param[slot], "master": torch.cat(masters[slot])}
+        for slot, name in enumerate(record.param_names):
+            out[name] = {**per_param[slot], "master": torch.cat(masters[slot])}
     return out
 
 
@@ -275,7 +299,8 @@ def scenario_elastic_save(world, rank, out):
         reference = global_state(engine, world)
         if rank == 0:
             torch.save(reference, os.path.join(folder, "reference_state.pt"))
-        results[kind] = {"continued": run_steps(engine, range(3, 13), world, rank)}
+        exports = stage3_exports(engine, folder, reference) if cfg["stage"] == 3 else None
+        results[kind] = {"continued": run_steps(engine, range(3, 13), world, rank), "exports": exports}
     return results
 
 
@@ -284,6 +309,8 @@ def scenario_elastic_load(world, rank, out, sources):
     for kind, cfg in ELASTIC_KINDS.items():
         cfg = {**cfg, "stage": loader_stage(cfg["stage"], world)}
         for saved_dp in sources:  # a DP size, or "r<N>": a checkpoint that `deepspeed-bnb reshape` wrote for N ranks
+            if saved_dp.startswith("r") and kind not in RESHAPED_KINDS:
+                continue
             folder = os.path.join(out, "elastic", kind, f"reshaped{saved_dp[1:]}" if saved_dp.startswith("r")
                                   else f"dp{saved_dp}")
             engine = build(world, seed=1, lr=LOADER_LR, **cfg)

@@ -55,7 +55,8 @@ def launched(out, world, scenarios, sources):
 
 def reshape_dp1_for_three(out):
     from deepspeed_bnb.checkpoint.reshape import reshape
-    for kind in ("fp32_stage1", "bf16_stage2"):
+    from distributed_scenarios import RESHAPED_KINDS
+    for kind in RESHAPED_KINDS:
         folder = os.path.join(out, "elastic", kind)
         reshape(os.path.join(folder, "dp1"), os.path.join(folder, "reshaped1"), 3, progress=False)
         shutil.copy(os.path.join(folder, "dp1", "reference_state.pt"), os.path.join(folder, "reshaped1"))

@@ -31,20 +31,32 @@ def max_delta(a, b):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("config", ["fp32_stage1", "fp32_stage2", "fp32_stage2_clip", "fp32_stage2_clip_accum",
-                                    "fp32_stage2_offload", "fp32_stage2_round_robin", "fp32_stage2_bnb_update"])
+                                    "fp32_stage2_offload", "fp32_stage2_round_robin", "fp32_stage2_bnb_update",
+                                    "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload"])
 def test_fp32_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]
-    assert run["optimizer"] == "BnbZeroOptimizer"
+    assert run["optimizer"] == ("BnbZeroStage3Optimizer" if "stage3" in config else "BnbZeroOptimizer")
     assert max_delta(run["losses"], single["losses"]) < FP32_TOL
     assert single["losses"][-1] < single["losses"][0] - 0.5  # it trains
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_stock_deepspeed_does_not_track_single_rank(results, world):
-    """Negative control for the bar above: stock ZeRO quantizes per partition, so its state depends on DP."""
-    run, single = results[world]["train"]["stock_fp32_stage2"], results[1]["train"]["stock_fp32_stage2"]
-    assert run["optimizer"] == "DeepSpeedZeroOptimizer"
+@pytest.mark.parametrize("stage,built", [(2, "DeepSpeedZeroOptimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")])
+def test_stock_deepspeed_does_not_track_single_rank(results, world, stage, built):
+    """Negative control for the bar above: stock ZeRO quantizes per partition (stage 3: per sub-group of parameter
+    slices), so its state depends on DP."""
+    name = f"stock_fp32_stage{stage}"
+    run, single = results[world]["train"][name], results[1]["train"][name]
+    assert run["optimizer"] == built
     assert max_delta(run["losses"], single["losses"]) > 10 * FP32_TOL
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stage3_matches_stage2(results, world):
+    """The same per-parameter layout of bnb state whatever the stage: ZeRO-3 steps what ZeRO-2 steps (offload too)."""
+    train = results[world]["train"]
+    assert max_delta(train["fp32_stage3"]["losses"], train["fp32_stage2"]["losses"]) < FP32_TOL
+    assert train["fp32_stage3_offload"]["losses"] == train["fp32_stage3"]["losses"]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

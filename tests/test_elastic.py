@@ -1,9 +1,11 @@
 """Checkpoints load at any data-parallel size: every (N, M) in {1,2,3,4}², lossless, and training continues.
 
-Two checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint on) and bf16 with ZeRO-2 (off). Each
-is loaded at each M, with the other ZeRO stage for even M, by an engine built with a 50x larger lr. Checks: every
-parameter's codes, absmax, fp32 moments, step and fp32 master weights equal what was saved, byte for byte; the saved
-lr is restored; 10 more steps track the run that never stopped. Control: loading without optimizer state diverges.
+Three checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint on), bf16 with ZeRO-2 (off) and fp32
+with ZeRO-3. Each is loaded at each M, under another ZeRO stage for even M (1 -> 2 and 3, 2 -> 1, 3 -> 2 and 1:
+distributed_scenarios.LOADER_STAGES), by an engine built with a 50x larger lr. Checks: every parameter's codes, absmax,
+fp32 moments, step and fp32 master weights equal what was saved, byte for byte; the saved lr is restored; 10 more
+steps track the run that never stopped. Control: loading without optimizer state diverges. The ZeRO-3 checkpoints are
+also read by DeepSpeed's own zero_to_fp32 and written as a gathered 16-bit model: both give the saved weights.
 The scenarios run in launches shared with test_distributed.py (tests/scenario_runs.py): DP=1 in the test process,
 then one launch per N in 2..4 that saves and loads from N' <= N, then one per M in 2..3 that loads from the larger N
 (and, at M=3, the DP=1 checkpoints rewritten offline for 3 ranks by `deepspeed-bnb reshape`).
@@ -11,6 +13,7 @@ then one launch per N in 2..4 that saves and loads from N' <= N, then one per M 
 
 import pytest
 
+from distributed_scenarios import ELASTIC_KINDS, RESHAPED_KINDS, loader_stage
 from scenario_runs import SIZES
 
 FP32_TOL, BF16_TOL = 1e-5, 5e-3
@@ -24,19 +27,19 @@ def runs(scenario_results):
         for key, value in result["elastic_load"].items():
             kind, saved = key.rsplit("_from", 1)
             loads[(kind, saved, world)] = value
-    assert sorted(saves) == list(SIZES) and len(loads) == 2 * (len(SIZES) ** 2 + 1)
+    assert sorted(saves) == list(SIZES) and len(loads) == len(ELASTIC_KINDS) * len(SIZES) ** 2 + len(RESHAPED_KINDS)
     return saves, loads
 
 
-CASES = [(kind, n, m) for kind in ("fp32_stage1", "bf16_stage2") for n in SIZES for m in SIZES]
+CASES = [(kind, n, m) for kind in ELASTIC_KINDS for n in SIZES for m in SIZES]
 
 
 @pytest.mark.parametrize("kind,saved,loaded", CASES)
 def test_load_at_any_dp(runs, kind, saved, loaded):
     saves, loads = runs
     run, reference = loads[(kind, str(saved), loaded)], saves[saved][kind]["continued"]
-    saved_stage = 1 if kind.endswith("stage1") else 2
-    assert run["stage"] == (saved_stage if loaded % 2 else 3 - saved_stage)
+    saved_stage = ELASTIC_KINDS[kind]["stage"]
+    assert run["stage"] == loader_stage(saved_stage, loaded)
     assert run["state_identical"], "per-parameter state or master weights differ from what was saved"
     assert run["lr"] == [1e-3, 5e-4], "hyper-parameters must come from the checkpoint"
     tolerance = FP32_TOL if kind.startswith("fp32") else BF16_TOL
@@ -46,7 +49,14 @@ def test_load_at_any_dp(runs, kind, saved, loaded):
         assert run["continued"] == reference
 
 
-@pytest.mark.parametrize("kind", ["fp32_stage1", "bf16_stage2"])
+@pytest.mark.parametrize("saved", SIZES)
+def test_deepspeed_reads_the_zero3_weights(runs, saved):
+    """DeepSpeed's zero_to_fp32 (stock ZeRO-3 slices in fp32_flat_groups) and stage3_gather_16bit_weights_on_model_save
+    give exactly the saved fp32 master weights of every parameter."""
+    assert runs[0][saved]["fp32_stage3"]["exports"] == {"zero_to_fp32": True, "gathered_16bit": True}
+
+
+@pytest.mark.parametrize("kind", RESHAPED_KINDS)
 def test_reshaped_checkpoint_loads_like_the_original(runs, kind):
     """`deepspeed-bnb reshape` of the DP=1 checkpoint to 3 ranks, loaded by 3 ranks."""
     saves, loads = runs

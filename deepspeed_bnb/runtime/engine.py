@@ -121,16 +121,49 @@ def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     return True
 
 
+MODEL_STATES_PATTERNS = ("mp_rank_*_model_states.pt", "zero_pp_rank_0_mp_rank_*_model_states.pt")  # stage 1/2, 3
+
+
 def _get_all_ckpt_names(self, checkpoints_path, tag):
     # At stage 3 every rank reads the model-states file of its own DP rank; a rank that did not exist when the
     # checkpoint was saved (it loads at a larger DP size) has none. Those files differ only in the rank they name (the
     # parameters are partitioned, so the module entries are empty), so such a rank reads rank 0's, as DeepSpeed does
-    # for universal checkpoints.
+    # for universal checkpoints. A checkpoint of the other stage family (1/2 <-> 3) names its file the other way.
     names = _STOCK["_get_all_ckpt_names"](self, checkpoints_path, tag)
-    if not names and is_bnb_zero(self.optimizer) and self.zero_optimization_partition_weights():
+    if not names and is_bnb_zero(self.optimizer):
         import glob
-        names = sorted(glob.glob(self._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0")))
+        for pattern in MODEL_STATES_PATTERNS[::-1] if self.zero_optimization_partition_weights() else \
+                MODEL_STATES_PATTERNS:
+            names = sorted(glob.glob(os.path.join(checkpoints_path, str(tag), pattern)))
+            if names:
+                break
     return names
+
+
+def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                           z3_params_to_fetch=None, allowed_missing_keys=None):
+    # A deepspeed_bnb checkpoint loads into another ZeRO stage family: stage 1/2 files hold full module weights,
+    # stage 3 files empty ones (partitioned). Into a stage-3 engine, full weights load as DeepSpeed loads them for
+    # module-only loads (gathered, loaded, partitioned again); into a stage-1/2 engine, a stage-3 file's weights are
+    # rebuilt by DeepSpeed's own zero_to_fp32 from the rank files. The fp32 master weights in the optimizer records
+    # then overwrite them either way.
+    stock = _STOCK["load_module_state_dict"]
+    saved = checkpoint.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0) if isinstance(
+        checkpoint.get("ds_config"), dict) else 0
+    if is_bnb_zero(self.optimizer) and custom_load_fn is None and saved:
+        live_partitioned = self.zero_optimization_partition_weights()
+        if live_partitioned and saved < 3:
+            fetch_z3_params = True
+        elif not live_partitioned and saved == 3 and getattr(self, "_bnb_loading", None):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            load_dir, tag = self._bnb_loading
+            weights = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=str(tag))
+            module = dict(checkpoint["module"])
+            for name, param in self.module.named_parameters():
+                if name in weights:
+                    module[name] = weights[name].to(param.dtype)
+            checkpoint["module"] = module
+    return stock(self, checkpoint, strict, custom_load_fn, fetch_z3_params, z3_params_to_fetch, allowed_missing_keys)
 
 
 def _publisher(engine) -> bool:
@@ -195,6 +228,11 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
             manifest = read_manifest(tag_dir) if os.path.isdir(tag_dir) else None
             if manifest is not None:  # every file is size-checked by every rank and hashed by exactly one
                 _collective_check(lambda: verify(tag_dir, manifest, _shared_share(self, sorted(manifest["files"]))))
+        self._bnb_loading = (load_dir, tag)  # for load_module_state_dict, which DeepSpeed does not tell
+        try:
+            return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+        finally:
+            self._bnb_loading = None
     return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
 
 
@@ -210,6 +248,7 @@ _PATCHES = (  # (owner, attribute, replacement)
     (ds_engine.DeepSpeedEngine, "_do_optimizer_sanity_check", _do_optimizer_sanity_check),
     (ds_engine.DeepSpeedEngine, "_load_zero_checkpoint", _load_zero_checkpoint),
     (ds_engine.DeepSpeedEngine, "_get_all_ckpt_names", _get_all_ckpt_names),
+    (ds_engine.DeepSpeedEngine, "load_module_state_dict", load_module_state_dict),
     (ds_engine.DeepSpeedEngine, "save_checkpoint", save_checkpoint),
     (ds_engine.DeepSpeedEngine, "load_checkpoint", load_checkpoint),
     (ds_engine, "is_zero_supported_optimizer", _is_zero_supported_optimizer),

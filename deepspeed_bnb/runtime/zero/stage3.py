@@ -226,6 +226,20 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         with self._bnb_holding(sub_group_id):
             self.bnb_steps[sub_group_id].step(group, partition, partition.grad, self.optimizer.state[partition])
 
+    # ---- DeepSpeed's parameter-level API ------------------------------------------------------------------------
+
+    def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
+        # DeepSpeed's ZeRO-3 safe_{get,set}_{full,local}_optimizer_state read `optimizer.state[flat][key]` element by
+        # element: for bnb state that is uint8 codes or per-block scales, handed out as if they were moments. The fp32
+        # weights and gradients (no key) are DeepSpeed's and stay available.
+        if optim_state_key is not None:
+            raise NotImplementedError(
+                f"deepspeed_bnb: DeepSpeed's parameter-level optimizer-state API (key {optim_state_key!r}) is not "
+                f"available for bitsandbytes state under ZeRO stage 3 yet: the state is 8-bit codes with per-block "
+                f"scales, not one fp32 value per element. Use ZeRO stage 1/2 (where it returns the dequantized "
+                f"moments), or `deepspeed-bnb export DIR OUT --optimizer-state` on a checkpoint.")
+        return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
+
     # ---- accounting ---------------------------------------------------------------------------------------------
 
     def bnb_partition_numel(self) -> int:

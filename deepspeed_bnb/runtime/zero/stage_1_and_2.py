@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP
+from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, DS_VERSION
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_bnb.checkpoint.manifest import describe
@@ -212,8 +212,19 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
                      load_from_fp32_weights)
-        self._load_global_state(source.state(rank if rank < source.dp else 0))
+        self._load_global_state(_with_version(source, rank if rank < source.dp else 0))
         if not load_from_fp32_weights:
             self._restore_from_bit16_weights()
+        else:  # the model weights follow the loaded fp32 master weights (a stage-3 file holds no module weights)
+            self.update_lp_params()
         if load_optimizer_states:
             self._link_all_hp_params()
+
+
+def _with_version(source, rank) -> dict:
+    """A rank's ZeRO state for `_load_global_state`, which requires DeepSpeed's version inside it: stage-1/2 state
+    dicts carry it, stage-3 ones do not (the file around them does)."""
+    state = source.state(rank)
+    if DS_VERSION not in state and hasattr(source, "blob"):
+        state = {**state, DS_VERSION: source.blob(rank).get(DS_VERSION)}
+    return state

@@ -1,0 +1,183 @@
+"""ZeRO-3 on one CPU rank: routing, bnb's own arithmetic per parameter, block-aligned partitions, what is refused.
+
+Each case runs through deepspeed.initialize with `"stage": 3` (tests/toy.py's model) and compares with plain
+bitsandbytes on a copy of the model (`bnb_fused_kernel: false`), or with ZeRO-2 (the default path, whose kernel
+relation to bnb tests/test_matches_bnb.py holds). Multi-rank ZeRO-3 (DP 2 and 3 against DP 1, zero.Init,
+sub-groups, offload, stock control, elastic checkpoints) runs in tests/test_distributed.py and tests/test_elastic.py.
+"""
+
+from contextlib import nullcontext
+
+import bitsandbytes as bnb
+import deepspeed
+import pytest
+import torch
+
+import deepspeed_bnb  # noqa: F401
+from bnb_optimizers import FACTORIES
+from bnb_state import flat_bnb_state
+from deepspeed_bnb.checkpoint.param_state import gather_param_states
+from deepspeed_bnb.runtime import engine as engine_module
+from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
+from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
+from deepspeed_bnb.state_layout import round_up
+from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
+
+STEPS = 3
+
+
+def engine_of(factory, model, stage=3, **zero):
+    config = {**ds_config(1, stage=stage, **zero), "zero_force_ds_cpu_optimizer": False}  # client optimizer offloaded
+    return deepspeed.initialize(model=model, optimizer=factory(param_groups(model)), config=config)[0]
+
+
+def weights(engine):
+    """name -> full weight (gathered at stage 3)."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if engine.zero_optimization_stage() == 3 else nullcontext():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def states(engine):
+    """name -> bnb-style state of the parameter, from the optimizer's records (DP=1: one rank holds all of it)."""
+    out = {}
+    for record in engine.optimizer._bnb_group_records():
+        per_param = gather_param_states(record.layout, record.eight_bit, record.key_classes, [record.state])
+        out.update(zip(record.param_names, per_param))
+    return out
+
+
+def train_plain(model, optimizer):
+    for step in range(STEPS):
+        tokens, targets = global_batch(step)
+        loss_fn(model, tokens, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def assert_same(mine: dict, theirs: dict, label: str):
+    assert mine.keys() == theirs.keys(), label
+    for key in mine:
+        if torch.is_tensor(mine[key]):
+            assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{label}.{key}"
+        else:
+            assert mine[key] == theirs[key], f"{label}.{key}"
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit", "AdEMAMix8bit", "AdamW_32bit"])
+def test_stage3_dp1_equals_plain_bnb(one_rank, name):
+    """bnb's own update under ZeRO-3: weights and every parameter's state equal plain bnb's, bit for bit."""
+    model = make_model(0)
+    reference = clone(model)
+    engine = engine_of(FACTORIES[name], model, bnb_fused_kernel=False)
+    assert isinstance(engine.optimizer, BnbZeroStage3Optimizer)
+    plain = FACTORIES[name](param_groups(reference))
+    train_steps(engine, range(STEPS))
+    train_plain(reference, plain)
+    mine, trained = states(engine), weights(engine)
+    for pname, q in reference.named_parameters():
+        assert torch.equal(trained[pname], q.detach()), f"{name}: weights of {pname} differ"
+        assert_same(mine[pname], flat_bnb_state(plain.state[q], q.numel()), f"{name}: {pname}")
+    assert not torch.equal(trained["fc1.weight"], make_model(0).fc1.weight.detach())  # it trained
+
+
+def test_stage3_default_equals_stage2_default(one_rank):
+    """The default path (fused kernel where the contract allows, bnb elsewhere) steps ZeRO-3 partitions as it steps
+    ZeRO-2's: the same weights and state bytes. Control: another lr changes them."""
+    runs = {}
+    for stage, lr in ((2, 1e-3), (3, 1e-3), (3, 2e-3)):
+        model = make_model(0)
+        engine = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model, lr=lr)),
+                                      config=ds_config(1, stage=stage))[0]
+        assert "fused kernel (C++)" in engine.optimizer.bnb_update_summary()
+        train_steps(engine, range(STEPS))
+        runs[(stage, lr)] = weights(engine), states(engine)
+    for (w2, s2), (w3, s3) in [(runs[(2, 1e-3)], runs[(3, 1e-3)])]:
+        for name in w2:
+            assert torch.equal(w2[name], w3[name]), name
+            assert_same(s3[name], s2[name], name)
+    assert not torch.equal(runs[(3, 2e-3)][0]["fc1.weight"], runs[(3, 1e-3)][0]["fc1.weight"])
+
+
+def test_stage3_per_parameter_overrides_match_plain_bnb(one_rank):
+    """The 32-bit embedding override HF Trainer registers (register_module_override(module, "weight",
+    {"optim_bits": 32})) gives that parameter fp32 state under ZeRO-3, as in plain bnb. Control: without it, 8-bit."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    found = {}
+    try:
+        for override in (True, False):
+            model = make_model(0)
+            reference = clone(model)
+            for m in (model, reference):
+                manager.initialize()
+                if override:
+                    manager.register_module_override(m.emb, "weight", {"optim_bits": 32})
+                if m is model:
+                    engine = engine_of(FACTORIES["AdamW8bit"], model, bnb_fused_kernel=False)
+                else:
+                    plain = FACTORIES["AdamW8bit"](param_groups(reference))
+            train_steps(engine, range(STEPS))
+            train_plain(reference, plain)
+            mine, trained = states(engine), weights(engine)
+            for pname, q in reference.named_parameters():
+                assert torch.equal(trained[pname], q.detach()), pname
+                assert_same(mine[pname], flat_bnb_state(plain.state[q], q.numel()), pname)
+            found[override] = mine["emb.weight"]["state1"].dtype
+    finally:
+        manager.initialize()
+    assert found == {True: torch.float32, False: torch.uint8}
+
+
+def test_only_bnb_parameters_get_block_aligned_partitions(one_rank):
+    """Parameters a bnb optimizer steps are partitioned in whole 256-element blocks; a torch optimizer's engine keeps
+    DeepSpeed's own partitions (control)."""
+    bnb_engine = engine_of(FACTORIES["AdamW8bit"], make_model(0))
+    torch_model = make_model(0)
+    torch_engine = deepspeed.initialize(model=torch_model, optimizer=torch.optim.AdamW(torch_model.parameters()),
+                                        config=ds_config(1, stage=3))[0]
+    for p in bnb_engine.module.parameters():
+        assert is_block_aligned(p) and p.partition_numel() == round_up(p.ds_numel, 256)
+    for p in torch_engine.module.parameters():
+        assert not is_block_aligned(p) and p.partition_numel() == p.ds_numel
+
+
+def test_routing_cannot_fail_silently(one_rank, monkeypatch):
+    """Should DeepSpeed build its stage-3 optimizer by another route than the module-level name deepspeed_bnb swaps,
+    initialize raises, naming the DeepSpeed version and what changed. Control: the normal route."""
+    assert isinstance(engine_of(FACTORIES["AdamW8bit"], make_model(0)).optimizer, BnbZeroStage3Optimizer)
+    stock = engine_module._STOCK["_configure_zero_optimizer"]
+    stock_class = engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3
+
+    def another_route(self, optimizer):
+        ours, engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3 = \
+            engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3, stock_class
+        try:
+            return stock(self, optimizer)
+        finally:
+            engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3 = ours
+
+    monkeypatch.setitem(engine_module._STOCK, "_configure_zero_optimizer", another_route)
+    with pytest.raises(RuntimeError, match=rf"DeepSpeed {deepspeed.__version__} built "
+                                           r"deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 .*AdamW8bit"):
+        engine_of(FACTORIES["AdamW8bit"], make_model(0))
+
+
+@pytest.mark.parametrize("zero,named", [
+    (dict(reduce_scatter=False), "reduce_scatter: false"),
+    (dict(offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}), "offload_optimizer.device: nvme"),
+    (dict(zero_quantized_weights=True), "zero_quantized_weights"),
+])
+def test_unsupported_stage3_settings_are_refused_by_name(one_rank, zero, named):
+    with pytest.raises(NotImplementedError, match=f"{named} is not supported .*AdamW8bit under ZeRO stage 3"):
+        engine_of(FACTORIES["AdamW8bit"], make_model(0), **zero)
+
+
+def test_parameter_state_api_refuses_rather_than_hand_out_codes(one_rank):
+    """DeepSpeed's ZeRO-3 safe_get_full_optimizer_state would read bnb's uint8 codes as moments: refused, naming the
+    key; the fp32 weights (no key) stay DeepSpeed's own."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    engine = engine_of(FACTORIES["AdamW8bit"], make_model(0))
+    train_steps(engine, range(1))
+    with pytest.raises(NotImplementedError, match=r"key 'exp_avg'\) is not available .* ZeRO stage 3"):
+        safe_get_full_optimizer_state(engine.module.fc1.weight, "exp_avg")
+    assert torch.equal(safe_get_full_fp32_param(engine.module.fc1.weight), weights(engine)["fc1.weight"])
