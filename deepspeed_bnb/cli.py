@@ -12,7 +12,8 @@ def _inspect(args):
 
 def _reshape(args):
     from deepspeed_bnb.checkpoint.reshape import reshape
-    print(f"wrote {reshape(args.checkpoint, args.out, args.dp, progress=not args.quiet)} for {args.dp} ranks")
+    written = reshape(args.checkpoint, args.out, args.dp, progress=not args.quiet, stage=args.stage)
+    print(f"wrote {written} for {args.dp} ranks" + (f" at ZeRO stage {args.stage}" if args.stage else ""))
 
 
 def _export(args):
@@ -89,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--quiet", action="store_true", help="no progress bars")
     commands.choices["reshape"].add_argument("--dp", type=int, required=True,
                                              help="data-parallel size to write the checkpoint for")
+    commands.choices["reshape"].add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
+                                             help="ZeRO stage to write the files of (default: the checkpoint's)")
     commands.choices["export"].add_argument("--optimizer-state", action="store_true",
                                             help="also write optimizer.safetensors (fp32 state per parameter, e.g. "
                                                  "<name>.exp_avg, <name>.exp_avg_sq, <name>.step) and "

@@ -55,6 +55,7 @@ TRAIN_CONFIGS = {
     "fp32_stage3_zero_init": dict(stage=3, zero_init=True, sub_group_size=4000, stage3_param_persistence_threshold=0,
                                   clip=0.05),
     "fp32_stage3_offload": dict(stage=3, offload=True),
+    "bf16_stage3_clip": dict(stage=3, bf16=True, clip=0.05),
 }
 STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(stage=3)}
 
@@ -231,7 +232,8 @@ def scenario_whole_mismatch(world, rank, out):
 # loader built with another lr: hyper-parameters and moments must come from the checkpoint).
 ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict(stage=2, bf16=True),
                  "fp32_stage3": dict(stage=3, stage3_gather_16bit_weights_on_model_save=True)}
-RESHAPED_KINDS = ("fp32_stage1", "bf16_stage2")  # the kinds `deepspeed-bnb reshape` rewrites (stage 1/2 files)
+# kind -> the ZeRO stage `deepspeed-bnb reshape` writes its DP=1 checkpoint for 3 ranks at (None: the same)
+RESHAPED_KINDS = {"fp32_stage1": 3, "bf16_stage2": None, "fp32_stage3": 2}
 LOADER_LR = 5e-2
 LOADER_STAGES = {1: {2: 2, 4: 3}, 2: {2: 1, 4: 1}, 3: {2: 2, 4: 1}}  # saving stage -> {M: loading stage} (else same)
 

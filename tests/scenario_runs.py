@@ -56,9 +56,9 @@ def launched(out, world, scenarios, sources):
 def reshape_dp1_for_three(out):
     from deepspeed_bnb.checkpoint.reshape import reshape
     from distributed_scenarios import RESHAPED_KINDS
-    for kind in RESHAPED_KINDS:
+    for kind, stage in RESHAPED_KINDS.items():
         folder = os.path.join(out, "elastic", kind)
-        reshape(os.path.join(folder, "dp1"), os.path.join(folder, "reshaped1"), 3, progress=False)
+        reshape(os.path.join(folder, "dp1"), os.path.join(folder, "reshaped1"), 3, progress=False, stage=stage)
         shutil.copy(os.path.join(folder, "dp1", "reference_state.pt"), os.path.join(folder, "reshaped1"))
 
 

@@ -58,7 +58,8 @@ def test_deepspeed_reads_the_zero3_weights(runs, saved):
 
 @pytest.mark.parametrize("kind", RESHAPED_KINDS)
 def test_reshaped_checkpoint_loads_like_the_original(runs, kind):
-    """`deepspeed-bnb reshape` of the DP=1 checkpoint to 3 ranks, loaded by 3 ranks."""
+    """`deepspeed-bnb reshape` of the DP=1 checkpoint to 3 ranks (stage 1 -> files of stage 3, stage 3 -> stage 2),
+    loaded by 3 ranks."""
     saves, loads = runs
     run, original = loads[(kind, "r1", 3)], loads[(kind, "1", 3)]
     assert run["state_identical"] and run["lr"] == original["lr"]

@@ -178,7 +178,7 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
 
     def master(rank, g):
         if (rank, g) not in masters:
-            masters[(rank, g)] = _saved_master(source.state(rank), record(rank), g, master_layouts)
+            masters[(rank, g)] = saved_master(source.state(rank), record(rank), g, master_layouts)
         return masters[(rank, g)]
 
     needed = sorted({0} | {run.src_rank for group_runs in runs + (master_runs if master_weights else [])
@@ -222,7 +222,7 @@ def _flat_range(tensors: Sequence[torch.Tensor], start: int, length: int) -> tor
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _saved_master(zero_state: dict, record: dict, g: int, master_layouts: Sequence) -> torch.Tensor:
+def saved_master(zero_state: dict, record: dict, g: int, master_layouts: Sequence) -> torch.Tensor:
     """An old rank's fp32 master weights of param group `g`. Stage 1/2 keep them per group in DeepSpeed's
     MASTER_WEIGHTS_KEY; stage 3 in the entry the record names (DeepSpeed's fp32_flat_groups, one tensor per sub-group,
     stock ZeRO-3 slices so that DeepSpeed's zero_to_fp32 reads them), the groups one after another."""

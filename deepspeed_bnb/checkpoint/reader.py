@@ -15,13 +15,23 @@ from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.manifest import latest_tag, read_manifest, verify
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, GroupRecord, check_record, \
-    empty_group_record, is_record
+    empty_group_record, is_record, saved_master
 from deepspeed_bnb.checkpoint.sources import FileSource
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.state_layout import GroupLayout
+from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one model-states file
+STAGE3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per DP rank (empty module weights)
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_STAGE3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+
+
+def model_states_name(tag_dir: str) -> str:
+    """The model-states file a loader reads first: stage 1/2's, or stage 3's of rank 0."""
+    for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):
+        if os.path.isfile(os.path.join(tag_dir, name)):
+            return name
+    return MODEL_STATES
 
 
 def resolve_tag_dir(path: str) -> str:
@@ -29,7 +39,7 @@ def resolve_tag_dir(path: str) -> str:
     tag = latest_tag(path)
     if tag is not None:
         return os.path.join(path, tag)
-    if os.path.isfile(os.path.join(path, MODEL_STATES)):
+    if os.path.isfile(os.path.join(path, model_states_name(path))):
         return path
     raise CheckpointMismatchError(f"{path} is neither a checkpoint directory (no 'latest' file) nor a tag directory "
                                   f"(no {MODEL_STATES}). Pass the directory given to save_checkpoint, or a tag in it.")
@@ -59,7 +69,7 @@ class SavedCheckpoint:
     @property
     def model_states(self) -> dict:
         if not hasattr(self, "_model_states"):
-            path = os.path.join(self.tag_dir, MODEL_STATES)
+            path = os.path.join(self.tag_dir, model_states_name(self.tag_dir))
             if not os.path.isfile(path):
                 raise CheckpointMismatchError(f"{path} is missing.")
             self._model_states = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
@@ -86,8 +96,13 @@ class SavedCheckpoint:
     def groups(self) -> List[dict]:
         return self.record(0)[C.GROUPS_KEY]
 
-    def layout(self, g: int) -> GroupLayout:
-        return GroupLayout.from_dict(self.groups[g][C.LAYOUT_KEY])
+    @property
+    def zero_stage(self) -> int:
+        return int(self.optimizer_state(0).get("zero_stage", 2))
+
+    def layout(self, g: int):
+        """GroupLayout (stage 1/2) or ShardedLayout (stage 3) of group g as saved."""
+        return layout_from_dict(self.groups[g][C.LAYOUT_KEY])
 
     def key_classes(self, g: int) -> Dict[str, StateClass]:
         return {k: StateClass(v) for k, v in self.groups[g][C.KEY_CLASSES_KEY].items()}
@@ -108,23 +123,29 @@ class SavedCheckpoint:
 
     def master_weights(self, g: int) -> List[torch.Tensor]:
         """fp32 master weights of every parameter of group g (flattened), joined from every rank."""
-        layout, eight_bit = self.layout(g), self.groups[g][C.EIGHT_BIT_KEY]
+        group = self.groups[g]
+        layout = layout_from_dict(group.get(C.MASTER_LAYOUT_KEY, group[C.LAYOUT_KEY]))
+        eight_bit = group[C.EIGHT_BIT_KEY]
+        layouts = [layout_from_dict(saved.get(C.MASTER_LAYOUT_KEY, saved[C.LAYOUT_KEY])) for saved in self.groups]
         pieces: Dict[int, list] = {}
         for rank in range(self.dp):
-            master = self.optimizer_state(rank)[C.MASTER_WEIGHTS_KEY][g]
+            master = saved_master(self.optimizer_state(rank), self.record(rank), g, layouts)
             for seg in layout.segments(rank, eight_bit):
                 pieces.setdefault(seg.slot, []).append(master.narrow(0, seg.offset, seg.numel))
         return [torch.cat(pieces[slot]) for slot in range(len(layout.numels))]
 
-    def empty_group(self, g: int, dp: int, rank: int) -> GroupRecord:
-        """A zero GroupRecord of group g for `rank` of a layout at `dp` ranks, shaped like the saved state."""
+    def empty_group(self, g: int, dp: int, rank: int, stage: int = 2) -> GroupRecord:
+        """A zero GroupRecord of group g for `rank` of a layout at `dp` ranks and ZeRO `stage`, shaped like the saved
+        state."""
         saved = self.groups[g]
-        return empty_group_record(GroupLayout(self.layout(g).numels, dp), rank, saved[C.PARAM_NAMES_KEY],
+        layout = (ShardedLayout if stage == 3 else GroupLayout)(self.layout(g).numels, dp)
+        return empty_group_record(layout, rank, saved[C.PARAM_NAMES_KEY],
                                   saved[C.EIGHT_BIT_KEY], self.key_classes(g), saved[C.STATE_KEY],
                                   saved[C.HYPERPARAMS_KEY])
 
     def other_files(self) -> List[str]:
         """Files of the tag that are neither rank optimizer files nor the manifest (model states, ...)."""
         return sorted(name for name in os.listdir(self.tag_dir)
-                      if not _RANK_FILE.match(name) and not name.startswith("deepspeed_bnb_manifest"))
+                      if not _RANK_FILE.match(name) and not _STAGE3_MODEL_FILE.match(name)
+                      and not name.startswith("deepspeed_bnb_manifest"))
 

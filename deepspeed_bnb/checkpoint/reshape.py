@@ -1,14 +1,17 @@
-"""Offline resharding: rewrite a deepspeed_bnb checkpoint for another data-parallel size (lossless copy).
+"""Offline resharding: rewrite a deepspeed_bnb checkpoint for another data-parallel size and ZeRO stage (lossless).
 
-Engines built with deepspeed_bnb load a checkpoint at any DP size directly; `reshape` writes the files a run at DP
-size M would have written, for tools that expect them or to spread the read load of a later resume. It also writes
-the per-rank files other offline writers (convert) produce, through `write_rank_files`.
+Engines built with deepspeed_bnb load a checkpoint at any DP size and stage directly; `reshape` writes the files a run
+at DP size M (and stage S) would have written, for tools that expect them or to spread the read load of a later
+resume. It also writes the per-rank files other offline writers (convert) produce, through `write_rank_files`.
+Stage 3 files hold DeepSpeed's `fp32_flat_groups` in stock ZeRO-3 slices (what zero_to_fp32 reads) and one
+model-states file per rank; stage 1/2 files hold `single_partition_of_fp32_groups` and one model-states file.
 """
 
+import copy
 import os
 import shutil
 from collections import OrderedDict
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS, PARAM_ALIGNMENT_PADDINGS, \
@@ -19,8 +22,12 @@ from tqdm import tqdm
 from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.manifest import describe, fresh_staging, publish_staged
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
-from deepspeed_bnb.checkpoint.reader import MODEL_STATES, SavedCheckpoint
+from deepspeed_bnb.checkpoint.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint
 from deepspeed_bnb.checkpoint.sources import OPTIMIZER_STATE_DICT
+from deepspeed_bnb.state_layout import ShardedLayout
+
+STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS,
+                  PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
 
 
 def rank_file_name(rank: int, bf16: bool) -> str:
@@ -28,10 +35,29 @@ def rank_file_name(rank: int, bf16: bool) -> str:
 
 
 def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, optimizer_class: str,
-                    optimizer_name: str) -> dict:
-    """DeepSpeed's per-rank optimizer state for `groups` (filled GroupRecords of `rank`), other keys from `base`."""
-    state = {k: v for k, v in base.items()
-             if k not in (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP)}
+                    optimizer_name: str, full_masters: Optional[Callable[[int], List]] = None) -> dict:
+    """DeepSpeed's per-rank optimizer state for `groups` (filled GroupRecords of `rank`), other keys from `base`.
+    Stage 3 (ShardedLayout groups) needs `full_masters(g)`: every parameter's fp32 weights, for the stock slices."""
+    state = {k: v for k, v in base.items() if k not in STAGE_SPECIFIC}
+    if groups and isinstance(groups[0].layout, ShardedLayout):
+        state[C.ZERO_STAGE_KEY] = 3
+        state[PARTITION_COUNT] = dp
+        state[C.FP32_FLAT_GROUPS_KEY] = []
+        for g, group in enumerate(groups):
+            group.master_layout = ShardedLayout(group.layout.numels, dp, block=1)
+            pieces = []
+            for j, master in enumerate(full_masters(g)):
+                size = group.master_layout.slice_numel(j)
+                piece = torch.zeros(size, dtype=torch.float32)
+                real = master.reshape(-1)[rank * size:(rank + 1) * size]
+                piece[:real.numel()] = real
+                pieces.append(piece)
+            state[C.FP32_FLAT_GROUPS_KEY].append(torch.cat(pieces))
+        state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups,
+                                                         master_entry=C.FP32_FLAT_GROUPS_KEY)
+        return state
+    if state.get(C.ZERO_STAGE_KEY) == 3:  # from a stage-3 checkpoint: DeepSpeed's stage-1/2 keys
+        state[C.ZERO_STAGE_KEY] = 2
     state[C.MASTER_WEIGHTS_KEY] = [
         g.master.narrow(0, 0, g.layout.partition_size - g.layout.tail_padding(rank)).clone() for g in groups]
     state[GROUP_PADDINGS] = [g.layout.tail_padding(rank) for g in groups]
@@ -44,42 +70,72 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
     return state
 
 
+def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
+    """The checkpoint's model states for `dp` ranks at `stage`: stage-3 files of the source hold no module weights, so a
+    stage-1/2 target gets the fp32 master weights (in the module's dtype) instead."""
+    states = dict(ckpt.model_states)
+    states["dp_world_size"] = dp
+    config = copy.deepcopy(states.get("ds_config"))
+    if isinstance(config, dict):
+        config.setdefault("zero_optimization", {})["stage"] = stage
+        states["ds_config"] = config
+    if stage < 3 and ckpt.zero_stage == 3:
+        module = dict(states["module"])
+        for g, shapes in enumerate(ckpt.param_shapes()):
+            for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
+                dtype = module[name].dtype if name in module else torch.float32
+                module[name] = master.reshape(shape).to(dtype)
+        states["module"] = module
+    return states
+
+
 def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callable[[int], List[GroupRecord]],
-                     optimizer_class: str, optimizer_name: str, progress: bool = True) -> str:
-    """Stage and publish a new tag in `out_dir`: model states of `ckpt` (at DP `dp`) and one file per new rank with
-    the groups `fill(rank)` returns. Returns the published tag directory."""
+                     optimizer_class: str, optimizer_name: str, progress: bool = True,
+                     stage: Optional[int] = None) -> str:
+    """Stage and publish a new tag in `out_dir`: model states of `ckpt` (at DP `dp` and ZeRO `stage`, the source's by
+    default) and one file per new rank with the groups `fill(rank)` returns. Returns the published tag directory."""
+    stage = ckpt.zero_stage if stage is None else stage
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     staged = fresh_staging(out_dir, tag)
     for name in ckpt.other_files():
-        if name == MODEL_STATES:
-            states = dict(ckpt.model_states)
-            states["dp_world_size"] = dp
-            torch.save(states, os.path.join(staged, name))
-        else:
+        if name != MODEL_STATES:
             shutil.copy2(os.path.join(ckpt.tag_dir, name), os.path.join(staged, name))
+    states = model_states_for(ckpt, dp, stage)
+    for name in [STAGE3_MODEL_STATES.format(rank) for rank in range(dp)] if stage == 3 else [MODEL_STATES]:
+        torch.save(states, os.path.join(staged, name))
+    masters = {}
+
+    def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
+        if g not in masters:
+            masters[g] = ckpt.master_weights(g)
+        return masters[g]
+
     described = None
     for rank in tqdm(range(dp), desc="rank files", disable=not progress):
         groups = fill(rank)
         blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
         blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp, optimizer_class,
-                                                     optimizer_name)
+                                                     optimizer_name, full_masters)
         torch.save(blob, os.path.join(staged, rank_file_name(rank, ckpt.bf16_names)))
         described = [(g.param_names, g.layout.numels, g.eight_bit) for g in groups]
-    stage = int(ckpt.optimizer_state(0).get("zero_stage", 2))
     return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described))
 
 
-def reshape(path: str, out_dir: str, dp: int, progress: bool = True) -> str:
-    """Write checkpoint `path` (a checkpoint or tag directory) into `out_dir` for `dp` data-parallel ranks."""
+def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Optional[int] = None) -> str:
+    """Write checkpoint `path` (a checkpoint or tag directory) into `out_dir` for `dp` data-parallel ranks at ZeRO
+    `stage` (1, 2 or 3; default: the checkpoint's own)."""
     if dp < 1:
         raise ValueError(f"reshape: --dp must be a positive number of ranks, got {dp}")
+    if stage is not None and stage not in (1, 2, 3):
+        raise ValueError(f"reshape: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
     ckpt = SavedCheckpoint(path)
     first = ckpt.record(0)
+    stage = ckpt.zero_stage if stage is None else stage
 
     def fill(rank):
-        groups = [ckpt.empty_group(g, dp, rank) for g in range(len(ckpt.groups))]
+        groups = [ckpt.empty_group(g, dp, rank, stage) for g in range(len(ckpt.groups))]
         load_records(ckpt.source, groups, rank, first[C.OPTIMIZER_CLASS_KEY], True, True)
         return groups
 
     return write_rank_files(ckpt, out_dir, dp, fill, first[C.OPTIMIZER_CLASS_KEY], first[C.OPTIMIZER_NAME_KEY],
-                            progress)
+                            progress, stage)

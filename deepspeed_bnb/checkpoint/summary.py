@@ -29,7 +29,7 @@ def summary(path: str, verify_checksums: bool = False) -> str:
         f"format      deepspeed_bnb record v{record[C.FORMAT_KEY]}; manifest: "
         + (f"v{manifest['manifest_version']}, {len(manifest['files'])} files, {checked}" if manifest else "none"),
         f"written by  ZeRO stage {int(first_state.get('zero_stage', 0))}, {ckpt.dp} data-parallel ranks, "
-        f"DeepSpeed {first_state.get('ds_version', '?')}",
+        f"DeepSpeed {first_state.get('ds_version', ckpt.source.blob(0).get('ds_version', '?'))}",
         f"optimizer   {record[C.OPTIMIZER_CLASS_KEY]} (bnb update rule '{record[C.OPTIMIZER_NAME_KEY]}')",
     ]
     shapes = ckpt.param_shapes()
