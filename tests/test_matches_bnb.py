@@ -25,19 +25,11 @@ from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
 from deepspeed_bnb.optim.partition_step import FUSED
 from deepspeed_bnb.state_layout import GroupLayout
-from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
+from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_plain, train_steps
 
 STEPS = 3
 FUSED_FACTORIES = {**FACTORIES, "SGD_32bit_momentum": lambda p: bnb.optim.SGD(p, lr=1e-2, momentum=0.9,
                                                                               min_8bit_size=1000)}
-
-
-def train_plain(model, optimizer):
-    for step in range(STEPS):
-        tokens, targets = global_batch(step)
-        loss_fn(model, tokens, targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def engine_param_states(engine):

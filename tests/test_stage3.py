@@ -21,7 +21,7 @@ from deepspeed_bnb.runtime import engine as engine_module
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.state_layout import round_up
-from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
+from toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
 
 STEPS = 3
 
@@ -45,14 +45,6 @@ def states(engine):
         per_param = gather_param_states(record.layout, record.eight_bit, record.key_classes, [record.state])
         out.update(zip(record.param_names, per_param))
     return out
-
-
-def train_plain(model, optimizer):
-    for step in range(STEPS):
-        tokens, targets = global_batch(step)
-        loss_fn(model, tokens, targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def assert_same(mine: dict, theirs: dict, label: str):

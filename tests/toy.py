@@ -114,6 +114,15 @@ def train_steps(engine, steps):
     return losses
 
 
+def train_plain(model, optimizer, steps=range(3)):
+    """The reference: plain training of `model` with `optimizer` (no DeepSpeed), one global batch per step."""
+    for step in steps:
+        tokens, targets = global_batch(step)
+        loss_fn(model, tokens, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def moment_values(label: str, shape, positive: bool = False) -> torch.Tensor:
     """Deterministic optimizer-state values to set (the same at every DP size): each 256-element block of the
     flattened tensor gets its own scale between 1e-7 and 1e-1, and the second block, where there is one, is all zero."""
