@@ -1,7 +1,7 @@
 """Accelerate and HF Trainer drive deepspeed_bnb end to end on CPU: save on N ranks, resume on M, match the run that
 never stopped; under optimizer offload the bnb optimizer is kept where Accelerate would swap it for DeepSpeedCPUAdam.
 
-Five launches, 12 steps each of tiny models (examples/train_accelerate.py, examples/train_hf_trainer.py), saving after
+Seven launches, 12 steps each of tiny models (examples/train_accelerate.py, examples/train_hf_trainer.py), saving after
 step 6 (global batch 8: 4 per rank on 2 ranks, 8 on 1, the same sequences at each step):
 - `accelerate launch` (configs/accelerate_zero2.yaml, 2 ranks): uninterrupted run, `accelerator.save_state` at 6;
 - `accelerate launch --num_processes 1` with configs/zero2_accelerate_offload.json (offload, no
@@ -10,7 +10,10 @@ step 6 (global batch 8: 4 per rank on 2 ranks, 8 on 1, the same sequences at eac
 - torchrun 2 ranks: Trainer (optim="adamw_bnb_8bit") uninterrupted, checkpoint-6;
 - torchrun 1 rank: Trainer uninterrupted, checkpoint-6; resume from the 2-rank checkpoint-6; control without
   optimizer state;
-- torchrun 2 ranks: Trainer resume from the 1-rank checkpoint-6, under offload.
+- torchrun 2 ranks: Trainer resume from the 1-rank checkpoint-6, under offload;
+- in the first two Trainer launches, the same with configs/zero3_hf_trainer.json: a 2-rank ZeRO-3 run, resumed from
+  its checkpoint-6 on 1 rank; and two `accelerate launch` runs with configs/accelerate_zero3.yaml (save at 6 on 2
+  ranks, resume on 1).
 Tolerance: the runs compared differ only in the order of floating-point reductions (two half-batch means averaged by
 DeepSpeed vs one full-batch mean), about 1e-7 relative per step: the suite's fp32 bar of 1e-5 (measured 5e-7 to
 1.5e-6). Controls that lose the optimizer state differ by about 0.3, so they must exceed 1e-2.
@@ -99,6 +102,29 @@ def test_accelerate_keeps_bnb_under_offload(accelerate_runs):
     assert logs["imports"]["prepare_deepspeed_from"] == "deepspeed_bnb.integrations.accelerate"
 
 
+@pytest.fixture(scope="module")
+def accelerate_zero3_runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("accelerate_zero3"))
+    args = TINY.replace("--max_steps", "--steps").split()
+    ckpt = os.path.join(out, "state")
+    accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "examples/train_accelerate.py", *args,
+                      "--save_at", "6", "--save_dir", ckpt, "--log_json", os.path.join(out, "uninterrupted.json"))
+    accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "--num_processes", "1",
+                      "examples/train_accelerate.py", *args, "--resume", ckpt, "--save_dir", os.path.join(out, "unused"),
+                      "--log_json", os.path.join(out, "resume.json"))
+    return {name: read(out, name) for name in ("uninterrupted", "resume")}
+
+
+@needs_accelerate
+def test_accelerate_zero3_resume_on_one_rank_matches(accelerate_zero3_runs):
+    """`accelerate launch` with a ZeRO-3 config (configs/accelerate_zero3.yaml): accelerator.save_state on 2 ranks,
+    load_state on 1, the same losses."""
+    uninterrupted, resumed = accelerate_zero3_runs["uninterrupted"], accelerate_zero3_runs["resume"]
+    assert uninterrupted["optimizer"] == resumed["optimizer"] == "BnbZeroStage3Optimizer"
+    assert (uninterrupted["world"], resumed["world"], resumed["start"]) == (2, 1, 6)
+    assert len(resumed["losses"]) == 6 and max_diff(resumed, uninterrupted) < TOL
+
+
 @needs_accelerate
 def test_offload_decision():
     """Key absent: set false (kept). Explicitly true: left alone, with a warning naming the fix. Otherwise untouched."""
@@ -157,13 +183,18 @@ def trainer_runs(tmp_path_factory):
     def run(name, extra):
         return f"{name}:{TINY} --output_dir {out}/{name} --log_json {out}/{name}.json {extra}"
 
-    torchrun("client_runs.py", 2, "trainer", out, run("uninterrupted2", "--save_steps 6"))
+    zero3 = f"--deepspeed {os.path.join(ROOT, 'configs', 'zero3_hf_trainer.json')}"
+    # ZeRO-3 runs last in a launch: DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process
+    torchrun("client_runs.py", 2, "trainer", out, run("uninterrupted2", "--save_steps 6"),
+             run("zero3_uninterrupted2", f"--save_steps 6 {zero3}"))
     torchrun("client_runs.py", 1, "trainer", out, run("uninterrupted1", "--save_steps 6"),
              run("resume2to1", f"--resume {out}/uninterrupted2/checkpoint-6"),
-             run("resume2to1-weights-only", f"--resume {out}/uninterrupted2/checkpoint-6"))
+             run("resume2to1-weights-only", f"--resume {out}/uninterrupted2/checkpoint-6"),
+             run("zero3_resume2to1", f"--resume {out}/zero3_uninterrupted2/checkpoint-6 {zero3}"))
     resume1to2 = run("resume1to2", f"--resume {out}/uninterrupted1/checkpoint-6 --deepspeed {out}/offload.json")
     offloaded = torchrun("client_runs.py", 2, "trainer", out, resume1to2)
-    names = ("uninterrupted2", "uninterrupted1", "resume2to1", "resume2to1-weights-only", "resume1to2", "imports")
+    names = ("uninterrupted2", "uninterrupted1", "resume2to1", "resume2to1-weights-only", "resume1to2",
+             "zero3_uninterrupted2", "zero3_resume2to1", "imports")
     return {name: read(out, name) for name in names}, offloaded.stdout + offloaded.stderr
 
 
@@ -172,7 +203,8 @@ def test_trainer_optimizer_is_bnb_inside_bnb_zero(trainer_runs):
     logs, offloaded_output = trainer_runs
     for name, log in logs.items():
         if name != "imports":
-            assert log["optimizer"] == "BnbZeroOptimizer", name
+            assert log["optimizer"] == ("BnbZeroStage3Optimizer" if name.startswith("zero3") else
+                                        "BnbZeroOptimizer"), name
             assert (log["basic_optimizer"], log["optim_bits"]) == ("bitsandbytes.optim.adamw.AdamW", 8), name
     assert logs["resume1to2"]["offload"] and not logs["resume2to1"]["offload"]
     assert "deepspeed_bnb: keeping AdamW under offload_optimizer" in offloaded_output
@@ -205,3 +237,15 @@ def test_accelerate_patch_arrives_lazily(trainer_runs):
     """`import deepspeed_bnb` does not import Accelerate; importing Accelerate afterwards installs the patch."""
     assert trainer_runs[0]["imports"] == {"accelerate_imported_by_deepspeed_bnb": False,
                                        "prepare_deepspeed_from": "deepspeed_bnb.integrations.accelerate"}
+
+
+@needs_transformers
+def test_trainer_zero3_resumes_on_one_rank(trainer_runs):
+    """HF Trainer with a ZeRO-3 DeepSpeed config (configs/zero3_hf_trainer.json): checkpoint-6 of a 2-rank run
+    resumes on 1 rank with the same losses; the 2-rank run itself matches the ZeRO-2 one (the same bnb state layout)."""
+    logs = trainer_runs[0]
+    run, reference = logs["zero3_resume2to1"], logs["zero3_uninterrupted2"]
+    assert (run["world"], reference["world"]) == (1, 2)
+    assert sorted(map(int, run["losses"])) == list(range(7, 13))
+    assert max_diff(run, reference) < TOL
+    assert max_diff(reference, logs["uninterrupted2"]) < TOL
