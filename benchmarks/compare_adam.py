@@ -1,4 +1,4 @@
-"""bnb AdamW8bit through deepspeed_bnb against 32-bit Adams: memory, checkpoint size, speed and loss under ZeRO-2.
+"""bnb AdamW8bit through deepspeed_bnb against 32-bit Adams: memory, checkpoint size, speed and loss under ZeRO-2 or 3.
 
 Trains the demo's byte-level GPT (examples/gpt.py) on the stdlib's source (examples/stdlib_text.py) on 2 CPU ranks,
 once per optimizer, each as its own torchrun job (so peak RSS is per configuration), with the same model init, data,
@@ -11,6 +11,7 @@ Writes compare_adam.md (tables), compare_adam.json (everything measured), loss.p
 
     python benchmarks/compare_adam.py            # demo model, 200 steps per optimizer (a few minutes on 2 cores)
     python benchmarks/compare_adam.py --quick    # tiny model, 30 steps: a smoke test (about a minute)
+    python benchmarks/compare_adam.py --stage 3  # the same under ZeRO-3 (results in benchmarks/results/stage3)
 """
 
 import argparse
@@ -40,11 +41,13 @@ def parse_args():
     p.add_argument("--steps", type=int, help="override the preset's steps per optimizer")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel CPU ranks (default 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage of every configuration")
     args = p.parse_args()
     args.preset = dict(QUICK if args.quick else FULL)
     if args.steps:
         args.preset["steps"] = args.steps
-    args.out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "")
+    args.out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "",
+                                        "stage3" if args.stage == 3 else "")
     return args
 
 
@@ -54,7 +57,7 @@ def run_config(config: str, args) -> dict:
         flags = [f"--{k}={v}" for k, v in args.preset.items()]
         wall = torchrun(os.path.join(HERE, "compare_adam_worker.py"), args.nproc,
                         ["--config", config, "--result", result, "--ckpt_dir", os.path.join(tmp, "ckpt"),
-                         "--seed", args.seed, *flags])
+                         "--seed", args.seed, "--stage", args.stage, *flags])
         with open(result) as f:
             return json.load(f) | {"job_wall_s": wall}
 
@@ -69,7 +72,7 @@ def main():
         results[config] = run_config(config, args) | {"load_avg_1min_at_start": load}
         r = results[config]
         print(f"{config:14s} {r['job_wall_s']:5.1f} s  {r['update_path']}", flush=True)
-    meta = {"preset": args.preset, "quick": args.quick, "nproc": args.nproc, "seed": args.seed,
+    meta = {"preset": args.preset, "quick": args.quick, "nproc": args.nproc, "seed": args.seed, "stage": args.stage,
             "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
             "total_wall_s": time.perf_counter() - started, "environment": environment()}
     with open(os.path.join(args.out, "compare_adam.json"), "w") as f:

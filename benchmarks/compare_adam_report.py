@@ -64,7 +64,7 @@ def tables(results: dict, meta: dict) -> str:
     tail = max(5, p["steps"] // 10)
     lines = [
         (f"Model: GPT width {p['width']}, depth {p['depth']}, context {p['context']} ({any_r['n_params']:,} "
-        f"parameters); ZeRO-2, fp32, {meta['nproc']} CPU ranks, micro-batch {p['batch']} per rank, {p['steps']} "
+        f"parameters); ZeRO-{meta.get('stage', 2)}, fp32, {meta['nproc']} CPU ranks, micro-batch {p['batch']} per rank, {p['steps']} "
         f"steps, WarmupLR to 3e-3 over {p['warmup_lr_steps']} steps, betas (0.9, 0.95), weight decay 0.1 "
         f"(matrices), clipping 1.0, seed {meta['seed']}. Step time: median after {p['timing_skip']} warm-up "
         f"steps. Final loss: mean of the last {tail} steps (averaged over ranks). Validation: {p['valid_batches']} "
@@ -118,7 +118,7 @@ def tables(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_loss(results: dict, path: str) -> None:
+def plot_loss(results: dict, path: str, stage: int = 2) -> None:
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -136,7 +136,7 @@ def plot_loss(results: dict, path: str) -> None:
     bottom.set_ylabel(f"loss - {LABELS[REFERENCE]}")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
-    fig.suptitle("Same model, data, seed and schedule; ZeRO-2 on CPU ranks")
+    fig.suptitle(f"Same model, data, seed and schedule; ZeRO-{stage} on CPU ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -179,6 +179,6 @@ def write_report(results: dict, meta: dict, out: str) -> str:
     text = tables(results, meta)
     with open(os.path.join(out, "compare_adam.md"), "w") as f:
         f.write("# compare_adam results\n\n" + text + "\n![loss](loss.png)\n\n![memory](memory.png)\n")
-    plot_loss(results, os.path.join(out, "loss.png"))
+    plot_loss(results, os.path.join(out, "loss.png"), meta.get("stage", 2))
     plot_memory(results, os.path.join(out, "memory.png"))
     return text

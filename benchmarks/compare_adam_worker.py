@@ -1,4 +1,4 @@
-"""One rank of one compare_adam.py configuration: train the demo GPT under ZeRO-2, measure, write a JSON result.
+"""One rank of one compare_adam.py configuration: train the demo GPT under ZeRO-2 or 3, measure, write a JSON result.
 
 Launched by compare_adam.py through torchrun (one job per configuration, so peak RSS is per configuration).
 """
@@ -42,13 +42,14 @@ def parse_args():
     p.add_argument("--valid_batches", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage")
     p.add_argument("--local_rank", type=int, default=0)
     return p.parse_args()
 
 
 def ds_config(args) -> dict:
     """The same training setup for every optimizer; only the optimizer and its deepspeed_bnb keys differ."""
-    zero = {"stage": 2}
+    zero = {"stage": args.stage}
     if args.config.startswith("bnb8"):
         zero["bnb_fused_kernel"] = args.config == "bnb8_fused"
     cfg = {
@@ -101,6 +102,14 @@ def mean_over_ranks(values) -> list:
     return (t / tdist.get_world_size()).tolist()
 
 
+MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")  # DeepSpeed's fp32 weights: ZeRO-1/2, ZeRO-3
+
+
+def master_partitions(zero) -> list:
+    """This rank's fp32 master-weight tensors (ZeRO-1/2 or ZeRO-3 attribute)."""
+    return getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+
+
 def checkpoint_sizes(folder: str) -> dict:
     """Bytes on disk: all files, the *optim_states* files, and inside those the master weights vs the rest."""
     total = optim = master = 0
@@ -112,7 +121,8 @@ def checkpoint_sizes(folder: str) -> dict:
             if "optim_states" in name:
                 optim += size
                 saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-                master += sum(t.untyped_storage().nbytes() for t in saved["single_partition_of_fp32_groups"])
+                key = next(k for k in MASTER_KEYS if k in saved)
+                master += sum(t.untyped_storage().nbytes() for t in saved[key])
     return {"ckpt_total": total, "ckpt_optim": optim, "ckpt_optim_master": master}
 
 
@@ -139,7 +149,7 @@ def main():
         loss = engine(x, y)
         engine.backward(loss)
         before_step = time.perf_counter()
-        engine.step()  # ZeRO-2 reduced the gradients during backward; this is clip, update and all-gather
+        engine.step()  # ZeRO reduced the gradients during backward; this is clip, update (and ZeRO-2's all-gather)
         done = time.perf_counter()
         step_times.append(done - started)
         update_times.append(done - before_step)
@@ -163,7 +173,7 @@ def main():
         # what deepspeed_bnb reports about itself, to cross-check the generic walk above
         "bnb_state_bytes": zero.bnb_state_bytes() if hasattr(zero, "bnb_state_bytes") else None,
         "bnb_partition_numel": zero.bnb_partition_numel() if hasattr(zero, "bnb_partition_numel") else None,
-        "master_numel": sum(t.numel() for t in zero.single_partition_of_fp32_groups),
+        "master_numel": sum(t.numel() for t in master_partitions(zero)),
         "rss_at_start": rss_at_start,
         "rss_peak_train": rss_peak_train,
     }
@@ -182,6 +192,7 @@ def main():
             "base_optimizer": qualname(zero.optimizer),
             "update_path": update_path(engine),
             "world": world,
+            "stage": args.stage,
             "n_params": n_params,
             "model": {"width": args.width, "depth": args.depth, "context": args.context, "vocab": cfg.vocab},
             "steps": args.steps,

@@ -51,10 +51,11 @@ TRAIN_CONFIGS = {
     "bf16_stage2_clip": dict(stage=2, bf16=True, clip=0.05),
     "bf16_stage1_fp32_accum": dict(stage=1, bf16=True, data_types={"grad_accum_dtype": "fp32"}),
     "fp32_stage3": dict(stage=3),  # every parameter persistent (the toy's are all below the 1e5 default)
-    # parameters partitioned at construction (as HF does), several sub-groups, none persistent, clipping
+    # parameters partitioned at construction (as HF does), several sub-groups, none persistent, clipping,
+    # gradient accumulation
     "fp32_stage3_zero_init": dict(stage=3, zero_init=True, sub_group_size=4000, stage3_param_persistence_threshold=0,
-                                  clip=0.05),
-    "fp32_stage3_offload": dict(stage=3, offload=True),
+                                  clip=0.05, micro_steps=2),
+    "fp32_stage3_offload": dict(stage=3, offload=True, offload_param={"device": "cpu"}),
     "bf16_stage3_clip": dict(stage=3, bf16=True, clip=0.05),
 }
 STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(stage=3)}
