@@ -12,6 +12,8 @@ Writes compare_adam.md (tables), compare_adam.json (everything measured), loss.p
     python benchmarks/compare_adam.py            # demo model, 200 steps per optimizer (a few minutes on 2 cores)
     python benchmarks/compare_adam.py --quick    # tiny model, 30 steps: a smoke test (about a minute)
     python benchmarks/compare_adam.py --stage 3  # the same under ZeRO-3 (results in benchmarks/results/stage3)
+    python benchmarks/compare_adam.py --stage 3 --offload   # optimizer state in host memory (DeepSpeedCPUAdam for
+                                                 # DeepSpeed's Adam); results in benchmarks/results/stage3_offload
 """
 
 import argparse
@@ -42,12 +44,13 @@ def parse_args():
     p.add_argument("--nproc", type=int, default=2, help="data-parallel CPU ranks (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage of every configuration")
+    p.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU in every configuration")
     args = p.parse_args()
     args.preset = dict(QUICK if args.quick else FULL)
     if args.steps:
         args.preset["steps"] = args.steps
-    args.out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "",
-                                        "stage3" if args.stage == 3 else "")
+    variant = "_".join(filter(None, ["stage3" if args.stage == 3 else "", "offload" if args.offload else ""]))
+    args.out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "", variant)
     return args
 
 
@@ -57,7 +60,7 @@ def run_config(config: str, args) -> dict:
         flags = [f"--{k}={v}" for k, v in args.preset.items()]
         wall = torchrun(os.path.join(HERE, "compare_adam_worker.py"), args.nproc,
                         ["--config", config, "--result", result, "--ckpt_dir", os.path.join(tmp, "ckpt"),
-                         "--seed", args.seed, "--stage", args.stage, *flags])
+                         "--seed", args.seed, "--stage", args.stage, "--offload", int(args.offload), *flags])
         with open(result) as f:
             return json.load(f) | {"job_wall_s": wall}
 
@@ -73,6 +76,7 @@ def main():
         r = results[config]
         print(f"{config:14s} {r['job_wall_s']:5.1f} s  {r['update_path']}", flush=True)
     meta = {"preset": args.preset, "quick": args.quick, "nproc": args.nproc, "seed": args.seed, "stage": args.stage,
+            "offload": args.offload,
             "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
             "total_wall_s": time.perf_counter() - started, "environment": environment()}
     with open(os.path.join(args.out, "compare_adam.json"), "w") as f:

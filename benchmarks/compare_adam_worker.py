@@ -43,6 +43,8 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage")
+    p.add_argument("--offload", type=int, choices=(0, 1), default=0, help="1: offload_optimizer to the CPU (host "
+                   "memory); DeepSpeed's own Adam is then DeepSpeedCPUAdam")
     p.add_argument("--local_rank", type=int, default=0)
     return p.parse_args()
 
@@ -61,6 +63,9 @@ def ds_config(args) -> dict:
                                                      "warmup_num_steps": args.warmup_lr_steps}},
         "steps_per_print": 10 ** 9,
     }
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # keep the client optimizers (DeepSpeed would refuse them)
     if args.config == "ds_adamw":
         # DeepSpeed builds its own Adam from this section (FusedAdam, or DeepSpeedCPUAdam under offload).
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
@@ -193,6 +198,7 @@ def main():
             "update_path": update_path(engine),
             "world": world,
             "stage": args.stage,
+            "offload": bool(args.offload),
             "n_params": n_params,
             "model": {"width": args.width, "depth": args.depth, "context": args.context, "vocab": cfg.vocab},
             "steps": args.steps,

@@ -191,3 +191,52 @@ def test_cli_runs_the_tools(saved, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "r")]) == 0 and "2 data-parallel ranks" in capsys.readouterr().out
     assert main(["export", folder, str(tmp_path / "e"), "--quiet"]) == 0
     assert os.path.isfile(tmp_path / "e" / "model.safetensors")
+
+
+# ---- ZeRO-3 checkpoints ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved3(one_rank, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bnb3")
+    engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, stage=3)
+    train_steps(engine, range(3))
+    engine.save_checkpoint(str(folder), tag="t")
+    return str(folder), engine
+
+
+def test_stage3_inspect_export_reshape_and_convert(saved3, tmp_path):
+    """inspect names the stage; export's weights are DeepSpeed's zero_to_fp32 reconstruction; reshape to 3 ranks of
+    stage 3, then to 2 ranks of stage 2, loads back into a stage-3 engine byte-identical; convert to 32-bit loads into
+    a stage-3 engine of bnb's 32-bit AdamW with the dequantized moments."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from test_stage3 import states, weights
+    folder, engine = saved3
+    text = summary(folder, verify_checksums=True)
+    assert "ZeRO stage 3, 1 data-parallel ranks" in text and "8-bit  fc1.weight  (301, 40)  12,040" in text
+    exported = load_file(export(folder, str(tmp_path / "out"), progress=False)["model"])
+    reference = get_fp32_state_dict_from_zero_checkpoint(folder)
+    assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in exported)
+
+    three = reshape(folder, str(tmp_path / "dp3"), 3, progress=False)
+    assert SavedCheckpoint(three).zero_stage == 3
+    assert sorted(n for n in os.listdir(three) if "model_states" in n) == \
+        [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(3)]
+    two = reshape(str(tmp_path / "dp3"), str(tmp_path / "dp2"), 2, progress=False, stage=2)
+    assert SavedCheckpoint(two).zero_stage == 2 and "mp_rank_00_model_states.pt" in os.listdir(two)
+    fresh = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, stage=3)
+    fresh.load_checkpoint(str(tmp_path / "dp2"))
+    expected, got = states(engine), states(fresh)
+    assert_same(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh).values(), weights(engine).values()))
+
+    convert(folder, str(tmp_path / "up"), "32bit", progress=False)
+    up = build_engine(bnb.optim.AdamW, seed=1, stage=3)
+    up.load_checkpoint(str(tmp_path / "up"))
+    for name, s in expected.items():
+        moments = states(up)[name]
+        if s["state1"].dtype == torch.uint8:
+            block = torch.arange(s["state1"].numel()) // 256
+            assert torch.equal(moments["state1"], s["qmap1"][s["state1"].long()] * s["absmax1"][block]), name
+        else:
+            assert torch.equal(moments["state1"], s["state1"]), name
+    train_steps(up, range(3, 4))  # and it trains on

@@ -87,14 +87,14 @@ def clone(model):
     return copy.deepcopy(model)
 
 
-def build_engine(optimizer_cls=None, seed=0, lr=1e-3, stock=False, zero=None, **optimizer_kwargs):
-    """A one-rank ZeRO-2 engine of the toy model (deepspeed_bnb's, or stock DeepSpeed's with stock=True)."""
+def build_engine(optimizer_cls=None, seed=0, lr=1e-3, stock=False, zero=None, stage=2, **optimizer_kwargs):
+    """A one-rank ZeRO engine (stage 2 unless said) of the toy model (deepspeed_bnb's, or stock's with stock=True)."""
     import bitsandbytes as bnb
     import deepspeed
     from deepspeed_bnb.runtime.engine import stock_deepspeed
     model = make_model(seed)
     optimizer = (optimizer_cls or bnb.optim.AdamW8bit)(param_groups(model, lr=lr), **optimizer_kwargs)
-    config = ds_config(1, stage=2, **(zero or {}))
+    config = ds_config(1, stage=stage, **(zero or {}))
     if not stock:
         return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
     config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers

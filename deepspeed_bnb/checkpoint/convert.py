@@ -23,7 +23,7 @@ from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, em
 from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.reshape import write_rank_files
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
-from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, uses_8bit_state
+from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
 ADAM_RULES = ("adam", "lamb")  # bnb update rules whose state is Adam's (exp_avg, exp_avg_sq)
@@ -102,6 +102,11 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
     target = optimizer_class or DEFAULT_CLASS[to]
     cls = _load_class(target)
     ours = ckpt.is_deepspeed_bnb
+    if not ours and ckpt.zero_stage == 3:
+        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed ZeRO-3 checkpoint; convert reads stock "
+                                      f"ZeRO-1/2 ones (and deepspeed_bnb checkpoints of any stage). Load it into a "
+                                      f"stock ZeRO-1/2 engine of the same DP size and save again, or train on from "
+                                      f"its weights (load_optimizer_states=False).")
     shapes = ckpt.param_shapes()
     report = {"params": 0, "8bit": 0, "fp32": 0, "worst_step_ratio": 0.0, "worst_abs_error": 0.0}
 
@@ -157,7 +162,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
     def fill(rank):
         groups = []
         for (eight_bit, key_classes, templates, hyperparams, per_param, master), group_shapes in zip(plans, shapes):
-            layout = GroupLayout(tuple(shape.numel() for shape in group_shapes.values()), ckpt.dp)
+            layout = (ShardedLayout if ckpt.zero_stage == 3 else GroupLayout)(
+                tuple(shape.numel() for shape in group_shapes.values()), ckpt.dp)
             record = empty_group_record(layout, rank, list(group_shapes), eight_bit, key_classes, templates,
                                         hyperparams)
             scatter_param_states(record.layout, eight_bit, key_classes, per_param, rank, record.state)

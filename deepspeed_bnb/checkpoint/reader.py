@@ -108,8 +108,13 @@ class SavedCheckpoint:
         return {k: StateClass(v) for k, v in self.groups[g][C.KEY_CLASSES_KEY].items()}
 
     def param_shapes(self) -> List[Dict[str, torch.Size]]:
-        """Per group: parameter name -> shape, in flat order (DeepSpeed saves these with the model states)."""
-        return [dict(shapes) for shapes in self.model_states["param_shapes"]]
+        """Per group: parameter name -> shape, in flat order (DeepSpeed saves these with the model states: per param
+        group at stage 1/2, per ZeRO-3 sub-group at stage 3, which our records join into param groups again)."""
+        saved = [dict(shapes) for shapes in self.model_states["param_shapes"]]
+        if not self.is_deepspeed_bnb or len(saved) == len(self.groups):
+            return saved
+        merged = {name: shape for shapes in saved for name, shape in shapes.items()}
+        return [{name: merged[name] for name in group[C.PARAM_NAMES_KEY]} for group in self.groups]
 
     def param_states(self, g: int) -> List[dict]:
         """bnb-style state of every parameter of group g (see param_state.gather_param_states)."""
