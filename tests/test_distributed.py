@@ -32,7 +32,8 @@ def max_delta(a, b):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("config", ["fp32_stage1", "fp32_stage2", "fp32_stage2_clip", "fp32_stage2_clip_accum",
                                     "fp32_stage2_offload", "fp32_stage2_round_robin", "fp32_stage2_bnb_update",
-                                    "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload"])
+                                    "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload",
+                                    "fp32_stage3_emb32"])
 def test_fp32_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]
     assert run["optimizer"] == ("BnbZeroStage3Optimizer" if "stage3" in config else "BnbZeroOptimizer")
@@ -49,6 +50,20 @@ def test_stock_deepspeed_does_not_track_single_rank(results, world, stage, built
     run, single = results[world]["train"][name], results[1]["train"][name]
     assert run["optimizer"] == built
     assert max_delta(run["losses"], single["losses"]) > 10 * FP32_TOL
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_per_parameter_precision_is_the_same_at_every_dp(results, world):
+    """bnb's min_8bit_size rule and GlobalOptimManager overrides decide per model parameter, the same on every rank
+    and at every DP size; the override HF Trainer registers (32-bit embedding) holds under ZeRO-3. Control: without it,
+    the embedding has 8-bit state."""
+    train = results[world]["train"]
+    for name in ("fp32_stage2", "fp32_stage3", "fp32_stage3_emb32"):
+        precision = train[name]["eight_bit_everywhere"]  # None: the ranks disagreed
+        assert precision is not None and precision == results[1]["train"][name]["eight_bit_everywhere"], name
+    assert train["fp32_stage3_emb32"]["eight_bit_everywhere"]["emb.weight"] is False
+    assert train["fp32_stage3"]["eight_bit_everywhere"]["emb.weight"] is True
+    assert train["fp32_stage3"]["eight_bit_everywhere"]["head.bias"] is False  # 97 < min_8bit_size
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
