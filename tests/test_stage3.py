@@ -18,6 +18,7 @@ from bnb_optimizers import FACTORIES
 from bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.runtime import engine as engine_module
+from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.state_layout import round_up
@@ -164,12 +165,41 @@ def test_unsupported_stage3_settings_are_refused_by_name(one_rank, zero, named):
         engine_of(FACTORIES["AdamW8bit"], make_model(0), **zero)
 
 
-def test_parameter_state_api_refuses_rather_than_hand_out_codes(one_rank):
-    """DeepSpeed's ZeRO-3 safe_get_full_optimizer_state would read bnb's uint8 codes as moments: refused, naming the
-    key; the fp32 weights (no key) stay DeepSpeed's own."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    engine = engine_of(FACTORIES["AdamW8bit"], make_model(0))
-    train_steps(engine, range(1))
-    with pytest.raises(NotImplementedError, match=r"key 'exp_avg'\) is not available .* ZeRO stage 3"):
-        safe_get_full_optimizer_state(engine.module.fc1.weight, "exp_avg")
-    assert torch.equal(safe_get_full_fp32_param(engine.module.fc1.weight), weights(engine)["fc1.weight"])
+def test_parameter_state_api_gives_the_moments_as_at_stage_2(one_rank, tmp_path):
+    """DeepSpeed's safe_get/set_{full,local}_optimizer_state under ZeRO-3 give what they give at ZeRO-2 for the same
+    trained state (dequantized moments by bnb's and torch's names), a set comes back within half a quantization step
+    and reaches the next checkpoint, which loads into ZeRO-2. Control: stock ZeRO-3 hands out codes."""
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
+                                 safe_get_local_optimizer_state, safe_set_full_optimizer_state)
+    from toy import moment_values
+    engines = {}
+    for stage in (2, 3):
+        engines[stage] = engine_of(FACTORIES["AdamW8bit"], make_model(0), stage=stage, bnb_fused_kernel=False)
+        train_steps(engines[stage], range(STEPS))
+    two, three = (dict(engines[s].module.named_parameters()) for s in (2, 3))
+    for name in two:
+        for key in ("exp_avg", "exp_avg_sq", "state1"):
+            full = safe_get_full_optimizer_state(three[name], key)
+            assert torch.equal(full, safe_get_full_optimizer_state(two[name], key)), f"{name}.{key}"
+            assert torch.equal(safe_get_local_optimizer_state(three[name], key), full.flatten()), f"{name}.{key}"
+    assert torch.equal(safe_get_full_fp32_param(three["fc1.weight"]), weights(engines[3])["fc1.weight"])
+    with pytest.raises(ValueError, match="absmax1"):
+        safe_get_full_optimizer_state(three["fc1.weight"], "absmax1")
+
+    target = moment_values("fc1.weight.exp_avg", three["fc1.weight"].ds_shape)
+    safe_set_full_optimizer_state(three["fc1.weight"], target, "exp_avg")
+    got = safe_get_full_optimizer_state(three["fc1.weight"], "exp_avg")
+    assert (got - target).abs().max() > 0 and (got - target).abs().max() <= target.abs().max() / 127  # quantized
+    engines[3].save_checkpoint(str(tmp_path), tag="set")
+    back = engine_of(FACTORIES["AdamW8bit"], make_model(1), stage=2, bnb_fused_kernel=False)
+    back.load_checkpoint(str(tmp_path), tag="set")
+    assert torch.equal(safe_get_full_optimizer_state(back.module.fc1.weight, "exp_avg"), got)
+
+    with stock_deepspeed():
+        model = make_model(0)
+        config = {**ds_config(1, stage=3), "zero_allow_untested_optimizer": True}
+        stock = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model)),
+                                     config=config)[0]
+    train_steps(stock, range(1))
+    codes = safe_get_full_optimizer_state(stock.module.fc1.weight, "state1")
+    assert torch.equal(codes, codes.round()) and codes.max() > 1  # code numbers, not moments

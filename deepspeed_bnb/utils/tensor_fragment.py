@@ -59,13 +59,24 @@ _WHY_NOT = {  # class of a bnb key that is not per-element state -> why these fu
 }
 
 
+def _model_shape(param) -> torch.Size:
+    """The model parameter's shape, also when ZeRO-3 has partitioned it (its `.data` is then empty)."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
+def _model_device(param) -> torch.device:
+    """Where the parameter's full state is handed out: its ZeRO-3 partition's device, or its own."""
+    partition = getattr(param, "ds_tensor", None)
+    return partition.device if partition is not None else param.device
+
+
 class ParamOptimizerState:
     """This rank's view of one model parameter's state in a BnbZeroOptimizer: dequantized on get, requantized on set."""
 
     def __init__(self, zero, group: int, slot: int, name: str):
         self._zero = weakref.ref(zero)  # DeepSpeed's destroy() unlinks parameters to free the optimizer: never pin it
-        self.group = group  # param group index
-        self.slot = slot  # the parameter's position in the group's flat order (state_layout.ParamSlot.index)
+        self.group = group  # the optimizer's partition index (ZeRO-1/2: param group; ZeRO-3: sub-group)
+        self.slot = slot  # the parameter's position in that partition's order (its segments' `slot`)
         self.name = name  # the parameter's name, for messages
 
     # ---- where the state is ---------------------------------------------------------------------------------
@@ -85,13 +96,14 @@ class ParamOptimizerState:
 
     def _flat_state(self) -> dict:
         zero = self._optimizer()
-        return zero.optimizer.state[zero.single_partition_of_fp32_groups[self.group]]
+        return zero.optimizer.state[zero.bnb_partition_tensor(self.group)]
 
     def _specs(self) -> Dict[str, StateKey]:
         """bnb's state keys for this parameter's precision (probed once per precision by the adapter)."""
         zero = self._optimizer()
-        device = zero.single_partition_of_fp32_groups[self.group].device
-        keys = zero.bnb.state_keys(zero.optimizer.param_groups[self.group], self.group, self._eight_bit(), device)
+        device = zero.bnb_partition_tensor(self.group).device
+        gindex = zero._bnb_partitions()[self.group][1]
+        keys = zero.bnb.state_keys(zero.optimizer.param_groups[gindex], gindex, self._eight_bit(), device)
         return {key.name: key for key in keys}
 
     @staticmethod
@@ -226,22 +238,24 @@ class ParamOptimizerState:
     def get_full(self, param: torch.Tensor, key) -> torch.Tensor:
         name = self._resolve(key)
         lead, seg = self._lead(name), self.segment()
-        buffer = torch.zeros((*lead, param.numel()), dtype=torch.float32, device=param.device)
+        shape, device = _model_shape(param), _model_device(param)
+        buffer = torch.zeros((*lead, shape.numel()), dtype=torch.float32, device=device)
         if seg is not None:
             buffer.narrow(-1, seg.param_start, seg.numel).copy_(self._read(name, seg))
-        dist.all_reduce(buffer, group=self._optimizer().real_dp_process_group[self.group])
-        return buffer.reshape(*lead, *param.shape)
+        dist.all_reduce(buffer, group=self._optimizer().bnb_partition_process_group(self.group))
+        return buffer.reshape(*lead, *shape)
 
     def set_full(self, param: torch.Tensor, key, value) -> None:
         name = self._resolve(key)
         lead, seg = self._lead(name), self.segment()
         value = torch.as_tensor(value)
-        if value.numel() != torch.Size(lead).numel() * param.numel():
+        shape = _model_shape(param)
+        if value.numel() != torch.Size(lead).numel() * shape.numel():
             raise ValueError(f"deepspeed_bnb: safe_set_full_optimizer_state({self.name}, {key!r}) takes the whole "
-                             f"state, {(*lead, *param.shape)}, got {tuple(value.shape)}.")
+                             f"state, {(*lead, *shape)}, got {tuple(value.shape)}.")
         self._check_values(key, name, value)
         if seg is not None:
-            self._write(name, seg, value.reshape(*lead, param.numel()).narrow(-1, seg.param_start, seg.numel))
+            self._write(name, seg, value.reshape(*lead, shape.numel()).narrow(-1, seg.param_start, seg.numel))
 
 
 @dataclasses.dataclass

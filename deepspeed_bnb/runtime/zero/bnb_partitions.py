@@ -31,6 +31,14 @@ class BnbPartitionsMixin:
     def _bnb_device(self) -> torch.device:
         raise NotImplementedError
 
+    def bnb_partition_tensor(self, i: int) -> torch.Tensor:
+        """The flat fp32 tensor of partition i (the key of its state in `self.optimizer.state`)."""
+        raise NotImplementedError
+
+    def bnb_partition_process_group(self, i: int):
+        """The process group partition i is split over."""
+        raise NotImplementedError
+
     def _bnb_kernel_reason(self, setting, device) -> Optional[str]:
         """Why bnb's own update steps every parameter of this optimizer on `device` (None: the fused kernel steps
         each parameter whose bnb config it models; fused_contract.py). `true` turns every reason but the contract's

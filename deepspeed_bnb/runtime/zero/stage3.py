@@ -41,6 +41,7 @@ from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, ShardedLayout
+from deepspeed_bnb.utils.tensor_fragment import PARAM_STATE_ATTR, ParamOptimizerState
 
 STAGE = 3
 PARTITIONED = (StateClass.ELEMENT, StateClass.BLOCK)  # state classes split across ranks (and sub-groups)
@@ -128,6 +129,10 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             self.bnb_steps.append(step)
         with self._bnb_holding():
             self._bnb_log_routes()
+        for i, params in enumerate(self.fp16_groups):  # DeepSpeed's parameter-level state API, answered from bnb state
+            for slot, param in enumerate(params):
+                setattr(param, PARAM_STATE_ATTR, ParamOptimizerState(
+                    self, i, slot, self._bnb_param_name(param, f"#{slot} of sub-group {i}")))
 
     @contextlib.contextmanager
     def _bnb_holding(self, sub_group_id=None):
@@ -151,6 +156,12 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     def _bnb_device(self):
         return self.fp32_partitioned_groups_flat[0].device
+
+    def bnb_partition_tensor(self, i):
+        return self.fp32_partitioned_groups_flat[i]
+
+    def bnb_partition_process_group(self, i):
+        return self._get_sub_group_process_group(i)
 
     # ---- layout -------------------------------------------------------------------------------------------------
 
@@ -228,16 +239,40 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     # ---- DeepSpeed's parameter-level API ------------------------------------------------------------------------
 
+    # DeepSpeed's ZeRO-3 safe_{get,set}_{full,local}_optimizer_state read `optimizer.state[flat][key]` element by
+    # element: for bnb state that is uint8 codes or per-block scales, handed out as if they were moments. With a key,
+    # the four entry points below answer from the parameter's ParamOptimizerState instead (utils/tensor_fragment.py:
+    # dequantized fp32 moments by bnb's and torch's names, as at stages 1/2; local = this rank's elements of the
+    # parameter, without the partition's padding). Without a key (fp32 weights, gradients) they stay DeepSpeed's.
+
+    def _bnb_param_state(self, param) -> ParamOptimizerState:
+        return getattr(param, PARAM_STATE_ATTR)
+
+    def get_full_hp_param(self, param, optim_state_key=None):
+        if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
+            return super().get_full_hp_param(param, optim_state_key)
+        return self._bnb_param_state(param).get_full(param, optim_state_key)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None):
+        if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
+            return super().set_full_hp_param(value, param, optim_state_key)
+        return self._bnb_param_state(param).set_full(param, optim_state_key, value)
+
+    def get_local_fp32_param(self, param, optim_state_key=None):
+        if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
+            return super().get_local_fp32_param(param, optim_state_key)
+        return self._bnb_param_state(param).get_local(optim_state_key, device=param.ds_tensor.device)
+
+    def set_local_hp_param(self, value, param, optim_state_key=None):
+        if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
+            return super().set_local_hp_param(value, param, optim_state_key)
+        return self._bnb_param_state(param).set_local(optim_state_key, value)
+
     def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
-        # DeepSpeed's ZeRO-3 safe_{get,set}_{full,local}_optimizer_state read `optimizer.state[flat][key]` element by
-        # element: for bnb state that is uint8 codes or per-block scales, handed out as if they were moments. The fp32
-        # weights and gradients (no key) are DeepSpeed's and stay available.
-        if optim_state_key is not None:
-            raise NotImplementedError(
-                f"deepspeed_bnb: DeepSpeed's parameter-level optimizer-state API (key {optim_state_key!r}) is not "
-                f"available for bitsandbytes state under ZeRO stage 3 yet: the state is 8-bit codes with per-block "
-                f"scales, not one fp32 value per element. Use ZeRO stage 1/2 (where it returns the dequantized "
-                f"moments), or `deepspeed-bnb export DIR OUT --optimizer-state` on a checkpoint.")
+        if optim_state_key is not None:  # the entry points above never get here with a key: any other caller would
+            raise NotImplementedError(f"deepspeed_bnb: optimizer state {optim_state_key!r} of a bitsandbytes "
+                                      f"optimizer is not one fp32 value per element (8-bit codes, per-block "
+                                      f"scales); use safe_get_full_optimizer_state / safe_get_local_optimizer_state.")
         return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
 
     # ---- accounting ---------------------------------------------------------------------------------------------

@@ -88,6 +88,12 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def _bnb_device(self):
         return self.single_partition_of_fp32_groups[0].device
 
+    def bnb_partition_tensor(self, i):
+        return self.single_partition_of_fp32_groups[i]
+
+    def bnb_partition_process_group(self, i):
+        return self.real_dp_process_group[i]
+
     # ---- layout -------------------------------------------------------------------------------------------------
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
