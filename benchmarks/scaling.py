@@ -1,4 +1,4 @@
-"""ZeRO-1/2 x (fp32 torch AdamW, bnb AdamW8bit): bytes per parameter per rank, measured at small DP, extrapolated.
+"""ZeRO-1/2/3 x (fp32 torch AdamW, bnb AdamW8bit): bytes per parameter per rank, measured at small DP, extrapolated.
 
 Measures, at each DP size (one torchrun job of scaling_worker.py per size, CPU ranks, fp32), the bytes each rank holds
 for optimizer state, gradients (peak) and fp32 master weights, from the live tensors (tensor_census.py); checks the
@@ -22,7 +22,7 @@ from padding_overhead import llama_shapes
 from scaling_model import bytes_per_rank
 
 SUM_ROLES = ("state", "gradients", "master")
-COMBOS = [(1, "torch_adamw"), (1, "bnb8"), (2, "torch_adamw"), (2, "bnb8")]
+COMBOS = [(1, "torch_adamw"), (1, "bnb8"), (2, "torch_adamw"), (2, "bnb8"), (3, "torch_adamw"), (3, "bnb8")]
 LABEL = {"torch_adamw": "fp32 torch AdamW", "bnb8": "bnb AdamW8bit"}
 DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default, for the extrapolated model
 
@@ -33,6 +33,7 @@ def parse_args():
     p.add_argument("--dp", type=int, nargs="+", help="measured DP sizes (default 1 2 4; quick: 1 2)")
     p.add_argument("--extrapolate", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024])
     p.add_argument("--bucket", type=int, default=1 << 16, help="reduce_bucket_size of the measured runs")
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="ZeRO stages measured")
     p.add_argument("--out", help="output folder (default benchmarks/results, quick: benchmarks/results/quick)")
     args = p.parse_args()
     args.dp = args.dp or ([1, 2] if args.quick else [1, 2, 4])
@@ -48,7 +49,7 @@ def measure(args) -> dict:
         for dp in args.dp:
             path = os.path.join(tmp, f"dp{dp}.json")
             wall = torchrun(os.path.join(HERE, "scaling_worker.py"), dp,
-                            ["--result", path, "--bucket", args.bucket, *args.model])
+                            ["--result", path, "--bucket", args.bucket, "--stages", *args.stages, *args.model])
             with open(path) as f:
                 runs[dp] = json.load(f) | {"wall_s": wall}
             print(f"measured DP={dp} in {wall:.0f} s", flush=True)
@@ -98,12 +99,13 @@ def extrapolated_table(name: str, groups, dps, bucket: int) -> str:
     head = " | ".join(f"ZeRO-{s} {LABEL[o]}" for s, o in COMBOS)
     lines = [(f"{name} ({n:,} parameters), closed forms, state+gradients+master bytes per parameter per rank "
               f"(fp32 training; add 4 B/param of replicated fp32 weights for the total):"), "",
-             f"| DP | {head} | 8-bit saves, ZeRO-1 | 8-bit saves, ZeRO-2 |", "|---:|" + "---:|" * 6]
+             f"| DP | {head} | 8-bit saves, ZeRO-1 | 8-bit saves, ZeRO-2 | 8-bit saves, ZeRO-3 |",
+             "|---:|" + "---:|" * (len(COMBOS) + 3)]
     for dp in dps:
         t = {(s, o): total(bytes_per_rank(groups, dp, s, o, bucket)) / n for s, o in COMBOS}
-        saves = [100 * (1 - t[(s, "bnb8")] / t[(s, "torch_adamw")]) for s in (1, 2)]
+        saves = [100 * (1 - t[(s, "bnb8")] / t[(s, "torch_adamw")]) for s in (1, 2, 3)]
         lines.append(f"| {dp} | " + " | ".join(f"{t[c]:.3f}" for c in COMBOS)
-                     + f" | {saves[0]:.1f}% | {saves[1]:.1f}% |")
+                     + "".join(f" | {x:.1f}%" for x in saves) + " |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
-"""Bytes a ZeRO-1/2 rank holds, by role, measured from the live tensors' storages (every storage counted once).
+"""Bytes a ZeRO rank holds, by role, measured from the live tensors' storages (every storage counted once).
 
 Roles, in the order a storage is claimed (a storage reachable from two roles counts for the first):
-- weights: the model's parameters and the flat buffers ZeRO packs them into (replicated on every rank);
-- master: ZeRO's fp32 master partition (`single_partition_of_fp32_groups`);
+- weights: the model's parameters and the flat buffers ZeRO packs them into (replicated on every rank at stages 1/2;
+  at stage 3 this rank's partitions `ds_tensor` in `lp_param_buffer`, plus the persistent parameters kept whole);
+- master: ZeRO's fp32 master partition (`single_partition_of_fp32_groups`; stage 3: `fp32_partitioned_groups_flat`);
 - state: the base optimizer's `state` tensors (exp_avg/exp_avg_sq, or bnb's codes, absmax and maps);
 - buckets: the buffers of ZeRO's gradient-reduction buckets (`ipg_buckets`), a fixed size set by
   `reduce_bucket_size` (gradients waiting in a bucket live in this buffer, so they count here);
@@ -68,11 +69,13 @@ def state_bytes_by_key(optimizer: torch.optim.Optimizer) -> dict[str, int]:
 
 def role_tensors(engine) -> dict[str, list]:
     zero, params = engine.optimizer, list(engine.module.parameters())
-    masters = list(zero.single_partition_of_fp32_groups)
+    masters = list(getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat)
     grads = [t for p in params + masters for t in (p.grad, getattr(p, "grad_accum", None)) if t is not None]
     grads += [t for name, value in vars(zero).items() if "grad" in name.lower() for t in walk(value)]
+    partitions = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]  # ZeRO-3
+    lp_buffer = [zero.lp_param_buffer] if torch.is_tensor(getattr(zero, "lp_param_buffer", None)) else []
     return {
-        "weights": params + list(getattr(zero, "bit16_groups_flat", [])),
+        "weights": params + list(getattr(zero, "bit16_groups_flat", [])) + partitions + lp_buffer,
         "master": masters,
         "state": [v for s in zero.optimizer.state.values() for v in s.values()],
         "buckets": [t for bucket in getattr(zero, "ipg_buckets", {}).values() for t in bucket.buffer],
@@ -104,10 +107,11 @@ def unclaimed_bytes(engine, baseline=()) -> int:
     return sum(n for k, n in live_storages().items() if k not in claimed)
 
 
-# ZeRO-1/2 methods between which gradients change hands (bucket reduction, the end-of-backward epilogue, the step's
+# ZeRO methods between which gradients change hands (bucket reduction, the end-of-backward epilogue, the step's
 # flatten/free/update); the sampler looks before and after each.
 SAMPLED_METHODS = ("reduce_ipg_grads", "copy_grads_in_partition", "independent_gradient_partition_epilogue",
-                   "_clear_param_grad_only", "free_grad_in_param_list", "_optimizer_step")
+                   "_clear_param_grad_only", "free_grad_in_param_list", "_optimizer_step",
+                   "partition_grads", "_prepare_fp32_grad_for_sub_group")  # the last two: ZeRO-3
 
 
 class PeakSampler:

@@ -52,6 +52,15 @@ def group_numels(width, depth, context, vocab):
     return [decay, other]
 
 
+def tensor_numels(width, depth, context, vocab):
+    """Every tensor's elements (the same model as group_numels, tensor by tensor: ZeRO-3 partitions each alone)."""
+    w = width
+    matrices = [vocab * w, context * w, vocab * w] + depth * [3 * w * w, w * w, 4 * w * w, 4 * w * w]
+    vectors = [w, w] + depth * [w, w, 3 * w, w, w, w, 4 * w, w]
+    assert [sum(matrices), sum(vectors)] == group_numels(width, depth, context, vocab)
+    return matrices + vectors
+
+
 def stock_partition_numel(groups, dp):
     """Elements a rank of stock ZeRO-1/2 owns: each group padded to a multiple of 2*dp, split evenly."""
     return sum(-(-g // (2 * dp)) * (2 * dp) // dp for g in groups)
@@ -173,15 +182,19 @@ def test_scaling_measures_state_and_master_weights(scaling):
     groups = group_numels(**QUICK)
     partition = stock_partition_numel(groups, DP)
     by = {(x["stage"], x["optimizer"]): x for x in rows}
-    assert set(by) == {(s, o) for s in (1, 2) for o in ("torch_adamw", "bnb8")}
-    for stage in (1, 2):
+    assert set(by) == {(s, o) for s in (1, 2, 3) for o in ("torch_adamw", "bnb8")}
+    zero3 = sum(-(-n // DP) for n in tensor_numels(**QUICK))  # stock ZeRO-3: each tensor padded to DP, split
+    for stage in (1, 2, 3):
         fp32, bnb8 = by[(stage, "torch_adamw")], by[(stage, "bnb8")]
         n = fp32["n_params"]
         assert n == sum(groups)
-        assert fp32["zero_optimizer"] == "DeepSpeedZeroOptimizer" and bnb8["zero_optimizer"] == "BnbZeroOptimizer"
+        names = ("DeepSpeedZeroOptimizer_Stage3", "BnbZeroStage3Optimizer") if stage == 3 else \
+            ("DeepSpeedZeroOptimizer", "BnbZeroOptimizer")
+        assert (fp32["zero_optimizer"], bnb8["zero_optimizer"]) == names
         # torch AdamW: exp_avg + exp_avg_sq over the partition, plus a 4-byte step tensor per param group
-        assert round(fp32["measured"]["state"] * n) == 8 * partition + 4 * len(groups)
-        assert round(fp32["measured"]["master"] * n) == 4 * partition
+        mine = zero3 if stage == 3 else partition
+        assert round(fp32["measured"]["state"] * n) == 8 * mine + 4 * len(groups)
+        assert round(fp32["measured"]["master"] * n) == 4 * mine
         check_ratio(bnb8["measured"]["state"], fp32["measured"]["state"])
         for x in (fp32, bnb8):
             assert x["measured"]["gradients"] * n >= 4 * partition  # at least this rank's gradient partition
