@@ -69,12 +69,12 @@ def main():
     torch.manual_seed(args.seed)
     cfg = GPTConfig(width=args.width, depth=args.depth, heads=max(1, args.width // 32))
     model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
     optimizer = bnb.optim.AdamW8bit(decay_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = ByteBatches(stdlib_bytes(), cfg.context)
     generator = torch.Generator().manual_seed(1000 * args.seed + rank)
-    n_params = sum(p.numel() for p in model.parameters())
     if args.resume:
         path, _ = engine.load_checkpoint(args.resume)
         if path is None:
