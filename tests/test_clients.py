@@ -105,13 +105,14 @@ def test_accelerate_keeps_bnb_under_offload(accelerate_runs):
 @pytest.fixture(scope="module")
 def accelerate_zero3_runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("accelerate_zero3"))
-    args = TINY.replace("--max_steps", "--steps").split()
+    args = TINY.replace("--max_steps", "--steps")
     ckpt = os.path.join(out, "state")
-    accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "examples/train_accelerate.py", *args,
-                      "--save_at", "6", "--save_dir", ckpt, "--log_json", os.path.join(out, "uninterrupted.json"))
+    # through client_runs.py, which ends its processes without gloo's C++ teardown (see there)
+    accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "tests/client_runs.py", "accelerate", out,
+                      f"uninterrupted:{args} --save_at 6 --save_dir {ckpt} --log_json {out}/uninterrupted.json")
     accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "--num_processes", "1",
-                      "examples/train_accelerate.py", *args, "--resume", ckpt, "--save_dir", os.path.join(out, "unused"),
-                      "--log_json", os.path.join(out, "resume.json"))
+                      "tests/client_runs.py", "accelerate", out,
+                      f"resume:{args} --resume {ckpt} --save_dir {out}/unused --log_json {out}/resume.json")
     return {name: read(out, name) for name in ("uninterrupted", "resume")}
 
 
