@@ -62,9 +62,11 @@ def tables(results: dict, meta: dict) -> str:
     any_r = next(iter(results.values()))
     p, env = meta["preset"], meta.get("environment", {})
     tail = max(5, p["steps"] // 10)
+    zero = f"ZeRO-{meta.get('stage', 2)}" + (" with offload_optimizer (state in host memory)" if meta.get("offload")
+                                             else "")
     lines = [
         (f"Model: GPT width {p['width']}, depth {p['depth']}, context {p['context']} ({any_r['n_params']:,} "
-        f"parameters); ZeRO-{meta.get('stage', 2)}{' with offload_optimizer (state in host memory)' if meta.get('offload') else ''}, fp32, {meta['nproc']} CPU ranks, micro-batch {p['batch']} per rank, {p['steps']} "
+        f"parameters); {zero}, fp32, {meta['nproc']} CPU ranks, micro-batch {p['batch']} per rank, {p['steps']} "
         f"steps, WarmupLR to 3e-3 over {p['warmup_lr_steps']} steps, betas (0.9, 0.95), weight decay 0.1 "
         f"(matrices), clipping 1.0, seed {meta['seed']}. Step time: median after {p['timing_skip']} warm-up "
         f"steps. Final loss: mean of the last {tail} steps (averaged over ranks). Validation: {p['valid_batches']} "

@@ -55,8 +55,8 @@ def main():
         for stage, layout in (("1/2", GroupLayout), ("3", ShardedLayout)):
             for dp in args.dp:
                 padding = sum(layout(tuple(g), dp).padding_numel for g in groups)
-                stock = (f"{100 * sum(ShardedLayout(tuple(g), dp, block=1).padding_numel for g in groups) / params:.4f}%"
-                         if stage == "3" else "")
+                stock_padding = sum(ShardedLayout(tuple(g), dp, block=1).padding_numel for g in groups)
+                stock = f"{100 * stock_padding / params:.4f}%" if stage == "3" else ""
                 print(f"| {name} | {params:,} | {tensors} | {stage} | {dp} | {padding:,} | "
                       f"{100 * padding / params:.4f}% | {stock} |")
 

@@ -3,8 +3,8 @@
 Stock ZeRO-3 hands the client optimizer one flat fp32 tensor per sub-group (this rank's slices of several
 parameters, each slice starting at rank * ceil(numel / dp)); bnb then quantizes blocks that straddle parameters and
 picks 8-bit or fp32 state for the whole sub-group, so the numerics change with the number of ranks, and the
-checkpoint loads at the saving DP size only. Thin overrides of `deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3`
-(same module path here):
+checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
+`deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` (same module path here):
 - before DeepSpeed partitions anything, the parameters the bnb optimizer steps are marked for block-aligned
   partitions (runtime/zero/partition_parameters.py; those `zero.Init` already partitioned are partitioned again), so
   every slice is whole 256-element blocks of its parameter (state_layout.ShardedLayout);
