@@ -1,8 +1,11 @@
 """Loading a checkpoint that does not fit the engine fails with an error naming the file and the mismatch.
 
 One CPU rank. Cases: another model, another optimizer class, other per-parameter precision, a checkpoint written by
-stock DeepSpeed; plus hyper-parameters coming from the checkpoint, as DeepSpeed users expect.
+stock DeepSpeed, a `latest` file naming a tag that is not there, a garbled manifest; plus hyper-parameters coming from
+the checkpoint, as DeepSpeed users expect.
 """
+
+import os
 
 import bitsandbytes as bnb
 import deepspeed
@@ -128,3 +131,30 @@ def test_deepspeeds_list_entry_point_is_refused(saved):
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.optimizer.single_partition_of_fp32_groups))
     fresh.load_checkpoint(path, tag="t")
     assert [g["lr"] for g in fresh.optimizer.param_groups] == [1e-3, 5e-4]
+
+
+def test_latest_naming_a_missing_tag_names_the_file_and_the_tags(saved, tmp_path):
+    """Stock DeepSpeed fails on a bare AssertionError when `latest` names a tag that is not there (control below)."""
+    import shutil
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], folder)
+    with open(os.path.join(folder, "latest"), "w") as f:
+        f.write("global_step999")
+    with pytest.raises(CheckpointMismatchError, match=r"latest names tag 'global_step999', but .* does not exist\. "
+                                                      r"Tags there: \['t'\]"):
+        build().load_checkpoint(folder)
+    with pytest.raises(CheckpointMismatchError, match="tag 'nope' was asked for"):
+        build().load_checkpoint(folder, tag="nope")
+    with pytest.raises(AssertionError):  # control: what stock DeepSpeed does with the same directory
+        build(stock=True).load_checkpoint(folder)
+
+
+def test_garbled_manifest_names_the_file(saved, tmp_path):
+    import shutil
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], folder)
+    manifest = os.path.join(folder, "t", "deepspeed_bnb_manifest.json")
+    with open(manifest, "w") as f:
+        f.write('{"files": ')
+    with pytest.raises(CheckpointMismatchError, match=rf"{manifest} is not valid JSON .* load another tag"):
+        build().load_checkpoint(folder, tag="t")

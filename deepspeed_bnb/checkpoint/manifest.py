@@ -111,7 +111,16 @@ def read_manifest(tag_dir: str) -> Optional[dict]:
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        manifest = json.load(f)
+        text = f.read()
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointMismatchError(f"{path} is not valid JSON ({exc}); the manifest is damaged, so the files of "
+                                      f"this tag cannot be verified. Restore it from the source of the checkpoint, "
+                                      f"or load another tag.") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointMismatchError(f"{path} holds a JSON {type(manifest).__name__}, not a deepspeed_bnb manifest "
+                                      f"(an object); restore it, or load another tag.")
     if manifest.get("manifest_version") != MANIFEST_VERSION:
         raise CheckpointMismatchError(f"{path} has manifest version {manifest.get('manifest_version')}; this "
                                       f"deepspeed_bnb reads version {MANIFEST_VERSION}. Upgrade deepspeed_bnb.")

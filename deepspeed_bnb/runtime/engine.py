@@ -218,6 +218,7 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
 
 def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
     if is_bnb_zero(self.optimizer) and not self.load_universal_checkpoint():
+        explicit = tag
         if tag is None:
             tag = latest_tag(load_dir)
         if tag is not None:
@@ -225,7 +226,14 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
                 recover_tag(load_dir, str(tag))
             dist.barrier()
             tag_dir = os.path.join(load_dir, str(tag))
-            manifest = read_manifest(tag_dir) if os.path.isdir(tag_dir) else None
+            if not os.path.isdir(tag_dir):  # stock DeepSpeed fails later on a bare assertion about this directory
+                named = (f"{os.path.join(load_dir, 'latest')} names tag {tag!r}" if explicit is None
+                         else f"tag {tag!r} was asked for")
+                raise CheckpointMismatchError(
+                    f"{named}, but {tag_dir} does not exist. Tags there: "
+                    f"{sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n)))}. Pass "
+                    f"one of them as load_checkpoint(..., tag=...), or fix the `latest` file.")
+            manifest = read_manifest(tag_dir)
             if manifest is not None:  # every file is size-checked by every rank and hashed by exactly one
                 _collective_check(lambda: verify(tag_dir, manifest, _shared_share(self, sorted(manifest["files"]))))
         self._bnb_loading = (load_dir, tag)  # for load_module_state_dict, which DeepSpeed does not tell
