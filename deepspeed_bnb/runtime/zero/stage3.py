@@ -101,6 +101,10 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         self.bnb_sub_groups: Dict[int, List[int]] = {}  # bnb param-group index -> its sub-groups, in order
         for i in range(len(self.fp16_groups)):
             self.bnb_sub_groups.setdefault(self.sub_group_to_group_id[i], []).append(i)
+        # every sub-group of a param group holds the keys of every precision in that group, so the group's record is
+        # the sub-groups' tensors joined: param-group index -> precisions of all its parameters
+        group_eight_bit = {g: [self.bnb.eight_bit(p) for j in subs for p in self.fp16_groups[j]]
+                           for g, subs in self.bnb_sub_groups.items()}
         device = self._bnb_device()
         self.bnb_kernel_reason: Optional[str] = self._bnb_kernel_reason(bnb_fused_kernel, device)
         for i, params in enumerate(self.fp16_groups):
@@ -113,9 +117,6 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             self._bnb_zero_padding(i, layout, segments)
             partition = self.fp32_partitioned_groups_flat[i]
             group = self.optimizer.param_groups[gindex]
-            # every sub-group of a param group holds the keys of every precision in that group, so the group's
-            # record is the sub-groups' tensors joined
-            group_eight_bit = [self.bnb.eight_bit(p) for j in self.bnb_sub_groups[gindex] for p in self.fp16_groups[j]]
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
@@ -124,7 +125,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
                                  on_reroute=functools.partial(self._bnb_log_reroute, i))
             with self._bnb_holding(i):
                 self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments, layout.partition_size,
-                                                                    group_eight_bit, partition.device)
+                                                                    group_eight_bit[gindex], partition.device)
                 step.route(group)
             self.bnb_steps.append(step)
         with self._bnb_holding():
