@@ -73,10 +73,11 @@ def _model_device(param) -> torch.device:
 class ParamOptimizerState:
     """This rank's view of one model parameter's state in a BnbZeroOptimizer: dequantized on get, requantized on set."""
 
-    def __init__(self, zero, group: int, slot: int, name: str):
+    def __init__(self, zero, group: int, slot: int, name: str, gindex: Optional[int] = None):
         self._zero = weakref.ref(zero)  # DeepSpeed's destroy() unlinks parameters to free the optimizer: never pin it
         self.group = group  # the optimizer's partition index (ZeRO-1/2: param group; ZeRO-3: sub-group)
         self.slot = slot  # the parameter's position in that partition's order (its segments' `slot`)
+        self.gindex = group if gindex is None else gindex  # the bnb param group the partition belongs to
         self.name = name  # the parameter's name, for messages
 
     # ---- where the state is ---------------------------------------------------------------------------------
@@ -102,8 +103,7 @@ class ParamOptimizerState:
         """bnb's state keys for this parameter's precision (probed once per precision by the adapter)."""
         zero = self._optimizer()
         device = zero.bnb_partition_tensor(self.group).device
-        gindex = zero._bnb_partitions()[self.group][1]
-        keys = zero.bnb.state_keys(zero.optimizer.param_groups[gindex], gindex, self._eight_bit(), device)
+        keys = zero.bnb.state_keys(zero.optimizer.param_groups[self.gindex], self.gindex, self._eight_bit(), device)
         return {key.name: key for key in keys}
 
     @staticmethod

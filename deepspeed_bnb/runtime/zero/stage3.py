@@ -133,7 +133,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         for i, params in enumerate(self.fp16_groups):  # DeepSpeed's parameter-level state API, answered from bnb state
             for slot, param in enumerate(params):
                 setattr(param, PARAM_STATE_ATTR, ParamOptimizerState(
-                    self, i, slot, self._bnb_param_name(param, f"#{slot} of sub-group {i}")))
+                    self, i, slot, self._bnb_param_name(param, f"#{slot} of sub-group {i}"),
+                    gindex=self.sub_group_to_group_id[i]))
 
     @contextlib.contextmanager
     def _bnb_holding(self, sub_group_id=None):
