@@ -1,7 +1,8 @@
-"""`deepspeed-bnb` (also `python -m deepspeed_bnb`): inspect, reshape, export and convert checkpoints offline; check
-the fused kernels on this machine."""
+"""`deepspeed-bnb` (also `python -m deepspeed_bnb`): inspect, reshape, export, convert and migrate checkpoints offline;
+check the fused kernels on this machine."""
 
 import argparse
+import os
 import sys
 
 
@@ -12,8 +13,14 @@ def _inspect(args):
 
 def _reshape(args):
     from deepspeed_bnb.checkpoint.reshape import reshape
-    written = reshape(args.checkpoint, args.out, args.dp, progress=not args.quiet, stage=args.stage)
+    written = reshape(args.checkpoint, args.out, args.dp, progress=not args.quiet, stage=args.stage,
+                      allow_large_dp=args.allow_large_dp)
     print(f"wrote {written} for {args.dp} ranks" + (f" at ZeRO stage {args.stage}" if args.stage else ""))
+
+
+def _migrate(args):
+    from deepspeed_bnb.checkpoint.reshape import migrate
+    print(f"wrote {migrate(args.checkpoint, args.out, progress=not args.quiet)} in the current checkpoint format")
 
 
 def _export(args):
@@ -73,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
     def command(name, func, help_text):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("checkpoint", help="checkpoint directory (follows its 'latest' file) or a tag directory")
+        sub.add_argument("--trust", action="store_true",
+                         help="read the checkpoint with full pickle and without a manifest, for checkpoints you trust "
+                              "(sets DEEPSPEED_BNB_TRUST_CHECKPOINTS=1); by default files are read by the safe loader "
+                              "and must match their manifest")
         sub.set_defaults(func=func)
         return sub
 
@@ -84,7 +95,10 @@ def parser() -> argparse.ArgumentParser:
                              ("export", _export, "write consolidated fp32 weights as safetensors (optionally the "
                                                  "optimizer state, dequantized, under torch's names)"),
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
-                                                   "bnb 32-bit) <-> bnb 8-bit; reports the round-trip error")):
+                                                   "bnb 32-bit) <-> bnb 8-bit; reports the round-trip error"),
+                             ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the current "
+                                                   "one (per-tensor checksums; with --trust, one that needs trust or "
+                                                   "lost its manifest)")):
         sub = command(name, func, text)
         sub.add_argument("out", help="output directory (a checkpoint directory for reshape/convert)")
         sub.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -92,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
                                              help="data-parallel size to write the checkpoint for")
     commands.choices["reshape"].add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
                                              help="ZeRO stage to write the files of (default: the checkpoint's)")
+    commands.choices["reshape"].add_argument("--allow-large-dp", action="store_true",
+                                             help="allow --dp above 4096 (one file per rank)")
     commands.choices["export"].add_argument("--optimizer-state", action="store_true",
                                             help="also write optimizer.safetensors (fp32 state per parameter, e.g. "
                                                  "<name>.exp_avg, <name>.exp_avg_sq, <name>.step) and "
@@ -117,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if getattr(args, "trust", False):
+        from deepspeed_bnb.checkpoint.safe_load import TRUST_ENV
+        os.environ[TRUST_ENV] = "1"
     from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
     try:
         code = args.func(args)

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ import deepspeed_bnb.runtime.engine as bnb_engine
 from conftest import TESTS, free_port, without_launch_vars
 from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, RETIRED_SUFFIX, STAGING_SUFFIX, publish, \
     write_json_atomic
+from deepspeed_bnb.checkpoint.constants import FORMAT_VERSION
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
 from fault_injection import InjectedFault, differences, engine_state, watch
 from toy import MIN_8BIT_SIZE, build_engine, train_steps  # 8-bit and fp32 state side by side
@@ -40,6 +42,8 @@ OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 PROTOCOL = (
     ("mkdir-save-dir", "makedirs ."),  # the checkpoint directory
     ("clear-old-staging", "rmtree {s}"),  # what a failed save of the tag left staged
+    ("mkdir-staging", "makedirs {s}"),  # the staging directory, ...
+    ("probe-staging", "write {s}/.probe-0"),  # ... which every rank checks it can write to (all fail together)
     ("ds-mkdir-staging", "makedirs {s}"),  # DeepSpeed's own save, into the staging directory: ...
     ("ds-mkdir-tag", "makedirs {s}/{t}"),
     ("ds-write-model", "torch.save {s}/{t}/mp_rank_00_model_states.pt"),
@@ -159,8 +163,25 @@ def test_manifest_lists_every_file_with_checksum(saves):
     on_disk = sorted(n for n in os.listdir(os.path.join(folder, "a")) if n != MANIFEST_NAME)
     assert sorted(manifest["files"]) == on_disk and len(on_disk) >= 2
     assert all(len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in manifest["files"].values())
-    assert manifest["deepspeed_bnb_format"] == 1 and manifest["dp_world_size"] == 1
+    assert manifest["deepspeed_bnb_format"] == FORMAT_VERSION == 2 and manifest["dp_world_size"] == 1
     assert manifest["groups"][0]["param_names"][0] == "emb.weight"
+    # version 2: every tensor's CRC-32, checked here against torch's own loader and zlib
+    for name, entry in manifest["files"].items():
+        tensors = {}
+
+        def walk(value, prefix):
+            if torch.is_tensor(value):
+                tensors[prefix] = f"{zlib.crc32(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()):08x}"
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    walk(item, f"{prefix}/{key}" if prefix else str(key))
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    walk(item, f"{prefix}/{i}" if prefix else str(i))
+        walk(torch.load(os.path.join(folder, "a", name), weights_only=False), "")
+        assert entry["tensors"] == tensors and len(tensors) >= 3, name
+    assert "optimizer_state_dict/base_optimizer_state/groups/0/state/state1" in \
+        manifest["files"][OPTIM_FILE]["tensors"]
     assert not [n for n in os.listdir(folder) if n.startswith(".")], "staging left behind"
     assert saves.what_loads(folder) == "old"
 

@@ -5,8 +5,12 @@ saved untrimmed for the whole partition; whole state (quantization maps) is save
 concatenated; the layout travels with it, so the file describes itself.
 """
 
-FORMAT_VERSION = 1
-"""Bumped on any change a reader must know about. Readers refuse versions they do not know."""
+FORMAT_VERSION = 2
+"""Bumped on any change a reader must know about. Readers refuse versions they do not know.
+1: the record; a manifest of file sizes and SHA-256 (manifest version 1).
+2: the same record; the manifest (version 2) also holds per-tensor CRC-32s and is required; every file is read, and
+   checked at save to be readable, by the safe loader (safe_load.py)."""
+READABLE_FORMATS = (1, 2)
 
 FORMAT_KEY = "deepspeed_bnb_format"  # int: FORMAT_VERSION of the writer
 OPTIMIZER_CLASS_KEY = "optimizer_class"  # "module.Class" of the bnb optimizer that produced the state

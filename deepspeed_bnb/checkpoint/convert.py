@@ -9,6 +9,7 @@ between the two codes around each value (one quantization step): at most 0.5 by 
 """
 
 import importlib
+import inspect
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
@@ -21,7 +22,7 @@ from deepspeed_bnb.checkpoint.export import fp32_moments
 from deepspeed_bnb.checkpoint.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, empty_group_record
 from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
-from deepspeed_bnb.checkpoint.reshape import write_rank_files
+from deepspeed_bnb.checkpoint.reshape import check_output, write_rank_files
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
@@ -30,12 +31,31 @@ ADAM_RULES = ("adam", "lamb")  # bnb update rules whose state is Adam's (exp_avg
 
 
 def _load_class(qualified: str):
+    """A bitsandbytes optimizer class by dotted name. Only modules of the bitsandbytes package are imported (the name
+    is user input: `os.system` must not be called), and the result must be a bnb optimizer class."""
     module, _, name = qualified.rpartition(".")
+    hint = f"give a bitsandbytes optimizer class as module.Class, e.g. {DEFAULT_CLASS['8bit']}"
+    if module != "bitsandbytes" and not module.startswith("bitsandbytes."):
+        raise ValueError(f"--optimizer-class {qualified!r} is not in the bitsandbytes package; {hint}")
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--optimizer-class {qualified!r} cannot be imported ({exc}); give a bnb optimizer class "
-                         f"as module.Class, e.g. {DEFAULT_CLASS['8bit']}") from exc
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"--optimizer-class {qualified!r} cannot be imported ({exc}); {hint}") from exc
+    from bitsandbytes.optim.optimizer import Optimizer8bit
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer8bit)):
+        raise ValueError(f"--optimizer-class {qualified!r} is not a bitsandbytes optimizer class; {hint}")
+    return cls
+
+
+def _build(cls, target: str, hyper: dict):
+    """One-parameter instance of the target class, given the hyper-parameters it accepts (Lion has no eps, ...)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in hyper.items() if k in ("lr", "betas", "eps", "weight_decay") and k in accepted}
+    try:
+        return cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"convert: {target} cannot be built with the checkpoint's hyper-parameters {kwargs} "
+                         f"({exc})") from exc
 
 
 def _moments_of_record(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Tensor], int]]:
@@ -98,9 +118,13 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
             progress: bool = True) -> str:
     if to not in DEFAULT_CLASS:
         raise ValueError(f"convert: --to must be one of {sorted(DEFAULT_CLASS)}, got {to!r}")
-    ckpt = SavedCheckpoint(path)
+    if min_8bit_size < 0:
+        raise ValueError(f"convert: --min-8bit-size must be 0 or more elements (bnb's min_8bit_size), got "
+                         f"{min_8bit_size}")
     target = optimizer_class or DEFAULT_CLASS[to]
     cls = _load_class(target)
+    ckpt = SavedCheckpoint(path, verify_checksums=True)
+    check_output(ckpt, out_dir)
     ours = ckpt.is_deepspeed_bnb
     if not ours and ckpt.zero_stage == 3:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed ZeRO-3 checkpoint; convert reads stock "
@@ -115,9 +139,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
         moments = _moments_of_record(ckpt, g) if ours else _moments_of_stock(ckpt, g)
         master = ckpt.master_weights(g) if ours else _stock_master(ckpt, g)
         hyper = ckpt.groups[g][C.HYPERPARAMS_KEY] if ours else _stock_hyperparams(ckpt, g)
-        probe_param = torch.nn.Parameter(torch.zeros(1))
-        optimizer = cls([probe_param], **{k: v for k, v in hyper.items() if k in ("lr", "betas", "eps",
-                                                                                  "weight_decay")})
+        optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
         if rule not in ADAM_RULES:
             raise ValueError(f"convert: {target} is not an Adam-family bnb optimizer (update rule "

@@ -46,8 +46,9 @@ def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
 
 
 def export(path: str, out_dir: str, optimizer_state: bool = False, progress: bool = True) -> Dict[str, str]:
-    """Write `model.safetensors` (and `optimizer.safetensors` + `optimizer.json`) into `out_dir`; returns paths."""
-    ckpt = SavedCheckpoint(path)
+    """Write `model.safetensors` (and `optimizer.safetensors` + `optimizer.json`) into `out_dir`; returns paths.
+    Every input file is checked against its SHA-256 first."""
+    ckpt = SavedCheckpoint(path, verify_checksums=True)
     os.makedirs(out_dir, exist_ok=True)
     written = {"model": os.path.join(out_dir, "model.safetensors")}
     weights = consolidated_weights(ckpt)

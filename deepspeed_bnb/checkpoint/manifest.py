@@ -7,6 +7,11 @@ staging directory; once all are done, the files are hashed (shared between ranks
 one rank publishes: the old tag directory steps aside, the staging directory takes its name, the old one is deleted,
 and `latest` is replaced atomically. A save killed at any point leaves the previous checkpoint loadable;
 `recover_tag` finishes the only non-atomic step (an overwrite interrupted between two renames) on the next load.
+
+Manifest version 2 adds, per `.pt` file, the CRC-32 of every tensor in it (integrity.py), so that a load that finds a
+file's SHA-256 wrong names the damaged tensor; version-1 manifests (no per-tensor digests) are still read.
+Everything a manifest names is checked before use: a tag or file name that would leave the checkpoint directory is
+refused, since the manifest and `latest` are as untrusted as the rest of a downloaded checkpoint.
 """
 
 import hashlib
@@ -18,7 +23,10 @@ from typing import Dict, Iterable, List, Optional
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
 
 MANIFEST_NAME = "deepspeed_bnb_manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+READABLE_MANIFEST_VERSIONS = (1, 2)
+TENSORS_KEY = "tensors"  # per file entry (version 2, `.pt` files): tensor path -> CRC-32 (integrity.py)
+UNSAFE_KEY = "needs_trust"  # per file entry: why the file does not load through the safe loader (it was saved so)
 STAGING_SUFFIX = ".deepspeed_bnb-partial"  # `.<tag>` + suffix: the tag being written
 RETIRED_SUFFIX = ".deepspeed_bnb-retired"  # `.<tag>` + suffix: the previous version of a tag being replaced
 _CHUNK = 8 << 20
@@ -33,14 +41,37 @@ def retired_dir(save_dir: str, tag: str) -> str:
 
 
 def file_digest(path: str) -> Dict[str, object]:
-    """Size and SHA-256 of a file; also flushes it to stable storage (the publishing rename must not outrun it)."""
+    """Size and SHA-256 of a file, and for a torch file the CRC-32 of each tensor in it (read back through the safe
+    loader, which also proves it loads without trust); flushes the file to stable storage (the publishing rename
+    must not outrun it)."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
         os.fsync(f.fileno())
-    return {"bytes": size, "sha256": digest.hexdigest()}
+    entry = {"bytes": size, "sha256": digest.hexdigest()}
+    if path.endswith(".pt"):
+        from deepspeed_bnb.checkpoint.integrity import tensor_checksums
+        from deepspeed_bnb.checkpoint.safe_load import UnsafeCheckpointError, load_file
+        try:
+            entry[TENSORS_KEY] = tensor_checksums(load_file(path, mmap=True))
+        except UnsafeCheckpointError as exc:
+            entry[UNSAFE_KEY] = str(exc).split(" to load,")[0]
+    return entry
+
+
+def safe_name(name: str, source: str, what: str, one_component: bool = False) -> str:
+    """`name` when it is a plain relative path inside a directory (no '..', not absolute, no control characters;
+    a single directory name if `one_component`); otherwise an error naming `source`, since the name came from a file
+    that could have been tampered with."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or len(name) > 4096 or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts) or \
+            any(ord(c) < 32 or c == "\ufffd" for c in name) or (one_component and len(parts) > 1):
+        raise CheckpointMismatchError(f"{source} names the {what} {name[:200]!r}, which is not a plain name inside "
+                                      f"the checkpoint directory; the file is damaged or was tampered with. Fix it "
+                                      f"or load another checkpoint.")
+    return name
 
 
 def list_files(root: str) -> List[str]:
@@ -95,8 +126,10 @@ def latest_tag(save_dir: str) -> Optional[str]:
     path = os.path.join(save_dir, "latest")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return f.read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(4097)
+    tag = raw.decode("utf-8", errors="replace").strip()
+    return safe_name(tag, path, "tag", one_component=True)
 
 
 def recover_tag(load_dir: str, tag: str) -> None:
@@ -121,9 +154,18 @@ def read_manifest(tag_dir: str) -> Optional[dict]:
     if not isinstance(manifest, dict):
         raise CheckpointMismatchError(f"{path} holds a JSON {type(manifest).__name__}, not a deepspeed_bnb manifest "
                                       f"(an object); restore it, or load another tag.")
-    if manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise CheckpointMismatchError(f"{path} has manifest version {manifest.get('manifest_version')}; this "
-                                      f"deepspeed_bnb reads version {MANIFEST_VERSION}. Upgrade deepspeed_bnb.")
+    if manifest.get("manifest_version") not in READABLE_MANIFEST_VERSIONS:
+        raise CheckpointMismatchError(f"{path} has manifest version {manifest.get('manifest_version')!r}; this "
+                                      f"deepspeed_bnb reads versions {READABLE_MANIFEST_VERSIONS}. Upgrade "
+                                      f"deepspeed_bnb.")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()):
+        raise CheckpointMismatchError(f"{path} has no valid 'files' table (name -> bytes, sha256); the manifest is "
+                                      f"damaged. Restore it from the source of the checkpoint, or load another tag.")
+    for name in files:
+        safe_name(name, path, "file")
     return manifest
 
 
@@ -141,11 +183,34 @@ def verify(tag_dir: str, manifest: dict, checksum: Iterable[str] = ()) -> None:
         path = os.path.join(tag_dir, name)
         if name not in manifest["files"]:
             raise CheckpointMismatchError(f"{path} is not listed in the checkpoint's manifest ({MANIFEST_NAME}).")
-        actual = file_digest(path)["sha256"]
+        actual = _sha256(path)
         if actual != manifest["files"][name]["sha256"]:
             expected = manifest["files"][name]["sha256"]
             raise CheckpointMismatchError(f"{path} fails its SHA-256 check (manifest {expected}, file {actual}): the "
-                                          f"file is corrupted.")
+                                          f"file is corrupted{_where_damaged(path, manifest['files'][name])}. Restore "
+                                          f"it from the source of the checkpoint, or load another tag.")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _where_damaged(path: str, entry: dict) -> str:
+    """Which tensors of a file that failed its SHA-256 differ from their save-time CRC-32 (manifest version 2)."""
+    if TENSORS_KEY not in entry:
+        return " (this manifest has no per-tensor checksums to say where: `deepspeed-bnb migrate` adds them)"
+    from deepspeed_bnb.checkpoint.integrity import damaged_tensors
+    names, unreadable = damaged_tensors(path, entry[TENSORS_KEY])
+    if unreadable:
+        return f" and no longer loads ({unreadable})"
+    if not names:
+        return " outside its tensor data (the pickled structure or the zip directory)"
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return f": tensor data of {shown} changed since the save"
 
 
 def describe(optimizer_class: str, zero_stage: int, dp: int, groups) -> dict:

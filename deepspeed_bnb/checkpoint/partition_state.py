@@ -90,9 +90,9 @@ def check_record(record, source: str, optimizer_class: str) -> None:
             f"Its bitsandbytes state is laid out per ZeRO partition, not per parameter, and cannot be loaded safely. "
             f"Load with load_optimizer_states=False (weights only), or re-save it with deepspeed_bnb.")
     version = record[C.FORMAT_KEY]
-    if version != C.FORMAT_VERSION:
-        raise CheckpointMismatchError(f"{source} uses deepspeed_bnb checkpoint format {version}; this version of "
-                                      f"deepspeed_bnb reads format {C.FORMAT_VERSION}. Upgrade deepspeed_bnb.")
+    if version not in C.READABLE_FORMATS:
+        raise CheckpointMismatchError(f"{source} uses deepspeed_bnb checkpoint format {version!r}; this version of "
+                                      f"deepspeed_bnb reads formats {C.READABLE_FORMATS}. Upgrade deepspeed_bnb.")
     if record[C.OPTIMIZER_CLASS_KEY] != optimizer_class:
         raise CheckpointMismatchError(
             f"{source} was written by optimizer {record[C.OPTIMIZER_CLASS_KEY]}, but this engine uses "
@@ -142,7 +142,7 @@ def _check_tensor(value, shape, dtype, where: str) -> None:
 
 
 def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer_class: str,
-                 optimizer_states: bool, master_weights: bool) -> None:
+                 optimizer_states: bool, master_weights: bool, validate_only: bool = False) -> None:
     """Load this rank's share of a checkpoint written at DP size `source.dp` (any DP, stage 1, 2 or 3; same model
     and optimizer).
 
@@ -199,6 +199,8 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
                 m = master_layouts[g]
                 _check_tensor(master(rank, g), (m.partition_size - m.tail_padding(rank),), live.master.dtype,
                               f"{source.name(rank)}: fp32 master weights of param group {g}")
+    if validate_only:
+        return
 
     # -- apply --
     for g, (live, group_runs) in enumerate(zip(groups, runs)):

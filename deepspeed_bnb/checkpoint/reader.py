@@ -7,15 +7,17 @@ becomes a live-shaped GroupRecord for any rank of any DP size with `empty_group`
 
 import os
 import re
+import warnings
 from typing import Dict, List
 
 import torch
 
 from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.manifest import latest_tag, read_manifest, verify
+from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, latest_tag, read_manifest, verify
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, GroupRecord, check_record, \
     empty_group_record, is_record, saved_master
+from deepspeed_bnb.checkpoint.safe_load import TRUST_ENV, load_file, trusted
 from deepspeed_bnb.checkpoint.sources import FileSource
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
@@ -45,8 +47,25 @@ def resolve_tag_dir(path: str) -> str:
                                   f"(no {MODEL_STATES}). Pass the directory given to save_checkpoint, or a tag in it.")
 
 
+def check_unlisted(tag_dir: str, ours: bool) -> None:
+    """A tag without a manifest: an error for a deepspeed_bnb checkpoint (every save writes one, so it was lost and
+    nothing can be verified) unless the user trusts it; a loud warning for a stock DeepSpeed one."""
+    if ours and not trusted():
+        raise CheckpointMismatchError(
+            f"{tag_dir} has no {MANIFEST_NAME}, but it is a deepspeed_bnb checkpoint and every deepspeed_bnb save "
+            f"writes one: it was deleted or not copied, so nothing in these files can be verified (a damaged or "
+            f"altered tensor would load silently). Copy the manifest along with the checkpoint from its source. If "
+            f"you trust these files as they are, set {TRUST_ENV}=1 for this load, or write a verified copy once with "
+            f"`deepspeed-bnb migrate {tag_dir} NEW_DIR --trust`.")
+    kind = "a trusted deepspeed_bnb" if ours else "a stock DeepSpeed"
+    warnings.warn(f"deepspeed_bnb: {tag_dir} has no {MANIFEST_NAME} ({kind} checkpoint): nothing in it can be "
+                  f"verified; a damaged or altered file would load silently.", RuntimeWarning, stacklevel=2)
+
+
 class SavedCheckpoint:
-    """One tag of a checkpoint written by deepspeed_bnb (or, for `stock_*`, by stock DeepSpeed)."""
+    """One tag of a checkpoint written by deepspeed_bnb (or, for `stock_*`, by stock DeepSpeed).
+
+    `verify_checksums`: hash every file against the manifest first (what every tool that writes does)."""
 
     def __init__(self, path: str, verify_checksums: bool = False):
         self.tag_dir = resolve_tag_dir(path)
@@ -65,6 +84,8 @@ class SavedCheckpoint:
         self.dp = int(self.model_states.get("dp_world_size", len(names)))
         missing = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # named in the error FileSource raises
         self.source = FileSource([os.path.join(self.tag_dir, names.get(r, missing.format(r))) for r in range(self.dp)])
+        if self.manifest is None:
+            check_unlisted(self.tag_dir, self.is_deepspeed_bnb)
 
     @property
     def model_states(self) -> dict:
@@ -72,7 +93,7 @@ class SavedCheckpoint:
             path = os.path.join(self.tag_dir, model_states_name(self.tag_dir))
             if not os.path.isfile(path):
                 raise CheckpointMismatchError(f"{path} is missing.")
-            self._model_states = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            self._model_states = load_file(path, mmap=True)
         return self._model_states
 
     def optimizer_state(self, rank: int) -> dict:

@@ -21,11 +21,13 @@ from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint import constants as C
 from deepspeed_bnb.checkpoint.manifest import describe, fresh_staging, publish_staged
-from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
+from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, GroupRecord, build_record, \
+    load_records
 from deepspeed_bnb.checkpoint.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint
 from deepspeed_bnb.checkpoint.sources import OPTIMIZER_STATE_DICT
 from deepspeed_bnb.state_layout import ShardedLayout
 
+MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files
 STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS,
                   PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
 
@@ -96,6 +98,7 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
     default) and one file per new rank with the groups `fill(rank)` returns. Returns the published tag directory."""
     stage = ckpt.zero_stage if stage is None else stage
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
+    check_output(ckpt, out_dir)
     staged = fresh_staging(out_dir, tag)
     for name in ckpt.other_files():
         if name != MODEL_STATES:
@@ -121,14 +124,33 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
     return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described))
 
 
-def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Optional[int] = None) -> str:
+def check_output(ckpt: SavedCheckpoint, out_dir: str) -> None:
+    """An offline writer's output directory is neither the checkpoint it reads nor inside it (the new tag would
+    replace or nest in the source, the only copy of what is being rewritten)."""
+    source_dir = os.path.realpath(os.path.dirname(os.path.normpath(ckpt.tag_dir)))
+    tag_dir, out = os.path.realpath(ckpt.tag_dir), os.path.realpath(out_dir)
+    if out in (source_dir, tag_dir) or out.startswith(tag_dir + os.sep):
+        raise ValueError(f"the output directory {out_dir} is the checkpoint being read ({ckpt.tag_dir}) or inside it: "
+                         f"writing there would replace the source. Give a new directory (and move it into place "
+                         f"afterwards if you want to).")
+
+
+def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Optional[int] = None,
+            allow_large_dp: bool = False) -> str:
     """Write checkpoint `path` (a checkpoint or tag directory) into `out_dir` for `dp` data-parallel ranks at ZeRO
-    `stage` (1, 2 or 3; default: the checkpoint's own)."""
+    `stage` (1, 2 or 3; default: the checkpoint's own). Every input file is checked against its SHA-256 first."""
     if dp < 1:
         raise ValueError(f"reshape: --dp must be a positive number of ranks, got {dp}")
+    if dp > MAX_DP and not allow_large_dp:
+        raise ValueError(f"reshape: --dp {dp} would write {dp} rank files (more than {MAX_DP}); if that is really the "
+                         f"data-parallel size of the run, pass --allow-large-dp.")
     if stage is not None and stage not in (1, 2, 3):
         raise ValueError(f"reshape: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
-    ckpt = SavedCheckpoint(path)
+    ckpt = SavedCheckpoint(path, verify_checksums=True)
+    if not ckpt.is_deepspeed_bnb:
+        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint; reshape rewrites deepspeed_bnb "
+                                      f"checkpoints. `deepspeed-bnb convert` turns it into one.")
+    check_output(ckpt, out_dir)
     first = ckpt.record(0)
     stage = ckpt.zero_stage if stage is None else stage
 
@@ -139,3 +161,21 @@ def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Opti
 
     return write_rank_files(ckpt, out_dir, dp, fill, first[C.OPTIMIZER_CLASS_KEY], first[C.OPTIMIZER_NAME_KEY],
                             progress, stage)
+
+
+def migrate(path: str, out_dir: str, progress: bool = True) -> str:
+    """Rewrite a deepspeed_bnb checkpoint of any format version in the current one (same DP size and stage): a
+    manifest with per-tensor checksums, every file readable by the safe loader. Lossless (the files are rebuilt
+    from the per-parameter state, as reshape does)."""
+    ckpt = SavedCheckpoint(path, verify_checksums=True)
+    if not ckpt.is_deepspeed_bnb:
+        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint; migrate rewrites deepspeed_bnb "
+                                      f"checkpoints. `deepspeed-bnb convert` turns it into one.")
+    written = reshape(path, out_dir, ckpt.dp, progress, ckpt.zero_stage, allow_large_dp=True)
+    from deepspeed_bnb.checkpoint.manifest import UNSAFE_KEY, read_manifest
+    unsafe = {name: entry[UNSAFE_KEY] for name, entry in read_manifest(written)["files"].items() if UNSAFE_KEY in entry}
+    if unsafe:
+        raise CheckpointMismatchError(f"{written} was written, but {unsafe} still need trust to load: they hold "
+                                      f"objects of the source's client_state or lr scheduler. Load the source in "
+                                      f"a trusted engine, replace those entries by plain values and save again.")
+    return written

@@ -8,9 +8,8 @@ error that names it.
 import os
 from typing import Callable, Dict, List
 
-import torch
-
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.safe_load import UnsafeCheckpointError, load_file
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"  # DeepSpeed's key for the ZeRO optimizer's state in a rank file
 
@@ -37,7 +36,9 @@ class FileSource:
                 raise CheckpointMismatchError(f"{path} is missing: the checkpoint was written by {self.dp} "
                                               f"data-parallel ranks and this file holds rank {rank}'s share.")
             try:
-                blob = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+                blob = load_file(path, mmap=True)
+            except UnsafeCheckpointError:
+                raise
             except Exception as exc:  # truncated zip, bad pickle, ...: the file, not the caller, is at fault
                 raise CheckpointMismatchError(f"{path} cannot be read ({type(exc).__name__}: {exc}); the file is "
                                               f"truncated or corrupted.") from exc

@@ -5,15 +5,18 @@
 rebinds the name, for the duration of the call only, to BnbZeroOptimizer / BnbZeroStage3Optimizer when the client
 optimizer is a bitsandbytes optimizer, and `_load_zero_checkpoint` lets such an engine load its checkpoints
 at any data-parallel size; `save_checkpoint` / `load_checkpoint` of such an engine publish tags crash-safely with a
-checksummed manifest and verify it on load (checkpoint/manifest.py). Every other optimizer and stage keeps
-DeepSpeed's behaviour.
+checksummed manifest and verify it on load (checkpoint/manifest.py), read every file through the safe loader
+(checkpoint/safe_load.py: no pickled code runs), and check that the optimizer state fits before DeepSpeed replaces any
+module weight. Every other optimizer and stage keeps DeepSpeed's behaviour.
 `stock_deepspeed()` switches the routing off for a block (comparisons, benchmarks).
 """
 
 import contextlib
 import functools
+import inspect
 import os
 import shutil
+import warnings
 
 import deepspeed.runtime.engine as ds_engine
 import deepspeed.runtime.zero.stage3 as ds_stage3
@@ -22,9 +25,11 @@ from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_i
 
 from deepspeed import comm as dist
 
-from deepspeed_bnb.checkpoint.manifest import file_digest, latest_tag, list_files, publish, read_manifest, \
-    recover_tag, staging_dir, verify
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.manifest import UNSAFE_KEY, file_digest, latest_tag, list_files, publish, \
+    read_manifest, recover_tag, staging_dir, verify
+from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, is_record
+from deepspeed_bnb.checkpoint.reader import SavedCheckpoint, check_unlisted, model_states_name
+from deepspeed_bnb.checkpoint.safe_load import load_file
 from deepspeed_bnb.checkpoint.sources import FileSource, rank_file_paths
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
@@ -114,11 +119,18 @@ def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     if self.load_universal_checkpoint():
         raise NotImplementedError("deepspeed_bnb: DeepSpeed universal checkpoints cannot hold bitsandbytes state; "
                                   "load the ZeRO checkpoint itself (it loads at any data-parallel size).")
-    paths = rank_file_paths(
-        lambda rank, bf16: self._get_rank_zero_ckpt_name(load_dir, tag, self.checkpoint_mp_rank, rank, bf16),
-        self.loaded_checkpoint_dp_world_size, self.bfloat16_enabled())
-    self.optimizer.bnb_load_checkpoint(FileSource(paths), load_optimizer_states, self.zero_load_from_fp32_weights())
+    source = getattr(self, "_bnb_checked_source", None)  # what load_checkpoint validated, files already open
+    if source is None or source.dp != self.loaded_checkpoint_dp_world_size:
+        source = _rank_files(self, load_dir, tag, self.loaded_checkpoint_dp_world_size)
+    self.optimizer.bnb_load_checkpoint(source, load_optimizer_states, self.zero_load_from_fp32_weights())
     return True
+
+
+def _rank_files(engine, load_dir, tag, dp: int) -> FileSource:
+    """The optimizer files of a tag written by `dp` ranks, named as this engine names them (bf16 prefix or not)."""
+    return FileSource(rank_file_paths(
+        lambda rank, bf16: engine._get_rank_zero_ckpt_name(load_dir, tag, engine.checkpoint_mp_rank, rank, bf16),
+        dp, engine.bfloat16_enabled()))
 
 
 MODEL_STATES_PATTERNS = ("mp_rank_*_model_states.pt", "zero_pp_rank_0_mp_rank_*_model_states.pt")  # stage 1/2, 3
@@ -155,9 +167,10 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
         if live_partitioned and saved < 3:
             fetch_z3_params = True
         elif not live_partitioned and saved == 3 and getattr(self, "_bnb_loading", None):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            # the weights zero_to_fp32 would rebuild, read through the safe loader (zero_to_fp32 unpickles fully)
+            from deepspeed_bnb.checkpoint.export import consolidated_weights
             load_dir, tag = self._bnb_loading
-            weights = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=str(tag))
+            weights = consolidated_weights(SavedCheckpoint(os.path.join(load_dir, str(tag))))
             module = dict(checkpoint["module"])
             for name, param in self.module.named_parameters():
                 if name in weights:
@@ -178,18 +191,38 @@ def _shared_share(engine, items):
     return items[dist.get_rank()::dist.get_world_size()]
 
 
-def _collective_check(check) -> None:
-    """Run `check` on every rank; if any rank fails, every rank raises its message (loads fail together)."""
+def _collective_check(check, catch=(CheckpointMismatchError,), raise_as=CheckpointMismatchError) -> None:
+    """Run `check` on every rank; if any rank fails, every rank raises the first failing rank's message (loads and
+    saves fail together instead of leaving the other ranks waiting in a collective until the launcher kills them)."""
     try:
         check()
         error = None
-    except CheckpointMismatchError as exc:
-        error = str(exc)
+    except catch as exc:
+        error = f"{exc}" if dist.get_world_size() == 1 else f"rank {dist.get_rank()}: {exc}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e]
     if failed:
-        raise CheckpointMismatchError(failed[0])
+        raise raise_as(failed[0])
+
+
+class CheckpointSaveError(OSError):
+    """A save that could not start (on any rank); every rank raises it and the previous checkpoint is untouched."""
+
+
+def _prepare_save(engine, save_dir: str, staged: str) -> None:
+    """Every rank can write where it will write: the publisher creates the directories, every rank probes them."""
+    if _publisher(engine):
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(staged)
+    dist.barrier()
+    if not os.path.isdir(staged):  # node-local storage: this node's publisher made its own
+        raise FileNotFoundError(f"{staged} does not exist on this rank's file system")
+    probe = os.path.join(staged, f".probe-{dist.get_rank()}")
+    with open(probe, "w"):
+        pass
+    os.remove(probe)
 
 
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
@@ -200,10 +233,11 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
     staged = staging_dir(save_dir, tag)
-    if _publisher(self):
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
-    dist.barrier()
+    _collective_check(lambda: _prepare_save(self, save_dir, staged), catch=(OSError,),
+                      raise_as=lambda message: CheckpointSaveError(
+                          f"save_checkpoint({save_dir!r}, tag={tag!r}) cannot write there: {message}. Nothing was "
+                          f"saved on any rank and the checkpoints already in that directory are untouched; fix the "
+                          f"permissions or free space, or pass another save_dir."))
     stock(self, staged, tag, client_state, False, exclude_frozen_parameters)  # returns after its closing barrier
     tag_dir = os.path.join(staged, tag)
     mine = {name: file_digest(os.path.join(tag_dir, name)) for name in _shared_share(self, list_files(tag_dir))}
@@ -211,37 +245,82 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
     dist.all_gather_object(everyone, mine)
     if _publisher(self):
         files = {name: digest for share in everyone for name, digest in share.items()}
+        needs_trust = {name: entry[UNSAFE_KEY] for name, entry in files.items() if UNSAFE_KEY in entry}
+        if needs_trust:  # e.g. an object of the caller's own class in client_state
+            warnings.warn(f"deepspeed_bnb: tag {tag!r} was saved, but {needs_trust} (from client_state or the lr "
+                          f"scheduler) cannot be read by the safe loader: loading it will need "
+                          f"DEEPSPEED_BNB_TRUST_CHECKPOINTS=1. Store plain values (numbers, strings, lists, dicts, "
+                          f"tensors) there instead.", RuntimeWarning)
         publish(save_dir, tag, files, self.optimizer.bnb_description(), save_latest)
     dist.barrier()
     return True
 
 
+def _check_tag(engine, load_dir, tag, explicit) -> None:
+    """The tag exists and its files are whole (manifest: sizes on every rank, each SHA-256 on exactly one rank)."""
+    tag_dir = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(tag_dir):  # stock DeepSpeed fails later on a bare assertion about this directory
+        named = (f"{os.path.join(load_dir, 'latest')} names tag {tag!r}" if explicit is None
+                 else f"tag {tag!r} was asked for")
+        raise CheckpointMismatchError(
+            f"{named}, but {tag_dir} does not exist. Tags there: "
+            f"{sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n)))}. Pass "
+            f"one of them as load_checkpoint(..., tag=...), or fix the `latest` file.")
+    manifest = read_manifest(tag_dir)
+    if manifest is not None:
+        verify(tag_dir, manifest, _shared_share(engine, sorted(manifest["files"])))
+    else:  # refused for a deepspeed_bnb checkpoint, warned about for a stock one
+        check_unlisted(tag_dir, is_record(_rank_files(engine, load_dir, tag, 1).state(0).get("base_optimizer_state")))
+
+
+def _check_fits(engine, load_dir, tag) -> None:
+    """The optimizer state and master weights of the tag fit this engine (format, optimizer class, model,
+    precisions, layout), checked before DeepSpeed replaces the module weights."""
+    tag_dir = os.path.join(load_dir, str(tag))
+    dp = load_file(os.path.join(tag_dir, model_states_name(tag_dir)), mmap=True).get("dp_world_size")
+    source = _rank_files(engine, load_dir, tag, int(dp or 1))
+    engine.optimizer.bnb_check_checkpoint(source, True, engine.zero_load_from_fp32_weights())
+    engine._bnb_checked_source = source
+
+
+@contextlib.contextmanager
+def _safe_reads(engine):
+    """DeepSpeed reads the model-states file through `engine.checkpoint_engine.load` (full pickle): route it through
+    the safe loader for the duration of a load."""
+    checkpoint_engine = engine.checkpoint_engine
+    previous = vars(checkpoint_engine).get("load")
+    checkpoint_engine.load = lambda path, map_location=None: load_file(path, map_location=map_location)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del checkpoint_engine.load
+        else:
+            checkpoint_engine.load = previous
+
+
 def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-    if is_bnb_zero(self.optimizer) and not self.load_universal_checkpoint():
-        explicit = tag
-        if tag is None:
-            tag = latest_tag(load_dir)
-        if tag is not None:
-            if _publisher(self):
-                recover_tag(load_dir, str(tag))
-            dist.barrier()
-            tag_dir = os.path.join(load_dir, str(tag))
-            if not os.path.isdir(tag_dir):  # stock DeepSpeed fails later on a bare assertion about this directory
-                named = (f"{os.path.join(load_dir, 'latest')} names tag {tag!r}" if explicit is None
-                         else f"tag {tag!r} was asked for")
-                raise CheckpointMismatchError(
-                    f"{named}, but {tag_dir} does not exist. Tags there: "
-                    f"{sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n)))}. Pass "
-                    f"one of them as load_checkpoint(..., tag=...), or fix the `latest` file.")
-            manifest = read_manifest(tag_dir)
-            if manifest is not None:  # every file is size-checked by every rank and hashed by exactly one
-                _collective_check(lambda: verify(tag_dir, manifest, _shared_share(self, sorted(manifest["files"]))))
-        self._bnb_loading = (load_dir, tag)  # for load_module_state_dict, which DeepSpeed does not tell
-        try:
+    if not is_bnb_zero(self.optimizer) or self.load_universal_checkpoint():
+        return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+    call = inspect.signature(_STOCK["load_checkpoint"]).bind(self, load_dir, tag, *args, **kwargs)
+    call.apply_defaults()
+    explicit = tag
+    if tag is None:
+        tag = latest_tag(load_dir)
+    if tag is not None:
+        if _publisher(self):
+            recover_tag(load_dir, str(tag))
+        dist.barrier()
+        _collective_check(lambda: _check_tag(self, load_dir, tag, explicit))
+        if call.arguments["load_optimizer_states"] and not call.arguments["load_module_only"]:  # DeepSpeed's rule
+            _collective_check(lambda: _check_fits(self, load_dir, tag))  # for calling _load_zero_checkpoint
+    self._bnb_loading = (load_dir, tag)  # for load_module_state_dict, which DeepSpeed does not tell
+    try:
+        with _safe_reads(self):
             return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
-        finally:
-            self._bnb_loading = None
-    return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+    finally:
+        self._bnb_loading = None
+        self._bnb_checked_source = None
 
 
 def _is_zero_supported_optimizer(optimizer):

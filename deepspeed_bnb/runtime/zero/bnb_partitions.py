@@ -13,7 +13,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from deepspeed_bnb.checkpoint.partition_state import GroupRecord
+from deepspeed_bnb.checkpoint.partition_state import GroupRecord, load_records
 from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
 from deepspeed_bnb.optim.partition_step import FUSED, routes
@@ -23,6 +23,13 @@ from deepspeed_bnb.optim.state_classes import StateClass
 class BnbPartitionsMixin:
     """Shared by BnbZeroOptimizer (ZeRO-1/2) and BnbZeroStage3Optimizer. The class using it sets `self.bnb`
     (BnbAdapter), `self.bnb_eight_bit` and `self.bnb_routes`, and implements `_bnb_partitions`."""
+
+    def bnb_check_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True) -> None:
+        """Raise CheckpointMismatchError unless `bnb_load_checkpoint(source, ...)` would load; changes nothing.
+        The engine runs this before DeepSpeed loads the module weights, which it would otherwise replace before the
+        optimizer state is found not to fit."""
+        load_records(source, self._bnb_group_records(), dist.get_rank(group=self.dp_process_group),
+                     self._bnb_optimizer_class(), load_optimizer_states, load_from_fp32_weights, validate_only=True)
 
     def _bnb_partitions(self) -> List[Tuple[Sequence[torch.nn.Parameter], int, Sequence[bool]]]:
         """Per partition this rank steps: (its model parameters in flat order, bnb param-group index, 8-bit?)."""
