@@ -25,7 +25,8 @@ def _migrate(args):
 
 def _export(args):
     from deepspeed_bnb.checkpoint.export import export
-    for kind, path in export(args.checkpoint, args.out, args.optimizer_state, progress=not args.quiet).items():
+    for kind, path in export(args.checkpoint, args.out, args.optimizer_state, progress=not args.quiet,
+                             universal=args.universal).items():
         print(f"{kind:>12}: {path}")
 
 
@@ -95,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
                              ("export", _export, "write consolidated fp32 weights as safetensors (optionally the "
                                                  "optimizer state, dequantized, under torch's names)"),
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
-                                                   "bnb 32-bit) <-> bnb 8-bit; reports the round-trip error"),
+                                                   "bnb 32-bit; ZeRO or universal checkpoints) <-> bnb 8-bit; reports "
+                                                   "the round-trip error"),
                              ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the current "
                                                    "one (per-tensor checksums; with --trust, one that needs trust or "
                                                    "lost its manifest)")):
@@ -112,6 +114,11 @@ def parser() -> argparse.ArgumentParser:
                                             help="also write optimizer.safetensors (fp32 state per parameter, e.g. "
                                                  "<name>.exp_avg, <name>.exp_avg_sq, <name>.step) and "
                                                  "optimizer.json (hyper-parameters)")
+    commands.choices["export"].add_argument("--universal", action="store_true",
+                                            help="write a DeepSpeed universal checkpoint instead (OUT/<tag>/zero/..., "
+                                                 "OUT/latest_universal): fp32 weights and torch AdamW state "
+                                                 "(exp_avg, exp_avg_sq, step) that a stock engine loads with "
+                                                 '"checkpoint": {"load_universal": true}')
     kernels = commands.add_parser("kernels", help="check the compiled fused kernels against their reference here "
                                                   "(the first-use check the optimizer runs); exit 1 if one fails",
                                   description="Load (or JIT-build) the fused kernels, say which build and CPU path "

@@ -7,7 +7,8 @@ the pytest side compares across world sizes. Scenarios:
 - resume: save at step 3, load into a freshly built engine, continue; compare with the uninterrupted run (rigid and
   elastic, stage 1 and 2), plus a control that drops the optimizer state and a look inside the per-rank files;
 - stock_elastic: the same resume with stock DeepSpeed's elastic checkpoint (expected to fail: negative control);
-- whole_mismatch: a replicated (whole) state tensor that differs between ranks makes the save refuse;
+- whole_mismatch: a replicated (whole) state tensor that differs between ranks makes the save refuse; a save into
+  a directory that cannot be created fails on every rank with the same error;
 - elastic_save / elastic_load: save at DP=N, load at DP=M (another stage for even M, a loader with another lr),
   compare every parameter's state with what was saved and the continued losses with the run that never stopped;
 - param_state: DeepSpeed's safe_{get,set}_{full,local}_optimizer_state across ranks (full = the ranks' local
@@ -244,7 +245,27 @@ def scenario_whole_mismatch(world, rank, out):
         outcome = "saved"
     except RuntimeError as exc:
         outcome = str(exc)
-    return {"outcome": outcome, "latest_written": os.path.exists(os.path.join(out, "whole_bad", "latest"))}
+    return {"outcome": outcome, "latest_written": os.path.exists(os.path.join(out, "whole_bad", "latest")),
+            "unwritable": unwritable_save(engine, out)}
+
+
+def unwritable_save(engine, out):
+    """A save whose directory cannot be created (its parent is a file, which stops root too): every rank's outcome
+    (they must all raise the same error, not leave the others waiting), then whether a later good save works."""
+    blocker = os.path.join(out, "not_a_directory")
+    if dist.get_rank() == 0:
+        with open(blocker, "w") as f:
+            f.write("a file where the checkpoint directory's parent should be")
+    dist.barrier()
+    try:
+        engine.save_checkpoint(os.path.join(blocker, "ckpt"), tag="t")
+        outcome = "saved"
+    except Exception as exc:  # the outcome itself is what the test inspects
+        outcome = f"{type(exc).__name__}: {exc}"
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    engine.save_checkpoint(os.path.join(out, "after_unwritable"), tag="t")
+    return {"outcomes": outcomes, "later_save_ok": os.path.exists(os.path.join(out, "after_unwritable", "latest"))}
 
 
 # Elastic checkpoints: each kind is saved at every DP size N and loaded at every M (stage flipped for some M, and by a

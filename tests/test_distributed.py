@@ -125,6 +125,15 @@ def test_whole_state_differing_between_ranks_refuses_to_save(results):
     assert not run["latest_written"], "a refused save must not publish anything"
 
 
+def test_unwritable_save_fails_on_every_rank_alike(results):
+    run = results[2]["whole_mismatch"]["unwritable"]
+    first, *others = run["outcomes"]
+    assert first.startswith("CheckpointSaveError: save_checkpoint(") and "not_a_directory" in first, first
+    assert "Nothing was saved on any rank" in first and "rank 0:" in first, first
+    assert others == [first] * len(others), run["outcomes"]  # same error everywhere, nobody left waiting
+    assert run["later_save_ok"]
+
+
 def test_param_state_full_is_local_fragments_and_bnb_state(results):
     run = results[2]["param_state"]
     assert run["split"] == ["fc1.weight"], "the toy model's fc1.weight spans both partitions at DP=2"

@@ -1,7 +1,8 @@
 """Offline precision switch: 32-bit Adam state (torch / DeepSpeed AdamW, bnb 32-bit) <-> bnb 8-bit blockwise state.
 
-Reads a deepspeed_bnb checkpoint or a stock DeepSpeed ZeRO-1/2 checkpoint of an Adam-family optimizer (`exp_avg`,
-`exp_avg_sq`), joins every parameter's moments, and writes a deepspeed_bnb checkpoint (same DP size) for the target
+Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2 checkpoint or a DeepSpeed universal checkpoint
+(universal.py) of an Adam-family optimizer (`exp_avg`, `exp_avg_sq`), joins every parameter's moments, and writes a
+deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any) for the target
 bnb optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the nearest code
 (ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot hold 0), fp32
 parameters keep the moments exactly. The report gives the round-trip error of the quantized moments against the gap
@@ -23,6 +24,7 @@ from deepspeed_bnb.checkpoint.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, empty_group_record
 from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.reshape import check_output, write_rank_files
+from deepspeed_bnb.checkpoint.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
@@ -123,10 +125,11 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
                          f"{min_8bit_size}")
     target = optimizer_class or DEFAULT_CLASS[to]
     cls = _load_class(target)
-    ckpt = SavedCheckpoint(path, verify_checksums=True)
+    universal = universal_tag_dir(path) is not None
+    ckpt = UniversalCheckpoint(path) if universal else SavedCheckpoint(path, verify_checksums=True)
     check_output(ckpt, out_dir)
     ours = ckpt.is_deepspeed_bnb
-    if not ours and ckpt.zero_stage == 3:
+    if not ours and not universal and ckpt.zero_stage == 3:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed ZeRO-3 checkpoint; convert reads stock "
                                       f"ZeRO-1/2 ones (and deepspeed_bnb checkpoints of any stage). Load it into a "
                                       f"stock ZeRO-1/2 engine of the same DP size and save again, or train on from "
@@ -136,9 +139,12 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
 
     plans = []  # per group: eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
     for g, group_shapes in enumerate(shapes):
-        moments = _moments_of_record(ckpt, g) if ours else _moments_of_stock(ckpt, g)
-        master = ckpt.master_weights(g) if ours else _stock_master(ckpt, g)
-        hyper = ckpt.groups[g][C.HYPERPARAMS_KEY] if ours else _stock_hyperparams(ckpt, g)
+        if universal:
+            moments, master, hyper = ckpt.moments(g), ckpt.master_weights(g), ckpt.hyperparams(g)
+        elif ours:
+            moments, master, hyper = _moments_of_record(ckpt, g), ckpt.master_weights(g), ckpt.groups[g][C.HYPERPARAMS_KEY]
+        else:
+            moments, master, hyper = _moments_of_stock(ckpt, g), _stock_master(ckpt, g), _stock_hyperparams(ckpt, g)
         optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
         if rule not in ADAM_RULES:

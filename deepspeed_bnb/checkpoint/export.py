@@ -45,10 +45,16 @@ def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def export(path: str, out_dir: str, optimizer_state: bool = False, progress: bool = True) -> Dict[str, str]:
-    """Write `model.safetensors` (and `optimizer.safetensors` + `optimizer.json`) into `out_dir`; returns paths.
-    Every input file is checked against its SHA-256 first."""
+def export(path: str, out_dir: str, optimizer_state: bool = False, progress: bool = True,
+           universal: bool = False) -> Dict[str, str]:
+    """Write `model.safetensors` (and `optimizer.safetensors` + `optimizer.json`) into `out_dir`, or with `universal`
+    a DeepSpeed universal checkpoint (universal.py); returns paths. Every input file is checked against its SHA-256
+    first."""
     ckpt = SavedCheckpoint(path, verify_checksums=True)
+    if universal:
+        from deepspeed_bnb.checkpoint.universal import LATEST_UNIVERSAL, write_universal
+        return {"universal": write_universal(ckpt, out_dir, progress),
+                "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
     os.makedirs(out_dir, exist_ok=True)
     written = {"model": os.path.join(out_dir, "model.safetensors")}
     weights = consolidated_weights(ckpt)

@@ -143,8 +143,8 @@ def read_manifest(tag_dir: str) -> Optional[dict]:
     path = os.path.join(tag_dir, MANIFEST_NAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
     try:
         manifest = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -170,7 +170,9 @@ def read_manifest(tag_dir: str) -> Optional[dict]:
 
 
 def verify(tag_dir: str, manifest: dict, checksum: Iterable[str] = ()) -> None:
-    """Every listed file exists with its size; the files in `checksum` (relative paths) also match their SHA-256."""
+    """Every listed file exists with its size; the files in `checksum` (relative paths) also match their SHA-256 and,
+    torch files, load through the safe loader (a manifest matching a planted file proves nothing: whoever planted
+    it could rewrite the manifest; the pickle is parsed, the tensors stay on disk)."""
     for name, expected in manifest["files"].items():
         path = os.path.join(tag_dir, name)
         if not os.path.isfile(path):
@@ -189,6 +191,9 @@ def verify(tag_dir: str, manifest: dict, checksum: Iterable[str] = ()) -> None:
             raise CheckpointMismatchError(f"{path} fails its SHA-256 check (manifest {expected}, file {actual}): the "
                                           f"file is corrupted{_where_damaged(path, manifest['files'][name])}. Restore "
                                           f"it from the source of the checkpoint, or load another tag.")
+        if name.endswith(".pt"):
+            from deepspeed_bnb.checkpoint.safe_load import load_file
+            load_file(path, mmap=True)
 
 
 def _sha256(path: str) -> str:

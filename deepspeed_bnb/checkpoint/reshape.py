@@ -73,21 +73,22 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
 
 
 def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
-    """The checkpoint's model states for `dp` ranks at `stage`: stage-3 files of the source hold no module weights, so a
-    stage-1/2 target gets the fp32 master weights (in the module's dtype) instead."""
+    """The checkpoint's model states for `dp` ranks at `stage`. Module weights the source does not hold (stage-3 files
+    keep empty ones, universal checkpoints none) become the fp32 master weights, in the module's dtype where known."""
     states = dict(ckpt.model_states)
     states["dp_world_size"] = dp
     config = copy.deepcopy(states.get("ds_config"))
     if isinstance(config, dict):
         config.setdefault("zero_optimization", {})["stage"] = stage
         states["ds_config"] = config
-    if stage < 3 and ckpt.zero_stage == 3:
-        module = dict(states["module"])
-        for g, shapes in enumerate(ckpt.param_shapes()):
-            for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
-                dtype = module[name].dtype if name in module else torch.float32
-                module[name] = master.reshape(shape).to(dtype)
-        states["module"] = module
+    module = dict(states.get("module") or {})
+    for g, shapes in enumerate(ckpt.param_shapes()):
+        if all(name in module and module[name].numel() == shape.numel() for name, shape in shapes.items()):
+            continue
+        for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
+            dtype = module[name].dtype if name in module else torch.float32
+            module[name] = master.reshape(shape).to(dtype)
+    states["module"] = module
     return states
 
 

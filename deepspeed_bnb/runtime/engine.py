@@ -191,33 +191,37 @@ def _shared_share(engine, items):
     return items[dist.get_rank()::dist.get_world_size()]
 
 
-def _collective_check(check, catch=(CheckpointMismatchError,), raise_as=CheckpointMismatchError) -> None:
-    """Run `check` on every rank; if any rank fails, every rank raises the first failing rank's message (loads and
-    saves fail together instead of leaving the other ranks waiting in a collective until the launcher kills them)."""
+def _collective_check(check, catch=(CheckpointMismatchError,), raise_as=None) -> None:
+    """Run `check` on every rank; if any rank fails, every rank raises the first failing rank's error (its class, or
+    `raise_as(message)`): loads and saves fail together instead of leaving the other ranks waiting in a collective
+    until the launcher kills them."""
     try:
         check()
         error = None
     except catch as exc:
-        error = f"{exc}" if dist.get_world_size() == 1 else f"rank {dist.get_rank()}: {exc}"
+        error = (type(exc), f"{exc}" if dist.get_world_size() == 1 else f"rank {dist.get_rank()}: {exc}")
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e]
     if failed:
-        raise raise_as(failed[0])
+        cls, message = failed[0]
+        raise (raise_as or cls)(message)
 
 
 class CheckpointSaveError(OSError):
     """A save that could not start (on any rank); every rank raises it and the previous checkpoint is untouched."""
 
 
-def _prepare_save(engine, save_dir: str, staged: str) -> None:
-    """Every rank can write where it will write: the publisher creates the directories, every rank probes them."""
+def _create_staging(engine, save_dir: str, staged: str) -> None:
     if _publisher(engine):
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
         os.makedirs(staged)
-    dist.barrier()
-    if not os.path.isdir(staged):  # node-local storage: this node's publisher made its own
+
+
+def _probe_staging(staged: str) -> None:
+    """This rank can write where its files go (with node-local storage its node's publisher made the directory)."""
+    if not os.path.isdir(staged):
         raise FileNotFoundError(f"{staged} does not exist on this rank's file system")
     probe = os.path.join(staged, f".probe-{dist.get_rank()}")
     with open(probe, "w"):
@@ -233,11 +237,12 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
     staged = staging_dir(save_dir, tag)
-    _collective_check(lambda: _prepare_save(self, save_dir, staged), catch=(OSError,),
-                      raise_as=lambda message: CheckpointSaveError(
-                          f"save_checkpoint({save_dir!r}, tag={tag!r}) cannot write there: {message}. Nothing was "
-                          f"saved on any rank and the checkpoints already in that directory are untouched; fix the "
-                          f"permissions or free space, or pass another save_dir."))
+    for step in (lambda: _create_staging(self, save_dir, staged), lambda: _probe_staging(staged)):
+        # each a collective of its own: a rank that fails must not skip a collective the others are in
+        _collective_check(step, catch=(OSError,), raise_as=lambda message: CheckpointSaveError(
+            f"save_checkpoint({save_dir!r}, tag={tag!r}) cannot write there: {message}. Nothing was saved on any "
+            f"rank and the checkpoints already in that directory are untouched; fix the permissions or free "
+            f"space, or pass another save_dir."))
     stock(self, staged, tag, client_state, False, exclude_frozen_parameters)  # returns after its closing barrier
     tag_dir = os.path.join(staged, tag)
     mine = {name: file_digest(os.path.join(tag_dir, name)) for name in _shared_share(self, list_files(tag_dir))}

@@ -1,0 +1,201 @@
+"""DeepSpeed universal checkpoints, both ways: a deepspeed_bnb checkpoint exported as one, and one read as a source.
+
+DeepSpeed's universal format (deepspeed/checkpoint/ds_to_universal.py writes it, `"checkpoint": {"load_universal":
+true}` reads it) keeps every parameter whole and unpartitioned, one folder per parameter name under `<tag>/zero/`:
+`fp32.pt`, one `<key>.pt` per optimizer-state key (`{"param": tensor}`; the stage-1/2 loader turns each file name into
+a state key) and `step.pt`; `zero/optimizer_state.pt` carries the param groups (stage 1/2 read `param_groups` and
+`ds_version`, stage 3 `optimizer_state_dict`), `latest_universal` names the tag. ds_to_universal cannot read bnb
+state (`KeyError: 'exp_avg'`: it expects torch's moment names, and bnb's 8-bit codes are not element-wise values
+anyway). Here:
+- `write_universal`: each parameter's bnb state dequantized to fp32 under torch's Adam names (exp_avg, exp_avg_sq),
+  its fp32 master weights and step, so a stock engine with torch.optim.AdamW loads it with DeepSpeed's own loader at
+  any DP size, stage and tensor-parallel layout DeepSpeed supports. Only plain tensors and builtins are written.
+- `UniversalCheckpoint`: a universal folder (ours or ds_to_universal's) as a source for `convert --to 8bit`.
+"""
+
+import os
+from typing import Dict, List, Tuple
+
+import torch
+from tqdm import tqdm
+
+from deepspeed_bnb.checkpoint import constants as C
+from deepspeed_bnb.checkpoint.manifest import fresh_staging, publish_staged, read_manifest, safe_name, verify, \
+    write_json_atomic
+from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint, check_unlisted
+from deepspeed_bnb.checkpoint.safe_load import load_file
+
+LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer file (engine.load_checkpoint with load_universal)
+ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
+OPTIMIZER_STATE = "optimizer_state.pt"
+PARAM = "param"  # DeepSpeed's key for the whole tensor in a per-parameter file (checkpoint.constants.PARAM)
+MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's names for bnb's state1, state2
+ADAM_RULES = ("adam",)  # bnb update rules whose state is torch Adam's (LAMB's also needs a trust ratio: not exported)
+# Hyper-parameters torch.optim.AdamW shares with bnb's Adam family (bnb's others, alpha/t_alpha/t_beta3, are AdEMAMix's)
+TORCH_ADAM_HYPERPARAMS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+def _whole(value, where: str) -> torch.Tensor:
+    """The tensor of a per-parameter file: DeepSpeed writes `{"param": tensor, "cat_dim": ...}` or a bare tensor."""
+    tensor = value.get(PARAM) if isinstance(value, dict) else value
+    if not torch.is_tensor(tensor):
+        raise CheckpointMismatchError(f"{where} holds {type(value).__name__}, not a tensor or a {{'{PARAM}': tensor}} "
+                                      f"dict: it is not a DeepSpeed universal checkpoint file.")
+    return tensor
+
+
+def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) -> str:
+    """Write `ckpt` (deepspeed_bnb, Adam family) as a DeepSpeed universal checkpoint in `out_dir`; returns the tag
+    directory. The moments are bnb's dequantized ones (exact for fp32 state); the weights the fp32 master weights."""
+    from deepspeed_bnb.checkpoint.export import fp32_moments
+    from deepspeed_bnb.checkpoint.reshape import check_output
+    record = ckpt.record(0)
+    if record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
+        raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "
+                                      f"({ckpt.optimizer_class}); a universal export writes torch AdamW state "
+                                      f"(exp_avg, exp_avg_sq) and needs an Adam-family optimizer.")
+    check_output(ckpt, out_dir)
+    tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
+    staged = fresh_staging(out_dir, tag)
+    groups, steps = [], []
+    for g, shapes in enumerate(ckpt.param_shapes()):
+        masters, states = ckpt.master_weights(g), ckpt.param_states(g)
+        group_steps = {int(state["step"]) for state in states}
+        if len(group_steps) > 1:  # DeepSpeed's loader asserts one step per param group
+            raise CheckpointMismatchError(f"{ckpt.tag_dir}: param group {g} has parameters at different steps "
+                                          f"{sorted(group_steps)}; a universal checkpoint keeps one per group.")
+        step = float(group_steps.pop()) if group_steps else 0.0
+        for (name, shape), master, state in tqdm(list(zip(shapes.items(), masters, states)), desc=f"group {g}",
+                                                 disable=not progress):
+            folder = os.path.join(staged, ZERO_DIR, safe_name(name, ckpt.tag_dir, "parameter"))
+            os.makedirs(folder, exist_ok=True)
+            torch.save({PARAM: master.reshape(shape).clone()}, os.path.join(folder, "fp32.pt"))
+            for key, value in zip(MOMENTS, fp32_moments(state)):
+                torch.save({PARAM: value.reshape(shape).contiguous()}, os.path.join(folder, f"{key}.pt"))
+            torch.save(torch.tensor(step), os.path.join(folder, "step.pt"))
+        hyper = record[C.GROUPS_KEY][g][C.HYPERPARAMS_KEY]
+        groups.append({k: (tuple(v) if isinstance(v, list) else v) for k, v in hyper.items()
+                       if k in TORCH_ADAM_HYPERPARAMS})
+        steps.append(step)
+    source = ckpt.model_states
+    version = source.get("ds_version") or ckpt.source.blob(0).get("ds_version")
+    torch.save({"ds_version": version, "param_groups": groups,
+                "optimizer_state_dict": {"state": {0: {"step": torch.tensor(steps[0] if steps else 0.0)}},
+                                         "param_groups": groups}},
+               os.path.join(staged, ZERO_DIR, OPTIMIZER_STATE))
+    states = {k: source[k] for k in ("global_steps", "skipped_steps", "global_samples", "lr_scheduler", "ds_version",
+                                     "param_shapes", "buffer_names", "ds_config") if k in source}
+    # The universal loader restores weights from zero/, never from `module`: none are copied (a stage-3 source has
+    # none, and full copies would double the folder); param_shapes keeps names, shapes and groups for readers.
+    states.update(module={}, dp_world_size=1, mp_world_size=1, param_shapes=ckpt.param_shapes())
+    for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):  # the names stage 1/2 and stage 3 loaders glob for
+        torch.save(states, os.path.join(staged, name))
+    written = publish_staged(out_dir, tag, {"universal": True, "source_optimizer_class": ckpt.optimizer_class},
+                             save_latest=False)
+    write_json_atomic(os.path.join(out_dir, LATEST_UNIVERSAL), tag)
+    return written
+
+
+class UniversalCheckpoint:
+    """A DeepSpeed universal checkpoint (ours or ds_to_universal's), read through the safe loader: per param group
+    the parameter names and shapes, fp32 weights, Adam moments, step and hyper-parameters."""
+
+    def __init__(self, path: str):
+        self.tag_dir = universal_tag_dir(path)
+        if self.tag_dir is None:
+            raise CheckpointMismatchError(f"{path} is not a DeepSpeed universal checkpoint (no {LATEST_UNIVERSAL} "
+                                          f"file, no {ZERO_DIR}/{OPTIMIZER_STATE}).")
+        self.manifest = read_manifest(self.tag_dir)
+        if self.manifest is not None:
+            verify(self.tag_dir, self.manifest, sorted(self.manifest["files"]))
+        else:  # ds_to_universal writes none
+            check_unlisted(self.tag_dir, ours=False)
+        self.optimizer_state = load_file(os.path.join(self.tag_dir, ZERO_DIR, OPTIMIZER_STATE))
+        for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):
+            path = os.path.join(self.tag_dir, name)
+            if os.path.isfile(path):
+                self.model_states = load_file(path)
+                break
+        else:
+            raise CheckpointMismatchError(f"{self.tag_dir} has no model-states file ({MODEL_STATES}).")
+        self.zero_stage, self.dp, self.bf16_names, self.is_deepspeed_bnb = 2, 1, False, False
+
+    def _param_groups(self) -> List[dict]:
+        groups = self.optimizer_state.get("param_groups")  # stage 1/2 form; stage 3's lives one level down
+        if groups is None:
+            groups = self.optimizer_state.get("optimizer_state_dict", {}).get("param_groups", [])
+        return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+    def param_shapes(self) -> List[Dict[str, torch.Size]]:
+        saved = [dict(shapes) for shapes in self.model_states.get("param_shapes", [])]
+        groups = len(self._param_groups())
+        if not saved:
+            raise CheckpointMismatchError(f"{self.tag_dir}: the model states hold no param_shapes; the parameters of "
+                                          f"the checkpoint cannot be named.")
+        if len(saved) != groups:  # ZeRO-3 sources list sub-groups
+            if groups != 1:
+                raise CheckpointMismatchError(f"{self.tag_dir}: param_shapes lists {len(saved)} groups for {groups} "
+                                              f"optimizer param groups; which parameter belongs to which group is "
+                                              f"unknown.")
+            saved = [{name: shape for shapes in saved for name, shape in shapes.items()}]
+        return saved
+
+    def _param_file(self, name: str, key: str) -> torch.Tensor:
+        path = os.path.join(self.tag_dir, ZERO_DIR, safe_name(name, self.tag_dir, "parameter"), f"{key}.pt")
+        if not os.path.isfile(path):
+            raise CheckpointMismatchError(f"{path} is missing: a universal checkpoint of Adam state has fp32, "
+                                          f"exp_avg and exp_avg_sq for every parameter.")
+        return load_file(path)
+
+    def _tensor(self, name: str, key: str, shape) -> torch.Tensor:
+        tensor = _whole(self._param_file(name, key), f"{self.tag_dir}/{ZERO_DIR}/{name}/{key}.pt")
+        if tensor.numel() != torch.Size(shape).numel():
+            raise CheckpointMismatchError(f"{self.tag_dir}/{ZERO_DIR}/{name}/{key}.pt has {tensor.numel()} elements, "
+                                          f"the parameter {tuple(shape)}: padded (vocabulary) or tensor-parallel "
+                                          f"slices are not read.")
+        return tensor.reshape(-1).float()
+
+    def _step(self, name: str) -> int:
+        path = os.path.join(self.tag_dir, ZERO_DIR, name, "step.pt")
+        if os.path.isfile(path):  # stage 1/2 conversions: one per parameter
+            value = load_file(path)
+        else:  # stage 3 conversions: one for all, in the torch state of the flat group
+            value = self.optimizer_state.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step", 0)
+        return int(value.item() if torch.is_tensor(value) else value)
+
+    def moments(self, g: int) -> List[Tuple[List[torch.Tensor], int]]:
+        return [([self._tensor(name, key, shape) for key in MOMENTS], self._step(name))
+                for name, shape in self.param_shapes()[g].items()]
+
+    def master_weights(self, g: int) -> List[torch.Tensor]:
+        return [self._tensor(name, "fp32", shape) for name, shape in self.param_shapes()[g].items()]
+
+    def hyperparams(self, g: int) -> dict:
+        return self._param_groups()[g]
+
+    def other_files(self) -> List[str]:
+        return []
+
+    @property
+    def source(self):
+        return self  # write_rank_files takes the non-state keys of the new rank files from here
+
+    def blob(self, rank: int) -> dict:
+        """What a ZeRO optimizer file holds besides the state convert writes (stage keys are added per rank)."""
+        return {"optimizer_state_dict": {"ds_version": self.model_states.get("ds_version")},
+                "ds_version": self.model_states.get("ds_version"), "ds_config": self.model_states.get("ds_config")}
+
+
+def universal_tag_dir(path: str):
+    """The tag directory of a universal checkpoint at `path` (a directory with latest_universal, or the tag itself),
+    or None when `path` is not one."""
+    pointer = os.path.join(path, LATEST_UNIVERSAL)
+    if os.path.isfile(pointer):
+        with open(pointer, "rb") as f:
+            tag = safe_name(f.read(4097).decode("utf-8", errors="replace").strip(), pointer, "tag",
+                            one_component=True)
+        return os.path.join(path, tag)
+    if os.path.isfile(os.path.join(path, ZERO_DIR, OPTIMIZER_STATE)):
+        return path
+    return None
