@@ -31,6 +31,27 @@ def _export(args):
 
 
 def _convert(args):
+    if args.from_bnb:
+        from deepspeed_bnb.checkpoint.from_bnb import convert_from_bnb
+        if args.weights is None:
+            raise ValueError("convert --from-bnb needs --weights FILE: the model's state dict (torch or safetensors)")
+        if args.to == "32bit":
+            raise ValueError("convert --from-bnb carries the bnb state over as it is; convert the result with --to "
+                             "32bit afterwards")
+        names = None
+        if args.param_names:
+            with open(args.param_names) as f:
+                names = [line.strip() for line in f if line.strip()]
+        print(convert_from_bnb(args.checkpoint, args.weights, args.out,
+                               args.optimizer_class or "bitsandbytes.optim.adamw.AdamW8bit", names, args.dp or 1,
+                               args.stage or 2, progress=not args.quiet, optimizer_key=args.optimizer_key,
+                               model_key=args.model_key))
+        return
+    if args.to is None:
+        raise ValueError("convert needs --to 8bit or --to 32bit (or --from-bnb)")
+    if args.dp or args.stage or args.weights or args.param_names:
+        raise ValueError("convert: --dp, --stage, --weights and --param-names go with --from-bnb (reshape changes "
+                         "the DP size and stage of a checkpoint)")
     from deepspeed_bnb.checkpoint.convert import convert
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet)
@@ -98,9 +119,9 @@ def parser() -> argparse.ArgumentParser:
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
                                                    "bnb 32-bit; ZeRO or universal checkpoints) <-> bnb 8-bit; reports "
                                                    "the round-trip error"),
-                             ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the current "
-                                                   "one (per-tensor checksums; with --trust, one that needs trust or "
-                                                   "lost its manifest)")):
+                             ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the "
+                                                   "current one (per-tensor checksums; with --trust, one that needs "
+                                                   "trust or lost its manifest)")):
         sub = command(name, func, text)
         sub.add_argument("out", help="output directory (a checkpoint directory for reshape/convert)")
         sub.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -127,7 +148,25 @@ def parser() -> argparse.ArgumentParser:
     kernels.add_argument("--device", action="append", help="device to check (repeatable; default: cpu and every GPU)")
     kernels.set_defaults(func=_kernels)
     convert = commands.choices["convert"]
-    convert.add_argument("--to", choices=("8bit", "32bit"), required=True, help="state precision to write")
+    convert.add_argument("--to", choices=("8bit", "32bit"), default=None, help="state precision to write")
+    convert.add_argument("--from-bnb", action="store_true",
+                         help="CHECKPOINT is a torch file with a plain bitsandbytes optimizer.state_dict() (either "
+                              "layout: bitsandbytes < 0.49.2 or >= 0.49.2), bare or under 'optimizer'; written as a "
+                              "deepspeed_bnb checkpoint with the state unchanged")
+    convert.add_argument("--weights", default=None,
+                         help="with --from-bnb: the model's state dict (torch .pt, bare or under 'model', or "
+                              ".safetensors); its names name the optimizer's parameters, in order")
+    convert.add_argument("--param-names", default=None,
+                         help="with --from-bnb: a file with one parameter name per line, in the order the optimizer "
+                              "got them (needed when the weights also hold buffers or tied weights)")
+    convert.add_argument("--optimizer-key", default=None, help="with --from-bnb: the entry of CHECKPOINT holding "
+                                                               "the optimizer state dict")
+    convert.add_argument("--model-key", default=None, help="with --from-bnb: the entry of --weights holding the "
+                                                           "model state dict")
+    convert.add_argument("--dp", type=int, default=None, help="with --from-bnb: data-parallel size (default 1; "
+                                                              "it loads at any)")
+    convert.add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
+                         help="with --from-bnb: ZeRO stage of the files (default 2; it loads into any)")
     convert.add_argument("--optimizer-class", default=None,
                          help="bnb optimizer class the converted checkpoint is for (default: "
                               "bitsandbytes.optim.adamw.AdamW8bit for --to 8bit, bitsandbytes.optim.adamw.AdamW for "

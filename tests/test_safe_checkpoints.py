@@ -171,7 +171,8 @@ def test_manifest_lists_every_file_with_checksum(saves):
 
         def walk(value, prefix):
             if torch.is_tensor(value):
-                tensors[prefix] = f"{zlib.crc32(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()):08x}"
+                raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                tensors[prefix] = f"{zlib.crc32(raw):08x}"
             elif isinstance(value, dict):
                 for key, item in value.items():
                     walk(item, f"{prefix}/{key}" if prefix else str(key))

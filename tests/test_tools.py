@@ -73,7 +73,8 @@ def test_reshape_round_trip_is_lossless(saved, tmp_path):
 def test_inspect_names_what_matters(saved):
     folder, _ = saved
     text = summary(folder, verify_checksums=True)
-    for needle in (f"deepspeed_bnb record v{FORMAT_VERSION}", "manifest: v2", "SHA-256 verified", "ZeRO stage 2, 1 data-parallel ranks",
+    for needle in (f"deepspeed_bnb record v{FORMAT_VERSION}", "manifest: v2", "SHA-256 verified",
+                   "ZeRO stage 2, 1 data-parallel ranks",
                    "bitsandbytes.optim.adamw.AdamW8bit", "8-bit  fc1.weight  (301, 40)  12,040",
                    "fp32   head.bias  (97,)  97", "absmax1:block", "qmap1:whole", "state1:element", "step 3"):
         assert needle in text, needle

@@ -51,7 +51,7 @@ def saved(one_rank, tmp_path_factory):
     opt = engine.optimizer
     masters = {}
     for i, params in enumerate(opt.round_robin_bit16_groups):  # the fp32 master weights, per parameter
-        flat, offset = opt.single_partition_of_fp32_groups[i], 0
+        flat = opt.single_partition_of_fp32_groups[i]
         for seg in opt.bnb_layouts[i].segments(0, opt.bnb_eight_bit[i]):
             masters[names[params[seg.slot]]] = flat.narrow(0, seg.offset, seg.numel).clone()
     return folder, {names[p]: (s, p.numel()) for p, s in states.items()}, masters, engine
@@ -68,8 +68,9 @@ def test_export_universal_loads_into_stock_adamw(saved, tmp_path, stage):
         state, numel = states[name]
         moments = bnb_moments(state, numel)  # bitsandbytes' own dequantization of the saved state
         assert torch.equal(safe_get_full_fp32_param(param).reshape(-1), masters[name]), name
-        assert torch.equal(safe_get_full_optimizer_state(param, "exp_avg").reshape(-1), moments["state1"].reshape(-1)), name
-        assert torch.equal(safe_get_full_optimizer_state(param, "exp_avg_sq").reshape(-1), moments["state2"].reshape(-1)), name
+        for key, bnb_key in (("exp_avg", "state1"), ("exp_avg_sq", "state2")):
+            got = safe_get_full_optimizer_state(param, key).reshape(-1)
+            assert torch.equal(got, moments[bnb_key].reshape(-1)), (name, key)
     torch_state = next(iter(engine.optimizer.optimizer.state.values()))
     assert float(torch_state["step"]) == STEPS
     saved_lr = [g["lr"] for g in original.optimizer.param_groups]

@@ -142,7 +142,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
         if universal:
             moments, master, hyper = ckpt.moments(g), ckpt.master_weights(g), ckpt.hyperparams(g)
         elif ours:
-            moments, master, hyper = _moments_of_record(ckpt, g), ckpt.master_weights(g), ckpt.groups[g][C.HYPERPARAMS_KEY]
+            moments, master = _moments_of_record(ckpt, g), ckpt.master_weights(g)
+            hyper = ckpt.groups[g][C.HYPERPARAMS_KEY]
         else:
             moments, master, hyper = _moments_of_stock(ckpt, g), _stock_master(ckpt, g), _stock_hyperparams(ckpt, g)
         optimizer = _build(cls, target, hyper)

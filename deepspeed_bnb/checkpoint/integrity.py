@@ -1,4 +1,4 @@
-"""Per-tensor checksums of a checkpoint file: recorded in the manifest at save, used to name the tensor a damaged file lost.
+"""Per-tensor checksums of a checkpoint file: recorded in the manifest at save, naming the tensor a damaged file lost.
 
 The manifest's SHA-256 of a whole file says *that* a file changed; on a mismatch the loader re-reads the file (through
 the safe loader) and compares each tensor's CRC-32 with the one recorded at save, so the error names the tensor

@@ -73,8 +73,9 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
 
 
 def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
-    """The checkpoint's model states for `dp` ranks at `stage`. Module weights the source does not hold (stage-3 files
-    keep empty ones, universal checkpoints none) become the fp32 master weights, in the module's dtype where known."""
+    """The checkpoint's model states for `dp` ranks at `stage`. Module weights the source does not hold (universal
+    checkpoints and plain bnb runs carry none; stage-3 files empty ones, which a stage-3 target keeps as DeepSpeed
+    writes them) become the fp32 master weights, in the module's dtype where known."""
     states = dict(ckpt.model_states)
     states["dp_world_size"] = dp
     config = copy.deepcopy(states.get("ds_config"))
@@ -82,12 +83,15 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
         config.setdefault("zero_optimization", {})["stage"] = stage
         states["ds_config"] = config
     module = dict(states.get("module") or {})
+    def held(name, shape):
+        return name in module and (stage == 3 or module[name].numel() == shape.numel())
+
     for g, shapes in enumerate(ckpt.param_shapes()):
-        if all(name in module and module[name].numel() == shape.numel() for name, shape in shapes.items()):
+        if all(held(name, shape) for name, shape in shapes.items()):
             continue
         for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
-            dtype = module[name].dtype if name in module else torch.float32
-            module[name] = master.reshape(shape).to(dtype)
+            if not held(name, shape):
+                module[name] = master.reshape(shape).to(module[name].dtype if name in module else torch.float32)
     states["module"] = module
     return states
 

@@ -1,4 +1,5 @@
-"""Reads checkpoint files without running code: torch's weights-only unpickler and a short allow-list of DeepSpeed types.
+"""Reads checkpoint files without running code: torch's weights-only unpickler and a short allow-list of DeepSpeed
+types.
 
 A `.pt` file is a zip of raw tensor storages and a pickle that rebuilds the objects around them, and a pickle can
 name any callable (`os.system`), which plain `torch.load(weights_only=False)` calls. DeepSpeed loads every checkpoint

@@ -29,7 +29,8 @@ def summary(path: str, verify_checksums: bool = False) -> str:
     lines += [
         f"format      deepspeed_bnb record v{record[C.FORMAT_KEY]}; manifest: "
         + (f"v{manifest['manifest_version']}, {len(manifest['files'])} files, {checked}"
-           + ("" if manifest["manifest_version"] >= 2 else " (no per-tensor checksums: `deepspeed-bnb migrate` adds them)")
+           + ("" if manifest["manifest_version"] >= 2
+              else " (no per-tensor checksums: `deepspeed-bnb migrate` adds them)")
            if manifest else "none (nothing verified)"),
         f"written by  ZeRO stage {int(first_state.get('zero_stage', 0))}, {ckpt.dp} data-parallel ranks, "
         f"DeepSpeed {first_state.get('ds_version', ckpt.source.blob(0).get('ds_version', '?'))}",

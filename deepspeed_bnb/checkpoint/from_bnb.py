@@ -1,0 +1,248 @@
+"""A plain bitsandbytes run continued under ZeRO: its optimizer.state_dict() and weights as a deepspeed_bnb checkpoint.
+
+bitsandbytes keeps each parameter's whole state (8-bit codes, per-block absmax, the quantization maps, step) in
+`optimizer.state_dict()`, keyed by parameter index in param-group order. Two layouts exist: bitsandbytes before 0.49.2
+returns torch's plain per-parameter dicts; 0.49.2 moves the quantization tensors of each parameter under
+`__bnb_optimizer_quant_state__` (so that FSDP does not try to shard them). Both are read here (through the safe
+loader), the parameters are named from the model weights (or an explicit list), and the per-parameter state is laid
+out into ZeRO partitions exactly as a live engine holds it (param_state.scatter_param_states): no value changes, so
+the run goes on where it stopped, at any DP size.
+"""
+
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, empty_group_record
+from deepspeed_bnb.checkpoint.param_state import scatter_param_states
+from deepspeed_bnb.checkpoint.safe_load import load_file
+from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
+
+QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2: quantization tensors
+OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")  # where training scripts put optimizer.state_dict()
+MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module")  # ... and model.state_dict()
+
+
+def _unwrap(blob, keys: Sequence[str], is_it, path: str, what: str, key: Optional[str]):
+    if key is not None:
+        if not isinstance(blob, dict) or key not in blob:
+            has = sorted(map(str, blob))[:10] if isinstance(blob, dict) else type(blob).__name__
+            raise CheckpointMismatchError(f"{path} has no entry {key!r} (it has {has}).")
+        return blob[key]
+    if is_it(blob):
+        return blob
+    for candidate in keys:
+        if isinstance(blob, dict) and is_it(blob.get(candidate)):
+            return blob[candidate]
+    raise CheckpointMismatchError(f"{path} holds no {what} at its top level or under {list(keys)}; name the entry "
+                                  f"that holds it.")
+
+
+def _is_optimizer_state(value) -> bool:
+    return isinstance(value, dict) and "state" in value and "param_groups" in value
+
+
+def _is_weights(value) -> bool:
+    return isinstance(value, dict) and bool(value) and all(torch.is_tensor(v) for v in value.values())
+
+
+def read_weights(path: str, key: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """A model state dict from a torch or safetensors file (bare, or under MODEL_KEYS / `key`)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file as load_safetensors
+        return load_safetensors(path)
+    return dict(_unwrap(load_file(path), MODEL_KEYS, _is_weights, path, "model state dict (name -> tensor)", key))
+
+
+def flat_param_states(optimizer_state: dict) -> List[dict]:
+    """Per parameter index: bitsandbytes' state as one dict, whichever layout wrote it."""
+    count = sum(len(group["params"]) for group in optimizer_state["param_groups"])
+    states = []
+    for index in range(count):
+        state = dict(optimizer_state["state"].get(index, optimizer_state["state"].get(str(index), {})))
+        state.update(state.pop(QUANT_STATE_KEY, {}))
+        states.append(state)
+    return states
+
+
+def _flattened(value: torch.Tensor, numel: int, cls: StateClass) -> torch.Tensor:
+    """bnb's tensor of one parameter as the partition code expects it: (numel,) / (rows, numel), (blocks,) / ..."""
+    if cls == StateClass.ELEMENT:
+        rows = value.numel() // max(numel, 1)
+        return value.reshape(rows, numel) if rows > 1 else value.reshape(numel)
+    return value.reshape(-1) if value.dim() <= 1 else value.reshape(value.shape[0], -1)
+
+
+class BnbRun:
+    """A plain bitsandbytes run's optimizer state dict and weights, as the source convert and write_rank_files read."""
+
+    def __init__(self, optimizer_path: str, weights_path: str, names: Optional[List[str]] = None,
+                 optimizer_key: Optional[str] = None, model_key: Optional[str] = None, stage: int = 2,
+                 dp: int = 1):
+        self.optimizer_path = optimizer_path
+        self.optimizer_state = _unwrap(load_file(optimizer_path), OPTIMIZER_KEYS, _is_optimizer_state, optimizer_path,
+                                       "optimizer state dict ('state' and 'param_groups')", optimizer_key)
+        self.weights = read_weights(weights_path, model_key)
+        self.states = flat_param_states(self.optimizer_state)
+        self.names = self._names(names, weights_path)
+        self.zero_stage, self.dp, self.bf16_names, self.is_deepspeed_bnb = stage, dp, False, False
+        steps = {int(s["step"]) for s in self.states if "step" in s}
+        self.step = max(steps) if steps else 0
+        self.tag_dir = os.path.join(os.path.dirname(os.path.abspath(optimizer_path)), f"global_step{self.step}")
+
+    def _names(self, names: Optional[List[str]], weights_path: str) -> List[str]:
+        count = len(self.states)
+        if names is None:
+            if len(self.weights) != count:
+                raise CheckpointMismatchError(
+                    f"{weights_path} holds {len(self.weights)} tensors, but the optimizer state in "
+                    f"{self.optimizer_path} has {count} parameters (buffers or tied weights are in the state dict): "
+                    f"pass --param-names FILE, one name per line in the order the optimizer got the parameters "
+                    f"(e.g. `[n for n, _ in model.named_parameters()]`).")
+            names = list(self.weights)
+        if len(names) != count:
+            raise CheckpointMismatchError(f"--param-names lists {len(names)} names; the optimizer state has {count} "
+                                          f"parameters.")
+        for i, (name, state) in enumerate(zip(names, self.states)):
+            if name not in self.weights:
+                raise CheckpointMismatchError(f"parameter #{i} {name!r} is not in {weights_path}.")
+            numel = self.weights[name].numel()
+            state1 = state.get("state1")
+            if state1 is None and state:
+                raise CheckpointMismatchError(f"parameter #{i} ({name}) in {self.optimizer_path} has state keys "
+                                              f"{sorted(state)}, not bitsandbytes' (state1, ...): this is not a "
+                                              f"bitsandbytes optimizer's state dict.")
+            if state1 is None:
+                raise CheckpointMismatchError(f"parameter #{i} ({name}) has no optimizer state in "
+                                              f"{self.optimizer_path} (never stepped); convert needs every "
+                                              f"parameter's state.")
+            if state1.numel() % max(numel, 1):
+                raise CheckpointMismatchError(f"parameter #{i} ({name}) has {numel} elements in {weights_path} but "
+                                              f"state1 of {state1.numel()} in {self.optimizer_path}: the names are "
+                                              f"not in the optimizer's order (pass --param-names).")
+        return list(names)
+
+    # -- what convert and write_rank_files read --
+    def param_shapes(self) -> List[Dict[str, torch.Size]]:
+        shapes, start = [], 0
+        for group in self.optimizer_state["param_groups"]:
+            names = self.names[start:start + len(group["params"])]
+            shapes.append({name: self.weights[name].shape for name in names})
+            start += len(group["params"])
+        return shapes
+
+    def group_slice(self, g: int) -> slice:
+        start = sum(len(group["params"]) for group in self.optimizer_state["param_groups"][:g])
+        return slice(start, start + len(self.optimizer_state["param_groups"][g]["params"]))
+
+    def hyperparams(self, g: int) -> dict:
+        return {k: v for k, v in self.optimizer_state["param_groups"][g].items() if k != "params"}
+
+    def master_weights(self, g: int) -> List[torch.Tensor]:
+        return [self.weights[name].reshape(-1).float() for name in self.names[self.group_slice(g)]]
+
+    def param_states(self, g: int, key_classes: Dict[str, StateClass]) -> List[dict]:
+        """The group's per-parameter states shaped for scatter_param_states, keys checked against the target's."""
+        out = []
+        for name, state in zip(self.names[self.group_slice(g)], self.states[self.group_slice(g)]):
+            numel = self.weights[name].numel()
+            eight_bit = state["state1"].dtype == torch.uint8
+            wanted = {k[len(FP32_PREFIX):] if k.startswith(FP32_PREFIX) else k: cls for k, cls in key_classes.items()
+                      if (not k.startswith(FP32_PREFIX)) == eight_bit or cls == StateClass.SCALAR}
+            flat = {}
+            for key, cls in wanted.items():
+                if cls in (StateClass.SCRATCH,):
+                    continue
+                if key not in state:
+                    raise CheckpointMismatchError(f"{self.optimizer_path}: parameter {name} has no {key!r} (it has "
+                                                  f"{sorted(state)}); the state is not of the optimizer class given.")
+                value = state[key]
+                flat[key] = _flattened(value, numel, cls) if torch.is_tensor(value) and cls in (
+                    StateClass.ELEMENT, StateClass.BLOCK) else value
+            out.append(flat)
+        return out
+
+    @property
+    def model_states(self) -> dict:
+        import deepspeed
+        param_names = set(self.names)
+        return {"module": dict(self.weights), "param_shapes": self.param_shapes(),
+                "buffer_names": [n for n in self.weights if n not in param_names], "dp_world_size": self.dp,
+                "mp_world_size": 1, "global_steps": self.step, "skipped_steps": 0, "ds_version": deepspeed.__version__,
+                "ds_config": {"zero_optimization": {"stage": self.zero_stage}}}
+
+    def other_files(self) -> List[str]:
+        return []
+
+    @property
+    def source(self):
+        return self
+
+    def blob(self, rank: int) -> dict:
+        import deepspeed
+        return {"optimizer_state_dict": {"ds_version": deepspeed.__version__}, "ds_version": deepspeed.__version__,
+                "ds_config": {"zero_optimization": {"stage": self.zero_stage}}}
+
+
+def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optimizer_class: str,
+                     names: Optional[List[str]] = None, dp: int = 1, stage: int = 2, progress: bool = True,
+                     optimizer_key: Optional[str] = None, model_key: Optional[str] = None) -> str:
+    """Write a plain bnb run (optimizer state dict + weights) as a deepspeed_bnb checkpoint for `dp` ranks at ZeRO
+    `stage`; returns a report line."""
+    from deepspeed_bnb.checkpoint.convert import _build, _load_class
+    from deepspeed_bnb.checkpoint.reshape import write_rank_files
+    from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+    from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout
+    if dp < 1 or stage not in (1, 2, 3):
+        raise ValueError(f"convert --from-bnb: --dp must be >= 1 and --stage 1, 2 or 3 (got {dp}, {stage})")
+    cls = _load_class(optimizer_class)
+    run = BnbRun(optimizer_path, weights_path, names, optimizer_key, model_key, stage, dp)
+    plans, counts = [], {"8bit": 0, "fp32": 0}
+    for g, shapes in enumerate(run.param_shapes()):
+        optimizer = _build(cls, optimizer_class, run.hyperparams(g))
+        group = optimizer.param_groups[0]
+        adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
+        states = run.states[run.group_slice(g)]
+        eight_bit = [s["state1"].dtype == torch.uint8 for s in states]
+        if len({int(s.get("step", 0)) for s in states}) > 1:  # a ZeRO partition steps its parameters together
+            raise CheckpointMismatchError(f"{optimizer_path}: the parameters of param group {g} are at different "
+                                          f"steps {sorted({int(s.get('step', 0)) for s in states})}; ZeRO keeps one "
+                                          f"step per param group.")
+        key_classes, templates = {}, {}
+        for precision in sorted(set(eight_bit)):
+            for key in adapter.state_keys(group, 0, precision, "cpu"):
+                key_classes[key.stored_as] = key.cls
+                templates[key.stored_as] = key.template
+        per_param = run.param_states(g, key_classes)
+        for state, name in zip(per_param, shapes):  # 8-bit codes mean what the target's maps say
+            for key, cls_ in key_classes.items():
+                if cls_ == StateClass.WHOLE and key in state and not torch.equal(state[key], templates[key]):
+                    raise CheckpointMismatchError(f"{optimizer_path}: parameter {name} has a {key} that differs from "
+                                                  f"{optimizer_class}'s; its codes cannot be carried over.")
+        hyperparams = {**{k: v for k, v in group.items() if k != "params"}, **run.hyperparams(g)}
+        plans.append((eight_bit, key_classes, templates, hyperparams, per_param, run.master_weights(g)))
+        counts["8bit"] += sum(eight_bit)
+        counts["fp32"] += len(eight_bit) - sum(eight_bit)
+    shapes = run.param_shapes()
+
+    def fill(rank):
+        groups = []
+        for (eight_bit, key_classes, templates, hyperparams, per_param, master), group_shapes in zip(plans, shapes):
+            layout = (ShardedLayout if stage == 3 else GroupLayout)(tuple(s.numel() for s in group_shapes.values()),
+                                                                    dp)
+            record = empty_group_record(layout, rank, list(group_shapes), eight_bit, key_classes, templates,
+                                        hyperparams)
+            scatter_param_states(record.layout, eight_bit, key_classes, per_param, rank, record.state)
+            for seg in record.layout.segments(rank, eight_bit):
+                record.master.narrow(0, seg.offset, seg.numel).copy_(master[seg.slot].narrow(0, seg.param_start,
+                                                                                            seg.numel))
+            groups.append(record)
+        return groups
+
+    written = write_rank_files(run, out_dir, dp, fill, f"{cls.__module__}.{cls.__qualname__}",
+                               getattr(_build(cls, optimizer_class, run.hyperparams(0)), "optimizer_name", "?"),
+                               progress, stage)
+    return (f"wrote {written}: {len(run.names)} parameters of a plain bitsandbytes run at step {run.step} for "
+            f"{optimizer_class} ({counts['8bit']} with 8-bit state, {counts['fp32']} fp32), {dp} data-parallel "
+            f"rank(s), ZeRO stage {stage}; state carried over unchanged")
