@@ -1,6 +1,7 @@
 """Loading a checkpoint that does not fit the engine fails with an error naming the file and the mismatch.
 
-One CPU rank. Cases: another model, another optimizer class, other per-parameter precision, a checkpoint written by
+One CPU rank. Cases: another model, optimizer class, per-parameter precision, 8-bit vs 32-bit, param groups (each
+refused before any weight changes; control: without the early check the module weights change), a checkpoint written by
 stock DeepSpeed, a `latest` file naming a tag that is not there, a garbled manifest; plus hyper-parameters coming from
 the checkpoint, as DeepSpeed users expect.
 """
@@ -15,7 +16,8 @@ from torch import nn
 
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
-from toy import Awkward, build_engine, ds_config, param_groups, train_steps
+from fault_injection import differences, engine_state
+from toy import Awkward, build_engine, ds_config, make_model, param_groups, train_steps
 
 
 def build(model=None, optimizer_cls=bnb.optim.AdamW8bit, lr=1e-3, stock=False, bnb_fused_kernel="auto", **kwargs):
@@ -86,15 +88,32 @@ def test_stock_checkpoint_is_refused_with_a_way_out(one_rank, tmp_path):
     build().load_checkpoint(str(tmp_path), tag="s", load_optimizer_states=False)  # the way out works
 
 
-def test_refused_load_changes_nothing(saved):
+REFUSALS = {  # what the engine that loads differs in -> how it is built, and the error it must give
+    "optimizer class": (lambda: build(optimizer_cls=bnb.optim.Lion8bit), "was written by .*AdamW8bit"),
+    "min_8bit_size": (lambda: build(min_8bit_size=5000), "precision differs"),
+    "8-bit vs 32-bit": (lambda: build(optimizer_cls=bnb.optim.AdamW), "was written by .*AdamW8bit.*AdamW"),
+    "param groups": (lambda: one_group_engine(), "has 2 param groups; this engine has 1"),
+}
+
+
+def one_group_engine():
+    model = make_model(0)
+    optimizer = bnb.optim.AdamW8bit([{"params": list(model.parameters()), "lr": 1e-3}], min_8bit_size=1000)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(1, stage=2))[0]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refused_load_changes_nothing(saved, case):
+    """DeepSpeed loads the module weights before the optimizer state: a refusal found only then would leave new
+    weights with old master weights (the next step pulls them back). Everything is checked first."""
     path, _, _ = saved
-    engine = build(optimizer_cls=bnb.optim.AdamW8bit, min_8bit_size=5000)
-    before = {k: v.clone() for k, v in engine.optimizer.optimizer.state[
-        engine.optimizer.single_partition_of_fp32_groups[0]].items() if torch.is_tensor(v)}
-    with pytest.raises(CheckpointMismatchError):
+    make, expected = REFUSALS[case]
+    engine = make()
+    train_steps(engine, range(1))  # weights and state that differ from the checkpoint's
+    before = engine_state(engine)
+    with pytest.raises(CheckpointMismatchError, match=expected):
         engine.load_checkpoint(path, tag="t")
-    after = engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not differences(engine_state(engine), before)
 
 
 def test_hyperparameters_come_from_the_checkpoint(saved):
@@ -162,3 +181,16 @@ def test_garbled_manifest_names_the_file(saved, tmp_path):
         f.write('{"files": ')
     with pytest.raises(CheckpointMismatchError, match=rf"{manifest} is not valid JSON .* load another tag"):
         build().load_checkpoint(folder, tag="t")
+
+
+def test_refusal_without_the_early_check_changes_weights_control(saved, monkeypatch):
+    """Without the check before DeepSpeed's load, the same refusal comes after the module weights were replaced."""
+    import deepspeed_bnb.runtime.engine as bnb_engine
+    monkeypatch.setattr(bnb_engine, "_check_fits", lambda *args: None)
+    path, _, _ = saved
+    engine = build(min_8bit_size=5000)
+    train_steps(engine, range(1))
+    before = engine_state(engine)
+    with pytest.raises(CheckpointMismatchError, match="precision differs"):
+        engine.load_checkpoint(path, tag="t")
+    assert [k for k in differences(engine_state(engine), before) if k.startswith("module.")]

@@ -108,6 +108,35 @@ def _stock_hyperparams(ckpt: SavedCheckpoint, g: int) -> dict:
     return dict(params)  # elastic stock checkpoints keep no param groups: the ds_config's optimizer section
 
 
+def target_keys(adapter, group: dict, eight_bit) -> Tuple[dict, dict]:
+    """The target optimizer's state keys for the precisions in `eight_bit`: stored name -> class, and -> template."""
+    key_classes, templates = {}, {}
+    for precision in sorted(set(eight_bit)):
+        for key in adapter.state_keys(group, 0, precision, "cpu"):
+            key_classes[key.stored_as] = key.cls
+            templates[key.stored_as] = key.template
+    return key_classes, templates
+
+
+def group_filler(plans, shapes, stage: int, dp: int):
+    """`fill(rank)` for write_rank_files: each group's plan (eight_bit, key classes, templates, hyper-parameters,
+    per-parameter bnb state, per-parameter fp32 weights) laid out as `rank`'s partition at `dp` ranks and `stage`."""
+    def fill(rank):
+        groups = []
+        for (eight_bit, key_classes, templates, hyperparams, per_param, master), group_shapes in zip(plans, shapes):
+            layout = (ShardedLayout if stage == 3 else GroupLayout)(
+                tuple(shape.numel() for shape in group_shapes.values()), dp)
+            record = empty_group_record(layout, rank, list(group_shapes), eight_bit, key_classes, templates,
+                                        hyperparams)
+            scatter_param_states(record.layout, eight_bit, key_classes, per_param, rank, record.state)
+            for seg in record.layout.segments(rank, eight_bit):
+                record.master.narrow(0, seg.offset, seg.numel).copy_(master[seg.slot].narrow(0, seg.param_start,
+                                                                                            seg.numel))
+            groups.append(record)
+        return groups
+    return fill
+
+
 def step_ratio(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> float:
     """Largest |dequantized - original| as a fraction of the gap between the two codes around the original."""
     error = (dequantize_blockwise(codes, absmax, qmap) - values).abs()
@@ -162,11 +191,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
         if to == "8bit" and not can_8bit:
             raise ValueError(f"convert --to 8bit: {target} keeps 32-bit state; pass an 8-bit class such as "
                              f"{DEFAULT_CLASS['8bit']}")
-        key_classes, templates = {}, {}
-        for precision in sorted(set(eight_bit)):
-            for key in adapter.state_keys(group, 0, precision, "cpu"):
-                key_classes[key.stored_as] = key.cls
-                templates[key.stored_as] = key.template
+        key_classes, templates = target_keys(adapter, group, eight_bit)
         per_param = []
         qmaps = {name: templates[name] for name in ("qmap1", "qmap2") if name in templates}
         for (rows, step), is8, numel in tqdm(list(zip(moments, eight_bit, (s.numel() for s in group_shapes.values()))),
@@ -188,19 +213,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
             report["8bit" if is8 else "fp32"] += 1
         plans.append((eight_bit, key_classes, templates, hyperparams, per_param, master))
 
-    def fill(rank):
-        groups = []
-        for (eight_bit, key_classes, templates, hyperparams, per_param, master), group_shapes in zip(plans, shapes):
-            layout = (ShardedLayout if ckpt.zero_stage == 3 else GroupLayout)(
-                tuple(shape.numel() for shape in group_shapes.values()), ckpt.dp)
-            record = empty_group_record(layout, rank, list(group_shapes), eight_bit, key_classes, templates,
-                                        hyperparams)
-            scatter_param_states(record.layout, eight_bit, key_classes, per_param, rank, record.state)
-            for seg in record.layout.segments(rank, eight_bit):
-                record.master.narrow(0, seg.offset, seg.numel).copy_(master[seg.slot].narrow(0, seg.param_start,
-                                                                                            seg.numel))
-            groups.append(record)
-        return groups
+    fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
 
     written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress)
     return (f"wrote {written}: {report['params']} parameters for {target} ({report['8bit']} with 8-bit state, "

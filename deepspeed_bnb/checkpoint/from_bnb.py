@@ -14,8 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, empty_group_record
-from deepspeed_bnb.checkpoint.param_state import scatter_param_states
+from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.safe_load import load_file
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 
@@ -190,10 +189,10 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
                      optimizer_key: Optional[str] = None, model_key: Optional[str] = None) -> str:
     """Write a plain bnb run (optimizer state dict + weights) as a deepspeed_bnb checkpoint for `dp` ranks at ZeRO
     `stage`; returns a report line."""
-    from deepspeed_bnb.checkpoint.convert import _build, _load_class
+    from deepspeed_bnb.checkpoint.convert import _build, _load_class, group_filler, target_keys
     from deepspeed_bnb.checkpoint.reshape import write_rank_files
     from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-    from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout
+    from deepspeed_bnb.state_layout import BLOCK_SIZE
     if dp < 1 or stage not in (1, 2, 3):
         raise ValueError(f"convert --from-bnb: --dp must be >= 1 and --stage 1, 2 or 3 (got {dp}, {stage})")
     cls = _load_class(optimizer_class)
@@ -209,11 +208,7 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
             raise CheckpointMismatchError(f"{optimizer_path}: the parameters of param group {g} are at different "
                                           f"steps {sorted({int(s.get('step', 0)) for s in states})}; ZeRO keeps one "
                                           f"step per param group.")
-        key_classes, templates = {}, {}
-        for precision in sorted(set(eight_bit)):
-            for key in adapter.state_keys(group, 0, precision, "cpu"):
-                key_classes[key.stored_as] = key.cls
-                templates[key.stored_as] = key.template
+        key_classes, templates = target_keys(adapter, group, eight_bit)
         per_param = run.param_states(g, key_classes)
         for state, name in zip(per_param, shapes):  # 8-bit codes mean what the target's maps say
             for key, cls_ in key_classes.items():
@@ -226,19 +221,7 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
         counts["fp32"] += len(eight_bit) - sum(eight_bit)
     shapes = run.param_shapes()
 
-    def fill(rank):
-        groups = []
-        for (eight_bit, key_classes, templates, hyperparams, per_param, master), group_shapes in zip(plans, shapes):
-            layout = (ShardedLayout if stage == 3 else GroupLayout)(tuple(s.numel() for s in group_shapes.values()),
-                                                                    dp)
-            record = empty_group_record(layout, rank, list(group_shapes), eight_bit, key_classes, templates,
-                                        hyperparams)
-            scatter_param_states(record.layout, eight_bit, key_classes, per_param, rank, record.state)
-            for seg in record.layout.segments(rank, eight_bit):
-                record.master.narrow(0, seg.offset, seg.numel).copy_(master[seg.slot].narrow(0, seg.param_start,
-                                                                                            seg.numel))
-            groups.append(record)
-        return groups
+    fill = group_filler(plans, shapes, stage, dp)
 
     written = write_rank_files(run, out_dir, dp, fill, f"{cls.__module__}.{cls.__qualname__}",
                                getattr(_build(cls, optimizer_class, run.hyperparams(0)), "optimizer_name", "?"),
