@@ -284,3 +284,23 @@ def test_lion_checkpoint_converts_with_a_clear_refusal(one_rank, tmp_path, capsy
     engine.save_checkpoint(str(tmp_path / "lion"), tag=TAG)
     assert main(["convert", str(tmp_path / "lion"), str(tmp_path / "o"), "--to", "32bit", "--quiet"]) == 2
     assert "handles Adam-family state" in capsys.readouterr().err
+
+
+class Custom:
+    """A caller's own object in client_state: fine to save, but only a trusted load may rebuild it."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_client_state_objects_warn_at_save_and_need_trust(one_rank, tmp_path, monkeypatch):
+    engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(engine, range(1))
+    with pytest.warns(RuntimeWarning, match=r"mp_rank_00_model_states.pt.*test_untrusted_checkpoints.Custom.*"
+                                            r"DEEPSPEED_BNB_TRUST_CHECKPOINTS"):
+        engine.save_checkpoint(str(tmp_path), tag=TAG, client_state={"mine": Custom(3)})
+    with pytest.raises(UnsafeCheckpointError, match=r"needs the object test_untrusted_checkpoints.Custom"):
+        fresh_engine().load_checkpoint(str(tmp_path))
+    monkeypatch.setenv(TRUST_ENV, "1")
+    _, client_state = fresh_engine().load_checkpoint(str(tmp_path))
+    assert client_state["mine"].value == 3
