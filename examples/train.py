@@ -5,9 +5,16 @@
 
 On a CPU-only machine both launch CPU ranks (DeepSpeed's CPU accelerator, gloo). The only deepspeed_bnb-specific line
 is `import deepspeed_bnb`; the rest is a plain DeepSpeed training script.
+
+Elastic: under torchrun's elastic agent (`--nnodes 1:2 --rdzv-backend c10d --max-restarts K`, README "Elastic
+training") the workers are restarted at another world size when a node is lost or comes back; with `--resume auto`
+they load the latest complete checkpoint of `--save_dir` at the new size and go on. The global batch stays
+`--global_batch` sequences (micro-batch and gradient accumulation follow the world size) and the data of each step is
+a function of the step alone, so the run trains what an uninterrupted one would.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -21,30 +28,62 @@ from tqdm import tqdm
 import deepspeed_bnb  # noqa: F401  (teaches DeepSpeed the bnb_* keys and the block-aware ZeRO optimizer)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic import Events, HeldOut, SaveCadence, batch_plan, rank_rows, step_windows, windows  # noqa: E402
 from gpt import GPT, GPTConfig, decay_groups  # noqa: E402
 from stdlib_text import ByteBatches, stdlib_bytes  # noqa: E402
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    parser.add_argument("--steps", type=int, default=300, help="train until this global step (default 300)")
+    parser.add_argument("--global_batch", type=int, default=32,
+                        help="sequences per optimizer step, at any world size (default 32); the config's "
+                             "train_micro_batch_size_per_gpu is the largest micro-batch, gradient accumulation "
+                             "makes up the rest")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW8bit (default 3e-3)")
     parser.add_argument("--width", type=int, default=128, help="model width (default 128)")
     parser.add_argument("--depth", type=int, default=4, help="transformer blocks (default 4)")
-    parser.add_argument("--save_dir", default="checkpoints/demo", help="where the final checkpoint goes")
+    parser.add_argument("--save_dir", default="checkpoints/demo", help="where checkpoints go")
+    parser.add_argument("--save_every", type=int, default=0, help="also save every N steps (default: at the end)")
+    parser.add_argument("--save_seconds", type=float, default=0, help="also save every T seconds of training")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep in --save_dir (default 3; the "
+                        "newest complete one is never deleted)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
     parser.add_argument("--resume", default=None, help="checkpoint directory to continue from (saved at any number "
-                        "of ranks)")
+                        "of ranks); 'auto': --save_dir's latest checkpoint if it has one (what restarted elastic "
+                        "workers need), else start afresh")
+    parser.add_argument("--resume_weights_only", action="store_true",
+                        help="load only the weights and step (fresh optimizer state): a control for comparisons")
+    parser.add_argument("--events", default=None, help="append a JSON line per event (start, step, save, "
+                        "validation, done) to this file (rank 0)")
+    parser.add_argument("--min_step_seconds", type=float, default=0,
+                        help="pace the run: at least this long per step (tests and demos of failures)")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
 
-def mean_over_ranks(value: float) -> float:
+def sum_over_ranks(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
+    return tensor.item()
+
+
+def ds_config(args, world: int) -> dict:
+    """The DeepSpeed config file with the batch sizes for this world size (the global batch fixed)."""
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    micro, accumulation = batch_plan(args.global_batch, world, config.get("train_micro_batch_size_per_gpu", 16))
+    config.update(train_batch_size=args.global_batch, train_micro_batch_size_per_gpu=micro,
+                  gradient_accumulation_steps=accumulation)
+    return config
+
+
+def resume_from(args):
+    if args.resume != "auto":
+        return args.resume
+    return args.save_dir if os.path.isfile(os.path.join(args.save_dir, "latest")) else None
 
 
 def memory_report(engine, n_params: int) -> str:
@@ -66,48 +105,84 @@ def memory_report(engine, n_params: int) -> str:
 
 def main():
     args = parse_args()
+    started_at = time.time()
     torch.manual_seed(args.seed)
     cfg = GPTConfig(width=args.width, depth=args.depth, heads=max(1, args.width // 32))
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
     optimizer = bnb.optim.AdamW8bit(decay_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
+    deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    config, args.deepspeed_config = ds_config(args, world), None
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer, config=config)
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    events = Events(args.events)
     batches = ByteBatches(stdlib_bytes(), cfg.context)
-    generator = torch.Generator().manual_seed(1000 * args.seed + rank)
-    if args.resume:
-        path, _ = engine.load_checkpoint(args.resume)
+    held_out = HeldOut(batches.valid, cfg.context)
+    source = resume_from(args)
+    if source:
+        path, _ = engine.load_checkpoint(source, load_optimizer_states=not args.resume_weights_only)
         if path is None:
             raise FileNotFoundError(f"--resume {args.resume}: no checkpoint there (no 'latest' file)")
         if rank == 0:
             print(f"resumed {path} at step {engine.global_steps} on {world} ranks", flush=True)
+    events.log("start", world=world, step=engine.global_steps, micro=micro, accumulation=accumulation,
+               resumed=bool(source), since_launch=round(time.time() - started_at, 2),
+               restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if rank == 0:
-        print(f"{type(engine.optimizer).__name__} over {world} ranks, {engine.optimizer.bnb_update_summary()}, "
-              f"{n_params:,} parameters, "
-              f"{len(batches.train):,} training bytes of stdlib source", flush=True)
+        print(f"{type(engine.optimizer).__name__} over {world} ranks ({args.global_batch} sequences per step: "
+              f"{micro} x {accumulation} accumulation x {world} ranks), {engine.optimizer.bnb_update_summary()}, "
+              f"{n_params:,} parameters, {len(batches.train):,} training bytes of stdlib source", flush=True)
 
-    bar = tqdm(range(args.steps), disable=rank != 0, desc="train", dynamic_ncols=True)
+    cadence = SaveCadence(args.save_every, args.save_seconds)
+    bar = tqdm(range(engine.global_steps, args.steps), disable=rank != 0, desc="train", dynamic_ncols=True,
+               initial=engine.global_steps, total=args.steps)
     started = time.time()
-    for _ in bar:
-        x, y = batches.sample("train", engine.train_micro_batch_size_per_gpu(), generator)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        bar.set_postfix(loss=f"{mean_over_ranks(loss.item()):.3f}", lr=f"{engine.get_lr()[0]:.1e}")
+    for step in bar:
+        step_began = time.time()
+        starts = step_windows(len(batches.train), cfg.context, args.global_batch, step, args.seed)
+        loss_sum = 0.0
+        for micro_step in range(accumulation):
+            x, y = windows(batches.train, rank_rows(starts, micro, micro_step, rank, world), cfg.context)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.item() * micro
+        loss = sum_over_ranks(loss_sum) / args.global_batch
+        events.log("step", step=engine.global_steps, loss=loss, world=world)
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{engine.get_lr()[0]:.1e}")
+        if engine.global_steps < args.steps and cadence.due(engine.global_steps):
+            save(engine, args, held_out, events, world)
+            cadence.saved()
+        if args.min_step_seconds:
+            time.sleep(max(0.0, args.min_step_seconds - (time.time() - step_began)))
     elapsed = time.time() - started
 
-    engine.eval()
-    with torch.no_grad():
-        valid = mean_over_ranks(sum(engine(*batches.sample("valid", 8, generator)).item() for _ in range(8)) / 8)
-    engine.train()
-    engine.save_checkpoint(args.save_dir)
+    valid = save(engine, args, held_out, events, world)
     report = memory_report(engine, n_params)
+    events.log("done", step=engine.global_steps, world=world, valid=valid)
     if rank == 0:
-        print(f"\n{args.steps} steps in {elapsed:.0f} s; validation loss {valid:.3f} nats/byte "
-              f"({valid / 0.6931:.2f} bits/byte); checkpoint saved to {args.save_dir}\n{report}", flush=True)
+        print(f"\n{engine.global_steps} steps ({args.steps - bar.initial} in this run, {elapsed:.0f} s); held-out loss "
+              f"{valid:.4f} nats/byte ({valid / 0.6931:.3f} bits/byte); checkpoint saved to {args.save_dir}\n{report}",
+              flush=True)
     # torch's gloo group can abort at interpreter exit once a peer has left; end it explicitly
     dist.barrier()
     torch.distributed.destroy_process_group()
+
+
+def save(engine, args, held_out, events, world) -> float:
+    """Held-out loss, then a checkpoint (tag global_step<N>), then prune to --keep; returns the held-out loss."""
+    valid = held_out.loss(engine)
+    began = time.time()
+    engine.save_checkpoint(args.save_dir, tag=f"global_step{engine.global_steps}")
+    seconds = time.time() - began
+    if dist.get_rank() == 0:
+        from deepspeed_bnb.checkpoint.retention import prune
+        prune(args.save_dir, args.keep)
+        print(f"\nstep {engine.global_steps}: held-out loss {valid:.4f} nats/byte; saved in {seconds:.2f} s",
+              flush=True)
+    events.log("save", step=engine.global_steps, world=world, valid=valid, seconds=round(seconds, 3))
+    return valid
 
 
 if __name__ == "__main__":

@@ -238,6 +238,7 @@ def scenario_whole_mismatch(world, rank, out):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(world, stage=2))
     run_steps(engine, range(1), world, rank)
     engine.save_checkpoint(os.path.join(out, "whole_ok"), tag="t")  # identical everywhere: fine
+    unwritable = unwritable_save(engine, out)
     if rank == 1:
         engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]["my_map"][3] += 1
     try:
@@ -246,7 +247,7 @@ def scenario_whole_mismatch(world, rank, out):
     except RuntimeError as exc:
         outcome = str(exc)
     return {"outcome": outcome, "latest_written": os.path.exists(os.path.join(out, "whole_bad", "latest")),
-            "unwritable": unwritable_save(engine, out)}
+            "unwritable": unwritable}
 
 
 def unwritable_save(engine, out):

@@ -1,0 +1,258 @@
+"""Lose a node, keep training at the smaller size, grow back, lose nothing: examples/train.py under torchrun's elastic
+agent, with two agents on the loopback address standing for two nodes.
+
+    python examples/elastic_failover.py [--steps 60] [--kill-at 15] [--regrow-at 35] [--nproc 1]
+
+1. An uninterrupted reference run (`torchrun --standalone`, 2 x nproc ranks) of the same command.
+2. The elastic run: agent A (which hosts the c10d rendezvous store, as the first node of a job does) and agent B, each
+   `torchrun --nnodes 1:2 --nproc-per-node nproc --rdzv-backend c10d --max-restarts K`. At step --kill-at, agent B and
+   its workers are SIGKILLed (a node gone); A's workers fail on the lost peers, A restarts them at the smaller world
+   size, and they load the latest complete checkpoint (`--resume auto`). At step --regrow-at a new agent B starts; A
+   sees a node waiting, restarts its workers, and the job re-forms at the larger size from the latest checkpoint.
+3. A control: the first checkpoint after the kill resumed with fresh optimizer state (weights and step only).
+Prints the timeline (kill, restarts, resumed step, world size, lost steps, seconds from kill to the first step at the
+new size) and how far the elastic run's losses, held-out losses and final weights are from the reference's.
+Processes are started and ended here, by PID, on 127.0.0.1 only.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def train_args(args, save_dir: str, events: str, extra=()) -> List[str]:
+    return [os.path.join(HERE, "train.py"), "--deepspeed_config", os.path.join(ROOT, args.config),
+            "--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps),
+            "--global_batch", str(args.global_batch), "--save_every", str(args.save_every), "--keep", "100",
+            "--save_dir", save_dir, "--events", events, *extra]
+
+
+def torchrun() -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def read_events(path: str) -> List[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def wait_for(path: str, condition, timeout: float, what: str, procs=()) -> List[dict]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        events = read_events(path)
+        if condition(events):
+            return events
+        for proc in procs:
+            if proc.poll() is not None and proc.returncode != 0:
+                raise RuntimeError(f"{what}: a launcher exited with {proc.returncode} first (see its log)")
+        time.sleep(0.2)
+    raise TimeoutError(f"{what}: not within {timeout:.0f} s; last events: {read_events(path)[-3:]}")
+
+
+def kill_node(proc: subprocess.Popen) -> List[int]:
+    """SIGKILL an agent and every process under it (its workers run in sessions of their own): a node gone."""
+    import psutil
+    victims = [proc.pid]
+    try:
+        victims += [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    return victims
+
+
+def steps_by_number(events: List[dict]) -> Dict[int, dict]:
+    """The last record of each step (a step redone after a restart replaces the lost one)."""
+    return {e["step"]: e for e in events if e["event"] == "step"}
+
+
+def run(args) -> dict:
+    os.makedirs(args.workdir, exist_ok=True)
+    logs = lambda name: open(os.path.join(args.workdir, f"{name}.log"), "w")  # noqa: E731
+    world = 2 * args.nproc
+
+    # 1. the reference: uninterrupted, at the larger size
+    ref_events = os.path.join(args.workdir, "reference.jsonl")
+    began = time.time()
+    subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={world}",
+                    *train_args(args, os.path.join(args.workdir, "reference"), ref_events)],
+                   env=clean_env(), stdout=logs("reference"), stderr=subprocess.STDOUT, check=True,
+                   timeout=args.timeout)
+    reference_seconds = time.time() - began
+
+    # 2. the elastic run
+    port, events = free_port(), os.path.join(args.workdir, "elastic.jsonl")
+    save_dir = os.path.join(args.workdir, "elastic")
+    agent = [*torchrun(), "--nnodes=1:2", f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=failover", f"--max-restarts={args.max_restarts}",
+             "--monitor-interval=0.5",
+             "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,"
+             "heartbeat_timeout=3",
+             *train_args(args, save_dir, events, ["--resume", "auto", "--min_step_seconds",
+                                                  str(args.min_step_seconds)])]
+    timeline = []
+
+    def mark(what, **fields):
+        timeline.append({"t": time.time(), "what": what, **fields})
+
+    # torch shares the rendezvous TCPStore with the workers by default, and then publishes the workers' MASTER_ADDR
+    # only in the first round of an agent (DynamicRendezvousHandler caches it): a node joining later waits for it
+    # forever ("wait timeout ... MASTER_ADDR") and the job cannot grow back. Without the sharing every round
+    # publishes its own.
+    agent_env = {**clean_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    a = subprocess.Popen(agent, env=agent_env, stdout=logs("agent_a"), stderr=subprocess.STDOUT)
+    mark("start agent A")
+    time.sleep(1.0)  # A binds the rendezvous store first (the job's first node)
+    b = subprocess.Popen(agent, env=agent_env, stdout=logs("agent_b"), stderr=subprocess.STDOUT)
+    mark("start agent B")
+    try:
+        wait_for(events, lambda ev: any(e["event"] == "step" and e["world"] == world and e["step"] >= args.kill_at
+                                        for e in ev), args.timeout, f"step {args.kill_at} at world {world}", (a, b))
+        killed = kill_node(b)
+        kill_time = time.time()
+        step_at_kill = max(steps_by_number(read_events(events)))
+        mark("SIGKILL agent B and its workers", pids=killed, step=step_at_kill)
+        wait_for(events, lambda ev: any(e["event"] == "step" and e["world"] == args.nproc and e["t"] > kill_time
+                                        for e in ev), args.timeout, f"training on at world {args.nproc}", (a,))
+        wait_for(events, lambda ev: max([e["step"] for e in ev if e["event"] == "step" and e["t"] > kill_time],
+                                        default=0) >= args.regrow_at, args.timeout, f"step {args.regrow_at}", (a,))
+        b = subprocess.Popen(agent, env=agent_env, stdout=logs("agent_b2"), stderr=subprocess.STDOUT)
+        grow_time = time.time()
+        mark("start agent B again", step=max(steps_by_number(read_events(events))))
+        wait_for(events, lambda ev: any(e["event"] == "done" for e in ev), args.timeout, "the end", (a, b))
+        for proc in (a, b):
+            proc.wait(timeout=args.timeout)
+        if a.returncode or b.returncode:
+            raise RuntimeError(f"agents exited with {a.returncode}, {b.returncode}")
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                kill_node(proc)
+
+    # 3. the control: the first checkpoint after the kill, resumed with fresh optimizer state
+    all_events = read_events(events)
+    starts = [e for e in all_events if e["event"] == "start"]
+    resumed_after_kill = next(e for e in starts if e["t"] > kill_time)
+    control_events = os.path.join(args.workdir, "control.jsonl")
+    control_dir = os.path.join(args.workdir, "control")
+    control = control_run(args, save_dir, resumed_after_kill["step"], control_dir, control_events, world)
+
+    reference = steps_by_number(read_events(ref_events))
+    elastic = steps_by_number(all_events)
+    loss_diff = max(abs(elastic[s]["loss"] - reference[s]["loss"]) for s in reference)
+    control_diff = max(abs(control[s]["loss"] - reference[s]["loss"]) for s in control)
+    first_after = lambda t, w: min(e["t"] for e in all_events if e["event"] == "step" and e["t"] > t  # noqa: E731
+                                   and e["world"] == w)
+    grow_start = next(e for e in starts if e["t"] > grow_time)
+    summary = {
+        "steps": args.steps, "world_sizes": [e["world"] for e in starts],
+        "start_steps": [e["step"] for e in starts],
+        "lost_on_kill": step_at_kill - resumed_after_kill["step"],
+        "lost_on_grow": max(e["step"] for e in all_events if e["event"] == "step" and e["t"] < grow_start["t"])
+        - grow_start["step"],
+        "kill_to_first_step_s": round(first_after(kill_time, args.nproc) - kill_time, 2),
+        "grow_to_first_step_s": round(first_after(grow_time, world) - grow_time, 2),
+        "max_loss_diff": loss_diff, "control_max_loss_diff": control_diff,
+        "held_out_diff": max(abs(e["valid"] - r["valid"]) for e in all_events if e["event"] == "save"
+                             for r in read_events(ref_events) if r["event"] == "save" and r["step"] == e["step"]),
+        "final_weights_max_diff": weights_diff(os.path.join(args.workdir, "reference"), save_dir),
+        "reference_seconds": round(reference_seconds, 1),
+        "timeline": [{**m, "t": round(m["t"] - timeline[0]["t"], 2)} for m in timeline]
+        + [{"t": round(e["t"] - timeline[0]["t"], 2), "what": "workers started", "world": e["world"],
+            "resumed_step": e["step"]} for e in starts],
+    }
+    summary["timeline"].sort(key=lambda m: m["t"])
+    return summary
+
+
+def control_run(args, save_dir, step, control_dir, control_events, world) -> Dict[int, dict]:
+    """Resume the elastic run's checkpoint of `step` with fresh optimizer state, at the larger size, to the end."""
+    import shutil
+    os.makedirs(control_dir, exist_ok=True)
+    tag = f"global_step{step}"
+    shutil.copytree(os.path.join(save_dir, tag), os.path.join(control_dir, tag))
+    with open(os.path.join(control_dir, "latest"), "w") as f:
+        f.write(tag)
+    with open(os.path.join(args.workdir, "control.log"), "w") as log:
+        subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={world}",
+                        *train_args(args, control_dir, control_events, ["--resume", control_dir,
+                                                                        "--resume_weights_only"])],
+                       env=clean_env(), stdout=log, stderr=subprocess.STDOUT, check=True, timeout=args.timeout)
+    return {s: e for s, e in steps_by_number(read_events(control_events)).items() if s > step}
+
+
+def weights_diff(reference_dir: str, other_dir: str) -> float:
+    """Largest |difference| between the final fp32 master weights of two checkpoints (read offline)."""
+    sys.path.insert(0, ROOT)
+    from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+    a, b = SavedCheckpoint(reference_dir), SavedCheckpoint(other_dir)
+    worst = 0.0
+    for g in range(len(a.groups)):
+        for x, y in zip(a.master_weights(g), b.master_weights(g)):
+            worst = max(worst, float((x - y).abs().max()))
+    return worst
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default="checkpoints/failover")
+    p.add_argument("--config", default="configs/zero2_adamw8bit.json")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--kill-at", type=int, default=15)
+    p.add_argument("--regrow-at", type=int, default=35)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--nproc", type=int, default=1, help="ranks per agent (node)")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--min-step-seconds", type=float, default=0.3, help="pace the elastic run so the failures land "
+                                                                          "mid-training")
+    p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=600)
+    return p
+
+
+def main():
+    args = parser().parse_args()
+    summary = run(args)
+    print(f"\n{'t (s)':>7}  event")
+    for m in summary.pop("timeline"):
+        detail = ", ".join(f"{k}={v}" for k, v in m.items() if k not in ("t", "what"))
+        print(f"{m['t']:>7.1f}  {m['what']}" + (f" ({detail})" if detail else ""))
+    print()
+    for key, value in summary.items():
+        print(f"{key:>24}: {value}")
+
+
+if __name__ == "__main__":
+    main()
