@@ -104,7 +104,7 @@ def run(args) -> dict:
     # 1. the reference: uninterrupted, at the larger size
     ref_events = os.path.join(args.workdir, "reference.jsonl")
     began = time.time()
-    subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={world}",
+    subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={args.reference_world or world}",
                     *train_args(args, os.path.join(args.workdir, "reference"), ref_events)],
                    env=clean_env(), stdout=logs("reference"), stderr=subprocess.STDOUT, check=True,
                    timeout=args.timeout)
@@ -165,7 +165,8 @@ def run(args) -> dict:
     resumed_after_kill = next(e for e in starts if e["t"] > kill_time)
     control_events = os.path.join(args.workdir, "control.jsonl")
     control_dir = os.path.join(args.workdir, "control")
-    control = control_run(args, save_dir, resumed_after_kill["step"], control_dir, control_events, world)
+    control = control_run(args, save_dir, resumed_after_kill["step"], control_dir, control_events,
+                          args.reference_world or world)
 
     reference = steps_by_number(read_events(ref_events))
     elastic = steps_by_number(all_events)
@@ -186,6 +187,7 @@ def run(args) -> dict:
         "held_out_diff": max(abs(e["valid"] - r["valid"]) for e in all_events if e["event"] == "save"
                              for r in read_events(ref_events) if r["event"] == "save" and r["step"] == e["step"]),
         "final_weights_max_diff": weights_diff(os.path.join(args.workdir, "reference"), save_dir),
+        "control_final_weights_max_diff": weights_diff(os.path.join(args.workdir, "reference"), control_dir),
         "reference_seconds": round(reference_seconds, 1),
         "timeline": [{**m, "t": round(m["t"] - timeline[0]["t"], 2)} for m in timeline]
         + [{"t": round(e["t"] - timeline[0]["t"], 2), "what": "workers started", "world": e["world"],
@@ -196,7 +198,7 @@ def run(args) -> dict:
 
 
 def control_run(args, save_dir, step, control_dir, control_events, world) -> Dict[int, dict]:
-    """Resume the elastic run's checkpoint of `step` with fresh optimizer state, at the larger size, to the end."""
+    """Resume the elastic run's checkpoint of `step` with fresh optimizer state, to the end."""
     import shutil
     os.makedirs(control_dir, exist_ok=True)
     tag = f"global_step{step}"
@@ -219,7 +221,7 @@ def weights_diff(reference_dir: str, other_dir: str) -> float:
     worst = 0.0
     for g in range(len(a.groups)):
         for x, y in zip(a.master_weights(g), b.master_weights(g)):
-            worst = max(worst, float((x - y).abs().max()))
+            worst = max(worst, float((x - y).detach().abs().max()))
     return worst
 
 
@@ -238,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-step-seconds", type=float, default=0.3, help="pace the elastic run so the failures land "
                                                                           "mid-training")
     p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--reference-world", type=int, default=0, help="ranks of the reference and control runs (default: "
+                                                                    "2 x nproc; the data order does not depend on it)")
     p.add_argument("--timeout", type=float, default=600)
     return p
 
