@@ -10,6 +10,9 @@ agent, with two agents on the loopback address standing for two nodes.
    size, and they load the latest complete checkpoint (`--resume auto`). At step --regrow-at a new agent B starts; A
    sees a node waiting, restarts its workers, and the job re-forms at the larger size from the latest checkpoint.
 3. A control: the first checkpoint after the kill resumed with fresh optimizer state (weights and step only).
+4. The noise floor: the same run, uninterrupted, at the other world size. A different world size sums gradients in
+   another order; with 8-bit state a last-bit difference can move a value to the neighbouring code, so runs at
+   different sizes drift apart slightly even without any failure; the elastic run is judged against that.
 Prints the timeline (kill, restarts, resumed step, world size, lost steps, seconds from kill to the first step at the
 new size) and how far the elastic run's losses, held-out losses and final weights are from the reference's.
 Processes are started and ended here, by PID, on 127.0.0.1 only.
@@ -109,6 +112,15 @@ def run(args) -> dict:
                    env=clean_env(), stdout=logs("reference"), stderr=subprocess.STDOUT, check=True,
                    timeout=args.timeout)
     reference_seconds = time.time() - began
+    noise = None
+    if not args.no_noise_run:  # the same run, uninterrupted, at the other world size: what changing it alone does
+        other = args.nproc if (args.reference_world or world) != args.nproc else world
+        noise_events = os.path.join(args.workdir, "other_size.jsonl")
+        subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={other}",
+                        *train_args(args, os.path.join(args.workdir, "other_size"), noise_events)],
+                       env=clean_env(), stdout=logs("other_size"), stderr=subprocess.STDOUT, check=True,
+                       timeout=args.timeout)
+        noise = (other, steps_by_number(read_events(noise_events)))
 
     # 2. the elastic run
     port, events = free_port(), os.path.join(args.workdir, "elastic.jsonl")
@@ -186,9 +198,18 @@ def run(args) -> dict:
         "max_loss_diff": loss_diff, "control_max_loss_diff": control_diff,
         "held_out_diff": max(abs(e["valid"] - r["valid"]) for e in all_events if e["event"] == "save"
                              for r in read_events(ref_events) if r["event"] == "save" and r["step"] == e["step"]),
+        "held_out_by_checkpoint": [
+            (e["step"], e["world"], round(e["valid"], 6),
+             round(next(r["valid"] for r in read_events(ref_events) if r["event"] == "save" and r["step"] == e["step"]),
+                   6)) for e in all_events if e["event"] == "save"],
         "final_weights_max_diff": weights_diff(os.path.join(args.workdir, "reference"), save_dir),
         "control_final_weights_max_diff": weights_diff(os.path.join(args.workdir, "reference"), control_dir),
         "reference_seconds": round(reference_seconds, 1),
+        **({"other_size_world": noise[0],
+            "other_size_max_loss_diff": max(abs(noise[1][s]["loss"] - reference[s]["loss"]) for s in reference),
+            "other_size_final_weights_max_diff": weights_diff(os.path.join(args.workdir, "reference"),
+                                                              os.path.join(args.workdir, "other_size"))}
+           if noise else {}),
         "timeline": [{**m, "t": round(m["t"] - timeline[0]["t"], 2)} for m in timeline]
         + [{"t": round(e["t"] - timeline[0]["t"], 2), "what": "workers started", "world": e["world"],
             "resumed_step": e["step"]} for e in starts],
@@ -240,6 +261,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-step-seconds", type=float, default=0.3, help="pace the elastic run so the failures land "
                                                                           "mid-training")
     p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--no-noise-run", action="store_true", help="skip the uninterrupted run at the other world size "
+                                                                "(which shows how far changing the size alone moves "
+                                                                "the numbers: reduction order)")
     p.add_argument("--reference-world", type=int, default=0, help="ranks of the reference and control runs (default: "
                                                                     "2 x nproc; the data order does not depend on it)")
     p.add_argument("--timeout", type=float, default=600)
@@ -253,9 +277,12 @@ def main():
     for m in summary.pop("timeline"):
         detail = ", ".join(f"{k}={v}" for k, v in m.items() if k not in ("t", "what"))
         print(f"{m['t']:>7.1f}  {m['what']}" + (f" ({detail})" if detail else ""))
+    print("\nheld-out loss at each checkpoint (step, world size, this run, uninterrupted run):")
+    for step, world, valid, reference in summary.pop("held_out_by_checkpoint"):
+        print(f"  step {step:>4}  world {world}  {valid:.6f}  {reference:.6f}")
     print()
     for key, value in summary.items():
-        print(f"{key:>24}: {value}")
+        print(f"{key:>30}: {value}")
 
 
 if __name__ == "__main__":

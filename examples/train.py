@@ -124,8 +124,11 @@ def main():
         path, _ = engine.load_checkpoint(source, load_optimizer_states=not args.resume_weights_only)
         if path is None:
             raise FileNotFoundError(f"--resume {args.resume}: no checkpoint there (no 'latest' file)")
+        valid = held_out.loss(engine)  # the same windows at every world size: comparable with the saving run's
+        events.log("valid", step=engine.global_steps, world=world, valid=valid)
         if rank == 0:
-            print(f"resumed {path} at step {engine.global_steps} on {world} ranks", flush=True)
+            print(f"resumed {path} at step {engine.global_steps} on {world} ranks; held-out loss {valid:.4f} "
+                  f"nats/byte", flush=True)
     events.log("start", world=world, step=engine.global_steps, micro=micro, accumulation=accumulation,
                resumed=bool(source), since_launch=round(time.time() - started_at, 2),
                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))

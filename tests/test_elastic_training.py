@@ -3,7 +3,7 @@ size, grows back, and ends where an uninterrupted run ends.
 
 End to end (examples/elastic_failover.py, small settings, about a minute on 2 cores): two agents on 127.0.0.1 (one
 rank each); agent B and its worker are SIGKILLed at step 6; agent A's worker is restarted at world size 1 and loads the
-latest complete checkpoint; a new agent B joins at step 12 and the job re-forms at world size 2; it runs to step 24.
+latest complete checkpoint; a new agent B joins at step 9 and the job re-forms at world size 2; it runs to step 30.
 Against an uninterrupted run: every step's loss within 1e-5 (fp32), the held-out loss at each checkpoint too, and the
 final weights far closer than those of the control, which resumes the same checkpoint with fresh optimizer state.
 Unit tests: the batch plan, the step-indexed data order (each global batch dealt out exactly once at any world size),
@@ -21,16 +21,18 @@ sys.path.insert(0, EXAMPLES)
 
 from elastic import batch_plan, rank_rows, step_windows  # noqa: E402
 
-SAVE_EVERY, STEPS = 3, 24
+SAVE_EVERY, STEPS = 3, 30
 
 
 @pytest.fixture(scope="module")
 def failover(tmp_path_factory):
     from elastic_failover import parser, run
     args = parser().parse_args(["--workdir", str(tmp_path_factory.mktemp("failover")), "--steps", str(STEPS),
-                                "--kill-at", "6", "--regrow-at", "12", "--save-every", str(SAVE_EVERY),
-                                "--global-batch", "8", "--width", "32", "--depth", "1", "--min-step-seconds", "0.25",
-                                "--reference-world", "1", "--timeout", "300"])
+                                # the new agent joins at step 9: 21 paced steps (8 s) of runway at world size 1,
+                                # so the job cannot finish before it re-forms at world size 2
+                                "--kill-at", "6", "--regrow-at", "9", "--save-every", str(SAVE_EVERY),
+                                "--global-batch", "8", "--width", "32", "--depth", "1", "--min-step-seconds", "0.4",
+                                "--reference-world", "1", "--no-noise-run", "--timeout", "300"])
     return run(args)
 
 
@@ -90,3 +92,20 @@ def test_retention_keeps_the_newest_and_what_latest_names(tmp_path):
                                                    f".global_step9{STAGING_SUFFIX}", "latest"])
     with pytest.raises(ValueError, match="keep must be at least 1"):
         prune(str(tmp_path), keep=0)
+
+
+def test_deepspeeds_elasticity_block_is_refused_by_deepspeed(one_rank):
+    """DeepSpeed 0.19.8 removed its elasticity block and refuses a config holding one, naming the batch keys to set
+    instead (what examples/train.py does per world size); deepspeed_bnb's routing does not change that."""
+    import bitsandbytes as bnb
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfigError
+
+    import deepspeed_bnb  # noqa: F401
+    from toy import make_model, param_groups
+    model = make_model(0)
+    config = {"zero_optimization": {"stage": 2},
+              "elasticity": {"enabled": True, "max_train_batch_size": 32, "micro_batch_sizes": [2, 4],
+                             "min_gpus": 1, "max_gpus": 8, "version": 0.2}}
+    with pytest.raises(DeepSpeedConfigError, match="Elastic training has been removed.*train_batch_size"):
+        deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)), config=config)

@@ -231,7 +231,18 @@ def _probe_staging(staged: str) -> None:
 
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
     stock = _STOCK["save_checkpoint"]
-    if not is_bnb_zero(self.optimizer) or self.checkpoint_engine.is_decoupled():
+    if not is_bnb_zero(self.optimizer):
+        return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    if self.checkpoint_engine.is_decoupled():
+        # DeepSpeed's decoupled writer finishes files in another process, after this call returns: there is no
+        # moment at which they can be hashed and published here. (On CPU it fails on its own in 0.19.8: it cannot
+        # pickle the state dict's grad-requiring tensors to its writer process, with any optimizer.)
+        if not getattr(self, "_bnb_warned_decoupled", False):
+            self._bnb_warned_decoupled = True
+            warnings.warn("deepspeed_bnb: DeepSpeed's decoupled checkpoint writer is in use: checkpoints are saved "
+                          "without deepspeed_bnb's crash-safe publishing and manifest, so a save killed midway can "
+                          "leave a partial tag and loading them needs DEEPSPEED_BNB_TRUST_CHECKPOINTS=1. Remove "
+                          "checkpoint.writer.decoupled to keep both.", RuntimeWarning)
         return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
