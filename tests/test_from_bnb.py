@@ -105,3 +105,28 @@ def test_torch_adamw_state_is_refused(plain, tmp_path, capsys):
                  str(tmp_path / "torch.pt"), "--param-names", str(root / "names.txt"), "--quiet"]) == 2
     assert "not bitsandbytes' (state1, ...)" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_an_engine_with_a_scheduler_loads_it_with_a_warning(one_rank, plain, tmp_path, monkeypatch):
+    """The plain run's state dict has no DeepSpeed scheduler state: stock DeepSpeed would fail on
+    checkpoint['lr_scheduler'] after replacing the weights; here the engine's scheduler is kept, with a warning."""
+    import deepspeed
+    from toy import ds_config
+    root, reference, _ = plain
+    out = str(tmp_path / "ckpt")
+    assert main(["convert", str(root / "new.pt"), out, "--from-bnb", "--weights", str(root / "new.pt"),
+                 "--param-names", str(root / "names.txt"), "--quiet"]) == 0
+    model = make_model(1)
+    config = {**ds_config(1), "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model),
+                                                                             min_8bit_size=MIN_8BIT_SIZE),
+                                  config=config)[0]
+    with pytest.warns(RuntimeWarning, match="holds no lr scheduler state"):
+        engine.load_checkpoint(out)
+    names = engine.optimizer.param_names
+    for p, state in engine_param_states(engine).items():
+        assert torch.equal(state["state1"], reference[names[p]]["state1"].reshape(state["state1"].shape))
+    import deepspeed_bnb.runtime.engine as bnb_engine  # control: without the check, DeepSpeed's own load fails
+    monkeypatch.setattr(bnb_engine, "_saved_scheduler", lambda *args: True)
+    with pytest.raises(KeyError, match="lr_scheduler"):
+        engine.load_checkpoint(out)

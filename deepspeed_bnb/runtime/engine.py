@@ -299,6 +299,11 @@ def _check_fits(engine, load_dir, tag) -> None:
     engine._bnb_checked_source = source
 
 
+def _saved_scheduler(load_dir, tag) -> bool:
+    tag_dir = os.path.join(load_dir, str(tag))
+    return load_file(os.path.join(tag_dir, model_states_name(tag_dir)), mmap=True).get("lr_scheduler") is not None
+
+
 @contextlib.contextmanager
 def _safe_reads(engine):
     """DeepSpeed reads the model-states file through `engine.checkpoint_engine.load` (full pickle): route it through
@@ -330,10 +335,19 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         _collective_check(lambda: _check_tag(self, load_dir, tag, explicit))
         if call.arguments["load_optimizer_states"] and not call.arguments["load_module_only"]:  # DeepSpeed's rule
             _collective_check(lambda: _check_fits(self, load_dir, tag))  # for calling _load_zero_checkpoint
+        if call.arguments["load_lr_scheduler_states"] and self.lr_scheduler is not None and \
+                not _saved_scheduler(load_dir, tag):
+            # converted checkpoints (a plain bnb run, a universal checkpoint without one) hold no scheduler state;
+            # DeepSpeed would fail on checkpoint['lr_scheduler'] after loading the weights
+            warnings.warn(f"deepspeed_bnb: {os.path.join(load_dir, str(tag))} holds no lr scheduler state; the "
+                          f"engine's scheduler keeps its own (steps from 0). Step it to the checkpoint's step if "
+                          f"the schedule matters.", RuntimeWarning)
+            call.arguments["load_lr_scheduler_states"] = False
     self._bnb_loading = (load_dir, tag)  # for load_module_state_dict, which DeepSpeed does not tell
+    arguments = {k: v for k, v in call.arguments.items() if k != "self"}
     try:
         with _safe_reads(self):
-            return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+            return _STOCK["load_checkpoint"](self, **arguments)
     finally:
         self._bnb_loading = None
         self._bnb_checked_source = None
