@@ -130,7 +130,7 @@ def main():
             print(f"resumed {path} at step {engine.global_steps} on {world} ranks; held-out loss {valid:.4f} "
                   f"nats/byte", flush=True)
     events.log("start", world=world, step=engine.global_steps, micro=micro, accumulation=accumulation,
-               resumed=bool(source), since_launch=round(time.time() - started_at, 2),
+               resumed=bool(source), setup_seconds=round(time.time() - started_at, 2),
                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if rank == 0:
         print(f"{type(engine.optimizer).__name__} over {world} ranks ({args.global_batch} sequences per step: "
