@@ -49,12 +49,11 @@ def _convert(args):
         return
     if args.to is None:
         raise ValueError("convert needs --to 8bit or --to 32bit (or --from-bnb)")
-    if args.dp or args.stage or args.weights or args.param_names:
-        raise ValueError("convert: --dp, --stage, --weights and --param-names go with --from-bnb (reshape changes "
-                         "the DP size and stage of a checkpoint)")
+    if args.weights or args.param_names:
+        raise ValueError("convert: --weights and --param-names go with --from-bnb")
     from deepspeed_bnb.checkpoint.convert import convert
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
-                     min_8bit_size=args.min_8bit_size, progress=not args.quiet)
+                     min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage)
     print(report)
 
 
@@ -163,10 +162,12 @@ def parser() -> argparse.ArgumentParser:
                                                                "the optimizer state dict")
     convert.add_argument("--model-key", default=None, help="with --from-bnb: the entry of --weights holding the "
                                                            "model state dict")
-    convert.add_argument("--dp", type=int, default=None, help="with --from-bnb: data-parallel size (default 1; "
-                                                              "it loads at any)")
+    convert.add_argument("--dp", type=int, default=None, help="with --from-bnb or a universal checkpoint: "
+                                                              "data-parallel size to write for (default 1; it loads "
+                                                              "at any)")
     convert.add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
-                         help="with --from-bnb: ZeRO stage of the files (default 2; it loads into any)")
+                         help="with --from-bnb or a universal checkpoint: ZeRO stage of the files (default 2; it "
+                              "loads into any)")
     convert.add_argument("--optimizer-class", default=None,
                          help="bnb optimizer class the converted checkpoint is for (default: "
                               "bitsandbytes.optim.adamw.AdamW8bit for --to 8bit, bitsandbytes.optim.adamw.AdamW for "

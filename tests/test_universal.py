@@ -129,10 +129,14 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
     train_steps(engine, range(STEPS, STEPS + 1))
 
 
-def test_round_trip_through_universal_is_within_half_a_step(saved, tmp_path):
+@pytest.mark.parametrize("dp, stage", [(None, None), (3, 3)])  # the files of one rank, or of 3 ZeRO-3 ranks
+def test_round_trip_through_universal_is_within_half_a_step(saved, tmp_path, dp, stage):
     folder, states, masters, original = saved
     export(folder, str(tmp_path / "universal"), universal=True, progress=False)
-    convert(str(tmp_path / "universal"), str(tmp_path / "back"), "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False)
+    convert(str(tmp_path / "universal"), str(tmp_path / "back"), "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False,
+            dp=dp, stage=stage)
+    written = [n for n in os.listdir(tmp_path / "back" / "t") if "optim_states" in n]
+    assert len(written) == (dp or 1)
     engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, lr=5e-2, seed=1)
     engine.load_checkpoint(str(tmp_path / "back"))
     names = engine.optimizer.param_names

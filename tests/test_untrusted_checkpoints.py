@@ -263,6 +263,7 @@ def test_tool_arguments_are_checked(two_ranks, tmp_path, capsys):
         ("convert", "--to", "8bit", "--optimizer-class", "bitsandbytes.optim.Lion8bit"): "not an Adam-family",
         ("convert", "--to", "8bit", "--min-8bit-size", "-5"): "must be 0 or more",
         ("reshape", "--dp", "100000"): "--allow-large-dp",
+        ("convert", "--to", "32bit", "--dp", "2"): "`deepspeed-bnb reshape` changes those",
     }
     for args, needle in cases.items():
         assert main([args[0], source, out, *args[1:], "--quiet"]) == 2, args

@@ -146,7 +146,10 @@ def step_ratio(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, 
 
 
 def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = None, min_8bit_size: int = 4096,
-            progress: bool = True) -> str:
+            progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None) -> str:
+    """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
+    files to write for a universal checkpoint (which has neither; default 1 and 2); other inputs keep theirs (reshape
+    changes them)."""
     if to not in DEFAULT_CLASS:
         raise ValueError(f"convert: --to must be one of {sorted(DEFAULT_CLASS)}, got {to!r}")
     if min_8bit_size < 0:
@@ -155,7 +158,12 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
     target = optimizer_class or DEFAULT_CLASS[to]
     cls = _load_class(target)
     universal = universal_tag_dir(path) is not None
-    ckpt = UniversalCheckpoint(path) if universal else SavedCheckpoint(path, verify_checksums=True)
+    if (dp is not None or stage is not None) and not universal:
+        raise ValueError("convert: --dp and --stage apply to universal (and --from-bnb) inputs, which have no DP size "
+                         "or stage of their own; `deepspeed-bnb reshape` changes those of a ZeRO checkpoint")
+    if (dp is not None and dp < 1) or (stage is not None and stage not in (1, 2, 3)):
+        raise ValueError(f"convert: --dp must be >= 1 and --stage 1, 2 or 3 (got {dp}, {stage})")
+    ckpt = UniversalCheckpoint(path, dp or 1, stage or 2) if universal else SavedCheckpoint(path, verify_checksums=True)
     check_output(ckpt, out_dir)
     ours = ckpt.is_deepspeed_bnb
     if not ours and not universal and ckpt.zero_stage == 3:

@@ -101,7 +101,8 @@ class UniversalCheckpoint:
     """A DeepSpeed universal checkpoint (ours or ds_to_universal's), read through the safe loader: per param group
     the parameter names and shapes, fp32 weights, Adam moments, step and hyper-parameters."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dp: int = 1, stage: int = 2):
+        """`dp`, `stage`: what a writer (convert) lays the state out for; the universal format has neither."""
         self.tag_dir = universal_tag_dir(path)
         if self.tag_dir is None:
             raise CheckpointMismatchError(f"{path} is not a DeepSpeed universal checkpoint (no {LATEST_UNIVERSAL} "
@@ -119,7 +120,7 @@ class UniversalCheckpoint:
                 break
         else:
             raise CheckpointMismatchError(f"{self.tag_dir} has no model-states file ({MODEL_STATES}).")
-        self.zero_stage, self.dp, self.bf16_names, self.is_deepspeed_bnb = 2, 1, False, False
+        self.zero_stage, self.dp, self.bf16_names, self.is_deepspeed_bnb = stage, dp, False, False
 
     def _param_groups(self) -> List[dict]:
         groups = self.optimizer_state.get("param_groups")  # stage 1/2 form; stage 3's lives one level down
