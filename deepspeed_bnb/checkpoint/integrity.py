@@ -12,6 +12,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from deepspeed_bnb.checkpoint.safe_load import load_file
+
 CHECKSUM = "crc32"  # algorithm of the per-tensor digests (hex, 8 digits)
 
 
@@ -43,7 +45,6 @@ def tensor_checksums(obj) -> Dict[str, str]:
 def damaged_tensors(path: str, expected: Dict[str, str]) -> Tuple[List[str], Optional[str]]:
     """Tensors of the file at `path` whose checksum differs from `expected` (or that are missing), and, when the
     file cannot even be read, why."""
-    from deepspeed_bnb.checkpoint.safe_load import load_file
     try:
         obj = load_file(path, mmap=True)
     except Exception as exc:  # damage in the pickle or the zip directory: the tensors cannot be named

@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
+from deepspeed_bnb.checkpoint.integrity import damaged_tensors, tensor_checksums
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.safe_load import UnsafeCheckpointError, load_file
 
 MANIFEST_NAME = "deepspeed_bnb_manifest.json"
 MANIFEST_VERSION = 2
@@ -44,16 +46,9 @@ def file_digest(path: str) -> Dict[str, object]:
     """Size and SHA-256 of a file, and for a torch file the CRC-32 of each tensor in it (read back through the safe
     loader, which also proves it loads without trust); flushes the file to stable storage (the publishing rename
     must not outrun it)."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-        os.fsync(f.fileno())
-    entry = {"bytes": size, "sha256": digest.hexdigest()}
+    size, sha256 = _hash(path, flush=True)
+    entry = {"bytes": size, "sha256": sha256}
     if path.endswith(".pt"):
-        from deepspeed_bnb.checkpoint.integrity import tensor_checksums
-        from deepspeed_bnb.checkpoint.safe_load import UnsafeCheckpointError, load_file
         try:
             entry[TENSORS_KEY] = tensor_checksums(load_file(path, mmap=True))
         except UnsafeCheckpointError as exc:
@@ -185,30 +180,32 @@ def verify(tag_dir: str, manifest: dict, checksum: Iterable[str] = ()) -> None:
         path = os.path.join(tag_dir, name)
         if name not in manifest["files"]:
             raise CheckpointMismatchError(f"{path} is not listed in the checkpoint's manifest ({MANIFEST_NAME}).")
-        actual = _sha256(path)
+        actual = _hash(path)[1]
         if actual != manifest["files"][name]["sha256"]:
             expected = manifest["files"][name]["sha256"]
             raise CheckpointMismatchError(f"{path} fails its SHA-256 check (manifest {expected}, file {actual}): the "
                                           f"file is corrupted{_where_damaged(path, manifest['files'][name])}. Restore "
                                           f"it from the source of the checkpoint, or load another tag.")
         if name.endswith(".pt"):
-            from deepspeed_bnb.checkpoint.safe_load import load_file
             load_file(path, mmap=True)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
+def _hash(path: str, flush: bool = False) -> Tuple[int, str]:
+    """(bytes, SHA-256 hex) of a file, read in chunks; `flush`: also fsync it (a writer's, before publishing)."""
+    digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+            size += len(chunk)
+        if flush:
+            os.fsync(f.fileno())
+    return size, digest.hexdigest()
 
 
 def _where_damaged(path: str, entry: dict) -> str:
     """Which tensors of a file that failed its SHA-256 differ from their save-time CRC-32 (manifest version 2)."""
     if TENSORS_KEY not in entry:
         return " (this manifest has no per-tensor checksums to say where: `deepspeed-bnb migrate` adds them)"
-    from deepspeed_bnb.checkpoint.integrity import damaged_tensors
     names, unreadable = damaged_tensors(path, entry[TENSORS_KEY])
     if unreadable:
         return f" and no longer loads ({unreadable})"
