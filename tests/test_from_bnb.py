@@ -127,6 +127,6 @@ def test_an_engine_with_a_scheduler_loads_it_with_a_warning(one_rank, plain, tmp
     for p, state in engine_param_states(engine).items():
         assert torch.equal(state["state1"], reference[names[p]]["state1"].reshape(state["state1"].shape))
     import deepspeed_bnb.runtime.engine as bnb_engine  # control: without the check, DeepSpeed's own load fails
-    monkeypatch.setattr(bnb_engine, "_saved_scheduler", lambda *args: True)
+    monkeypatch.setattr(bnb_engine, "_holds_scheduler", lambda *args: True)
     with pytest.raises(KeyError, match="lr_scheduler"):
         engine.load_checkpoint(out)

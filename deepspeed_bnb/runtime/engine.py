@@ -289,19 +289,23 @@ def _check_tag(engine, load_dir, tag, explicit) -> None:
         check_unlisted(tag_dir, is_record(_rank_files(engine, load_dir, tag, 1).state(0).get("base_optimizer_state")))
 
 
-def _check_fits(engine, load_dir, tag) -> None:
-    """The optimizer state and master weights of the tag fit this engine (format, optimizer class, model,
-    precisions, layout), checked before DeepSpeed replaces the module weights."""
+def _saved_model_states(load_dir, tag) -> dict:
+    """The tag's model-states file (the one DeepSpeed reads first), memory-mapped through the safe loader."""
     tag_dir = os.path.join(load_dir, str(tag))
-    dp = load_file(os.path.join(tag_dir, model_states_name(tag_dir)), mmap=True).get("dp_world_size")
-    source = _rank_files(engine, load_dir, tag, int(dp or 1))
+    return load_file(os.path.join(tag_dir, model_states_name(tag_dir)), mmap=True)
+
+
+def _holds_scheduler(saved: dict) -> bool:
+    """Whether model states hold lr scheduler state (converted checkpoints do not)."""
+    return saved.get("lr_scheduler") is not None
+
+
+def _check_fits(engine, load_dir, tag, saved: dict) -> None:
+    """The optimizer state and master weights of the tag fit this engine (format, optimizer class, model,
+    precisions, layout), checked before DeepSpeed replaces the module weights. `saved`: its model states."""
+    source = _rank_files(engine, load_dir, tag, int(saved.get("dp_world_size") or 1))
     engine.optimizer.bnb_check_checkpoint(source, True, engine.zero_load_from_fp32_weights())
     engine._bnb_checked_source = source
-
-
-def _saved_scheduler(load_dir, tag) -> bool:
-    tag_dir = os.path.join(load_dir, str(tag))
-    return load_file(os.path.join(tag_dir, model_states_name(tag_dir)), mmap=True).get("lr_scheduler") is not None
 
 
 @contextlib.contextmanager
@@ -333,10 +337,12 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
             recover_tag(load_dir, str(tag))
         dist.barrier()
         _collective_check(lambda: _check_tag(self, load_dir, tag, explicit))
+        saved = {}
+        _collective_check(lambda: saved.update(_saved_model_states(load_dir, tag)))
         if call.arguments["load_optimizer_states"] and not call.arguments["load_module_only"]:  # DeepSpeed's rule
-            _collective_check(lambda: _check_fits(self, load_dir, tag))  # for calling _load_zero_checkpoint
+            _collective_check(lambda: _check_fits(self, load_dir, tag, saved))  # for calling _load_zero_checkpoint
         if call.arguments["load_lr_scheduler_states"] and self.lr_scheduler is not None and \
-                not _saved_scheduler(load_dir, tag):
+                not _holds_scheduler(saved):
             # converted checkpoints (a plain bnb run, a universal checkpoint without one) hold no scheduler state;
             # DeepSpeed would fail on checkpoint['lr_scheduler'] after loading the weights
             warnings.warn(f"deepspeed_bnb: {os.path.join(load_dir, str(tag))} holds no lr scheduler state; the "
