@@ -9,12 +9,14 @@ out into ZeRO partitions exactly as a live engine holds it (param_state.scatter_
 the run goes on where it stopped, at any DP size.
 """
 
+import functools
 import os
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.reshape import RanklessSource, write_rank_files
 from deepspeed_bnb.checkpoint.safe_load import load_file
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 
@@ -73,7 +75,7 @@ def _flattened(value: torch.Tensor, numel: int, cls: StateClass) -> torch.Tensor
     return value.reshape(-1) if value.dim() <= 1 else value.reshape(value.shape[0], -1)
 
 
-class BnbRun:
+class BnbRun(RanklessSource):
     """A plain bitsandbytes run's optimizer state dict and weights, as the source convert and write_rank_files read."""
 
     def __init__(self, optimizer_path: str, weights_path: str, names: Optional[List[str]] = None,
@@ -85,7 +87,7 @@ class BnbRun:
         self.weights = read_weights(weights_path, model_key)
         self.states = flat_param_states(self.optimizer_state)
         self.names = self._names(names, weights_path)
-        self.zero_stage, self.dp, self.bf16_names, self.is_deepspeed_bnb = stage, dp, False, False
+        self.zero_stage, self.dp = stage, dp
         steps = {int(s["step"]) for s in self.states if "step" in s}
         self.step = max(steps) if steps else 0
         self.tag_dir = os.path.join(os.path.dirname(os.path.abspath(optimizer_path)), f"global_step{self.step}")
@@ -162,25 +164,13 @@ class BnbRun:
             out.append(flat)
         return out
 
-    @property
+    @functools.cached_property
     def model_states(self) -> dict:
         import deepspeed
         param_names = set(self.names)
         return {"module": dict(self.weights), "param_shapes": self.param_shapes(),
                 "buffer_names": [n for n in self.weights if n not in param_names], "dp_world_size": self.dp,
                 "mp_world_size": 1, "global_steps": self.step, "skipped_steps": 0, "ds_version": deepspeed.__version__,
-                "ds_config": {"zero_optimization": {"stage": self.zero_stage}}}
-
-    def other_files(self) -> List[str]:
-        return []
-
-    @property
-    def source(self):
-        return self
-
-    def blob(self, rank: int) -> dict:
-        import deepspeed
-        return {"optimizer_state_dict": {"ds_version": deepspeed.__version__}, "ds_version": deepspeed.__version__,
                 "ds_config": {"zero_optimization": {"stage": self.zero_stage}}}
 
 
@@ -190,7 +180,6 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
     """Write a plain bnb run (optimizer state dict + weights) as a deepspeed_bnb checkpoint for `dp` ranks at ZeRO
     `stage`; returns a report line."""
     from deepspeed_bnb.checkpoint.convert import _build, _load_class, group_filler, target_keys
-    from deepspeed_bnb.checkpoint.reshape import write_rank_files
     from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
     from deepspeed_bnb.state_layout import BLOCK_SIZE
     if dp < 1 or stage not in (1, 2, 3):

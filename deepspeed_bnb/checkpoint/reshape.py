@@ -96,6 +96,29 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
     return states
 
 
+class RanklessSource:
+    """What write_rank_files reads from a source that has no ZeRO rank files of its own (a DeepSpeed universal
+    checkpoint, a plain bnb run): the subclass provides `model_states` (with `ds_version` and `ds_config`), `tag_dir`,
+    `dp`, `zero_stage`, `param_shapes()` and `master_weights(g)`; the new rank files' other entries derive from
+    those."""
+
+    bf16_names = False  # the optimizer files to write: DeepSpeed's fp32-mode names
+    is_deepspeed_bnb = False
+
+    def other_files(self) -> List[str]:
+        return []
+
+    @property
+    def source(self):
+        return self
+
+    def blob(self, rank: int) -> dict:
+        """What a ZeRO optimizer file holds besides the state a writer puts there (stage keys are added per rank)."""
+        version = self.model_states.get("ds_version")
+        return {OPTIMIZER_STATE_DICT: {"ds_version": version}, "ds_version": version,
+                "ds_config": self.model_states.get("ds_config")}
+
+
 def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callable[[int], List[GroupRecord]],
                      optimizer_class: str, optimizer_name: str, progress: bool = True,
                      stage: Optional[int] = None) -> str:

@@ -24,6 +24,7 @@ from deepspeed_bnb.checkpoint.manifest import fresh_staging, publish_staged, rea
     write_json_atomic
 from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint, check_unlisted
+from deepspeed_bnb.checkpoint.reshape import RanklessSource, check_output
 from deepspeed_bnb.checkpoint.safe_load import load_file
 
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer file (engine.load_checkpoint with load_universal)
@@ -49,7 +50,6 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) 
     """Write `ckpt` (deepspeed_bnb, Adam family) as a DeepSpeed universal checkpoint in `out_dir`; returns the tag
     directory. The moments are bnb's dequantized ones (exact for fp32 state); the weights the fp32 master weights."""
     from deepspeed_bnb.checkpoint.export import fp32_moments
-    from deepspeed_bnb.checkpoint.reshape import check_output
     record = ckpt.record(0)
     if record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "
@@ -97,7 +97,7 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) 
     return written
 
 
-class UniversalCheckpoint:
+class UniversalCheckpoint(RanklessSource):
     """A DeepSpeed universal checkpoint (ours or ds_to_universal's), read through the safe loader: per param group
     the parameter names and shapes, fp32 weights, Adam moments, step and hyper-parameters."""
 
@@ -120,7 +120,7 @@ class UniversalCheckpoint:
                 break
         else:
             raise CheckpointMismatchError(f"{self.tag_dir} has no model-states file ({MODEL_STATES}).")
-        self.zero_stage, self.dp, self.bf16_names, self.is_deepspeed_bnb = stage, dp, False, False
+        self.zero_stage, self.dp = stage, dp
 
     def _param_groups(self) -> List[dict]:
         groups = self.optimizer_state.get("param_groups")  # stage 1/2 form; stage 3's lives one level down
@@ -175,17 +175,6 @@ class UniversalCheckpoint:
     def hyperparams(self, g: int) -> dict:
         return self._param_groups()[g]
 
-    def other_files(self) -> List[str]:
-        return []
-
-    @property
-    def source(self):
-        return self  # write_rank_files takes the non-state keys of the new rank files from here
-
-    def blob(self, rank: int) -> dict:
-        """What a ZeRO optimizer file holds besides the state convert writes (stage keys are added per rank)."""
-        return {"optimizer_state_dict": {"ds_version": self.model_states.get("ds_version")},
-                "ds_version": self.model_states.get("ds_version"), "ds_config": self.model_states.get("ds_config")}
 
 
 def universal_tag_dir(path: str):
