@@ -186,20 +186,20 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
         raise ValueError(f"convert --from-bnb: --dp must be >= 1 and --stage 1, 2 or 3 (got {dp}, {stage})")
     cls = _load_class(optimizer_class)
     run = BnbRun(optimizer_path, weights_path, names, optimizer_key, model_key, stage, dp)
-    plans, counts = [], {"8bit": 0, "fp32": 0}
-    for g, shapes in enumerate(run.param_shapes()):
+    plans, counts, shapes = [], {"8bit": 0, "fp32": 0}, run.param_shapes()
+    for g, group_shapes in enumerate(shapes):
         optimizer = _build(cls, optimizer_class, run.hyperparams(g))
         group = optimizer.param_groups[0]
         adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
         states = run.states[run.group_slice(g)]
         eight_bit = [s["state1"].dtype == torch.uint8 for s in states]
-        if len({int(s.get("step", 0)) for s in states}) > 1:  # a ZeRO partition steps its parameters together
+        steps = {int(s.get("step", 0)) for s in states}
+        if len(steps) > 1:  # a ZeRO partition steps its parameters together
             raise CheckpointMismatchError(f"{optimizer_path}: the parameters of param group {g} are at different "
-                                          f"steps {sorted({int(s.get('step', 0)) for s in states})}; ZeRO keeps one "
-                                          f"step per param group.")
+                                          f"steps {sorted(steps)}; ZeRO keeps one step per param group.")
         key_classes, templates = target_keys(adapter, group, eight_bit)
         per_param = run.param_states(g, key_classes)
-        for state, name in zip(per_param, shapes):  # 8-bit codes mean what the target's maps say
+        for state, name in zip(per_param, group_shapes):  # 8-bit codes mean what the target's maps say
             for key, cls_ in key_classes.items():
                 if cls_ == StateClass.WHOLE and key in state and not torch.equal(state[key], templates[key]):
                     raise CheckpointMismatchError(f"{optimizer_path}: parameter {name} has a {key} that differs from "
@@ -208,13 +208,9 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
         plans.append((eight_bit, key_classes, templates, hyperparams, per_param, run.master_weights(g)))
         counts["8bit"] += sum(eight_bit)
         counts["fp32"] += len(eight_bit) - sum(eight_bit)
-    shapes = run.param_shapes()
-
-    fill = group_filler(plans, shapes, stage, dp)
-
-    written = write_rank_files(run, out_dir, dp, fill, f"{cls.__module__}.{cls.__qualname__}",
-                               getattr(_build(cls, optimizer_class, run.hyperparams(0)), "optimizer_name", "?"),
-                               progress, stage)
+    rule = getattr(optimizer, "optimizer_name", "?")  # the class's update rule, the same for every group
+    written = write_rank_files(run, out_dir, dp, group_filler(plans, shapes, stage, dp),
+                               f"{cls.__module__}.{cls.__qualname__}", rule, progress, stage)
     return (f"wrote {written}: {len(run.names)} parameters of a plain bitsandbytes run at step {run.step} for "
             f"{optimizer_class} ({counts['8bit']} with 8-bit state, {counts['fp32']} fp32), {dp} data-parallel "
             f"rank(s), ZeRO stage {stage}; state carried over unchanged")
