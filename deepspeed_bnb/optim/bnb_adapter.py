@@ -82,6 +82,9 @@ class BnbAdapter:
         self._overrides: Dict[int, dict] = {}  # id(model parameter) -> bnb config overrides for it
         self._eight_bit: Dict[int, bool] = {}  # id(model parameter) -> uses 8-bit state
         self._max_unorm: Dict[int, float] = {}  # id(model parameter) -> LAMB/LARS trust-ratio bound
+        # per bnb param group: (override, 8-bit?, name) of each model parameter, to name parameters in errors
+        self._described: Dict[int, List[tuple]] = {}
+        self.device: Optional[torch.device] = None  # where the partition state lives (allocate): bnb's update runs
 
         optimizer.check_overrides()  # bnb resolves `register_module_override` lazily, at its first step()
         manager = optimizer.mng
@@ -99,6 +102,8 @@ class BnbAdapter:
                 self._overrides[id(p)] = {k: v for k, v in config.items() if k not in plain or plain[k] != v}
                 self._eight_bit[id(p)] = uses_8bit_state(model_numel(p), config["optim_bits"], config["min_8bit_size"])
                 self._max_unorm[id(p)] = float(config.get("max_unorm", 0.0))
+                name = _param_name(p, f"#{pindex} of param group {gindex}")
+                self._described.setdefault(gindex, []).append((self._overrides[id(p)], self._eight_bit[id(p)], name))
                 _refuse_whole_tensor_options(optimizer, config, gindex, pindex, self._eight_bit[id(p)])
         optimizer.initialized = True  # bnb's step() would re-run check_overrides/to_gpu; it is never called now
         optimizer.mng = _NoOverrides()
@@ -128,6 +133,10 @@ class BnbAdapter:
 
     def max_unorm(self, param: torch.Tensor) -> float:
         return self._max_unorm[id(param)]
+
+    def names(self, gindex: int, override: dict, eight_bit: bool) -> List[str]:
+        """The model parameters of param group `gindex` with this override and precision (those that share a route)."""
+        return [name for o, e, name in self._described.get(gindex, ()) if e == eight_bit and o == override]
 
     def state_keys(self, group: dict, gindex: int, eight_bit: bool, device) -> List[StateKey]:
         """The keys bnb creates for a parameter of this precision, classified (probed once per precision)."""
@@ -160,6 +169,7 @@ class BnbAdapter:
         Every rank gets the keys of every precision present in the group (even with no segment of it: zero-length
         or unused tensors), so all ranks hold the same keys and whole tensors exist on rank 0 for checkpoints.
         """
+        self.device = torch.device(device)
         state = {"step": 0}  # a partition of pure padding still counts steps like its peers
         fp32_numel = sum(s.numel for s in segments if not s.eight_bit)
         for eight_bit, length in ((True, partition_size), (False, fp32_numel)):
@@ -224,6 +234,14 @@ class BnbAdapter:
             # every segment starts from the partition's scalars and applies the same update to them
             scalars = {k.stored_as: views[k.name] for k in self._specs[segment.eight_bit] if k.cls == StateClass.SCALAR}
         state.update(scalars)
+
+
+def _param_name(param: torch.Tensor, fallback: str) -> str:
+    """The model's name of a parameter, from the map DeepSpeed's engine fills before it builds the optimizer
+    (deepspeed.utils.debug); `fallback` outside an engine."""
+    lookup = getattr(sys.modules.get("deepspeed.utils.debug"), "debug_param2name", None)
+    name = lookup(param) if lookup is not None else "unknown"
+    return fallback if name == "unknown" else name
 
 
 def _optimizer8bit() -> Optional[type]:

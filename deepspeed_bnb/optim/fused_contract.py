@@ -5,10 +5,11 @@ The fused kernels implement bnb's 8-bit blockwise update of three rules (`optimi
 1. the optimizer's `update_step` is bnb's own (`Optimizer2State.update_step` for "adam",
    `Optimizer1State.update_step` for "lion" and "momentum"): a subclass that overrides it computes something else;
 2. the parameter has 8-bit state: bnb's 32-bit update is its own sequence of torch (or CUDA) operations, which the
-   kernel's fp32 path does not reproduce bit for bit, so 32-bit state always gets bnb's own update;
+   kernel's fp32 path does not reproduce bit for bit, so 32-bit state gets bnb's own update wherever bnb has one
+   (`fp32_param_reason`: where it has none, bnb 0.49 on a CPU, the kernel's fp32 path is the only update there is);
 3. every field that bnb's `get_config` gives for the parameter (per-parameter overrides and a subclass's own
-   `get_config` included) is one in FIELDS, with a value the kernel models (`FieldRule`). An unknown field, say one
-   that an override or a subclass adds, is not modelled.
+   `get_config` included) is one in FIELDS or LEGACY_FIELDS, with a value the kernel models (`FieldRule`). An unknown
+   field, say one that an override or a subclass adds, is not modelled.
 Anything else is stepped by bnb's own `update_step`. Pure functions: no DeepSpeed, no torch.distributed.
 """
 
@@ -25,6 +26,11 @@ from deepspeed_bnb.ops import rules
 KERNEL_DEVICES = ("cpu", "cuda")  # device types with compiled kernels (csrc/cpu, csrc/cuda)
 FIELDS = ("betas", "eps", "weight_decay", "lr", "alpha", "t_alpha", "t_beta3", "optim_bits", "min_8bit_size",
           "max_unorm", "skip_zeros")
+# Fields bitsandbytes 0.49 returns besides those (0.50 removed both options): its update_step reads them only at
+# values other than their defaults (percentile_clipping < 100 rescales the gradient by a history of its norms,
+# block_wise=False quantizes with one scale per tensor), so at the defaults its 8-bit update is 0.50's. bnb_adapter.py
+# refuses the other values at initialize, for ZeRO splits the tensor they are computed over.
+LEGACY_FIELDS = ("percentile_clipping", "block_wise")
 
 
 def _real(value) -> Optional[float]:
@@ -93,6 +99,9 @@ _COMMON = {
     # read by AdEMAMix's own update_step only, never by Optimizer1State/Optimizer2State.update_step
     "t_alpha": _any,
     "t_beta3": _any,
+    # LEGACY_FIELDS (bitsandbytes 0.49), at the only values its update_step then ignores
+    "percentile_clipping": _equals(100),
+    "block_wise": _equals(True),
 }
 
 RULES: Dict[str, FieldRule] = {
@@ -130,19 +139,35 @@ def optimizer_reason(optimizer) -> Optional[str]:
     return None
 
 
-def param_reason(rule: str, config: dict, eight_bit: bool) -> Optional[str]:
-    """Why a parameter whose bnb config is `config` must get bnb's own update under `rule`, or None (fused)."""
-    if not eight_bit:
-        return "32-bit state (bnb's own 32-bit update)"
-    checks = RULES[rule].checks
+def _field_reason(checks: Mapping[str, Callable], config: dict) -> Optional[str]:
     for field in sorted(config):
         check = checks.get(field)
         if check is None:
-            return f"config field {field!r} is not one the fused kernel knows (it models {', '.join(FIELDS)})"
+            return (f"config field {field!r} is not one the fused kernel knows (it models "
+                    f"{', '.join(FIELDS + LEGACY_FIELDS)})")
         problem = check(config[field])
         if problem:
             return f"{field}={config[field]!r} {problem}"
     return None
+
+
+def param_reason(rule: str, config: dict, eight_bit: bool) -> Optional[str]:
+    """Why a parameter whose bnb config is `config` must get bnb's own update under `rule`, or None (fused)."""
+    if not eight_bit:
+        return "32-bit state (bnb's own 32-bit update)"
+    return _field_reason(RULES[rule].checks, config)
+
+
+def fp32_param_reason(rule: str, config: dict) -> Optional[str]:
+    """Where bnb has no update of its own (own_update.py): why the kernel's fp32 path cannot step a 32-bit-state
+    parameter whose bnb config is `config` under `rule`, or None (it steps it).
+
+    The fp32 path is the kernel's rule without quantization (ops/reference.py), so the 8-bit field checks hold, but
+    for two fields that bnb's 32-bit update reads and its 8-bit update does not: `optim_bits` is whatever gave the
+    parameter 32-bit state, and `max_unorm` > 0 scales a 32-bit update by a trust ratio the kernel does not compute.
+    """
+    checks = {**RULES[rule].checks, "optim_bits": _any, "max_unorm": _equals(0.0)}
+    return _field_reason(checks, config)
 
 
 def describe_routes(optimizer: str, routes: Mapping[str, Optional[str]], shown: int = 8) -> str:

@@ -5,14 +5,20 @@ parameter (get_config with its overrides), and decided again at every step, beca
 (a learning-rate schedule, a hand-edited param group): a parameter whose config leaves what the kernel models is
 stepped by bnb's `update_step` from that step on, and back. The two paths share one flat state (bnb_adapter.py), so
 a parameter can change path at any step and checkpoints do not care which path wrote them.
+
+Where bitsandbytes has no update of its own (own_update.py: bnb 0.49 on a CPU), the kernel is the only code that can
+step a parameter: it also steps 32-bit state there (its fp32 path, where fused_contract.fp32_param_reason allows), and
+a parameter it cannot step is refused at the first route, naming it, instead of failing inside bnb.
 """
 
+import warnings
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused_contract import optimizer_reason, param_reason
+from deepspeed_bnb.optim.fused_contract import fp32_param_reason, optimizer_reason, param_reason
 from deepspeed_bnb.optim.fused_partition import FusedPartition
 from deepspeed_bnb.state_layout import Segment
 
@@ -29,16 +35,26 @@ def distinct(values: Sequence[dict]):
     return unique, index
 
 
+def _route(adapter: BnbAdapter, kernel_reason: Optional[str], config: dict, eight_bit: bool,
+           no_own_update: Optional[str]) -> Optional[str]:
+    reason = (kernel_reason or optimizer_reason(adapter.optimizer)
+              or param_reason(adapter.optimizer_name, config, eight_bit))
+    if (reason is not FUSED and no_own_update and not eight_bit and not kernel_reason
+            and not optimizer_reason(adapter.optimizer)):
+        # bnb's own 32-bit update does not exist here: the kernel's fp32 path is the only one
+        return fp32_param_reason(adapter.optimizer_name, config)
+    return reason
+
+
 def route_table(adapter: BnbAdapter, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
-                eight_bit: Sequence[bool]) -> List[Optional[str]]:
+                eight_bit: Sequence[bool], no_own_update: Optional[str] = None) -> List[Optional[str]]:
     """Per parameter piece (its config variant among `configs`, its precision): FUSED, or why bnb's own update steps
     it. `kernel_reason`: why no parameter may be fused here at all (no kernel on this device, a failed first-use
-    check, ...)."""
+    check, ...); `no_own_update`: why bnb has no update of its own here (own_update.missing), or None."""
     memo = {}  # (variant, precision) -> route
     for key in zip(variant, eight_bit):
         if key not in memo:
-            memo[key] = (kernel_reason or optimizer_reason(adapter.optimizer)
-                         or param_reason(adapter.optimizer_name, configs[key[0]], key[1]))
+            memo[key] = _route(adapter, kernel_reason, configs[key[0]], key[1], no_own_update)
     return [memo[key] for key in zip(variant, eight_bit)]
 
 
@@ -46,7 +62,49 @@ def routes(adapter: BnbAdapter, kernel_reason: Optional[str], group: dict, ginde
            eight_bit: Sequence[bool]) -> List[Optional[str]]:
     """Per parameter of a param group (given its overrides and precision): FUSED, or why bnb's own update steps it."""
     variants, index = distinct(overrides)
-    return route_table(adapter, kernel_reason, [adapter.config(group, gindex, v) for v in variants], index, eight_bit)
+    return route_table(adapter, kernel_reason, [adapter.config(group, gindex, v) for v in variants], index, eight_bit,
+                       own_update.missing(adapter.device))
+
+
+class NoOwnUpdateError(RuntimeError):
+    """A parameter needs bitsandbytes' own update where bitsandbytes has none (own_update.py)."""
+
+
+def no_own_update_error(adapter: BnbAdapter, gindex: int, kernel_reason: Optional[str], no_own_update: str,
+                        stuck: Sequence[tuple]) -> NoOwnUpdateError:
+    """The error for the parameters of param group `gindex` that need bnb's own update where it has none; `stuck`:
+    distinct (override, 8-bit?, route) of those parameters."""
+    name = type(adapter.optimizer).__name__
+    whole = optimizer_reason(adapter.optimizer)
+    if whole:
+        problem = (f"it cannot step any of them: {whole}. To step them here, use an optimizer the fused kernel steps: "
+                   f"bitsandbytes' Adam/AdamW, Lion or SGD with momentum (8-bit or 32-bit state), without an "
+                   f"update_step of its own")
+    elif kernel_reason:
+        problem = (f"it does not run here: {kernel_reason}. To step them here, let it run (zero_optimization."
+                   f"bnb_fused_kernel \"auto\" or true, and a build that passes its first-use check: `deepspeed-bnb "
+                   f"kernels` says why it does not)")
+    else:
+        lines = []
+        for override, eight_bit, reason in stuck:
+            names = adapter.names(gindex, override, eight_bit) or ["(unnamed)"]
+            shown = ", ".join(names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
+            fix = ("8-bit state (min_8bit_size=0 on an 8-bit optimizer; bnb's 8-bit update ignores max_unorm) or a "
+                   "config the kernel models" if not eight_bit else "a config the kernel models")
+            lines.append(f"{shown} (param group {gindex}, {'8' if eight_bit else '32'}-bit state): {reason}; to step "
+                         f"them here, give them {fix}")
+        problem = "it cannot step these: " + "; ".join(lines)
+    return NoOwnUpdateError(
+        f"deepspeed_bnb: {no_own_update}. On this CPU only the fused kernel can step {name}'s parameters, and "
+        f"{problem}. Or install bitsandbytes 0.50.2 (its own CPU update steps any bnb optimizer), or keep the "
+        f"optimizer step on a GPU (bitsandbytes' CUDA update; no offload_optimizer).")
+
+
+def _warn_fp32_path(no_own_update: str) -> None:
+    warnings.warn(f"deepspeed_bnb: {no_own_update}. The fused kernel steps the parameters with 32-bit state too (its "
+                  f"fp32 path: the update rule of its 8-bit path without quantization, deepspeed_bnb/ops/reference.py; "
+                  f"bnb 0.50's CPU update and bnb's CUDA kernels compute the same rule and round differently in the "
+                  f"last bits).", RuntimeWarning, stacklevel=3)
 
 
 class PartitionStep:
@@ -60,6 +118,7 @@ class PartitionStep:
         self.variants, self.variant = distinct(overrides)  # distinct per-parameter overrides; each segment's one
         self.device = device
         self.kernel_reason = kernel_reason  # why no parameter may be fused on this rank/device (None: per parameter)
+        self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
         self.on_reroute = on_reroute  # called with (segments, their old routes, new routes) when routes change
         self.routes: Optional[List[Optional[str]]] = None  # per segment: FUSED or the reason bnb steps it
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
@@ -71,9 +130,16 @@ class PartitionStep:
         """(Re)decide each segment's path from `group`'s current config; the kernel is rebuilt only on change."""
         self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
         new = route_table(self.adapter, self.kernel_reason, self._configs, self.variant,
-                          [s.eight_bit for s in self.segments])
+                          [s.eight_bit for s in self.segments], self.no_own_update)
         if new == self.routes:
             return
+        if self.no_own_update:
+            stuck, _ = distinct([(self.variants[self.variant[i]], s.eight_bit, route)
+                                 for i, (s, route) in enumerate(zip(self.segments, new)) if route is not FUSED])
+            if stuck:
+                raise no_own_update_error(self.adapter, self.gindex, self.kernel_reason, self.no_own_update, stuck)
+            if any(not s.eight_bit for s in self.segments):
+                _warn_fp32_path(self.no_own_update)
         old, self.routes = self.routes, new
         fused = [i for i, route in enumerate(new) if route is FUSED]
         self._bnb = [i for i, route in enumerate(new) if route is not FUSED]
