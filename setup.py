@@ -67,6 +67,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_bnb", "deepspeed_bnb.*"]),
+    py_modules=["deepspeed_bnb_tools"],  # the offline tools' entry point: imports the package without its runtime
     python_requires=">=3.9",
     install_requires=[
         # exactly the tested releases (deepspeed_bnb/_versions.py TESTED, which refuses others at import: it
@@ -86,7 +87,7 @@ setup(
         # CI runs the client tests and the benchmark smoke test, so `test` pulls both
         "test": ["pytest", "accelerate>=1.0", "transformers>=4.45", "matplotlib"],
     },
-    entry_points={"console_scripts": ["deepspeed-bnb = deepspeed_bnb.cli:main"]},
+    entry_points={"console_scripts": ["deepspeed-bnb = deepspeed_bnb_tools:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -2,26 +2,32 @@
 
     import deepspeed_bnb   # teaches DeepSpeed the zero_optimization.bnb_* keys and the block-aware optimizer
     engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(...), config=cfg)
+
+The import checks the DeepSpeed and bitsandbytes releases (_versions.py) and installs every override of DeepSpeed
+listed in runtime/overrides.py. The offline checkpoint tools (`deepspeed-bnb`, deepspeed_bnb_tools.py) import the
+package with DEEPSPEED_BNB_OFFLINE=1 instead: neither happens, and DeepSpeed stays exactly as installed. Never set
+it for training: a bnb optimizer would then reach stock ZeRO.
 """
 
-from deepspeed_bnb._versions import check_versions
-
-check_versions()
-
-from deepspeed_bnb import integrations as _integrations  # noqa: E402  (after the version check, by design)
-from deepspeed_bnb.runtime import engine as _engine  # noqa: E402
-from deepspeed_bnb.runtime.zero import config as _zero_config  # noqa: E402
-from deepspeed_bnb.runtime.zero import partition_parameters as _zero3_partitions  # noqa: E402
-from deepspeed_bnb.runtime.zero.config import BnbZeroConfig  # noqa: E402,F401
-from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer  # noqa: E402,F401
-from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer  # noqa: E402,F401
-from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout  # noqa: E402,F401
-from deepspeed_bnb.utils import tensor_fragment as _tensor_fragment  # noqa: E402
+import os
 
 __version__ = "0.1.0"
+OFFLINE_ENV = "DEEPSPEED_BNB_OFFLINE"
+OFFLINE = os.environ.get(OFFLINE_ENV) == "1"
 
-_zero_config.install()
-_engine.install()
-_zero3_partitions.install()  # block-aligned ZeRO-3 partitions, for the parameters a bnb optimizer marks
-_tensor_fragment.install()  # safe_{get,set}_local_optimizer_state for ZeRO-1/2 bnb parameters
-_integrations.install_lazily()  # Accelerate, if and when it is imported
+
+def activate() -> None:
+    """Check the installed releases and install the DeepSpeed overrides (idempotent; done by the import)."""
+    from deepspeed_bnb._versions import check_versions
+    from deepspeed_bnb.runtime import overrides
+    if not overrides.is_active():
+        check_versions()
+    overrides.activate()
+
+
+if not OFFLINE:
+    activate()
+    from deepspeed_bnb.runtime.zero.config import BnbZeroConfig  # noqa: E402,F401
+    from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer  # noqa: E402,F401
+    from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer  # noqa: E402,F401
+    from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout  # noqa: E402,F401

@@ -166,9 +166,10 @@ def test_accelerate_still_swaps_without_the_key():
 
     # importing deepspeed_bnb wraps an Accelerate imported before it too
     from deepspeed_bnb.integrations import accelerate as ours
+    from deepspeed_bnb.runtime.overrides import stock
 
     assert Accelerator._prepare_deepspeed is ours._prepare_deepspeed
-    source = inspect.getsource(ours._STOCK["_prepare_deepspeed"])
+    source = inspect.getsource(stock("Accelerator._prepare_deepspeed"))
     assert 'get("zero_force_ds_cpu_optimizer", True)' in source and "map_pytorch_optim_to_deepspeed(" in source
 
 

@@ -27,7 +27,8 @@ def runs(scenario_results):
         for key, value in result["elastic_load"].items():
             kind, saved = key.rsplit("_from", 1)
             loads[(kind, saved, world)] = value
-    assert sorted(saves) == list(SIZES) and len(loads) == len(ELASTIC_KINDS) * len(SIZES) ** 2 + len(RESHAPED_KINDS)
+    reshaped = len(RESHAPED_KINDS) if len(SIZES) > 3 else 0  # loaded at 3 ranks, in the launch after DP 4 saved
+    assert sorted(saves) == list(SIZES) and len(loads) == len(ELASTIC_KINDS) * len(SIZES) ** 2 + reshaped
     return saves, loads
 
 

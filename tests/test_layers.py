@@ -77,7 +77,10 @@ def _import_time_effects(path: str) -> list:
     """Statements that do something when the module is imported: calls, and assignments to another object's
     attribute (a patch)."""
     effects = []
-    for node in ast.parse(open(path).read()).body:
+    body = list(ast.parse(open(path).read()).body)
+    for node in body:
+        if isinstance(node, ast.If) and "__main__" not in ast.unparse(node.test):  # a condition hides nothing
+            body += node.body + node.orelse
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             effects.append(ast.unparse(node))
         if isinstance(node, (ast.Assign, ast.AugAssign)):
@@ -98,12 +101,13 @@ def test_installing_twice_keeps_deepspeeds_originals():
     import deepspeed.runtime.engine as ds_engine
     import deepspeed.runtime.zero.config as ds_zero_config
 
-    from deepspeed_bnb.runtime import engine
+    from deepspeed_bnb.runtime import engine, overrides
     from deepspeed_bnb.runtime.zero import config
-    engine.install()
-    config.install()
-    for name, original in engine._STOCK.items():
-        assert original.__module__.startswith("deepspeed."), (name, original.__module__)
+    overrides.activate()
+    overrides.activate()
+    assert set(overrides._STOCK) >= {o.key for o in overrides.installed_entries()}
+    for name, original in overrides._STOCK.items():
+        assert original.__module__.startswith(("deepspeed.", "accelerate.")), (name, original.__module__)
     assert ds_engine.DeepSpeedEngine._configure_zero_optimizer is engine._configure_zero_optimizer
     assert ds_zero_config.DeepSpeedZeroConfig is config.BnbZeroConfig
     assert config.BnbZeroConfig.__mro__[1].__module__ == "deepspeed.runtime.zero.config"

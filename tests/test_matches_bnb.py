@@ -35,7 +35,7 @@ FUSED_FACTORIES = {**FACTORIES, "SGD_32bit_momentum": lambda p: bnb.optim.SGD(p,
 def engine_param_states(engine):
     """model parameter -> bnb-style state, gathered from the engine's flat partition (DP=1: one rank)."""
     opt, out = engine.optimizer, {}
-    for i, params in enumerate(opt.round_robin_bit16_groups):
+    for i, params in enumerate(opt.bnb_params):  # model parameters in flat order
         state = opt.optimizer.state[opt.single_partition_of_fp32_groups[i]]
         per_param = gather_param_states(opt.bnb_layouts[i], opt.bnb_eight_bit[i], opt.bnb.stored_classes(state),
                                         [state])

@@ -19,7 +19,9 @@ import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim import partition_step
 from deepspeed_bnb.optim.partition_step import FUSED
+import deepspeed.runtime.engine as ds_engine
 from deepspeed_bnb.runtime import engine as engine_module
+from deepspeed_bnb.runtime import overrides
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from toy import ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
 
@@ -184,18 +186,17 @@ def test_bnb_optimizer_is_always_stepped_by_bnb_zero_optimizer(one_rank, monkeyp
     DeepSpeed version and what changed. Control: the normal route gives BnbZeroOptimizer."""
     _, engine = trained(_adamw8bit)
     assert isinstance(engine.optimizer, BnbZeroOptimizer)
-    stock = engine_module._STOCK["_configure_zero_optimizer"]
-    stock_class = engine_module.ds_engine.DeepSpeedZeroOptimizer  # outside the call, the name is DeepSpeed's own
+    stock = overrides.stock("DeepSpeedEngine._configure_zero_optimizer")
+    stock_class = ds_engine.DeepSpeedZeroOptimizer  # outside the call, the name is DeepSpeed's own
 
     def another_route(self, optimizer):  # what a DeepSpeed that resolves the class elsewhere would do
-        ours, engine_module.ds_engine.DeepSpeedZeroOptimizer = engine_module.ds_engine.DeepSpeedZeroOptimizer, \
-            stock_class
+        ours, ds_engine.DeepSpeedZeroOptimizer = ds_engine.DeepSpeedZeroOptimizer, stock_class
         try:
             return stock(self, optimizer)
         finally:
-            engine_module.ds_engine.DeepSpeedZeroOptimizer = ours
+            ds_engine.DeepSpeedZeroOptimizer = ours
 
-    monkeypatch.setitem(engine_module._STOCK, "_configure_zero_optimizer", another_route)
+    monkeypatch.setitem(overrides._STOCK, "DeepSpeedEngine._configure_zero_optimizer", another_route)
     with pytest.raises(RuntimeError, match=rf"DeepSpeed {deepspeed.__version__} built "
                                            r"deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer .*AdamW8bit"):
         trained(_adamw8bit)

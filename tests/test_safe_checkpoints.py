@@ -26,7 +26,9 @@ import zlib
 import pytest
 import torch
 
+import deepspeed.runtime.engine as ds_engine
 import deepspeed_bnb.runtime.engine as bnb_engine
+from deepspeed_bnb.runtime import overrides
 from conftest import TESTS, free_port, without_launch_vars
 from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, RETIRED_SUFFIX, STAGING_SUFFIX, publish, \
     write_json_atomic
@@ -265,7 +267,7 @@ def test_broken_protocol_is_caught(saves, monkeypatch, variant):
     """The checker above, over every step of a broken protocol: it must report a partial or missing checkpoint."""
     name, replacement, mode, hole = BROKEN[variant]
     if name == "save_checkpoint":  # DeepSpeed's own save: straight into the tag directory, `latest` after rank 0
-        monkeypatch.setattr(bnb_engine.ds_engine.DeepSpeedEngine, name, bnb_engine._STOCK[name])
+        monkeypatch.setattr(ds_engine.DeepSpeedEngine, name, overrides.stock(f"DeepSpeedEngine.{name}"))
     else:
         monkeypatch.setattr(bnb_engine, name, replacement)
     clean = saves.copy_of_previous()

@@ -17,7 +17,9 @@ import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
 from bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
+import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed_bnb.runtime import engine as engine_module
+from deepspeed_bnb.runtime import overrides
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
@@ -138,18 +140,17 @@ def test_routing_cannot_fail_silently(one_rank, monkeypatch):
     """Should DeepSpeed build its stage-3 optimizer by another route than the module-level name deepspeed_bnb swaps,
     initialize raises, naming the DeepSpeed version and what changed. Control: the normal route."""
     assert isinstance(engine_of(FACTORIES["AdamW8bit"], make_model(0)).optimizer, BnbZeroStage3Optimizer)
-    stock = engine_module._STOCK["_configure_zero_optimizer"]
-    stock_class = engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3
+    stock = overrides.stock("DeepSpeedEngine._configure_zero_optimizer")
+    stock_class = ds_stage3.DeepSpeedZeroOptimizer_Stage3
 
     def another_route(self, optimizer):
-        ours, engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3 = \
-            engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3, stock_class
+        ours, ds_stage3.DeepSpeedZeroOptimizer_Stage3 = ds_stage3.DeepSpeedZeroOptimizer_Stage3, stock_class
         try:
             return stock(self, optimizer)
         finally:
-            engine_module.ds_stage3.DeepSpeedZeroOptimizer_Stage3 = ours
+            ds_stage3.DeepSpeedZeroOptimizer_Stage3 = ours
 
-    monkeypatch.setitem(engine_module._STOCK, "_configure_zero_optimizer", another_route)
+    monkeypatch.setitem(overrides._STOCK, "DeepSpeedEngine._configure_zero_optimizer", another_route)
     with pytest.raises(RuntimeError, match=rf"DeepSpeed {deepspeed.__version__} built "
                                            r"deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 .*AdamW8bit"):
         engine_of(FACTORIES["AdamW8bit"], make_model(0))

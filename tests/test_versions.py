@@ -75,22 +75,28 @@ def test_every_tested_release_is_an_accepted_example():
     assert {(p, v) for p, releases in TESTED.items() for v in releases} <= set(ACCEPTED)
 
 
-def test_deepspeed_without_parameter_padding_is_refused_with_the_reason():
-    """DeepSpeed < 0.19.7 has no `param_padding` in flatten_dense_tensors_aligned: BnbZeroOptimizer refuses it (even
-    under the escape hatch) naming the missing feature, instead of a TypeError deep inside DeepSpeed's __init__."""
-    from deepspeed_bnb.runtime.zero.compat import has_parameter_padding, require_parameter_padding
+def test_padding_mode_follows_the_release_and_the_environment(monkeypatch):
+    """DeepSpeed < 0.19.7 has no `param_padding` in flatten_dense_tensors_aligned: the block-aligned layout is then
+    placed with padding tensors; DEEPSPEED_BNB_ZERO_PADDING picks either where both exist, and naming per-parameter
+    padding on a release without it is refused, naming the release that added it."""
+    from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding, \
+        padding_mode
 
     class ZeroBefore0197:  # the signature DeepSpeed 0.19.6 and earlier have
         def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
             pass
 
-    assert has_parameter_padding()  # the installed (tested) DeepSpeed has it
-    require_parameter_padding()
-    with pytest.raises(RuntimeError) as failure:
-        require_parameter_padding(ZeroBefore0197)
-    message = str(failure.value)
-    assert "DeepSpeed 0.19.7 added it: flatten_dense_tensors_aligned(param_padding=...)" in message
-    assert "Install DeepSpeed 0.19.7 or 0.19.8 (the releases deepspeed_bnb is tested with)" in message
+    monkeypatch.delenv(PADDING_ENV, raising=False)
+    assert padding_mode() == (PARAM_PADDING if has_parameter_padding() else PADDING_TENSORS)
+    assert not has_parameter_padding(ZeroBefore0197) and padding_mode(ZeroBefore0197) == PADDING_TENSORS
+    monkeypatch.setenv(PADDING_ENV, PADDING_TENSORS)
+    assert padding_mode() == PADDING_TENSORS
+    monkeypatch.setenv(PADDING_ENV, PARAM_PADDING)
+    with pytest.raises(ValueError, match="has no per-parameter padding in ZeRO-1/2 flat groups \\(added in 0.19.7\\)"):
+        padding_mode(ZeroBefore0197)
+    monkeypatch.setenv(PADDING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DEEPSPEED_BNB_ZERO_PADDING='sometimes'"):
+        padding_mode()
 
 
 @pytest.mark.parametrize("deepspeed_version,grad_accum,world,refused", [

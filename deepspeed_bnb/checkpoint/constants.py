@@ -24,6 +24,8 @@ EIGHT_BIT_KEY = "eight_bit"  # per parameter in flat order: True for 8-bit state
 KEY_CLASSES_KEY = "key_classes"  # flat-state key -> StateClass value ("element", "block", "whole", "scalar")
 STATE_KEY = "state"  # flat-state key -> tensor (untrimmed partition arrays, whole tensors) or scalar
 BASE_OPTIMIZER_STATE_KEY = "base_optimizer_state"  # DeepSpeed's entry (checkpoint.constants.BASE_OPTIMIZER_STATE)
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # DeepSpeed's ZeRO-1/2 entry (checkpoint.constants, 0.19.7
+# on): per group, zeros after each parameter in flat order; written on every release (zero_to_fp32 skips them)
 MASTER_WEIGHTS_KEY = "single_partition_of_fp32_groups"  # DeepSpeed's per-rank fp32 master weights (unpadded tail)
 # ZeRO-3 records only (stage 1/2 records have neither; readers then use LAYOUT_KEY and MASTER_WEIGHTS_KEY):
 MASTER_ENTRY_KEY = "master_entry"  # record: ZeRO state-dict entry with this rank's fp32 master weights, all groups

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from typing import Callable, List, Optional
 
 import torch
-from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS, PARAM_ALIGNMENT_PADDINGS, \
-    PARAM_SLICE_MAPPINGS, PARTITION_COUNT
+from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS, PARAM_SLICE_MAPPINGS, \
+    PARTITION_COUNT
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm import tqdm
 
@@ -29,7 +29,7 @@ from deepspeed_bnb.state_layout import ShardedLayout
 
 MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files
 STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS,
-                  PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
+                  C.PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
 
 
 def rank_file_name(rank: int, bf16: bool) -> str:
@@ -64,7 +64,7 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
         g.master.narrow(0, 0, g.layout.partition_size - g.layout.tail_padding(rank)).clone() for g in groups]
     state[GROUP_PADDINGS] = [g.layout.tail_padding(rank) for g in groups]
     state[PARTITION_COUNT] = [dp] * len(groups)
-    state[PARAM_ALIGNMENT_PADDINGS] = [[slot.padding for slot in g.layout.slots] for g in groups]
+    state[C.PARAM_ALIGNMENT_PADDINGS] = [[slot.padding for slot in g.layout.slots] for g in groups]
     state[PARAM_SLICE_MAPPINGS] = [
         OrderedDict((g.param_names[seg.slot], fragment_address(numel=seg.numel, start=seg.offset))
                     for seg in g.layout.segments(rank, g.eight_bit)) for g in groups]

@@ -10,12 +10,13 @@ import importlib.abc
 import importlib.util
 import sys
 
-# module whose import triggers the patch -> our module with `install(module)`
-PATCHES = {"accelerate.accelerator": "deepspeed_bnb.integrations.accelerate"}
+# modules whose import installs their entries of the override register (runtime/overrides.py, `trigger`)
+PATCHES = ("accelerate.accelerator",)
 
 
 def _patch(module) -> None:
-    importlib.import_module(PATCHES[module.__name__]).install(module)
+    from deepspeed_bnb.runtime.overrides import install_triggered
+    install_triggered(module.__name__, module)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

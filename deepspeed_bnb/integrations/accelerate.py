@@ -18,8 +18,7 @@ from deepspeed.runtime.constants import ZERO_FORCE_DS_CPU_OPTIMIZER
 from deepspeed.utils import log_dist
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
-
-_STOCK = {}  # "_prepare_deepspeed" -> Accelerate's original
+from deepspeed_bnb.runtime.overrides import stock
 
 
 def keep_bnb_under_offload(config: dict, prepared) -> str:
@@ -47,12 +46,4 @@ def keep_bnb_under_offload(config: dict, prepared) -> str:
 
 def _prepare_deepspeed(self, *args):
     keep_bnb_under_offload(self.deepspeed_plugin.deepspeed_config, args)
-    return _STOCK["_prepare_deepspeed"](self, *args)
-
-
-def install(module) -> None:
-    """Wrap `module.Accelerator._prepare_deepspeed` (module: accelerate.accelerator, just executed); idempotent."""
-    accelerator = module.Accelerator
-    if accelerator._prepare_deepspeed is not _prepare_deepspeed:
-        _STOCK["_prepare_deepspeed"] = accelerator._prepare_deepspeed
-        accelerator._prepare_deepspeed = _prepare_deepspeed
+    return stock("Accelerator._prepare_deepspeed")(self, *args)

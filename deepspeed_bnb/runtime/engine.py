@@ -8,18 +8,16 @@ at any data-parallel size; `save_checkpoint` / `load_checkpoint` of such an engi
 checksummed manifest and verify it on load (checkpoint/manifest.py), read every file through the safe loader
 (checkpoint/safe_load.py: no pickled code runs), and check that the optimizer state fits before DeepSpeed replaces any
 module weight. Every other optimizer and stage keeps DeepSpeed's behaviour.
-`stock_deepspeed()` switches the routing off for a block (comparisons, benchmarks).
+Every replaced or swapped DeepSpeed symbol is declared in runtime/overrides.py, which installs them;
+`stock_deepspeed()` (from there) switches all of them off for a block (comparisons, benchmarks).
 """
 
-import contextlib
 import functools
 import inspect
 import os
 import shutil
 import warnings
 
-import deepspeed.runtime.engine as ds_engine
-import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_is_zero_supported_optimizer
 
@@ -32,18 +30,19 @@ from deepspeed_bnb.checkpoint.reader import SavedCheckpoint, check_unlisted, mod
 from deepspeed_bnb.checkpoint.safe_load import load_file
 from deepspeed_bnb.checkpoint.sources import FileSource, rank_file_paths
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
+from deepspeed_bnb.runtime.overrides import given_kwargs, stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
+from deepspeed_bnb.runtime.zero import compat
+from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS
 from deepspeed_bnb.runtime.zero.config import bnb_settings
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 
-_STOCK = {}  # patched attribute name -> DeepSpeed's original, filled by install()
-
-
-# ZeRO stage -> (module, its module-level name that DeepSpeed instantiates, deepspeed_bnb's class)
-_ZERO_CLASSES = {1: (ds_engine, "DeepSpeedZeroOptimizer", BnbZeroOptimizer),
-                 2: (ds_engine, "DeepSpeedZeroOptimizer", BnbZeroOptimizer),
-                 3: (ds_stage3, "DeepSpeedZeroOptimizer_Stage3", BnbZeroStage3Optimizer)}
+# ZeRO stage -> (the override-register key of the module-level name DeepSpeed instantiates, deepspeed_bnb's class)
+_ZERO_CLASSES = {1: ("engine.DeepSpeedZeroOptimizer", BnbZeroOptimizer),
+                 2: ("engine.DeepSpeedZeroOptimizer", BnbZeroOptimizer),
+                 3: ("stage3.DeepSpeedZeroOptimizer_Stage3", BnbZeroStage3Optimizer)}
 
 
 def _routes_to_bnb(engine, optimizer) -> bool:
@@ -59,11 +58,11 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
     # The swap in _configure_zero_optimizer below is how a bnb optimizer reaches BnbZeroOptimizer. Should a DeepSpeed
     # release build its ZeRO optimizer by another route, stock ZeRO would step bnb on flat partitions (state that
     # depends on the DP size, checkpoints that do not reload) without a word: refuse that here instead.
-    _STOCK["_configure_optimizer"](self, client_optimizer, model_parameters)
+    stock("DeepSpeedEngine._configure_optimizer")(self, client_optimizer, model_parameters)
     if not _routes_to_bnb(self, client_optimizer):
         return
     stage = self.zero_optimization_stage()
-    module, name, ours = _ZERO_CLASSES[stage]
+    swap, ours = _ZERO_CLASSES[stage]
     if not isinstance(self.optimizer, ours):
         import deepspeed
         built = type(self.optimizer)
@@ -71,40 +70,37 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
             f"deepspeed_bnb: DeepSpeed {deepspeed.__version__} built {built.__module__}.{built.__qualname__} for the "
             f"bitsandbytes optimizer {type(client_optimizer).__name__} under ZeRO stage {stage}, not deepspeed_bnb's "
             f"{ours.__name__}: this DeepSpeed no longer builds its stage-{stage} optimizer through "
-            f"DeepSpeedEngine._configure_zero_optimizer and the module-level name {module.__name__}.{name}, which is "
+            f"DeepSpeedEngine._configure_zero_optimizer and the module-level name deepspeed.runtime.{swap}, which is "
             f"where deepspeed_bnb hooks in. Stock ZeRO would shard bnb's quantization state element-wise. Use a "
             f"DeepSpeed version deepspeed_bnb supports (see its README).")
 
 
 def _configure_zero_optimizer(self, optimizer):
+    configure = stock("DeepSpeedEngine._configure_zero_optimizer")
     if not _routes_to_bnb(self, optimizer):
-        return _STOCK["_configure_zero_optimizer"](self, optimizer)
+        return configure(self, optimizer)
     if getattr(self, "zenflow", False):
         raise NotImplementedError(f"deepspeed_bnb: ZenFlow (zero_optimization.zenflow) steps the optimizer with its "
                                   f"own CPU update; it cannot step the bitsandbytes optimizer "
                                   f"{type(optimizer).__name__} block-aware. Remove the zenflow section, or use a "
                                   f"non-bitsandbytes optimizer with ZenFlow.")
-    if getattr(self, "super_offload", lambda: False)():
+    if compat.super_offload(self):
         raise NotImplementedError(f"deepspeed_bnb: SuperOffload (offload_optimizer.super_offload) steps the optimizer "
                                   f"with DeepSpeedCPUAdam; it cannot step the bitsandbytes optimizer "
                                   f"{type(optimizer).__name__}. Remove super_offload.")
-    module, name, ours = _ZERO_CLASSES[self.zero_optimization_stage()]
-    if module is ds_stage3:
+    swap, ours = _ZERO_CLASSES[self.zero_optimization_stage()]
+    if ours is BnbZeroStage3Optimizer:
         # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one
-        import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
-    stock_class = getattr(module, name)
-    setattr(module, name, functools.partial(ours, **bnb_settings(self._config.zero_config)))
-    try:
-        return _STOCK["_configure_zero_optimizer"](self, optimizer)
-    finally:
-        setattr(module, name, stock_class)
+        compat.import_superoffload()
+    with swapped(swap, functools.partial(ours, **bnb_settings(self._config.zero_config))):
+        return configure(self, optimizer)
 
 
 def _do_optimizer_sanity_check(self, basic_optimizer):
     # With bf16 params, fp32 gradient accumulation and ZeRO-1, DeepSpeed picks BF16_Optimizer, which flattens and
     # partitions bnb state element-wise just like stock ZeRO. DeepSpeedZeroOptimizer supports that combination too
     # (fp32 grad-accumulation attribute), so bnb optimizers go there.
-    wrapper = _STOCK["_do_optimizer_sanity_check"](self, basic_optimizer)
+    wrapper = stock("DeepSpeedEngine._do_optimizer_sanity_check")(self, basic_optimizer)
     if self.zero_optimization() and _routes_to_bnb(self, basic_optimizer):
         return ZERO_OPTIMIZATION
     return wrapper
@@ -112,7 +108,7 @@ def _do_optimizer_sanity_check(self, basic_optimizer):
 
 def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     if not is_bnb_zero(self.optimizer):
-        return _STOCK["_load_zero_checkpoint"](self, load_dir, tag, load_optimizer_states)
+        return stock("DeepSpeedEngine._load_zero_checkpoint")(self, load_dir, tag, load_optimizer_states)
     # Stock DeepSpeed refuses another DP size unless the checkpoint is universal (which cannot hold bnb state), and in
     # elastic mode every rank reads every file. Our per-rank records describe their own layout, so each new rank reads
     # just the old files overlapping its partition (memory-mapped), at any DP size, elastic flag or not.
@@ -129,7 +125,8 @@ def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
 def _rank_files(engine, load_dir, tag, dp: int) -> FileSource:
     """The optimizer files of a tag written by `dp` ranks, named as this engine names them (bf16 prefix or not)."""
     return FileSource(rank_file_paths(
-        lambda rank, bf16: engine._get_rank_zero_ckpt_name(load_dir, tag, engine.checkpoint_mp_rank, rank, bf16),
+        lambda rank, bf16: engine._get_rank_zero_ckpt_name(load_dir, tag, compat.checkpoint_mp_rank(engine), rank,
+                                                           bf16),
         dp, engine.bfloat16_enabled()))
 
 
@@ -141,7 +138,7 @@ def _get_all_ckpt_names(self, checkpoints_path, tag):
     # checkpoint was saved (it loads at a larger DP size) has none. Those files differ only in the rank they name (the
     # parameters are partitioned, so the module entries are empty), so such a rank reads rank 0's, as DeepSpeed does
     # for universal checkpoints. A checkpoint of the other stage family (1/2 <-> 3) names its file the other way.
-    names = _STOCK["_get_all_ckpt_names"](self, checkpoints_path, tag)
+    names = stock("DeepSpeedEngine._get_all_ckpt_names")(self, checkpoints_path, tag)
     if not names and is_bnb_zero(self.optimizer):
         import glob
         for pattern in MODEL_STATES_PATTERNS[::-1] if self.zero_optimization_partition_weights() else \
@@ -159,7 +156,7 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
     # module-only loads (gathered, loaded, partitioned again); into a stage-1/2 engine, a stage-3 file's weights are
     # rebuilt by DeepSpeed's own zero_to_fp32 from the rank files. The fp32 master weights in the optimizer records
     # then overwrite them either way.
-    stock = _STOCK["load_module_state_dict"]
+    stock_load = stock("DeepSpeedEngine.load_module_state_dict")
     saved = checkpoint.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0) if isinstance(
         checkpoint.get("ds_config"), dict) else 0
     if is_bnb_zero(self.optimizer) and custom_load_fn is None and saved:
@@ -176,7 +173,9 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
                 if name in weights:
                     module[name] = weights[name].to(param.dtype)
             checkpoint["module"] = module
-    return stock(self, checkpoint, strict, custom_load_fn, fetch_z3_params, z3_params_to_fetch, allowed_missing_keys)
+    return stock_load(self, checkpoint, strict, custom_load_fn, fetch_z3_params,
+                      **given_kwargs("DeepSpeedEngine.load_module_state_dict", z3_params_to_fetch=z3_params_to_fetch,
+                                     allowed_missing_keys=allowed_missing_keys))
 
 
 def _publisher(engine) -> bool:
@@ -201,7 +200,7 @@ def _collective_check(check, catch=(CheckpointMismatchError,), raise_as=None) ->
     except catch as exc:
         error = (type(exc), f"{exc}" if dist.get_world_size() == 1 else f"rank {dist.get_rank()}: {exc}")
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    compat.all_gather_object(errors, error)
     failed = [e for e in errors if e]
     if failed:
         cls, message = failed[0]
@@ -230,10 +229,10 @@ def _probe_staging(staged: str) -> None:
 
 
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-    stock = _STOCK["save_checkpoint"]
+    stock_save = stock("DeepSpeedEngine.save_checkpoint")
     if not is_bnb_zero(self.optimizer):
-        return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-    if self.checkpoint_engine.is_decoupled():
+        return stock_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    if compat.is_decoupled(self.checkpoint_engine):
         # DeepSpeed's decoupled writer finishes files in another process, after this call returns: there is no
         # moment at which they can be hashed and published here. (On CPU it fails on its own in 0.19.8: it cannot
         # pickle the state dict's grad-requiring tensors to its writer process, with any optimizer.)
@@ -243,7 +242,7 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                           "without deepspeed_bnb's crash-safe publishing and manifest, so a save killed midway can "
                           "leave a partial tag and loading them needs DEEPSPEED_BNB_TRUST_CHECKPOINTS=1. Remove "
                           "checkpoint.writer.decoupled to keep both.", RuntimeWarning)
-        return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return stock_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
@@ -254,11 +253,11 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
             f"save_checkpoint({save_dir!r}, tag={tag!r}) cannot write there: {message}. Nothing was saved on any "
             f"rank and the checkpoints already in that directory are untouched; fix the permissions or free "
             f"space, or pass another save_dir."))
-    stock(self, staged, tag, client_state, False, exclude_frozen_parameters)  # returns after its closing barrier
+    stock_save(self, staged, tag, client_state, False, exclude_frozen_parameters)  # returns after its closing barrier
     tag_dir = os.path.join(staged, tag)
     mine = {name: file_digest(os.path.join(tag_dir, name)) for name in _shared_share(self, list_files(tag_dir))}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    compat.all_gather_object(everyone, mine)
     if _publisher(self):
         files = {name: digest for share in everyone for name, digest in share.items()}
         needs_trust = {name: entry[UNSAFE_KEY] for name, entry in files.items() if UNSAFE_KEY in entry}
@@ -308,26 +307,18 @@ def _check_fits(engine, load_dir, tag, saved: dict) -> None:
     engine._bnb_checked_source = source
 
 
-@contextlib.contextmanager
 def _safe_reads(engine):
     """DeepSpeed reads the model-states file through `engine.checkpoint_engine.load` (full pickle): route it through
     the safe loader for the duration of a load."""
-    checkpoint_engine = engine.checkpoint_engine
-    previous = vars(checkpoint_engine).get("load")
-    checkpoint_engine.load = lambda path, map_location=None: load_file(path, map_location=map_location)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del checkpoint_engine.load
-        else:
-            checkpoint_engine.load = previous
+    return swapped("CheckpointEngine.load", lambda path, map_location=None: load_file(path, map_location=map_location),
+                   on=engine.checkpoint_engine)
 
 
 def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+    stock_load = stock("DeepSpeedEngine.load_checkpoint")
     if not is_bnb_zero(self.optimizer) or self.load_universal_checkpoint():
-        return _STOCK["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
-    call = inspect.signature(_STOCK["load_checkpoint"]).bind(self, load_dir, tag, *args, **kwargs)
+        return stock_load(self, load_dir, tag, *args, **kwargs)
+    call = inspect.signature(stock_load).bind(self, load_dir, tag, *args, **kwargs)
     call.apply_defaults()
     explicit = tag
     if tag is None:
@@ -353,48 +344,24 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
     arguments = {k: v for k, v in call.arguments.items() if k != "self"}
     try:
         with _safe_reads(self):
-            return _STOCK["load_checkpoint"](self, **arguments)
+            return stock_load(self, **arguments)
     finally:
         self._bnb_loading = None
         self._bnb_checked_source = None
+
+
+def _get_zero_param_shapes(self):
+    # The model states name the model's parameters; DeepSpeed names every entry of the optimizer's flat lists, which
+    # on releases without per-parameter padding also hold deepspeed_bnb's padding tensors (runtime/zero/
+    # padding_tensors.py): hide those for the call, so the file is the same on every release.
+    shapes = stock("DeepSpeedEngine._get_zero_param_shapes")
+    if isinstance(self.optimizer, BnbZeroOptimizer) and self.optimizer.bnb_padding_mode == PADDING_TENSORS:
+        with padding_tensors.hidden(self.optimizer):
+            return shapes(self)
+    return shapes(self)
 
 
 def _is_zero_supported_optimizer(optimizer):
     # Any bnb optimizer, custom subclasses included: their state is classified key by key (state_classes.py), so
     # `zero_allow_untested_optimizer` is not needed.
     return is_bnb_optimizer(optimizer) or _stock_is_zero_supported_optimizer(optimizer)
-
-
-_PATCHES = (  # (owner, attribute, replacement)
-    (ds_engine.DeepSpeedEngine, "_configure_optimizer", _configure_optimizer),
-    (ds_engine.DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer),
-    (ds_engine.DeepSpeedEngine, "_do_optimizer_sanity_check", _do_optimizer_sanity_check),
-    (ds_engine.DeepSpeedEngine, "_load_zero_checkpoint", _load_zero_checkpoint),
-    (ds_engine.DeepSpeedEngine, "_get_all_ckpt_names", _get_all_ckpt_names),
-    (ds_engine.DeepSpeedEngine, "load_module_state_dict", load_module_state_dict),
-    (ds_engine.DeepSpeedEngine, "save_checkpoint", save_checkpoint),
-    (ds_engine.DeepSpeedEngine, "load_checkpoint", load_checkpoint),
-    (ds_engine, "is_zero_supported_optimizer", _is_zero_supported_optimizer),
-)
-
-
-def _apply(use_ours: bool) -> None:
-    for owner, name, replacement in _PATCHES:
-        setattr(owner, name, replacement if use_ours else _STOCK[name])
-
-
-def install() -> None:
-    """Install the wrappers (idempotent)."""
-    for owner, name, _ in _PATCHES:
-        _STOCK.setdefault(name, getattr(owner, name))
-    _apply(True)
-
-
-@contextlib.contextmanager
-def stock_deepspeed():
-    """Within this block, engines are built exactly as stock DeepSpeed builds them (for comparisons and benchmarks)."""
-    _apply(False)
-    try:
-        yield
-    finally:
-        _apply(True)

@@ -8,8 +8,9 @@ state of fp32-state parameters and knows no `exp_avg`; the local functions are Z
 - `link_param_states` (from BnbZeroOptimizer._link_all_hp_params, so every DeepSpeed relink) gives each parameter a
   ParamOptimizerState, swaps its fragment for a BnbTensorFragment and rebinds `get_full_hp_param` /
   `set_full_hp_param`, which DeepSpeed's `safe_{get,set}_full_optimizer_state` call;
-- `install` wraps DeepSpeed's `safe_{get,set}_local_optimizer_state` (in deepspeed.utils and its tensor_fragment
-  module) so that they answer for these parameters too; every other parameter keeps DeepSpeed's behaviour.
+- `safe_{get,set}_local_optimizer_state` below replace DeepSpeed's (in deepspeed.utils and its tensor_fragment
+  module; registered in runtime/overrides.py) so that they answer for these parameters too; every other parameter
+  keeps DeepSpeed's behaviour.
 
 What the four functions return / accept for a parameter of an engine stepped by BnbZeroOptimizer:
 - keys: bnb's per-element state keys (`state1`, and `state2` for two-state rules) and torch's names for them
@@ -35,7 +36,6 @@ import types
 import weakref
 from typing import Dict, List, Optional
 
-import deepspeed.utils
 import torch
 from deepspeed import comm as dist
 from deepspeed.utils.tensor_fragment import tensor_fragment
@@ -44,6 +44,7 @@ from deepspeed_bnb.ops.reference import dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim.bnb_adapter import StateKey
 from deepspeed_bnb.optim.state_classes import REGISTRY, StateClass
 from deepspeed_bnb.optim.state_names import StateName, public_names
+from deepspeed_bnb.runtime.overrides import stock
 from deepspeed_bnb.state_layout import Segment
 
 PARAM_STATE_ATTR = "_bnb_optimizer_state"  # model-parameter attribute holding its ParamOptimizerState
@@ -292,10 +293,8 @@ def set_full_hp_param(self, value, optim_state_key=None):
 
 def link_param_states(zero) -> None:
     """Route the optimizer-state keys of every parameter of a BnbZeroOptimizer through its ParamOptimizerState."""
-    for g, params in enumerate(zero.bit16_groups):
-        slots = {id(p): k for k, p in enumerate(zero.round_robin_bit16_groups[g])}
-        for p in params:
-            slot = slots[id(p)]
+    for g in range(len(zero.bit16_groups)):
+        for slot, p in enumerate(zero.bnb_flat_params(g)):  # the model's parameters, in flat order
             state = ParamOptimizerState(zero, g, slot, zero.param_names.get(p, f"#{slot} of param group {g}"))
             setattr(p, PARAM_STATE_ATTR, state)
             if p._hp_mapping is not None:
@@ -314,14 +313,11 @@ def _linked(param) -> Optional[ParamOptimizerState]:
     return getattr(param, PARAM_STATE_ATTR, None)
 
 
-_STOCK = {}  # DeepSpeed's functions replaced by install()
-
-
 def safe_get_local_optimizer_state(param, optim_state_key):
     """DeepSpeed's (ZeRO-3 only), and for a BnbZeroOptimizer's parameter its fragment of the state (module doc)."""
     state = _linked(param)
     if state is None:
-        return _STOCK["safe_get_local_optimizer_state"](param, optim_state_key)
+        return stock("tensor_fragment.safe_get_local_optimizer_state")(param, optim_state_key)
     return state.get_local(optim_state_key, device=param.device)
 
 
@@ -329,17 +325,5 @@ def safe_set_local_optimizer_state(param, value, optim_state_key):
     """DeepSpeed's (ZeRO-3 only), and for a BnbZeroOptimizer's parameter a write of its fragment (module doc)."""
     state = _linked(param)
     if state is None:
-        return _STOCK["safe_set_local_optimizer_state"](param, value, optim_state_key)
+        return stock("tensor_fragment.safe_set_local_optimizer_state")(param, value, optim_state_key)
     return state.set_local(optim_state_key, value)
-
-
-_PATCHED = {"safe_get_local_optimizer_state": safe_get_local_optimizer_state,
-            "safe_set_local_optimizer_state": safe_set_local_optimizer_state}
-
-
-def install() -> None:
-    """Replace DeepSpeed's local optimizer-state functions where users import them from (idempotent)."""
-    for name, replacement in _PATCHED.items():
-        _STOCK.setdefault(name, getattr(ds_tensor_fragment, name))
-        for module in (ds_tensor_fragment, deepspeed.utils):
-            setattr(module, name, replacement)

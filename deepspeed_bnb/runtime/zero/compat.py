@@ -2,10 +2,11 @@
 
 DeepSpeed 0.19.7 added per-parameter padding inside ZeRO-1/2 flat groups (`zero_optimization.parameter_alignment`):
 `flatten_dense_tensors_aligned(..., param_padding=...)`, the `round_robin_bit16_padding` / `round_robin_bit16_offsets`
-lists, and their use in gradient partitioning, offload, the links to the fp32 partition and checkpoints. The
-block-aligned layout of bitsandbytes state is chosen through exactly that padding. Releases before it (0.19.0-0.19.6,
-0.18.x) keep parameters contiguous in all those places, so supporting them would mean copying those DeepSpeed
-functions; they are refused here with the reason, even under DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS=1.
+lists, and their use in gradient partitioning, offload, the links to the fp32 partition and checkpoints. On those
+releases the block-aligned layout of bitsandbytes state is chosen through exactly that padding ("param_padding");
+on earlier ones it is made of zero padding tensors placed between the parameters in DeepSpeed's own lists
+("tensors", runtime/zero/padding_tensors.py). Both give the same flat buffers and the same checkpoint files.
+DEEPSPEED_BNB_ZERO_PADDING=tensors selects the second on any release (to compare the two in one run).
 
 Between the supported releases:
 - DeepSpeed 0.19.8 copies gradients into the ZeRO-Offload CPU buffers asynchronously and waits for those copies
@@ -18,27 +19,36 @@ Between the supported releases:
 """
 
 import inspect
+import os
 
 import deepspeed
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from packaging.version import Version
 
-from deepspeed_bnb._versions import listed
-
 PARAMETER_PADDING_SINCE = "0.19.7"
+PADDING_ENV = "DEEPSPEED_BNB_ZERO_PADDING"
+PARAM_PADDING, PADDING_TENSORS = "param_padding", "tensors"  # how the block-aligned ZeRO-1/2 layout is placed
 
 
 def has_parameter_padding(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:
     return "param_padding" in inspect.signature(zero_optimizer_class.flatten_dense_tensors_aligned).parameters
 
 
-def require_parameter_padding(zero_optimizer_class=DeepSpeedZeroOptimizer) -> None:
-    if not has_parameter_padding(zero_optimizer_class):
-        raise RuntimeError(
-            f"deepspeed_bnb: DeepSpeed {deepspeed.__version__} has no per-parameter padding in ZeRO-1/2 flat groups "
-            f"(DeepSpeed {PARAMETER_PADDING_SINCE} added it: flatten_dense_tensors_aligned(param_padding=...)), and "
-            f"the block-aligned layout of bitsandbytes state is built on it. Install DeepSpeed "
-            f"{listed('deepspeed', 'or')} (the releases deepspeed_bnb is tested with).")
+def padding_mode(zero_optimizer_class=DeepSpeedZeroOptimizer) -> str:
+    """PARAM_PADDING where DeepSpeed has per-parameter padding, else PADDING_TENSORS; DEEPSPEED_BNB_ZERO_PADDING
+    picks one explicitly (and is refused where it names what this release lacks)."""
+    native = has_parameter_padding(zero_optimizer_class)
+    wanted = os.environ.get(PADDING_ENV, "")
+    if wanted == "":
+        return PARAM_PADDING if native else PADDING_TENSORS
+    if wanted not in (PARAM_PADDING, PADDING_TENSORS):
+        raise ValueError(f"deepspeed_bnb: {PADDING_ENV}={wanted!r}: use {PARAM_PADDING!r} or {PADDING_TENSORS!r}, "
+                         f"or leave it unset (the best this DeepSpeed release has).")
+    if wanted == PARAM_PADDING and not native:
+        raise ValueError(f"deepspeed_bnb: {PADDING_ENV}={wanted!r}, but DeepSpeed {deepspeed.__version__} has no "
+                         f"per-parameter padding in ZeRO-1/2 flat groups (added in {PARAMETER_PADDING_SINCE}); "
+                         f"unset it to use padding tensors.")
+    return wanted
 
 
 def wait_for_offload_copies(zero_optimizer) -> None:
@@ -64,3 +74,60 @@ def require_reduced_grad_accum(use_grad_accum_attribute: bool, dp_world_size: in
             f"fp16): it reduces a copy of each accumulated gradient and steps with the unreduced one (fixed in "
             f"DeepSpeed 0.19.8). Install DeepSpeed 0.19.8, or use zero_optimization.stage 2, or drop "
             f"data_types.grad_accum_dtype.")
+
+
+def is_decoupled(checkpoint_engine) -> bool:
+    """Whether DeepSpeed's checkpoint engine writes files after save returns (none could before 0.17.1)."""
+    return getattr(checkpoint_engine, "is_decoupled", lambda: False)()
+
+
+def super_offload(engine) -> bool:
+    """Whether the engine runs SuperOffload (added in DeepSpeed 0.18.0)."""
+    return getattr(engine, "super_offload", lambda: False)()
+
+
+def import_superoffload() -> None:
+    """DeepSpeed's SuperOffload stage-3 class (0.18.0 on) subclasses the stage-3 optimizer when its module is first
+    imported, inside _configure_zero_optimizer: import it before the stage-3 name is swapped for deepspeed_bnb's."""
+    try:
+        import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
+    except ImportError:  # DeepSpeed < 0.18.0
+        pass
+
+
+def autocast_gradscaler(zero_optimizer):
+    """DeepSpeed's torch-autocast GradScaler of a ZeRO optimizer (attribute added in 0.17.2), or None."""
+    return getattr(zero_optimizer, "torch_autocast_gradscaler", None)
+
+
+def sub_group_process_group(zero3, sub_group_id):
+    """The process group a ZeRO-3 sub-group is partitioned over (DeepSpeed 0.19.3 added per-sub-group groups for
+    expert parameters; before, every sub-group is partitioned over the data-parallel group)."""
+    get = getattr(zero3, "_get_sub_group_process_group", None)
+    return get(sub_group_id) if get is not None else zero3.dp_process_group
+
+
+def name_stage3_params(zero3, module) -> None:
+    """`param_names` of a ZeRO-3 optimizer, which DeepSpeed keeps from 0.18.0 on (the engine's names: the
+    module's named parameters)."""
+    if getattr(zero3, "param_names", None) is None:
+        zero3.param_names = {param: name for name, param in module.named_parameters()}
+
+
+def all_gather_object(object_list: list, obj, group=None) -> None:
+    """deepspeed.comm.all_gather_object (DeepSpeed 0.17.0 on); before, torch.distributed's, which DeepSpeed's torch
+    backend wraps the same way."""
+    from deepspeed import comm as dist
+    gather = getattr(dist, "all_gather_object", None)
+    if gather is None:
+        import torch.distributed
+        gather = torch.distributed.all_gather_object
+    gather(object_list, obj, group=group)
+
+
+def checkpoint_mp_rank(engine) -> int:
+    """The model-parallel rank in checkpoint file names (DeepSpeedEngine.checkpoint_mp_rank from 0.19.6 on)."""
+    rank = getattr(engine, "checkpoint_mp_rank", None)
+    if rank is None:
+        rank = 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
+    return rank

@@ -2,8 +2,8 @@
 
 DeepSpeed's `DeepSpeedZeroConfig` forbids unknown keys (pydantic `extra="forbid"`), and HF Trainer / Accelerate build
 `DeepSpeedConfig` themselves, long before `deepspeed.initialize`. Stripping our keys inside `initialize` is therefore
-not enough: the model itself must know them. `install()` swaps in a subclass where `get_zero_config` looks it up, so
-every parser accepts the new keys and still rejects typos such as `bnb_keep_hole`.
+not enough: the model itself must know them. The subclass below replaces DeepSpeed's where `get_zero_config` looks it
+up (runtime/overrides.py), so every parser accepts the new keys and still rejects typos such as `bnb_keep_hole`.
 """
 
 from typing import List, Union
@@ -67,11 +67,6 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
             raise ValueError(f"zero_optimization.bnb_keep_whole_threshold must be a non-negative integer "
                              f"(a number of elements, default {BLOCK_SIZE}); got {value!r}")
         return value
-
-
-def install() -> None:
-    """Make DeepSpeed's config parser build BnbZeroConfig (idempotent)."""
-    ds_zero_config.DeepSpeedZeroConfig = BnbZeroConfig
 
 
 def bnb_settings(zero_config) -> dict:

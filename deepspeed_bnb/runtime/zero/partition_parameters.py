@@ -16,14 +16,13 @@ Parameters that `zero.Init` already partitioned (HF's `from_pretrained` under Ze
 again, one at a time, when the optimizer marks them (`block_align`).
 """
 
-import deepspeed.runtime.zero.partition_parameters as ds_partition
 import torch
 from deepspeed import comm as dist
 
+from deepspeed_bnb.runtime.overrides import stock
 from deepspeed_bnb.state_layout import BLOCK_SIZE, round_up
 
 BLOCK_ALIGNED_ATTR = "ds_bnb_block_aligned"  # parameter attribute: True once its partitions are block-aligned
-_STOCK = {}  # patched attribute name -> DeepSpeed's original, filled by install()
 
 
 def is_block_aligned(param) -> bool:
@@ -32,8 +31,15 @@ def is_block_aligned(param) -> bool:
 
 def _padding_size(self, param):
     if is_block_aligned(param):
-        return round_up(param.ds_numel, BLOCK_SIZE * self._partition_world_size(param)) - param.ds_numel
-    return _STOCK["_padding_size"](self, param)
+        return round_up(param.ds_numel, BLOCK_SIZE * _partition_world_size(self, param)) - param.ds_numel
+    return stock("Init._padding_size")(self, param)
+
+
+def _partition_world_size(init, param) -> int:
+    # DeepSpeed 0.19.3 added per-parameter partition groups (expert parameters); before, every parameter is
+    # partitioned over `num_partitions` ranks
+    size = getattr(init, "_partition_world_size", None)
+    return size(param) if size is not None else init.num_partitions
 
 
 class _Completed:
@@ -49,11 +55,11 @@ class _Completed:
 def _dist_allgather_fn(input_tensor, output_tensor, group=None):
     world = dist.get_world_size(group=group)
     if output_tensor.numel() >= input_tensor.numel() * world:
-        return _STOCK["_dist_allgather_fn"](input_tensor, output_tensor, group)
+        return stock("partition_parameters._dist_allgather_fn")(input_tensor, output_tensor, group)
     # `_all_gather_sequential` sized `output_tensor` for DeepSpeed's padding, shorter than a block-aligned
     # parameter's partitions: gather all of them (synchronously) and keep the prefix, which holds the parameter.
     full = torch.empty(input_tensor.numel() * world, dtype=output_tensor.dtype, device=output_tensor.device)
-    _STOCK["_dist_allgather_fn"](input_tensor, full, group).wait()
+    stock("partition_parameters._dist_allgather_fn")(input_tensor, full, group).wait()
     output_tensor.copy_(full.narrow(0, 0, output_tensor.numel()))
     return _Completed()
 
@@ -77,12 +83,12 @@ class _unpadded:
 
 def _no_gather_init(self, param):
     with _unpadded([param]):
-        _STOCK["NoGatherHandle.__init__"](self, param)
+        stock("NoGatherHandle.__init__")(self, param)
 
 
 def _no_gather_coalesced_init(self, params):
     with _unpadded(params):
-        _STOCK["NoGatherCoalescedHandle.__init__"](self, params)
+        stock("NoGatherCoalescedHandle.__init__")(self, params)
 
 
 @torch.no_grad()
@@ -103,18 +109,3 @@ def block_align(params) -> int:
         param.partition()
         repartitioned += 1
     return repartitioned
-
-
-_PATCHES = (  # (owner, attribute, replacement, key in _STOCK)
-    (ds_partition.Init, "_padding_size", _padding_size, "_padding_size"),
-    (ds_partition, "_dist_allgather_fn", _dist_allgather_fn, "_dist_allgather_fn"),
-    (ds_partition.NoGatherHandle, "__init__", _no_gather_init, "NoGatherHandle.__init__"),
-    (ds_partition.NoGatherCoalescedHandle, "__init__", _no_gather_coalesced_init, "NoGatherCoalescedHandle.__init__"),
-)
-
-
-def install() -> None:
-    """Install the patches (idempotent). They change nothing for parameters that are not marked."""
-    for owner, name, replacement, key in _PATCHES:
-        _STOCK.setdefault(key, getattr(owner, name))
-        setattr(owner, name, replacement)

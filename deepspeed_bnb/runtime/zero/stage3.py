@@ -22,6 +22,7 @@ DeepSpeed's. Configurations whose code paths bypass these overrides are refused 
 
 import contextlib
 import functools
+import inspect
 from typing import Dict, Iterable, List, Optional
 
 import deepspeed.runtime.zero.stage3 as ds_stage3
@@ -37,6 +38,8 @@ from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, 
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
+from deepspeed_bnb.runtime.overrides import swapped
+from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
@@ -82,7 +85,7 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
 class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
-    def __init__(self, module, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
+    def __init__(self, module, init_optimizer, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
         check_steppable(init_optimizer)
         _refuse_unsupported(init_optimizer, kwargs)
@@ -90,8 +93,9 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         # Before DeepSpeed flattens this rank's slices: every slice whole blocks of its parameter.
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
-        super().__init__(module, init_optimizer, param_names, *args, **kwargs)
-        if self.torch_autocast_gradscaler is not None:
+        super().__init__(module, init_optimizer, *args, **kwargs)
+        compat.name_stage3_params(self, module)  # DeepSpeed < 0.18.0 keeps no parameter names
+        if compat.autocast_gradscaler(self) is not None:
             raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
                                       "DeepSpeed's own fp16/bf16 config sections.")
         self.bnb_layouts: List[ShardedLayout] = []  # per sub-group: the slices of its parameters on every rank
@@ -110,7 +114,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         for i, params in enumerate(self.fp16_groups):
             gindex = self.sub_group_to_group_id[i]
             layout = self._bnb_check_layout(i)
-            rank = dist.get_rank(group=self._get_sub_group_process_group(i))
+            rank = dist.get_rank(group=compat.sub_group_process_group(self, i))
             eight_bit = [self.bnb.eight_bit(p) for p in params]
             segments = layout.segments(rank, eight_bit)
             self._bnb_check_trust_ratio(i, layout, eight_bit)
@@ -163,13 +167,13 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         return self.fp32_partitioned_groups_flat[i]
 
     def bnb_partition_process_group(self, i):
-        return self._get_sub_group_process_group(i)
+        return compat.sub_group_process_group(self, i)
 
     # ---- layout -------------------------------------------------------------------------------------------------
 
     def _bnb_check_layout(self, i) -> ShardedLayout:
         params = self.fp16_groups[i]
-        dp = dist.get_world_size(group=self._get_sub_group_process_group(i))
+        dp = dist.get_world_size(group=compat.sub_group_process_group(self, i))
         if dp != dist.get_world_size(group=self.dp_process_group):
             raise NotImplementedError("deepspeed_bnb: ZeRO-3 parameters partitioned over a process group other than "
                                       "data parallelism (MoE expert groups) are not supported with bitsandbytes "
@@ -211,24 +215,22 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     # ---- gradients ----------------------------------------------------------------------------------------------
 
-    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
         # DeepSpeed's reduce_scatter_coalesced cuts each gradient into `dp` chunks of ceil(numel / dp): pad the
         # gradients of block-aligned parameters to their partitions (`aligned_size()`), whose chunks are then exactly
         # the ranks' slices. Everything else about the reduction (dtype, averaging, predivide) stays DeepSpeed's.
-        stock_scatter = ds_stage3.reduce_scatter_coalesced
+        # (its other argument, communication_data_type, arrived in DeepSpeed 0.17.2: passed through as given)
         aligned = [p.aligned_size() if is_block_aligned(p) else None for p in params_to_reduce]
+        stock_scatter = ds_stage3.reduce_scatter_coalesced
 
         def padded_scatter(tensors, group=None):
             tensors = [t if n is None or t.numel() == n else F.pad(t.reshape(-1), (0, n - t.numel()))
                        for t, n in zip(tensors, aligned)]
             return stock_scatter(tensors, group)
 
-        ds_stage3.reduce_scatter_coalesced = padded_scatter
-        try:
+        with swapped("stage3.reduce_scatter_coalesced", padded_scatter):
             return DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(
-                self, params_to_reduce, communication_data_type)
-        finally:
-            ds_stage3.reduce_scatter_coalesced = stock_scatter
+                self, params_to_reduce, *args, **kwargs)
 
     # ---- step ---------------------------------------------------------------------------------------------------
 
@@ -270,12 +272,15 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             return super().set_local_hp_param(value, param, optim_state_key)
         return self._bnb_param_state(param).set_local(optim_state_key, value)
 
-    def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
-        if optim_state_key is not None:  # the entry points above never get here with a key: any other caller would
-            raise NotImplementedError(f"deepspeed_bnb: optimizer state {optim_state_key!r} of a bitsandbytes "
+    def _get_fp32_opt_state_partition(self, param, *args, **kwargs):
+        # (DeepSpeed 0.16.9 added `release_swap_buffers` before the key: bound against the installed signature)
+        stock_get = DeepSpeedZeroOptimizer_Stage3._get_fp32_opt_state_partition
+        key = inspect.signature(stock_get).bind(self, param, *args, **kwargs).arguments.get("optim_state_key")
+        if key is not None:  # the entry points above never get here with a key: any other caller would
+            raise NotImplementedError(f"deepspeed_bnb: optimizer state {key!r} of a bitsandbytes "
                                       f"optimizer is not one fp32 value per element (8-bit codes, per-block "
                                       f"scales); use safe_get_full_optimizer_state / safe_get_local_optimizer_state.")
-        return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
+        return stock_get(self, param, *args, **kwargs)
 
     # ---- accounting ---------------------------------------------------------------------------------------------
 
@@ -348,7 +353,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         DeepSpeed's zero_to_fp32 reads `fp32_flat_groups` that way. One all-gather per parameter."""
         out = []
         for i, params in enumerate(self.fp16_groups):
-            group = self._get_sub_group_process_group(i)
+            group = compat.sub_group_process_group(self, i)
             rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
             layout, partition = self.bnb_layouts[i], self.fp32_partitioned_groups_flat[i].detach()
             stock = ShardedLayout(layout.numels, dp, block=1)

@@ -2,7 +2,9 @@
 
 Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` (same module path here):
 - `flatten_dense_tensors_aligned`: every parameter starts on a 256-element block, the group is padded to
-  `256 * dp`, so partitions are block-aligned (state_layout.py);
+  `256 * dp`, so partitions are block-aligned (state_layout.py); through DeepSpeed's per-parameter padding where the
+  release has it, else through zero padding tensors between the parameters (runtime/zero/padding_tensors.py, chosen
+  in runtime/zero/compat.py);
 - `_optimizer_step`: per partition, the fused kernel steps the parameters whose bnb update it provably computes
   (optim/fused_contract.py: 8-bit state, bnb's own update_step, every config field modelled; DeepSpeed's unscale/clip
   factor folded in through `unscale_and_clip_grads`), and bnb's own `update_step` steps the others, segment by
@@ -24,11 +26,13 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, DS_VERSION
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from deepspeed_bnb.checkpoint.constants import PARAM_ALIGNMENT_PADDINGS
 from deepspeed_bnb.checkpoint.manifest import describe
 from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.partition_step import PartitionStep
-from deepspeed_bnb.runtime.zero.compat import require_parameter_padding, require_reduced_grad_accum, \
+from deepspeed_bnb.runtime.zero import padding_tensors
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, autocast_gradscaler, padding_mode, require_reduced_grad_accum, \
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
@@ -41,15 +45,18 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
-        require_parameter_padding()  # DeepSpeed < 0.19.7 cannot place the block-aligned layout (compat.py)
         check_steppable(init_optimizer)
+        # how the block-aligned layout is placed in DeepSpeed's flat groups (compat.py)
+        self.bnb_padding_mode = padding_mode()
+        if self.bnb_padding_mode == PADDING_TENSORS:
+            padding_tensors.refuse_unsupported(init_optimizer, kwargs)
         # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         super().__init__(init_optimizer, param_names, *args, **kwargs)
         # DeepSpeed 0.19.7 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
-        if self.torch_autocast_gradscaler is not None:
+        if autocast_gradscaler(self) is not None:
             raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
                                       "DeepSpeed's own fp16/bf16 config sections.")
         self.bnb_layouts: List[GroupLayout] = []  # per param group: block-aligned layout of the flat buffer
@@ -60,7 +67,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         device = self.single_partition_of_fp32_groups[0].device
         # why no parameter may be fused here (None: the contract decides per parameter)
         self.bnb_kernel_reason: Optional[str] = self._bnb_kernel_reason(bnb_fused_kernel, device)
-        for i, params in enumerate(self.round_robin_bit16_groups):
+        # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
+        self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
+        for i, params in enumerate(self.bnb_params):
             layout = self._bnb_check_layout(i)
             rank = dist.get_rank(group=self.real_dp_process_group[i])
             # DeepSpeed derived its padding bookkeeping from its own layout; ours pads more.
@@ -82,8 +91,12 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             self.bnb_steps.append(step)
         self._bnb_log_routes()  # self.bnb_routes: parameter name -> FUSED or why bnb's update steps it
 
+    def bnb_flat_params(self, i) -> list:
+        """The model parameters of param group `i` in flat order (DeepSpeed's list without padding tensors)."""
+        return padding_tensors.real(self.round_robin_bit16_groups[i])
+
     def _bnb_partitions(self):
-        return [(params, i, self.bnb_eight_bit[i]) for i, params in enumerate(self.round_robin_bit16_groups)]
+        return [(params, i, self.bnb_eight_bit[i]) for i, params in enumerate(self.bnb_params)]
 
     def _bnb_device(self):
         return self.single_partition_of_fp32_groups[0].device
@@ -97,31 +110,55 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     # ---- layout -------------------------------------------------------------------------------------------------
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
-        if param_padding is not None:
-            # Only the per-group flattening in DeepSpeedZeroOptimizer.__init__ passes `param_padding`, right after
-            # appending that very list (and the matching offsets) to round_robin_bit16_padding/offsets. Rewriting
-            # them in place chooses the layout without copying __init__: DeepSpeed's own `parameter_alignment`
-            # feature travels through the same lists, so every later consumer (gradient partitioning, hp mapping,
-            # checkpoint) honours them.
-            i = len(self.round_robin_bit16_padding) - 1
+        # DeepSpeedZeroOptimizer.__init__ flattens each param group right after appending its lists (flat order,
+        # meta tensors, and from 0.19.7 on the per-parameter padding and offsets); every later consumer (gradient
+        # partitioning, hp mapping, offload, checkpoint) follows those lists. Rewriting them here chooses the layout
+        # without copying __init__. Other calls (gradient flattening) pass through.
+        i = len(self.round_robin_bit16_groups) - 1
+        if i < 0 or len(self.bit16_groups_flat) != i or tensor_list is not self.round_robin_bit16_groups[i]:
+            return self._bnb_stock_flatten(tensor_list, alignment, use_cpu_data, param_padding)
+        layout = self._bnb_layout(i)
+        paddings = [slot.padding for slot in layout.slots]
+        alignment = zero_alignment(alignment, layout)
+        if self.bnb_padding_mode == PADDING_TENSORS:
+            tensor_list = padding_tensors.place(self, i, paddings, use_cpu_data)
+            if param_padding is not None:  # a release with per-parameter padding: none of its own, the gaps are tensors
+                param_padding[:] = [0] * len(tensor_list)
+                self.round_robin_bit16_offsets[i][:] = _running_offsets(self.round_robin_bit16_meta[i])
+        elif param_padding is not None:
             if self.round_robin_bit16_padding[i] is not param_padding:
                 raise RuntimeError("deepspeed_bnb: DeepSpeedZeroOptimizer.__init__ no longer flattens groups the "
                                    "way this version expects; use a supported DeepSpeed version.")
-            layout = self._bnb_layout(i)
-            param_padding[:] = [slot.padding for slot in layout.slots]
+            param_padding[:] = paddings
             self.round_robin_bit16_offsets[i][:] = [slot.offset for slot in layout.slots]
-            alignment = zero_alignment(alignment, layout)
+        return self._bnb_stock_flatten(tensor_list, alignment, use_cpu_data, param_padding)
+
+    def _bnb_stock_flatten(self, tensor_list, alignment, use_cpu_data, param_padding):
+        if param_padding is None:  # releases before per-parameter padding have no such argument
+            return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data)
         return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data, param_padding)
 
     def _bnb_layout(self, i) -> GroupLayout:
         # meta tensors: parameter data may already be swapped out for CPU flattening
-        return GroupLayout(numels=tuple(m.numel() for m in self.round_robin_bit16_meta[i]),
+        return GroupLayout(numels=tuple(m.numel() for p, m in zip(self.round_robin_bit16_groups[i],
+                                                                  self.round_robin_bit16_meta[i])
+                                        if not padding_tensors.is_padding(p)),
                            dp=dist.get_world_size(group=self.real_dp_process_group[i]))
+
+    def _bnb_flat_offsets(self, i) -> List[int]:
+        """Where DeepSpeed placed each model parameter of group `i` in its flat buffer."""
+        paddings = getattr(self, "round_robin_bit16_padding", None)  # DeepSpeed >= 0.19.7
+        offsets, at = [], 0
+        for k, (param, meta) in enumerate(zip(self.round_robin_bit16_groups[i], self.round_robin_bit16_meta[i])):
+            if not padding_tensors.is_padding(param):
+                offsets.append(at)
+            at += meta.numel() + (paddings[i][k] if paddings else 0)
+        return offsets
 
     def _bnb_check_layout(self, i) -> GroupLayout:
         layout = self._bnb_layout(i)
         if (self.bit16_groups_flat[i].numel() != layout.total_numel
-                or list(self.round_robin_bit16_offsets[i]) != [s.offset for s in layout.slots]
+                or self._bnb_flat_offsets(i) != [s.offset for s in layout.slots]
                 or self.partition_size[i] != layout.partition_size):
             raise RuntimeError(f"deepspeed_bnb: param group {i} was not flattened block-aligned "
                                f"({self.bit16_groups_flat[i].numel()} elements, expected {layout.total_numel}).")
@@ -130,7 +167,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def _bnb_check_trust_ratio(self, i, layout: GroupLayout, eight_bit):
         # bnb's fp32 LAMB/LARS path scales each update by a per-tensor norm ratio; computed on a segment it would be
         # wrong, so a parameter that needs it must lie inside one partition (bnb's 8-bit paths ignore max_unorm).
-        for slot, params in zip(layout.slots, self.round_robin_bit16_groups[i]):
+        for slot, params in zip(layout.slots, self.bnb_params[i]):
             split = slot.offset // layout.partition_size != (slot.offset + slot.numel - 1) // layout.partition_size
             if split and not eight_bit[slot.index] and self.bnb.max_unorm(params) > 0:
                 name = self.param_names.get(params, f"#{slot.index}")
@@ -143,7 +180,12 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def _link_all_hp_params(self):
         # DeepSpeed's fragments would hand out uint8 codes as moments (safe_get_full_optimizer_state); route state keys
         # through bnb state instead, dequantized and requantized (utils/tensor_fragment.py).
-        super()._link_all_hp_params()
+        if self.bnb_padding_mode == PADDING_TENSORS:
+            with padding_tensors.flat_order(self):  # DeepSpeed counts offsets along the list it links
+                super()._link_all_hp_params()
+            padding_tensors.unlink(self)
+        else:
+            super()._link_all_hp_params()
         link_param_states(self)
 
     # ---- step ---------------------------------------------------------------------------------------------------
@@ -179,14 +221,14 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         return describe(self._bnb_optimizer_class(), 2 if self.partition_gradients else 1,
                         dist.get_world_size(group=self.dp_process_group),
                         [([self.param_names[p] for p in params], layout.numels, eight_bit)
-                         for params, layout, eight_bit in zip(self.round_robin_bit16_groups, self.bnb_layouts,
+                         for params, layout, eight_bit in zip(self.bnb_params, self.bnb_layouts,
                                                               self.bnb_eight_bit)])
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------
 
     def _bnb_group_records(self) -> List[GroupRecord]:
         records = []
-        for i, params in enumerate(self.round_robin_bit16_groups):
+        for i, params in enumerate(self.bnb_params):
             partition = self.single_partition_of_fp32_groups[i]
             state = self.optimizer.state[partition]
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[i], layout=self.bnb_layouts[i],
@@ -200,6 +242,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         records = self._bnb_group_records()
         self._bnb_check_whole_state(records)
         state_dict.pop(BASE_OPTIMIZER_STATE_STEP, None)
+        # DeepSpeed >= 0.19.7 records the per-parameter padding of each group (zero_to_fp32 skips it); the same
+        # from the layout on every release and padding mode, so the files do not depend on either
+        state_dict[PARAM_ALIGNMENT_PADDINGS] = [[slot.padding for slot in layout.slots] for layout in self.bnb_layouts]
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records)
         return state_dict
@@ -225,6 +270,15 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             self.update_lp_params()
         if load_optimizer_states:
             self._link_all_hp_params()
+
+
+def _running_offsets(metas) -> List[int]:
+    """Offsets of tensors laid back to back."""
+    offsets, at = [], 0
+    for meta in metas:
+        offsets.append(at)
+        at += meta.numel()
+    return offsets
 
 
 def _with_version(source, rank) -> dict:

@@ -1,0 +1,411 @@
+"""The register of everything deepspeed_bnb changes in, or privately relies on from, DeepSpeed and Accelerate.
+
+Each entry names one symbol once: its owner and name, what deepspeed_bnb does with it (`how`), for how long
+(`scope`), the replacement, why, and the parameters relied on, with the releases where a parameter or the symbol
+itself exists. Nothing else in the package assigns to a DeepSpeed or Accelerate module or class: the import-scope
+replacements are installed by `activate()` (called by `import deepspeed_bnb`) and taken back by `stock_deepspeed()`;
+call-scope swaps go through `swapped()`; the rest are overrides in deepspeed_bnb's ZeRO subclasses, attributes set on
+objects deepspeed_bnb creates or links, and private methods it calls. Release differences are data here (`since`,
+`params_since`); runtime/zero/compat.py turns them into behaviour.
+
+tests/test_overrides.py checks, for the installed release, that every entry that should exist does, with the
+parameters listed (and that a symbol or parameter marked `since` a later release is indeed absent), that every
+DeepSpeed method deepspeed_bnb's ZeRO classes override is registered, and that `stock_deepspeed()` restores every
+replaced symbol. The compatibility matrix (tools/compat_matrix.py) runs that test against every supported release,
+which is what `CHECKED` records. This module imports nothing from DeepSpeed until something is resolved.
+"""
+
+import contextlib
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+from packaging.version import Version
+
+CHECKED = ("0.16.4", "0.19.8")  # DeepSpeed releases every entry was checked against (tools/compat_matrix.md)
+
+# how
+REPLACE = "replace"  # our function or class installed in the owner, DeepSpeed's kept (`stock`) and usually called
+SWAP = "swap"  # replaced for the duration of one call of ours (scope "call"), then restored
+SUBCLASS = "subclass"  # a method of DeepSpeed's ZeRO class that deepspeed_bnb's subclass overrides
+OBJECT = "object"  # an attribute deepspeed_bnb sets on objects it creates or links (parameters, optimizers)
+CALL = "call"  # a private DeepSpeed method or attribute deepspeed_bnb calls or reads, unchanged
+# scope
+IMPORT_SCOPE = "import"  # from activate() on (Accelerate's: from the moment Accelerate itself is imported)
+CALL_SCOPE = "call"  # for the duration of one call of deepspeed_bnb's
+OBJECT_SCOPE = "object"  # on one object, for its lifetime
+
+
+@dataclass(frozen=True)
+class Override:
+    owner: str  # dotted path of the module, or module.Class, that holds the symbol
+    name: str  # the attribute (a name-mangled private method under its mangled name)
+    how: str  # REPLACE, SWAP, SUBCLASS, OBJECT or CALL
+    scope: str  # IMPORT_SCOPE, CALL_SCOPE or OBJECT_SCOPE
+    replacement: str  # "module:qualname" of deepspeed_bnb's side ("" for CALL)
+    why: str  # the DeepSpeed / Accelerate behaviour this works around or relies on
+    params: Optional[Tuple[str, ...]] = None  # parameter names relied on, in order (None: not checked as a callable)
+    params_since: Dict[str, str] = field(default_factory=dict)  # parameter -> first release that has it
+    since: str = ""  # first release that has the symbol ("": every supported release)
+    trigger: str = ""  # for IMPORT_SCOPE entries outside DeepSpeed: the module whose import installs it
+
+    @property
+    def key(self) -> str:
+        """Short unique name: the owner's last component and the attribute, e.g. "DeepSpeedEngine.save_checkpoint"."""
+        return f"{self.owner.rsplit('.', 1)[-1]}.{self.name}"
+
+    def exists_in(self, release: str) -> bool:
+        return not self.since or Version(release) >= Version(self.since)
+
+
+ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+ZERO12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+ZERO3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+PARTITION = "deepspeed.runtime.zero.partition_parameters"
+FRAGMENT = "deepspeed.utils.tensor_fragment"
+ENGINE_PY, ZERO12_PY, ZERO3_PY = ("deepspeed_bnb.runtime.engine", "deepspeed_bnb.runtime.zero.stage_1_and_2",
+                                  "deepspeed_bnb.runtime.zero.stage3")
+PADDING_PY = "deepspeed_bnb.runtime.zero.padding_tensors"
+
+
+def _engine(name, why, params, **kw):
+    return Override(ENGINE, name, REPLACE, IMPORT_SCOPE, f"{ENGINE_PY}:{name}", why, params, **kw)
+
+
+def _subclass(owner, ours, name, why, params, **kw):
+    return Override(owner, name, SUBCLASS, IMPORT_SCOPE, f"{ours}:{name}", why, params, **kw)
+
+
+OVERRIDES: Tuple[Override, ...] = (
+    # ---- DeepSpeedEngine: routing a bnb optimizer to deepspeed_bnb's ZeRO classes, checkpoints ------------------
+    _engine("_configure_optimizer", "refuse a bnb optimizer that another route of this DeepSpeed built into stock "
+            "ZeRO (it would shard quantization state element-wise)", ("self", "client_optimizer", "model_parameters")),
+    _engine("_configure_zero_optimizer", "DeepSpeed instantiates its ZeRO classes by module-level name inside this "
+            "method: for a bnb optimizer the names are swapped for the call (entries below)", ("self", "optimizer")),
+    _engine("_do_optimizer_sanity_check", "bf16 + fp32 gradient accumulation + ZeRO-1 would pick BF16_Optimizer, "
+            "which shards bnb state element-wise; bnb optimizers go to ZeRO instead", ("self", "basic_optimizer")),
+    _engine("_load_zero_checkpoint", "stock loading refuses another DP size and concatenates state element-wise; "
+            "bnb engines load their per-rank records at any DP size", ("self", "load_dir", "tag",
+                                                                          "load_optimizer_states")),
+    _engine("_get_all_ckpt_names", "at stage 3 a rank beyond the saving DP size, or a checkpoint of the other stage "
+            "family, has no model-states file of its own name", ("self", "checkpoints_path", "tag")),
+    _engine("load_module_state_dict", "module weights of the other stage family: gathered into ZeRO-3, or rebuilt "
+            "through the safe loader instead of zero_to_fp32's full unpickling",
+            ("self", "checkpoint", "strict", "custom_load_fn", "fetch_z3_params"),
+            params_since={"z3_params_to_fetch": "0.19.3", "allowed_missing_keys": "0.19.3"}),
+    _engine("save_checkpoint", "crash-safe publishing with a checksummed manifest; a save that cannot start fails on "
+            "every rank", ("self", "save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters")),
+    _engine("load_checkpoint", "verify the manifest, read every file through the safe loader, check the optimizer "
+            "state fits before DeepSpeed replaces module weights",
+            ("self", "load_dir", "tag", "load_module_strict", "load_optimizer_states", "load_lr_scheduler_states",
+             "load_module_only", "custom_load_fn")),
+    _engine("_get_zero_param_shapes", "names every entry of the ZeRO flat lists; padding tensors (releases without "
+            "per-parameter padding) are hidden so the model states are the same on every release", ("self",)),
+    Override("deepspeed.runtime.engine", "is_zero_supported_optimizer", REPLACE, IMPORT_SCOPE,
+             f"{ENGINE_PY}:_is_zero_supported_optimizer", "bnb optimizers (custom subclasses too) are supported: "
+             "their state is classified key by key, zero_allow_untested_optimizer is not needed", ("optimizer",)),
+    Override("deepspeed.runtime.engine", "DeepSpeedZeroOptimizer", SWAP, CALL_SCOPE, f"{ZERO12_PY}:BnbZeroOptimizer",
+             "the name _configure_zero_optimizer instantiates for stages 1/2; swapped during that call only"),
+    Override("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", SWAP, CALL_SCOPE,
+             f"{ZERO3_PY}:BnbZeroStage3Optimizer", "the name _configure_zero_optimizer instantiates for stage 3 "
+             "(imported inside it from this module); swapped during that call only"),
+    Override(ENGINE, "_get_rank_zero_ckpt_name", CALL, CALL_SCOPE, "", "the name of each rank's optimizer file, to "
+             "read the files a new rank needs at any DP size",
+             ("self", "checkpoints_path", "tag", "mp_rank", "dp_rank", "bf16_mode")),
+    Override(ENGINE, "checkpoint_mp_rank", CALL, OBJECT_SCOPE, "", "the model-parallel rank in checkpoint file names "
+             "(before it, from the engine's mpu)", since="0.19.6"),
+    Override(ENGINE, "super_offload", CALL, CALL_SCOPE, "", "SuperOffload steps with DeepSpeedCPUAdam: refused for "
+             "bnb optimizers", ("self",), since="0.18.0"),
+    Override("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine", "load", SWAP, CALL_SCOPE,
+             f"{ENGINE_PY}:_safe_reads", "DeepSpeed reads model states through the engine's checkpoint_engine.load "
+             "(full pickle); replaced on that object for the duration of a load by the safe loader",
+             ("self", "path", "map_location")),
+    Override("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine", "is_decoupled", CALL,
+             CALL_SCOPE, "", "a decoupled writer finishes files after save_checkpoint returns: no manifest then",
+             ("self",), since="0.17.1"),
+    Override("deepspeed.comm", "all_gather_object", CALL, CALL_SCOPE, "", "every rank learns every rank's outcome "
+             "of a checkpoint step (before it, torch.distributed's)", ("object_list", "obj", "group"),
+             since="0.17.0"),
+    # ---- ZeRO config ----------------------------------------------------------------------------------------------
+    Override("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.runtime.zero.config:BnbZeroConfig", "the pydantic model forbids unknown keys, and HF "
+             "Trainer / Accelerate parse configs long before deepspeed.initialize: the bnb_* keys must be part of the "
+             "model get_zero_config builds"),
+    # ---- ZeRO-1/2: DeepSpeedZeroOptimizer, overridden by BnbZeroOptimizer -------------------------------------
+    _subclass(ZERO12, ZERO12_PY, "__init__", "resolves per-parameter precision before DeepSpeed replaces the "
+              "groups' params with flat partitions", ("self", "init_optimizer", "param_names")),
+    _subclass(ZERO12, ZERO12_PY, "flatten_dense_tensors_aligned", "chooses the block-aligned layout when __init__ "
+              "flattens a group: rewrites the per-parameter padding, or places padding tensors",
+              ("self", "tensor_list", "alignment", "use_cpu_data"), params_since={"param_padding": "0.19.7"}),
+    _subclass(ZERO12, ZERO12_PY, "_link_all_hp_params", "state keys answered from bnb state, dequantized; with "
+              "padding tensors, linked along the flat order", ("self",)),
+    _subclass(ZERO12, ZERO12_PY, "unscale_and_clip_grads", "the combined unscale/clip factor is folded into the "
+              "fused step instead of a separate pass", ("self", "grad_groups_flat", "total_norm")),
+    _subclass(ZERO12, ZERO12_PY, "_optimizer_step", "steps the partition segment by segment (fused kernel or bnb's "
+              "update per parameter)", ("self", "group_no")),
+    _subclass(ZERO12, ZERO12_PY, "state_dict", "writes the versioned per-rank record instead of element-wise "
+              "trimmed state", ("self",)),
+    _subclass(ZERO12, ZERO12_PY, "load_state_dict", "refused: loading goes through engine.load_checkpoint",
+              ("self", "state_dict_list")),
+    Override(ZERO12, "_load_global_state", CALL, CALL_SCOPE, "", "loss scaler, clip and version from a rank's state",
+             ("self", "sd")),
+    Override(ZERO12, "_restore_from_bit16_weights", CALL, CALL_SCOPE, "", "load_from_fp32_weights=False", ("self",)),
+    Override(ZERO12, "update_lp_params", CALL, CALL_SCOPE, "", "model weights follow the loaded master weights",
+             ("self",)),
+    Override(ZERO12, "_lazy_init_hp_params_optimizer_state", CALL, CALL_SCOPE, "", "after each step, as DeepSpeed's "
+             "own _optimizer_step does", ("self",)),
+    Override(ZERO12, "_wait_for_offload_copies", CALL, CALL_SCOPE, "", "asynchronous copies to the offload buffers "
+             "must finish before a load overwrites state", ("self",), since="0.19.8"),
+    Override(ZERO12, "round_robin_bit16_groups", CALL, OBJECT_SCOPE, "", "the flat order of each group (read; with "
+             "padding tensors, rewritten while the group is flattened)"),
+    Override(ZERO12, "round_robin_bit16_meta", CALL, OBJECT_SCOPE, "", "numels in flat order (parameter data may be "
+             "swapped out while flattening)"),
+    Override(ZERO12, "round_robin_bit16_padding", CALL, OBJECT_SCOPE, "", "per-parameter padding, rewritten to the "
+             "block-aligned layout while the group is flattened", since="0.19.7"),
+    Override(ZERO12, "round_robin_bit16_offsets", CALL, OBJECT_SCOPE, "", "offsets of the per-parameter padding "
+             "layout, rewritten with it", since="0.19.7"),
+    Override(ZERO12, "groups_padding", CALL, OBJECT_SCOPE, "", "DeepSpeed derives it from its own layout; set from "
+             "the block-aligned one"),
+    Override(ZERO12, "torch_autocast_gradscaler", CALL, OBJECT_SCOPE, "", "torch autocast with a GradScaler is "
+             "refused", since="0.17.2"),
+    Override(ZERO12, "bit16_groups", SWAP, CALL_SCOPE, f"{PADDING_PY}:flat_order", "with padding tensors, "
+             "DeepSpeed's link_hp_params counts offsets along bit16_groups: it is the flat order during the link, "
+             "and the model's parameters only while DeepSpeedEngine._get_zero_param_shapes names them"),
+    Override("deepspeed.utils.mixed_precision_linkage", "link_hp_params", OBJECT, OBJECT_SCOPE,
+             f"{PADDING_PY}:unlink", "gives every parameter of the list it is handed an _hp_mapping; padding tensors' "
+             "are dropped again (_param_slice_mappings names every linked parameter)",
+             ("lp_param_list", "flat_hp_partition")),
+    # ---- ZeRO-3: DeepSpeedZeroOptimizer_Stage3, overridden by BnbZeroStage3Optimizer --------------------------
+    _subclass(ZERO3, ZERO3_PY, "__init__", "marks the bnb parameters for block-aligned partitions before DeepSpeed "
+              "partitions them", ("self", "module", "init_optimizer"), params_since={"param_names": "0.18.0"}),
+    _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "
+              "gradient by ceil(numel / dp): marked parameters' gradients are padded to their partitions first",
+              ("self", "params_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
+    _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
+              ("self", "sub_group_id")),
+    _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized",
+              ("self", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "set_full_hp_param", "state keys written into bnb state, requantized",
+              ("self", "value", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "get_local_fp32_param", "state keys answered from bnb state, dequantized",
+              ("self", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "set_local_hp_param", "state keys written into bnb state, requantized",
+              ("self", "value", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "_get_fp32_opt_state_partition", "refuses state keys (bnb state is not one fp32 "
+              "value per element)", ("self", "param", "optim_state_key"),
+              params_since={"release_swap_buffers": "0.16.9"}),
+    _subclass(ZERO3, ZERO3_PY, "state_dict", "the per-rank record, plus fp32_flat_groups in stock slices for "
+              "zero_to_fp32", ("self",)),
+    _subclass(ZERO3, ZERO3_PY, "load_state_dict", "refused: loading goes through engine.load_checkpoint",
+              ("self", "state_dict_list")),
+    Override(ZERO3, "_rigid_state_dict", CALL, CALL_SCOPE, "", "DeepSpeed's own entries of the stage-3 state",
+             ("self",)),
+    Override(ZERO3, "_load_global_state_stage3", CALL, CALL_SCOPE, "", "loss scaler and clip from a rank's state",
+             ("self", "sd")),
+    Override(ZERO3, "_reassign_or_swap_out_partitioned_parameters", CALL, CALL_SCOPE, "", "low-precision slices "
+             "follow the loaded master weights", ("self", "sub_group_id")),
+    Override(ZERO3, "_restore_from_bit16_weights", CALL, CALL_SCOPE, "", "load_from_fp32_weights=False", ("self",)),
+    Override(ZERO3, "_get_sub_group_process_group", CALL, CALL_SCOPE, "", "a sub-group's partition group (before "
+             "it, every sub-group is partitioned over the DP group)", ("self", "sub_group_id"), since="0.19.3"),
+    Override(ZERO3, "param_names", CALL, OBJECT_SCOPE, "", "names of the parameters (before it, built from the "
+             "module)", since="0.18.0"),
+    Override("deepspeed.runtime.zero.stage3", "reduce_scatter_coalesced", SWAP, CALL_SCOPE,
+             f"{ZERO3_PY}:BnbZeroStage3Optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+             "pads marked gradients to their block-aligned partitions for the duration of __avg_scatter_grads",
+             ("tensors", "group")),
+    # ---- ZeRO-3 parameter partitions --------------------------------------------------------------------------
+    Override(f"{PARTITION}.Init", "_padding_size", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.runtime.zero.partition_parameters:_padding_size", "pads marked parameters to a multiple "
+             "of 256 * world instead of world", ("self", "param")),
+    Override(f"{PARTITION}.Init", "_partition_world_size", CALL, CALL_SCOPE, "", "the partition world size of a "
+             "parameter (before it, Init.num_partitions)", ("self", "param"), since="0.19.3"),
+    Override(PARTITION, "_dist_allgather_fn", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.runtime.zero.partition_parameters:_dist_allgather_fn", "_all_gather_sequential sizes "
+             "its buffer as ceil(numel / world) * world, shorter than a block-aligned partition",
+             ("input_tensor", "output_tensor", "group")),
+    Override(f"{PARTITION}.NoGatherHandle", "__init__", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.runtime.zero.partition_parameters:_no_gather_init", "on one rank the whole partition is "
+             "viewed as the parameter: handed the partition without its padding", ("self", "param")),
+    Override(f"{PARTITION}.NoGatherCoalescedHandle", "__init__", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.runtime.zero.partition_parameters:_no_gather_coalesced_init", "as NoGatherHandle",
+             ("self", "params")),
+    # ---- DeepSpeed's parameter-level optimizer-state API ----------------------------------------------------------
+    Override(FRAGMENT, "safe_get_local_optimizer_state", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:safe_get_local_optimizer_state", "stage 3 only upstream; answered "
+             "for ZeRO-1/2 bnb parameters from bnb state", ("param", "optim_state_key")),
+    Override(FRAGMENT, "safe_set_local_optimizer_state", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:safe_set_local_optimizer_state", "as safe_get_local_optimizer_state",
+             ("param", "value", "optim_state_key")),
+    Override("deepspeed.utils", "safe_get_local_optimizer_state", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:safe_get_local_optimizer_state", "the re-export users import",
+             ("param", "optim_state_key")),
+    Override("deepspeed.utils", "safe_set_local_optimizer_state", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:safe_set_local_optimizer_state", "the re-export users import",
+             ("param", "value", "optim_state_key")),
+    Override(f"{FRAGMENT}.tensor_fragment", "__init__", OBJECT, OBJECT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:BnbTensorFragment", "a linked parameter's _hp_mapping becomes a "
+             "subclass that answers state keys from bnb state (built from the dataclass fields)"),
+    Override(FRAGMENT, "get_full_hp_param", OBJECT, OBJECT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:get_full_hp_param", "rebound on each linked parameter, as "
+             "DeepSpeed's link does; weights still DeepSpeed's", ("self", "optim_state_key")),
+    Override(FRAGMENT, "set_full_hp_param", OBJECT, OBJECT_SCOPE,
+             "deepspeed_bnb.utils.tensor_fragment:set_full_hp_param", "as get_full_hp_param",
+             ("self", "value", "optim_state_key")),
+    # ---- Accelerate -----------------------------------------------------------------------------------------------
+    Override("accelerate.accelerator.Accelerator", "_prepare_deepspeed", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.integrations.accelerate:_prepare_deepspeed", "under optimizer offload Accelerate replaces "
+             "any client optimizer with DeepSpeedCPUAdam unless zero_force_ds_cpu_optimizer is false",
+             ("self",), trigger="accelerate.accelerator"),
+)
+
+BY_KEY: Dict[str, Override] = {o.key: o for o in OVERRIDES}
+if len(BY_KEY) != len(OVERRIDES):
+    raise RuntimeError("deepspeed_bnb: two override entries share a key")
+
+
+def resolve(path: str):
+    """The object at a dotted path "package.module.Class.attr" (the longest importable module prefix, then
+    attributes), or "module:qualname"."""
+    if ":" in path:
+        module, qualname = path.split(":", 1)
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"deepspeed_bnb: cannot resolve {path}")
+
+
+_STOCK: Dict[str, object] = {}  # key -> DeepSpeed's (or Accelerate's) original, for every installed REPLACE entry
+_ACTIVE = {"on": False}  # whether activate() installed the import-scope replacements
+
+
+def installed_entries(trigger: str = ""):
+    """The import-scope replacements installed by activate() (trigger "") or by the import of `trigger`."""
+    return [o for o in OVERRIDES if o.how == REPLACE and o.scope == IMPORT_SCOPE and o.trigger == trigger]
+
+
+def stock(key: str):
+    """DeepSpeed's original of a replaced symbol (what the replacement delegates to)."""
+    return _STOCK[key]
+
+
+def _set(entries, use_ours: bool) -> None:
+    for entry in entries:
+        owner = resolve(entry.owner)
+        if entry.key not in _STOCK:
+            _STOCK[entry.key] = getattr(owner, entry.name)
+        setattr(owner, entry.name, resolve(entry.replacement) if use_ours else _STOCK[entry.key])
+
+
+def activate() -> None:
+    """Install every import-scope replacement of DeepSpeed (idempotent); Accelerate's when Accelerate is imported."""
+    _set(installed_entries(), True)
+    _ACTIVE["on"] = True
+    from deepspeed_bnb import integrations
+    integrations.install_lazily()
+
+
+def install_triggered(trigger: str, module) -> None:
+    """Install the replacements of a module that has just been imported (integrations' import hook)."""
+    for entry in installed_entries(trigger):
+        owner = resolve(entry.owner)
+        if getattr(owner, entry.name) is not resolve(entry.replacement):
+            _STOCK[entry.key] = getattr(owner, entry.name)
+            setattr(owner, entry.name, resolve(entry.replacement))
+
+
+def is_active() -> bool:
+    return _ACTIVE["on"]
+
+
+@contextlib.contextmanager
+def stock_deepspeed():
+    """Within this block DeepSpeed is exactly stock: every replacement activate() installed is taken back (for
+    comparisons and benchmarks), and put back afterwards."""
+    entries = [o for o in OVERRIDES if o.key in _STOCK and o.how == REPLACE]  # Accelerate's too, once installed
+    _set(entries, False)
+    try:
+        yield
+    finally:
+        _set(entries, True)
+
+
+@contextlib.contextmanager
+def swapped(key: str, value, on=None):
+    """Within the block, the SWAP entry `key` holds `value` (on its owner, or on the object `on`)."""
+    entry = BY_KEY[key]
+    if entry.how != SWAP:
+        raise ValueError(f"deepspeed_bnb: {key} is not a call-scope swap in the override register")
+    target = resolve(entry.owner) if on is None else on
+    had = entry.name in vars(target) if on is not None else True
+    previous = getattr(target, entry.name)
+    setattr(target, entry.name, value)
+    try:
+        yield previous
+    finally:
+        if had:
+            setattr(target, entry.name, previous)
+        else:
+            delattr(target, entry.name)
+
+
+def parameters(func) -> Tuple[str, ...]:
+    """A callable's parameter names, in order; through a decorator's (*args, **kwargs) wrapper that keeps the function
+    it wraps in its closure (DeepSpeed's `instrument_w_nvtx` does not use functools.wraps)."""
+    names = tuple(inspect.signature(func).parameters)
+    if names == ("args", "kwargs"):
+        inner = [c.cell_contents for c in getattr(func, "__closure__", None) or () if callable(c.cell_contents)]
+        if len(inner) == 1:
+            return parameters(inner[0])
+    return names
+
+
+def accepts(key: str, param: str) -> bool:
+    """Whether the installed release's symbol of entry `key` takes `param` (its DeepSpeed original if replaced)."""
+    entry = BY_KEY[key]
+    func = _STOCK.get(key) or getattr(resolve(entry.owner), entry.name)
+    return param in parameters(func)
+
+
+def given_kwargs(key: str, **kwargs) -> dict:
+    """`kwargs` for the installed release's symbol of entry `key`: a parameter it lacks (`params_since` a later
+    release) is left out when its value is None (the default everywhere), and refused otherwise."""
+    out = {}
+    for name, value in kwargs.items():
+        if accepts(key, name):
+            out[name] = value
+        elif value is not None:
+            import deepspeed
+            raise NotImplementedError(f"deepspeed_bnb: {key}({name}=...) needs DeepSpeed "
+                                      f"{BY_KEY[key].params_since.get(name, 'a later release')} or later; "
+                                      f"DeepSpeed {deepspeed.__version__} is installed.")
+    return out
+
+
+def _releases(entry: Override) -> str:
+    first = max(Version(entry.since), Version(CHECKED[0])) if entry.since else Version(CHECKED[0])
+    text = f"{first}-{CHECKED[1]}"
+    if entry.params_since:
+        text += "; " + ", ".join(f"`{p}` from {v}" for p, v in entry.params_since.items())
+    return text
+
+
+def table() -> str:
+    """The register as a markdown table (the README's list of every override)."""
+    rows = ["| DeepSpeed / Accelerate symbol | what deepspeed_bnb does | scope | ours | why | releases |",
+            "|---|---|---|---|---|---|"]
+    for o in OVERRIDES:
+        ours = f"`{o.replacement.split(':', 1)[1]}` ({o.replacement.split(':')[0].replace('deepspeed_bnb.', '')})" \
+            if o.replacement else ""
+        rows.append(f"| `{o.owner}.{o.name}` | {o.how} | {o.scope} | {ours} | {o.why} | {_releases(o)} |")
+    return "\n".join(rows)
