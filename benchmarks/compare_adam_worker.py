@@ -25,6 +25,7 @@ from compare_adam_configs import CONFIGS
 from gpt import GPT, GPTConfig, decay_groups
 from stdlib_text import ByteBatches, stdlib_bytes
 from tensor_census import state_bytes_by_key
+from teardown import finish
 
 
 def parse_args():
@@ -218,10 +219,10 @@ def main():
         result.update(losses=result_losses, valid_loss=result_valid)
         with open(args.result, "w") as f:
             json.dump(result, f, indent=1)
-    # torch's gloo group can abort at interpreter exit once a peer has left; end it explicitly
-    tdist.barrier()
-    tdist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # the result is written: leave the group and exit without the interpreter's teardown, where torch's gloo group can
+    # abort (SIGABRT) a finished job (examples/teardown.py)
+    finish()

@@ -1,10 +1,16 @@
-"""Launch a benchmark worker as an N-rank CPU job (torchrun, gloo) in a cleaned environment, one job at a time."""
+"""Launch a benchmark worker as an N-rank CPU job (torchrun, gloo) in a cleaned environment, one job at a time.
+
+The workers end with teardown.finish() (examples/teardown.py); a job that failed only by gloo's teardown abort after
+every rank had finished counts as finished, any other failure raises.
+"""
 
 import os
 import socket
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from teardown import run_ranks  # noqa: E402
 
 # Set by an enclosing launcher (or by an in-process one-rank group in tests); a fresh job must pick its own.
 INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -30,11 +36,14 @@ def torchrun(script: str, nproc: int, args, timeout: float = 900, log_path: str 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            script, *map(str, args)]
     started = time.perf_counter()
-    done = subprocess.run(cmd, check=False, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    done = run_ranks(cmd, nproc, env=clean_env(), timeout=timeout)
     wall = time.perf_counter() - started
     if log_path:
         with open(log_path, "w") as f:
             f.write(f"$ {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+            if done.aborted_after_done:
+                f.write(f"\nexit {done.returncode}: SIGABRT after every rank had finished (gloo's teardown), "
+                        "counted as finished\n")
+    if not done.ok:
+        raise RuntimeError(done.failure())
     return wall

@@ -8,7 +8,7 @@ the global batches it would have trained, sees the same validation set, and the 
 import json
 import os
 import time
-from typing import Optional, Tuple
+from typing import Optional, Set, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -96,6 +96,32 @@ class SaveCadence:
 
     def saved(self) -> None:
         self.last = time.monotonic()
+
+
+def parse_holds(specs) -> Set[Tuple[int, int]]:
+    """{(step, world size)} from STEP@WORLD strings (train.py --hold_at)."""
+    holds = set()
+    for spec in specs:
+        step, sep, world = spec.partition("@")
+        if not (sep and step.isdigit() and world.isdigit() and int(world) > 0):
+            raise ValueError(f"--hold_at {spec!r}: expected STEP@WORLD, e.g. 7@2")
+        holds.add((int(step), int(world)))
+    return holds
+
+
+def hold_here(holds: Set[Tuple[int, int]], step: int, world: int, events: "Events", poll_seconds: float = 0.2) -> None:
+    """At a step boundary (the step's checkpoint, if one was due, complete): if (step, world) is one of `holds`, log a
+    'hold' event and wait there for the job to change size; then this never returns. A collective every
+    `poll_seconds` fails once a peer is gone (the process exits with that error and the elastic agent restarts the
+    survivors at the smaller size); when a node joins, the agent stops the workers itself. Either way the run stops
+    between steps, so a failure triggered on this event loses exactly the steps since the last checkpoint, however
+    fast the machine runs."""
+    if (step, world) not in holds:
+        return
+    events.log("hold", step=step, world=world)
+    while True:
+        dist.barrier()
+        time.sleep(poll_seconds)
 
 
 class Events:

@@ -5,17 +5,23 @@ agent, with two agents on the loopback address standing for two nodes.
 
 1. An uninterrupted reference run (`torchrun --standalone`, 2 x nproc ranks) of the same command.
 2. The elastic run: agent A (which hosts the c10d rendezvous store, as the first node of a job does) and agent B, each
-   `torchrun --nnodes 1:2 --nproc-per-node nproc --rdzv-backend c10d --max-restarts K`. At step --kill-at, agent B and
-   its workers are SIGKILLed (a node gone); A's workers fail on the lost peers, A restarts them at the smaller world
-   size, and they load the latest complete checkpoint (`--resume auto`). At step --regrow-at a new agent B starts; A
-   sees a node waiting, restarts its workers, and the job re-forms at the larger size from the latest checkpoint.
+   `torchrun --nnodes 1:2 --nproc-per-node nproc --rdzv-backend c10d --max-restarts K`. Every change of size is tied
+   to a training step, not to the clock: the workers hold at a step boundary (train.py --hold_at) and the next move
+   waits for that event. After step --kill-at (at the larger size), agent B and its workers are SIGKILLed (a node
+   gone); A's workers fail on the lost peers, A restarts them at the smaller world size, and they load the latest
+   complete checkpoint (`--resume auto`). After step --regrow-at (a checkpoint step, at the smaller size) a new agent
+   B starts; A sees a node waiting, restarts its workers, and the job re-forms at the larger size from the latest
+   checkpoint. The kill thus loses exactly --kill-at modulo --save-every steps and the grow none, however fast the
+   machine runs.
 3. A control: the first checkpoint after the kill resumed with fresh optimizer state (weights and step only).
 4. The noise floor: the same run, uninterrupted, at the other world size. A different world size sums gradients in
    another order; with 8-bit state a last-bit difference can move a value to the neighbouring code, so runs at
    different sizes drift apart slightly even without any failure; the elastic run is judged against that.
-Prints the timeline (kill, restarts, resumed step, world size, lost steps, seconds from kill to the first step at the
-new size) and how far the elastic run's losses, held-out losses and final weights are from the reference's.
-Processes are started and ended here, by PID, on 127.0.0.1 only.
+Prints the timeline (holds, kill, restarts, resumed step, world size, lost steps, seconds from kill to the first step
+at the new size) and how far the elastic run's losses, held-out losses and final weights are from the reference's.
+Processes are started and ended here, by PID, on 127.0.0.1 only. The runs' workers end with teardown.finish(), and a
+`torchrun --standalone` run counts as finished when it failed only by gloo's teardown abort after every rank was
+done (see teardown.py).
 """
 
 import argparse
@@ -30,6 +36,8 @@ from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from teardown import run_ranks  # noqa: E402
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -55,6 +63,14 @@ def train_args(args, save_dir: str, events: str, extra=()) -> List[str]:
 
 def torchrun() -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def standalone(args, world: int, train: List[str], log: str) -> None:
+    """An uninterrupted `torchrun --standalone` run of train.py on `world` ranks, its output in workdir/<log>.log."""
+    launch = run_ranks([*torchrun(), "--standalone", f"--nproc-per-node={world}", *train], world, env=clean_env(),
+                       timeout=args.timeout, log_path=os.path.join(args.workdir, f"{log}.log"))
+    if not launch.ok:
+        raise RuntimeError(launch.failure())
 
 
 def read_events(path: str) -> List[dict]:
@@ -94,12 +110,31 @@ def kill_node(proc: subprocess.Popen) -> List[int]:
     return victims
 
 
+def held(step: int, world: int):
+    """Condition for wait_for: the workers hold after `step` at `world` ranks (train.py --hold_at)."""
+    return lambda events: any(e["event"] == "hold" and (e["step"], e["world"]) == (step, world) for e in events)
+
+
+def check_plan(args) -> None:
+    """Each size is reached once, at a known step. --regrow-at is a checkpoint step: the grown job resumes there
+    (past --kill-at, whose hold it must not meet again), and a round that forms before the new node has joined
+    resumes there too and holds before training anything. A checkpoint precedes --kill-at, so the smaller job
+    resumes past step 0."""
+    if not 0 < args.kill_at < args.regrow_at < args.steps:
+        raise ValueError(f"need 0 < --kill-at ({args.kill_at}) < --regrow-at ({args.regrow_at}) < --steps "
+                         f"({args.steps})")
+    if args.save_every <= 0 or args.regrow_at % args.save_every or args.kill_at < args.save_every:
+        raise ValueError(f"need --regrow-at ({args.regrow_at}) a multiple of --save-every ({args.save_every}) and "
+                         f"--kill-at ({args.kill_at}) at least --save-every")
+
+
 def steps_by_number(events: List[dict]) -> Dict[int, dict]:
     """The last record of each step (a step redone after a restart replaces the lost one)."""
     return {e["step"]: e for e in events if e["event"] == "step"}
 
 
 def run(args) -> dict:
+    check_plan(args)
     os.makedirs(args.workdir, exist_ok=True)
     logs = lambda name: open(os.path.join(args.workdir, f"{name}.log"), "w")  # noqa: E731
     world = 2 * args.nproc
@@ -107,31 +142,34 @@ def run(args) -> dict:
     # 1. the reference: uninterrupted, at the larger size
     ref_events = os.path.join(args.workdir, "reference.jsonl")
     began = time.time()
-    subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={args.reference_world or world}",
-                    *train_args(args, os.path.join(args.workdir, "reference"), ref_events)],
-                   env=clean_env(), stdout=logs("reference"), stderr=subprocess.STDOUT, check=True,
-                   timeout=args.timeout)
+    standalone(args, args.reference_world or world, train_args(args, os.path.join(args.workdir, "reference"),
+                                                               ref_events), "reference")
     reference_seconds = time.time() - began
     noise = None
     if not args.no_noise_run:  # the same run, uninterrupted, at the other world size: what changing it alone does
         other = args.nproc if (args.reference_world or world) != args.nproc else world
         noise_events = os.path.join(args.workdir, "other_size.jsonl")
-        subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={other}",
-                        *train_args(args, os.path.join(args.workdir, "other_size"), noise_events)],
-                       env=clean_env(), stdout=logs("other_size"), stderr=subprocess.STDOUT, check=True,
-                       timeout=args.timeout)
+        standalone(args, other, train_args(args, os.path.join(args.workdir, "other_size"), noise_events), "other_size")
         noise = (other, steps_by_number(read_events(noise_events)))
 
     # 2. the elastic run
     port, events = free_port(), os.path.join(args.workdir, "elastic.jsonl")
     save_dir = os.path.join(args.workdir, "elastic")
-    agent = [*torchrun(), "--nnodes=1:2", f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=failover", f"--max-restarts={args.max_restarts}",
-             "--monitor-interval=0.5",
-             "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,"
-             "heartbeat_timeout=3",
-             *train_args(args, save_dir, events, ["--resume", "auto", "--min_step_seconds",
-                                                  str(args.min_step_seconds)])]
+    # The holds (train.py --hold_at) tie every change of size to a step. 0@nproc: a first round that formed before
+    # the second agent joined (rendezvous' last call is a timeout) waits at step 0, untrained, for the full one.
+    holds = [f"0@{args.nproc}", f"{args.kill_at}@{world}", f"{args.regrow_at}@{args.nproc}"]
+
+    def agent(hosts_store: bool) -> List[str]:
+        # which agent hosts the rendezvous store is said, not left to whichever binds the port first: the store must
+        # outlive agent B
+        return [*torchrun(), "--nnodes=1:2", f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=failover", f"--max-restarts={args.max_restarts}",
+                "--monitor-interval=0.5",
+                "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,"
+                f"heartbeat_timeout=3,is_host={str(hosts_store).lower()}",
+                *train_args(args, save_dir, events, ["--resume", "auto", "--min_step_seconds",
+                                                     str(args.min_step_seconds),
+                                                     *[flag for spec in holds for flag in ("--hold_at", spec)]])]
     timeline = []
 
     def mark(what, **fields):
@@ -142,23 +180,22 @@ def run(args) -> dict:
     # forever ("wait timeout ... MASTER_ADDR") and the job cannot grow back. Without the sharing every round
     # publishes its own.
     agent_env = {**clean_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    a = subprocess.Popen(agent, env=agent_env, stdout=logs("agent_a"), stderr=subprocess.STDOUT)
+    a = subprocess.Popen(agent(True), env=agent_env, stdout=logs("agent_a"), stderr=subprocess.STDOUT)
     mark("start agent A")
-    time.sleep(1.0)  # A binds the rendezvous store first (the job's first node)
-    b = subprocess.Popen(agent, env=agent_env, stdout=logs("agent_b"), stderr=subprocess.STDOUT)
+    b = subprocess.Popen(agent(False), env=agent_env, stdout=logs("agent_b"), stderr=subprocess.STDOUT)
     mark("start agent B")
     try:
-        wait_for(events, lambda ev: any(e["event"] == "step" and e["world"] == world and e["step"] >= args.kill_at
-                                        for e in ev), args.timeout, f"step {args.kill_at} at world {world}", (a, b))
+        # every worker stands between steps (the last checkpoint complete) while the node goes
+        wait_for(events, held(args.kill_at, world), args.timeout, f"the hold after step {args.kill_at} at world "
+                 f"{world}", (a, b))
         killed = kill_node(b)
         kill_time = time.time()
         step_at_kill = max(steps_by_number(read_events(events)))
         mark("SIGKILL agent B and its workers", pids=killed, step=step_at_kill)
-        wait_for(events, lambda ev: any(e["event"] == "step" and e["world"] == args.nproc and e["t"] > kill_time
-                                        for e in ev), args.timeout, f"training on at world {args.nproc}", (a,))
-        wait_for(events, lambda ev: max([e["step"] for e in ev if e["event"] == "step" and e["t"] > kill_time],
-                                        default=0) >= args.regrow_at, args.timeout, f"step {args.regrow_at}", (a,))
-        b = subprocess.Popen(agent, env=agent_env, stdout=logs("agent_b2"), stderr=subprocess.STDOUT)
+        # ...and while the new node joins: the smaller job cannot run ahead, or to its end, before the job re-forms
+        wait_for(events, held(args.regrow_at, args.nproc), args.timeout, f"the hold after step {args.regrow_at} at "
+                 f"world {args.nproc}", (a,))
+        b = subprocess.Popen(agent(False), env=agent_env, stdout=logs("agent_b2"), stderr=subprocess.STDOUT)
         grow_time = time.time()
         mark("start agent B again", step=max(steps_by_number(read_events(events))))
         wait_for(events, lambda ev: any(e["event"] == "done" for e in ev), args.timeout, "the end", (a, b))
@@ -212,7 +249,9 @@ def run(args) -> dict:
            if noise else {}),
         "timeline": [{**m, "t": round(m["t"] - timeline[0]["t"], 2)} for m in timeline]
         + [{"t": round(e["t"] - timeline[0]["t"], 2), "what": "workers started", "world": e["world"],
-            "resumed_step": e["step"]} for e in starts],
+            "resumed_step": e["step"]} for e in starts]
+        + [{"t": round(e["t"] - timeline[0]["t"], 2), "what": "workers hold", "world": e["world"], "step": e["step"]}
+           for e in all_events if e["event"] == "hold"],
     }
     summary["timeline"].sort(key=lambda m: m["t"])
     return summary
@@ -226,11 +265,8 @@ def control_run(args, save_dir, step, control_dir, control_events, world) -> Dic
     shutil.copytree(os.path.join(save_dir, tag), os.path.join(control_dir, tag))
     with open(os.path.join(control_dir, "latest"), "w") as f:
         f.write(tag)
-    with open(os.path.join(args.workdir, "control.log"), "w") as log:
-        subprocess.run([*torchrun(), "--standalone", f"--nproc-per-node={world}",
-                        *train_args(args, control_dir, control_events, ["--resume", control_dir,
-                                                                        "--resume_weights_only"])],
-                       env=clean_env(), stdout=log, stderr=subprocess.STDOUT, check=True, timeout=args.timeout)
+    standalone(args, world, train_args(args, control_dir, control_events, ["--resume", control_dir,
+                                                                       "--resume_weights_only"]), "control")
     return {s: e for s, e in steps_by_number(read_events(control_events)).items() if s > step}
 
 
@@ -258,8 +294,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="ranks per agent (node)")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--min-step-seconds", type=float, default=0.3, help="pace the elastic run so the failures land "
-                                                                          "mid-training")
+    p.add_argument("--min-step-seconds", type=float, default=0, help="pace the elastic run (to watch it; the "
+                                                                        "failures are tied to steps regardless)")
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--no-noise-run", action="store_true", help="skip the uninterrupted run at the other world size "
                                                                 "(which shows how far changing the size alone moves "

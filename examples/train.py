@@ -28,9 +28,11 @@ from tqdm import tqdm
 import deepspeed_bnb  # noqa: F401  (teaches DeepSpeed the bnb_* keys and the block-aware ZeRO optimizer)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic import Events, HeldOut, SaveCadence, batch_plan, rank_rows, step_windows, windows  # noqa: E402
+from elastic import (Events, HeldOut, SaveCadence, batch_plan, hold_here, parse_holds, rank_rows,  # noqa: E402
+                     step_windows, windows)
 from gpt import GPT, GPTConfig, decay_groups  # noqa: E402
 from stdlib_text import ByteBatches, stdlib_bytes  # noqa: E402
+from teardown import finish  # noqa: E402
 
 
 def parse_args():
@@ -58,6 +60,12 @@ def parse_args():
                         "validation, done) to this file (rank 0)")
     parser.add_argument("--min_step_seconds", type=float, default=0,
                         help="pace the run: at least this long per step (tests and demos of failures)")
+    parser.add_argument("--hold_at", action="append", default=[], metavar="STEP@WORLD",
+                        help="at step STEP (after its checkpoint, if one is due, or on resuming there), when "
+                             "running on WORLD ranks: log a 'hold' event and wait at that step boundary until the "
+                             "job changes size (a peer lost, or the elastic agent restarting the workers for a node "
+                             "that joined), so that a failure lands at a known step (tests and demos of failures); "
+                             "repeatable")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
@@ -105,6 +113,7 @@ def memory_report(engine, n_params: int) -> str:
 
 def main():
     args = parse_args()
+    holds = parse_holds(args.hold_at)
     started_at = time.time()
     torch.manual_seed(args.seed)
     cfg = GPTConfig(width=args.width, depth=args.depth, heads=max(1, args.width // 32))
@@ -129,6 +138,9 @@ def main():
         if rank == 0:
             print(f"resumed {path} at step {engine.global_steps} on {world} ranks; held-out loss {valid:.4f} "
                   f"nats/byte", flush=True)
+    # before anything is trained: an elastic round that formed before every node had joined holds at its first step
+    # and is replaced by the full one without having started
+    hold_here(holds, engine.global_steps, world, events)
     events.log("start", world=world, step=engine.global_steps, micro=micro, accumulation=accumulation,
                resumed=bool(source), setup_seconds=round(time.time() - started_at, 2),
                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -159,6 +171,7 @@ def main():
             cadence.saved()
         if args.min_step_seconds:
             time.sleep(max(0.0, args.min_step_seconds - (time.time() - step_began)))
+        hold_here(holds, engine.global_steps, world, events)
     elapsed = time.time() - started
 
     valid = save(engine, args, held_out, events, world)
@@ -168,9 +181,6 @@ def main():
         print(f"\n{engine.global_steps} steps ({args.steps - bar.initial} in this run, {elapsed:.0f} s); held-out loss "
               f"{valid:.4f} nats/byte ({valid / 0.6931:.3f} bits/byte); checkpoint saved to {args.save_dir}\n{report}",
               flush=True)
-    # torch's gloo group can abort at interpreter exit once a peer has left; end it explicitly
-    dist.barrier()
-    torch.distributed.destroy_process_group()
 
 
 def save(engine, args, held_out, events, world) -> float:
@@ -190,3 +200,7 @@ def save(engine, args, held_out, events, world) -> float:
 
 if __name__ == "__main__":
     main()
+    # torch's gloo group can abort in C++ at interpreter exit (SIGABRT, "terminate called without an active
+    # exception") after a finished run; the launcher would call the run failed (and an elastic agent would restart
+    # it): leave the group and exit without the interpreter's teardown
+    finish()

@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny models from configs: nothin
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_accelerate
 import train_hf_trainer
+from teardown import finish
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
@@ -66,15 +67,10 @@ def main():
         with open(os.path.join(out, "imports.json"), "w") as f:
             json.dump({"accelerate_imported_by_deepspeed_bnb": ACCELERATE_IMPORTED_WITH_DEEPSPEED_BNB,
                        "prepare_deepspeed_from": Accelerator._prepare_deepspeed.__module__}, f)
-    # torch's gloo group can abort at interpreter exit once a peer has left; end it explicitly
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # as in distributed_scenarios.py: after ZeRO-3 engines, gloo's C++ teardown can abort an otherwise finished
-    # launch; every result is written by now, so skip the interpreter's teardown
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # every result is written: leave the group and skip the interpreter's teardown, where gloo can abort an otherwise
+    # finished launch (examples/teardown.py)
+    finish()

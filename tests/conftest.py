@@ -8,6 +8,8 @@ import sys
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
+from teardown import run_ranks  # noqa: E402  (the rule every multi-rank launch here is judged by)
 
 
 def free_port() -> int:
@@ -45,8 +47,15 @@ def launch_env() -> dict:
     return env
 
 
-def run_or_fail(cmd, env: dict, timeout: int, cwd=None) -> subprocess.CompletedProcess:
-    """Run `cmd`; fail the test with the tail of its output if it exits non-zero."""
+def run_or_fail(cmd, env: dict, timeout: int, cwd=None, ranks: int = 0) -> subprocess.CompletedProcess:
+    """Run `cmd`; fail the test with the tail of its output if it exits non-zero. With `ranks`, `cmd` launches that
+    many ranks ending with teardown.finish(), and a launch that failed only by gloo's teardown abort after every
+    rank was done passes (examples/teardown.py)."""
+    if ranks:
+        launch = run_ranks(cmd, ranks, env=env, timeout=timeout, cwd=cwd)
+        if not launch.ok:
+            pytest.fail(launch.failure())
+        return subprocess.CompletedProcess(cmd, launch.returncode, launch.stdout, launch.stderr)
     done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
@@ -54,10 +63,11 @@ def run_or_fail(cmd, env: dict, timeout: int, cwd=None) -> subprocess.CompletedP
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run tests/<script> on `nproc` CPU ranks; fail with the tail of its output if it fails."""
+    """Run tests/<script> (which ends with teardown.finish()) on `nproc` CPU ranks; fail with the tail of its output
+    if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            os.path.join(TESTS, script), *args]
-    return run_or_fail(cmd, launch_env(), timeout)
+    return run_or_fail(cmd, launch_env(), timeout, ranks=nproc)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import bitsandbytes as bnb  # noqa: E402
 import deepspeed  # noqa: E402
@@ -37,6 +38,7 @@ from deepspeed_bnb.checkpoint.param_state import gather_param_states  # noqa: E4
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
 from bnb_state import bnb_moments  # noqa: E402
+from teardown import finish  # noqa: E402
 from toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model, moment_values,  # noqa: E402
                  param_groups)
 
@@ -465,17 +467,12 @@ def main():
     if rank == 0:
         with open(os.path.join(args.out, f"results_world{world}.json"), "w") as f:
             json.dump(results, f, indent=1)
-    # Without this, torch 2.13's gloo group aborts at interpreter exit in ~40% of 3-rank runs ("terminate called
-    # without an active exception"), once the first rank has gone.
-    dist.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # Even so, a 4-rank launch that built ZeRO-3 engines aborted in C++ teardown in about 1 of 4 suite runs (SIGABRT,
-    # "terminate called without an active exception", no Python frame), after every result was written and the
-    # group destroyed: skip the interpreter's teardown, which has nothing left to do for this harness.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # torch 2.13's gloo group aborts at interpreter exit in ~40% of 3-rank runs without the barrier and destroy that
+    # finish() does, and a 4-rank launch that built ZeRO-3 engines still aborted after them in about 1 of 4 suite runs
+    # (SIGABRT, "terminate called without an active exception", no Python frame): finish() also skips the
+    # interpreter's teardown, and marks the rank done for the launcher (examples/teardown.py)
+    finish()

@@ -41,10 +41,11 @@ TINY = "--max_steps 12 --global_batch 8 --width 64 --depth 2 --context 64 --text
 TOL, CONTROL_MIN = 1e-5, 1e-2
 
 
-def accelerate_launch(*args) -> str:
-    """`accelerate launch ARGS` from the repository root (configs/ paths are relative to it); returns its output."""
+def accelerate_launch(ranks: int, *args) -> str:
+    """`accelerate launch ARGS` of `ranks` ranks (a script ending with teardown.finish()) from the repository root
+    (configs/ paths are relative to it); returns its output."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *args]
-    done = run_or_fail(cmd, launch_env(), timeout=900, cwd=ROOT)
+    done = run_or_fail(cmd, launch_env(), timeout=900, cwd=ROOT, ranks=ranks)
     return done.stdout + done.stderr
 
 
@@ -69,12 +70,12 @@ def accelerate_runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("accelerate"))
     args = TINY.replace("--max_steps", "--steps")
     ckpt = os.path.join(out, "state")
-    accelerate_launch("--config_file", "configs/accelerate_zero2.yaml", "examples/train_accelerate.py",
+    accelerate_launch(2, "--config_file", "configs/accelerate_zero2.yaml", "examples/train_accelerate.py",
                       *args.split(), "--save_at", "6", "--save_dir", ckpt,
                       "--log_json", os.path.join(out, "uninterrupted.json"))
     resume = f"{args} --resume {ckpt} --save_dir {out}/unused"
     output = accelerate_launch(
-        "--config_file", "configs/accelerate_zero2.yaml", "--num_processes", "1",
+        1, "--config_file", "configs/accelerate_zero2.yaml", "--num_processes", "1",
         "--deepspeed_config_file", "configs/zero2_accelerate_offload.json", "tests/client_runs.py", "accelerate", out,
         f"resume:{resume} --log_json {out}/resume.json",
         f"resume-weights-only:{resume} --log_json {out}/control.json")
@@ -108,9 +109,9 @@ def accelerate_zero3_runs(tmp_path_factory):
     args = TINY.replace("--max_steps", "--steps")
     ckpt = os.path.join(out, "state")
     # through client_runs.py, which ends its processes without gloo's C++ teardown (see there)
-    accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "tests/client_runs.py", "accelerate", out,
+    accelerate_launch(2, "--config_file", "configs/accelerate_zero3.yaml", "tests/client_runs.py", "accelerate", out,
                       f"uninterrupted:{args} --save_at 6 --save_dir {ckpt} --log_json {out}/uninterrupted.json")
-    accelerate_launch("--config_file", "configs/accelerate_zero3.yaml", "--num_processes", "1",
+    accelerate_launch(1, "--config_file", "configs/accelerate_zero3.yaml", "--num_processes", "1",
                       "tests/client_runs.py", "accelerate", out,
                       f"resume:{args} --resume {ckpt} --save_dir {out}/unused --log_json {out}/resume.json")
     return {name: read(out, name) for name in ("uninterrupted", "resume")}

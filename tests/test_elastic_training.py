@@ -2,12 +2,14 @@
 size, grows back, and ends where an uninterrupted run ends.
 
 End to end (examples/elastic_failover.py, small settings, about a minute on 2 cores): two agents on 127.0.0.1 (one
-rank each); agent B and its worker are SIGKILLed at step 6; agent A's worker is restarted at world size 1 and loads the
-latest complete checkpoint; a new agent B joins at step 9 and the job re-forms at world size 2; it runs to step 30.
+rank each); the workers hold after step 7 and agent B and its worker are SIGKILLed; agent A's worker is restarted at
+world size 1 and loads the latest complete checkpoint (step 6); it holds after step 9 (a checkpoint), a new agent B
+joins and the job re-forms at world size 2 from step 9; it runs to step 30. Both changes of size wait for the step
+the workers report (not for the clock), so the steps lost are known in advance, however fast the machine runs.
 Against an uninterrupted run: every step's loss within 1e-5 (fp32), the held-out loss at each checkpoint too, and the
 final weights far closer than those of the control, which resumes the same checkpoint with fresh optimizer state.
 Unit tests: the batch plan, the step-indexed data order (each global batch dealt out exactly once at any world size),
-the held-out split, and checkpoint retention.
+the held-out split, checkpoint retention, the hold specs, and the failover plans refused (a hold met twice).
 """
 
 import os
@@ -19,20 +21,19 @@ import torch
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
 
-from elastic import batch_plan, rank_rows, step_windows  # noqa: E402
+from elastic import batch_plan, parse_holds, rank_rows, step_windows  # noqa: E402
 
 SAVE_EVERY, STEPS = 3, 30
+KILL_AT, REGROW_AT = 7, 9  # a step after a checkpoint (one step lost), and a checkpoint step (none lost)
 
 
 @pytest.fixture(scope="module")
 def failover(tmp_path_factory):
     from elastic_failover import parser, run
     args = parser().parse_args(["--workdir", str(tmp_path_factory.mktemp("failover")), "--steps", str(STEPS),
-                                # the new agent joins at step 9: 21 paced steps (8 s) of runway at world size 1,
-                                # so the job cannot finish before it re-forms at world size 2
-                                "--kill-at", "6", "--regrow-at", "9", "--save-every", str(SAVE_EVERY),
-                                "--global-batch", "8", "--width", "32", "--depth", "1", "--min-step-seconds", "0.4",
-                                "--reference-world", "1", "--no-noise-run", "--timeout", "300"])
+                                "--kill-at", str(KILL_AT), "--regrow-at", str(REGROW_AT),
+                                "--save-every", str(SAVE_EVERY), "--global-batch", "8", "--width", "32", "--depth",
+                                "1", "--reference-world", "1", "--no-noise-run", "--timeout", "300"])
     return run(args)
 
 
@@ -40,6 +41,8 @@ def test_the_job_shrinks_and_grows_back(failover):
     assert failover["world_sizes"] == [2, 1, 2], failover
     first, after_kill, after_grow = failover["start_steps"]
     assert first == 0 and 0 < after_kill < after_grow < STEPS, failover
+    # the latest checkpoints at the kill and at the grow
+    assert (after_kill, after_grow) == (KILL_AT // SAVE_EVERY * SAVE_EVERY, REGROW_AT), failover
 
 
 def test_nothing_is_lost(failover):
@@ -52,6 +55,29 @@ def test_nothing_is_lost(failover):
 def test_lost_steps_are_those_since_the_last_checkpoint(failover):
     assert 0 <= failover["lost_on_kill"] < SAVE_EVERY, failover
     assert 0 <= failover["lost_on_grow"] < SAVE_EVERY, failover
+    # by construction (the workers stood at a step boundary): exactly the steps since the last checkpoint
+    assert (failover["lost_on_kill"], failover["lost_on_grow"]) == (KILL_AT % SAVE_EVERY, 0), failover
+
+
+def test_hold_specs():
+    assert parse_holds(["7@2", "9@1", "7@2"]) == {(7, 2), (9, 1)}
+    for bad in ("7", "7@0", "x@2", "7@", "-1@2", "7@2@3"):
+        with pytest.raises(ValueError, match="expected STEP@WORLD"):
+            parse_holds([bad])
+
+
+@pytest.mark.parametrize("kill_at, regrow_at, steps", [
+    (7, 10, 30),  # the grow not at a checkpoint: a round that formed early would train and meet that hold again
+    (2, 9, 30),  # no checkpoint before the kill: the smaller job would resume at step 0, a hold of its own
+    (9, 9, 30), (7, 30, 30), (0, 9, 30)])
+def test_failover_plans_the_holds_cannot_serve_are_refused(kill_at, regrow_at, steps):
+    from elastic_failover import check_plan, parser
+    args = parser().parse_args(["--kill-at", str(kill_at), "--regrow-at", str(regrow_at), "--steps", str(steps),
+                                "--save-every", str(SAVE_EVERY)])
+    with pytest.raises(ValueError, match="need"):
+        check_plan(args)
+    check_plan(parser().parse_args(["--kill-at", str(KILL_AT), "--regrow-at", str(REGROW_AT), "--steps", str(STEPS),
+                                    "--save-every", str(SAVE_EVERY)]))  # the plan above passes
 
 
 @pytest.mark.parametrize("global_batch, world, max_micro, expected", [

@@ -1,0 +1,117 @@
+"""Ending a multi-rank job past gloo's teardown abort, and judging a launch that aborted anyway.
+
+torch 2.13's gloo process group can kill a rank in C++ once the script is done ("terminate called without an active
+exception", SIGABRT), even after destroy_process_group, with or without deepspeed_bnb (stock DeepSpeed with torch
+AdamW does it in about 1 of 12 two-rank exits). The work is complete by then, but the launcher (torchrun, accelerate
+launch, the deepspeed launcher) reports the job as failed. One rule for every launch of this repository:
+
+- a rank ends with `finish()` once its results are written: it marks itself done (in the folder named by
+  $RANKS_DONE_DIR, when its launcher set one), leaves the process group and exits 0 without the interpreter's
+  teardown, where the abort happens;
+- a launcher (`run_ranks`) accepts a failed launch only when every failure it reports is a SIGABRT AND every rank
+  had marked itself done: an abort before a rank is done, or any other failure, still fails the launch.
+
+It lives in examples/ because the examples, the benchmarks and the tests all launch ranks and all import from here.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import List, Optional
+
+DONE_DIR_VAR = "RANKS_DONE_DIR"  # the launcher's folder for the ranks' completion markers
+ABORT = -signal.SIGABRT  # subprocess's returncode for a process killed by SIGABRT
+# torchrun's (and accelerate launch's) report of a failed rank: "failed (exitcode: -6) local_rank: 1 ..." and,
+# per failure, "exitcode  : -6 (pid: 123)  (SIGABRT)"
+EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def mark_done(rank: int) -> None:
+    """Record that this rank's results are written (a no-op outside a launch that asked for markers)."""
+    folder = os.environ.get(DONE_DIR_VAR)
+    if folder:
+        with open(os.path.join(folder, f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def finish() -> None:
+    """End this rank, its results written: mark it done, leave the process group, exit 0 at once. For a script's
+    `__main__` block (it does not return)."""
+    import torch.distributed as tdist
+    if tdist.is_available() and tdist.is_initialized():
+        mark_done(tdist.get_rank())
+        # every rank's collectives are over before any leaves (a rank gone early breaks a peer still in one)
+        tdist.barrier()
+        tdist.destroy_process_group()
+    else:
+        mark_done(int(os.environ.get("RANK", 0)))
+    # the abort comes from the C++ objects the interpreter's teardown destroys; there is nothing left to do here
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def ranks_done(folder: str) -> List[int]:
+    return sorted(int(name[4:]) for name in os.listdir(folder) if re.fullmatch(r"rank\d+", name))
+
+
+def aborted_only(returncode: int, output: str) -> bool:
+    """Whether the launch failed only by SIGABRT: the process itself (-6, or 134 through a shell), or a launcher
+    reporting ranks that all died of it."""
+    if returncode in (ABORT, 128 + signal.SIGABRT):
+        return True
+    codes = EXITCODE.findall(output)
+    return bool(codes) and all(int(code) == ABORT for code in codes)
+
+
+@dataclass
+class Launch:
+    cmd: List[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    ranks: int
+    done: List[int]  # the ranks that marked themselves done
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def aborted_after_done(self) -> bool:
+        """Failed by SIGABRT alone, every rank done first: gloo's teardown abort, the results complete."""
+        return self.returncode != 0 and self.done == list(range(self.ranks)) and \
+            aborted_only(self.returncode, self.output)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 or self.aborted_after_done
+
+    def failure(self, tail: int = 6000) -> str:
+        return (f"{' '.join(map(str, self.cmd))} exited with {self.returncode} (ranks done: {self.done} of "
+                f"{self.ranks}):\n{self.output[-tail:]}")
+
+
+def run_ranks(cmd, ranks: int, env: Optional[dict] = None, timeout: Optional[float] = None, cwd=None,
+              log_path: Optional[str] = None) -> Launch:
+    """Run a launch of `ranks` ranks that end with finish(); its output is captured, or written to `log_path`
+    (and read back). `.ok` applies the rule above; nothing here raises for a failed launch."""
+    env = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory(prefix="ranks_done_") as folder:
+        env[DONE_DIR_VAR] = folder
+        if log_path:
+            with open(log_path, "w") as log:
+                done = subprocess.run(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                      timeout=timeout, check=False)
+            with open(log_path) as log:
+                done.stdout, done.stderr = log.read(), ""
+        else:
+            done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                                  check=False)
+        return Launch(list(cmd), done.returncode, done.stdout, done.stderr, ranks, ranks_done(folder))

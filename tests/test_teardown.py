@@ -1,0 +1,97 @@
+"""The rule every multi-rank launch of the repository is judged by (examples/teardown.py).
+
+torch 2.13's gloo group can abort a finished rank in C++ (SIGABRT, "terminate called without an active exception")
+after its results are written; the launch then fails although nothing is missing. A launch passes when it exits 0,
+or when it failed by SIGABRT alone after every rank had marked itself done (teardown.finish()). Real torchrun launches
+of tests/teardown_worker.py: the abort after the results is accepted; the same abort before a rank's result, or
+another failure after it, is not (negative controls). No timing is involved: the outcome of each launch is fixed by
+what its ranks do.
+"""
+
+import os
+import signal
+import sys
+
+import pytest
+from conftest import free_port, launch_env
+
+from teardown import DONE_DIR_VAR, aborted_only, run_ranks
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")
+
+
+def launch(out, mode):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(TESTS, "teardown_worker.py"), str(out), mode]
+    return run_ranks(cmd, 2, env=launch_env(), timeout=300)
+
+
+def results(out):
+    return sorted(name for name in os.listdir(out) if name.startswith("result"))
+
+
+def test_a_clean_end_exits_0(tmp_path):
+    done = launch(tmp_path, "clean")
+    assert (done.returncode, done.done, done.ok) == (0, [0, 1], True), done.failure()
+    assert results(tmp_path) == ["result0", "result1"]
+
+
+def test_an_abort_after_every_result_is_accepted(tmp_path):
+    done = launch(tmp_path, "abort_after")
+    assert done.returncode != 0 and "SIGABRT" in done.output, done.failure()  # the launcher did report a failure
+    assert done.done == [0, 1] and done.aborted_after_done and done.ok, done.failure()
+    assert results(tmp_path) == ["result0", "result1"]
+
+
+def test_an_abort_before_a_result_fails_the_launch(tmp_path):
+    """Negative control: the same SIGABRT, before rank 1 wrote anything."""
+    done = launch(tmp_path, "abort_before")
+    assert done.returncode != 0 and 1 not in done.done, done.failure()
+    assert not done.aborted_after_done and not done.ok
+    assert "result1" not in results(tmp_path)
+
+
+def test_another_failure_after_every_result_fails_the_launch(tmp_path):
+    """Negative control: every rank done, but one exits 3 rather than by SIGABRT."""
+    done = launch(tmp_path, "error_after")
+    assert done.returncode != 0 and done.done == [0, 1], done.failure()
+    assert not done.aborted_after_done and not done.ok
+
+
+@pytest.mark.parametrize("marks_done, ok", [(True, True), (False, False)])
+def test_a_single_process_killed_by_sigabrt(marks_done, ok):
+    """Without a launcher in between (returncode -6): accepted only after the process marked itself done."""
+    code = (f"import os, sys; sys.path.insert(0, {EXAMPLES!r}); import teardown; "
+            f"{'teardown.mark_done(0); ' if marks_done else ''}os.abort()")
+    done = run_ranks([sys.executable, "-c", code], 1, env=launch_env(), timeout=60)
+    assert done.returncode == -signal.SIGABRT and done.done == ([0] if marks_done else [])
+    assert done.ok is ok
+
+
+REPORT = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 123)  (SIGABRT)
+"""
+
+
+@pytest.mark.parametrize("returncode, output, expected", [
+    (-6, "", True), (134, "", True),  # the process itself; through a shell
+    (1, "failed (exitcode: -6) local_rank: 1\n" + REPORT.format(code=-6), True),  # torchrun's report
+    (1, REPORT.format(code=-6) + "Failures:\n[1]:\n  exitcode  : 1 (pid: 124)\n", False),  # and another failure
+    (1, REPORT.format(code=1), False),
+    (1, "Traceback (most recent call last):\nRuntimeError: boom\n", False),  # no report at all
+    (-9, "", False), (-15, "", False),
+])
+def test_what_counts_as_an_abort(returncode, output, expected):
+    assert aborted_only(returncode, output) is expected
+
+
+def test_a_launch_that_asked_for_no_markers_marks_nothing(tmp_path, monkeypatch):
+    from teardown import mark_done
+    monkeypatch.delenv(DONE_DIR_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    mark_done(0)
+    assert os.listdir(tmp_path) == []
