@@ -1,24 +1,29 @@
 """Compatibility matrix: this repository's core correctness tests against DeepSpeed x bitsandbytes releases.
 
-Each cell gets a throwaway venv (under a temp dir, deleted afterwards) holding the local CPU build of torch
-(`torch==2.13.0`, never an unpinned torch), DeepSpeed built from its sdist (`DS_BUILD_OPS=0`, no CUDA) and
-bitsandbytes, both from the package index; pip's own cache keeps downloads and built wheels across cells and runs.
-The repository's tests then run in that venv with PYTHONPATH at the repository root (so this checkout's deepspeed_bnb
-and tests are the ones run) and DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS=1 (so the import guard lets every cell run).
+Environments are kept and reused between cells and runs (under ~/.cache/deepspeed_bnb/compat_matrix/envs):
+- one base venv per bitsandbytes release, holding the local CPU build of torch (`torch==2.13.0`, never an unpinned
+  torch, never reinstalled), that bitsandbytes and what DeepSpeed and the tests need, but no DeepSpeed;
+- one venv per cell, holding only DeepSpeed, installed without dependencies from a wheel built once from its sdist
+  (`DS_BUILD_OPS=0`, no CUDA; wheels cached beside the envs); a `.pth` file puts the base venv's packages behind it.
+A cell then costs its tests: the repository's tests run once per cell (one pytest, so the multi-rank launches that
+several claims share run once) with PYTHONPATH at the repository root (this checkout's deepspeed_bnb and tests),
+DEEPSPEED_BNB_SCENARIO_SIZES=1,2 (the claims need DP 1 and 2 only) and one TORCH_EXTENSIONS_DIR for every cell
+(deepspeed_bnb's kernels are JIT-built once there; DeepSpeed's own CPU comm op again for each release).
 
 Results are merged into tools/compat_matrix.json cell by cell (a rerun of one cell replaces that cell only) and
 rendered as the table in tools/compat_matrix.md, with a failure excerpt per failing claim. Run by hand; not part of
-`make test` (about an hour on 2 cores). Full logs go to ~/.cache/deepspeed_bnb/compat_matrix/.
+`make test`. Full logs go to ~/.cache/deepspeed_bnb/compat_matrix/logs.
 
   tools/compat_matrix.sh                                           # every default cell
-  tools/compat_matrix.sh --only deepspeed==0.18.9                  # the cells with that release
-  tools/compat_matrix.sh --only "deepspeed==0.19.7 bitsandbytes==0.49.2"  # one cell (also one outside the defaults)
+  tools/compat_matrix.sh --only deepspeed==0.18.4                  # the cells with that release
+  tools/compat_matrix.sh --only "deepspeed==0.19.8 bitsandbytes==0.49.1"  # one cell (also one outside the defaults)
   tools/compat_matrix.sh --resume                                  # skip cells already in the results
   tools/compat_matrix.sh --list                                    # the selected cells, without running them
 """
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -27,35 +32,61 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import sysconfig
 import time
 import xml.etree.ElementTree as ElementTree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_JSON = os.path.join(REPO, "tools", "compat_matrix.json")
 RESULTS_MD = os.path.join(REPO, "tools", "compat_matrix.md")
-LOG_DIR = os.path.join(os.path.expanduser("~"), ".cache", "deepspeed_bnb", "compat_matrix")
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "deepspeed_bnb", "compat_matrix")
+LOG_DIR, ENVS, WHEELS = (os.path.join(CACHE, part) for part in ("logs", "envs", "wheels"))
 ALLOW_UNTESTED_ENV = "DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS"  # deepspeed_bnb/_versions.py (not importable here)
 
 TORCH = "torch==2.13.0"  # the CPU build pip finds on this machine's disk; an unpinned torch pulls a CUDA build
-# setup.py's install_requires besides torch, deepspeed and bitsandbytes, plus what the tests and the sdist build need
-EXTRA_PACKAGES = ("ninja", "packaging", "safetensors", "pytest")
+# DeepSpeed's own requirements (the same from 0.16.4 to 0.19.8), setup.py's besides torch, deepspeed and
+# bitsandbytes, and what the tests need; DeepSpeed itself goes into each cell's venv
+BASE_PACKAGES = ("einops", "hjson", "msgpack", "ninja", "numpy", "packaging>=20.0", "psutil", "py-cpuinfo",
+                 "pydantic>=2.0.0", "tqdm", "safetensors", "pytest", "accelerate")  # Accelerate: its override entry
 BUILD_PACKAGES = ("setuptools", "wheel")  # DeepSpeed's sdist is built without isolation, against the pinned torch
 
-BNB_CURRENT, BNB_PREVIOUS = "0.50.2", "0.49.2"
-DS_SERIES, DS_PREVIOUS_SERIES = (0, 19), (0, 18)
+FIRST, LAST = (0, 16, 4), (0, 19, 8)  # the DeepSpeed releases of the default cells, every one in between
+BNB_CURRENT, BNB_PREVIOUS = "0.50.2", ("0.49.1", "0.49.2")
+REFERENCE = ("0.19.8", BNB_CURRENT)  # the other side of the cross-release claim (its own: the oldest release)
+
+SIZES = "1,2"  # tests/scenario_runs.py: the DP sizes the claims need
+
+
+def _elastic(kinds, pairs=((2, 1), (1, 2))):
+    return [f"tests/test_elastic.py::test_load_at_any_dp[{k}-{n}-{m}]" for k in kinds for n, m in pairs]
+
 
 # claim (table column) -> the test ids that establish it; each test carries its own negative control
 CLAIMS = {
     "sharded == unsharded": ["tests/test_sharded_update.py"],
     "DP=1 == plain bnb": ["tests/test_matches_bnb.py::test_zero_dp1_matches_plain_bnb",
-                          "tests/test_matches_bnb.py::test_control_stock_zero_differs_from_plain_bnb"],
-    "elastic 2->1, 1->2": [f"tests/test_elastic.py::test_load_at_any_dp[{kind}-{saved}-{loaded}]"
-                           for kind in ("fp32_stage1", "bf16_stage2") for saved, loaded in ((2, 1), (1, 2))],
+                          "tests/test_matches_bnb.py::test_control_stock_zero_differs_from_plain_bnb",
+                          "tests/test_stage3.py::test_stage3_dp1_equals_plain_bnb"],
+    "elastic 2->1, 1->2 (ZeRO-1, 2, 3)": _elastic(("fp32_stage1", "bf16_stage2", "fp32_stage3")),
     "same-DP resume": [f"tests/test_distributed.py::test_same_dp_resume_is_bit_exact[{case}-2]"
                        for case in ("stage1_rigid", "stage1_elastic", "stage2_rigid", "stage2_elastic")],
+    "ZeRO-3 DP invariance": [f"tests/test_distributed.py::test_fp32_tracks_single_rank[{config}-2]"
+                             for config in ("fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload")]
+                            + ["tests/test_distributed.py::test_stage3_matches_stage2[2]",
+                               "tests/test_distributed.py::test_stock_deepspeed_does_not_track_single_rank"
+                               "[3-DeepSpeedZeroOptimizer_Stage3-2]"],
+    "one checkpoint format": ["tests/test_cross_release.py"],
+    "override register": ["tests/test_overrides.py"],
+    "control: stock + torch AdamW": ["tests/test_stock_control.py"],
 }
-CLAIM_TIMEOUT = 1800  # seconds of pytest per claim: a hung gloo group must not stall the whole matrix
+# claims that cannot hold for a cell, and why (a table cell of its own, not a failure)
+NOT_APPLICABLE = {
+    "bitsandbytes 0.49": ({"sharded == unsharded", "DP=1 == plain bnb"},
+                          "needs bitsandbytes' own CPU update, which 0.49 does not have"),
+}
+# claims checked from the reference environment, pointing a test at the cell's Python (claim -> variable, ids)
+FROM_REFERENCE = {"0.49 == 0.50.2 (fused kernel)": ("DEEPSPEED_BNB_BNB049_PYTHON", ["tests/test_bnb_049.py"])}
+CLAIM_TIMEOUT = 5400  # seconds of pytest per cell: a hung gloo group must not stall the whole matrix
 
 
 def release(text: str):
@@ -73,11 +104,11 @@ def index_releases(python: str, package: str):
 
 
 def default_cells(python: str):
-    """Every DeepSpeed 0.19.x with the current bitsandbytes; the newest 0.18.x and 0.19.x with the previous one."""
-    deepspeed = index_releases(python, "deepspeed")
-    series = [v for v in deepspeed if release(v)[:2] == DS_SERIES]
-    previous = [v for v in deepspeed if release(v)[:2] == DS_PREVIOUS_SERIES]
-    return [(v, BNB_CURRENT) for v in series] + [(previous[-1], BNB_PREVIOUS), (series[-1], BNB_PREVIOUS)]
+    """Every DeepSpeed release from FIRST to LAST with the current bitsandbytes; the previous bitsandbytes releases
+    with the newest DeepSpeed and with the newest 0.18 (Axolotl's pins)."""
+    deepspeed = [v for v in index_releases(python, "deepspeed") if FIRST <= release(v) <= LAST]
+    newest_018 = [v for v in deepspeed if release(v)[:2] == (0, 18)][-1:]
+    return [(v, BNB_CURRENT) for v in deepspeed] + [(d, b) for b in BNB_PREVIOUS for d in [deepspeed[-1]] + newest_018]
 
 
 def parse_only(text: str) -> dict:
@@ -109,7 +140,7 @@ def select(cells, only):
 
 def clean_env(**extra) -> dict:
     """This environment without another venv's or checkout's paths, plus `extra`."""
-    dropped = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", ALLOW_UNTESTED_ENV)
+    dropped = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", ALLOW_UNTESTED_ENV, "DEEPSPEED_BNB_ZERO_PADDING")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(PYTHONNOUSERSITE="1", **extra)
     return env
@@ -125,23 +156,71 @@ def logged(cmd, log, env, timeout=None) -> int:
         return 124
 
 
-def install(venv: str, deepspeed: str, bnb: str, args, log) -> str:
-    """Populate `venv`; returns "" or what failed."""
+def python_of(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+def site_packages(python: str) -> str:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def ready(venv: str) -> bool:
+    return os.path.exists(os.path.join(venv, ".ready"))
+
+
+def base_venv(bnb: str, args, log) -> str:
+    """The shared venv of a bitsandbytes release (torch, bitsandbytes, DeepSpeed's and the tests' needs); made once."""
+    venv = os.path.join(ENVS, f"base-py{sysconfig.get_python_version()}-bnb{bnb}")
+    if ready(venv):
+        return venv
+    shutil.rmtree(venv, ignore_errors=True)
     if logged([args.python, "-m", "venv", venv], log, clean_env()) != 0:
-        return "python -m venv failed"
-    python = os.path.join(venv, "bin", "python")
-    pip = [python, "-m", "pip", "install", "--progress-bar", "off"]
+        raise RuntimeError("python -m venv failed")
+    pip = [python_of(venv), "-m", "pip", "install", "--progress-bar", "off"]
     torch_index = ["--index-url", args.torch_index] if args.torch_index else []
+    if logged(pip + [TORCH, *BUILD_PACKAGES] + torch_index, log, clean_env()) != 0:
+        raise RuntimeError(f"pip install {TORCH} failed")
     constraints = os.path.join(venv, "constraints.txt")
     with open(constraints, "w") as f:
         f.write(TORCH + "\n")  # nothing below may swap the local torch build for another
-    env = clean_env(DS_BUILD_OPS="0")  # DeepSpeed's setup.py: JIT ops only, no CUDA needed
-    if logged(pip + [TORCH, *BUILD_PACKAGES] + torch_index, log, env) != 0:
-        return f"pip install {TORCH} failed"
-    if logged(pip + ["--no-build-isolation", "-c", constraints, f"deepspeed=={deepspeed}", f"bitsandbytes=={bnb}",
-                     *EXTRA_PACKAGES], log, env) != 0:
-        return f"pip install deepspeed=={deepspeed} bitsandbytes=={bnb} failed"
-    return ""
+    if logged(pip + ["-c", constraints, f"bitsandbytes=={bnb}", *BASE_PACKAGES], log, clean_env()) != 0:
+        raise RuntimeError(f"pip install bitsandbytes=={bnb} failed")
+    open(os.path.join(venv, ".ready"), "w").close()
+    return venv
+
+
+def deepspeed_wheel(deepspeed: str, base: str, log) -> str:
+    """DeepSpeed's wheel, built once from its sdist against the base venv's torch (no ops compiled ahead)."""
+    os.makedirs(WHEELS, exist_ok=True)
+    found = glob.glob(os.path.join(WHEELS, f"deepspeed-{deepspeed}-*.whl"))
+    if not found:
+        cmd = [python_of(base), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--progress-bar", "off",
+               "-w", WHEELS, f"deepspeed=={deepspeed}"]
+        if logged(cmd, log, clean_env(DS_BUILD_OPS="0")) != 0:
+            raise RuntimeError(f"building the deepspeed=={deepspeed} wheel failed")
+        found = glob.glob(os.path.join(WHEELS, f"deepspeed-{deepspeed}-*.whl"))
+    return found[0]
+
+
+def cell_venv(deepspeed: str, bnb: str, args, log) -> str:
+    """The cell's venv: DeepSpeed alone, the base venv's packages behind it; made once, reused afterwards."""
+    base = base_venv(bnb, args, log)  # first: the cell's venv reads its packages from there
+    venv = os.path.join(ENVS, f"deepspeed{deepspeed}-bnb{bnb}")
+    if ready(venv):
+        return venv
+    wheel = deepspeed_wheel(deepspeed, base, log)
+    shutil.rmtree(venv, ignore_errors=True)
+    if logged([args.python, "-m", "venv", "--without-pip", venv], log, clean_env()) != 0:
+        raise RuntimeError("python -m venv failed")
+    with open(os.path.join(site_packages(python_of(venv)), "zz_compat_matrix_base.pth"), "w") as f:
+        f.write(site_packages(python_of(base)) + "\n")  # after the venv's own packages: its DeepSpeed wins
+    cmd = [python_of(base), "-m", "pip", "install", "--no-deps", "--progress-bar", "off",
+           "--target", site_packages(python_of(venv)), wheel]
+    if logged(cmd, log, clean_env()) != 0:
+        raise RuntimeError(f"installing {os.path.basename(wheel)} failed")
+    open(os.path.join(venv, ".ready"), "w").close()
+    return venv
 
 
 def installed_versions(python: str) -> dict:
@@ -157,8 +236,8 @@ def node_id(case) -> str:
 
 def excerpt(text: str, lines: int = 4) -> str:
     """The last few distinct error lines of a failure (exception lines and failed asserts), shortened, with the
-    checkout and the throwaway venv named by role rather than by path (the table is committed)."""
-    text = re.sub(r"[^\s('\"]*/deepspeed_bnb_compat_\w+/venv", "<venv>", text).replace(REPO + os.sep, "")
+    checkout and the environments named by role rather than by path (the table is committed)."""
+    text = text.replace(ENVS + os.sep, "<envs>/").replace(REPO + os.sep, "")
     found = []
     for line in text.splitlines():
         line = line.strip()
@@ -170,9 +249,8 @@ def excerpt(text: str, lines: int = 4) -> str:
     return "\n".join(found[-lines:]) or text.strip()[-600:]
 
 
-def claim_result(ids, junit: str, output: str, seconds: float) -> dict:
-    """Outcome of one claim's pytest run: pass / fail / not run, test counts, seconds and a failure excerpt."""
-    cases = list(ElementTree.parse(junit).getroot().iter("testcase")) if os.path.exists(junit) else []
+def claim_result(ids, cases, output: str, seconds: float) -> dict:
+    """Outcome of one claim: pass / fail / not run, test counts, seconds and a failure excerpt."""
     mine = [c for c in cases if any(node_id(c) == i or node_id(c).startswith((i + "::", i + "[")) for i in ids)]
     bad = [c for c in mine if c.find("failure") is not None or c.find("error") is not None
            or c.find("skipped") is not None]  # a skip would be a vacuous pass
@@ -189,50 +267,79 @@ def claim_result(ids, junit: str, output: str, seconds: float) -> dict:
     return record
 
 
-def run_claims(python: str, venv: str, work: str, log) -> dict:
-    """One pytest run per claim, so that a test module failing to import costs only its own claim."""
-    env = clean_env(PYTHONPATH=REPO, TORCH_EXTENSIONS_DIR=os.path.join(work, "torch_extensions"),
-                    PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""),
-                    **{ALLOW_UNTESTED_ENV: "1"})
+def pytest_run(python: str, ids, work: str, log, **env_extra):
+    """One pytest over `ids`: (its junit test cases, its output, seconds)."""
     junit = os.path.join(work, "junit.xml")
-    results = {}
-    for claim, ids in CLAIMS.items():
-        if os.path.exists(junit):
-            os.remove(junit)
-        log.flush()
-        offset = os.path.getsize(log.name)
-        started = time.monotonic()
-        logged([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *ids], log, env,
-               timeout=CLAIM_TIMEOUT)
-        log.flush()
-        with open(log.name, "rb") as f:
-            f.seek(offset)
-            output = f.read().decode(errors="replace")
-        results[claim] = claim_result(ids, junit, output, time.monotonic() - started)
+    if os.path.exists(junit):
+        os.remove(junit)
+    # the import guard accepts the releases that passed this matrix: a cell must run to be judged at all
+    env = clean_env(PYTHONPATH=REPO, PATH=os.path.dirname(python) + os.pathsep + os.environ.get("PATH", ""),
+                    DEEPSPEED_BNB_SCENARIO_SIZES=SIZES, **{ALLOW_UNTESTED_ENV: "1"}, **env_extra)
+    log.flush()
+    offset = os.path.getsize(log.name)
+    started = time.monotonic()
+    logged([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *ids], log, env,
+           timeout=CLAIM_TIMEOUT)
+    log.flush()
+    with open(log.name, "rb") as f:
+        f.seek(offset)
+        output = f.read().decode(errors="replace")
+    cases = list(ElementTree.parse(junit).getroot().iter("testcase")) if os.path.exists(junit) else []
+    return cases, output, time.monotonic() - started
+
+
+def seconds_of(cases, ids) -> float:
+    return sum(float(c.get("time", 0)) for c in cases
+               if any(node_id(c) == i or node_id(c).startswith((i + "::", i + "[")) for i in ids))
+
+
+def not_applicable(bnb: str) -> dict:
+    for prefix, (claims, why) in NOT_APPLICABLE.items():
+        if f"bitsandbytes {bnb}".startswith(prefix):
+            return {claim: why for claim in claims}
+    return {}
+
+
+def run_claims(deepspeed: str, bnb: str, python: str, reference: str, work: str, log) -> dict:
+    """Every claim of the cell: one pytest in the cell's venv, and the claims checked from the reference venv."""
+    skipped = not_applicable(bnb)
+    here = {claim: ids for claim, ids in CLAIMS.items() if claim not in skipped}
+    extensions = os.path.join(CACHE, "torch_extensions")  # one cell at a time: DeepSpeed's ops rebuild per release
+    other = reference if (deepspeed, bnb) != REFERENCE else python_of(os.path.join(
+        ENVS, f"deepspeed{'.'.join(map(str, FIRST))}-bnb{BNB_CURRENT}"))
+    cases, output, _ = pytest_run(python, sorted({i for ids in here.values() for i in ids}), work, log,
+                                  TORCH_EXTENSIONS_DIR=extensions, DEEPSPEED_BNB_OTHER_PYTHON=other)
+    results = {claim: claim_result(ids, cases, output, seconds_of(cases, ids)) for claim, ids in here.items()}
+    results.update({claim: {"outcome": "n/a", "why": why} for claim, why in skipped.items()})
+    if skipped:  # the cell's own release cannot be its oracle: check it against the reference's
+        for claim, (variable, ids) in FROM_REFERENCE.items():
+            cases, output, seconds = pytest_run(reference, ids, work, log, **{variable: python},
+                                                TORCH_EXTENSIONS_DIR=os.path.join(CACHE, "torch_extensions"))
+            results[claim] = claim_result(ids, cases, output, seconds)
     return results
 
 
 def run_cell(deepspeed: str, bnb: str, work: str, args) -> dict:
-    venv = os.path.join(work, "venv")  # one path for every cell: torch's JIT build of the kernels records the torch
-    shutil.rmtree(venv, ignore_errors=True)  # include path, so the same path lets later cells reuse the first build
     os.makedirs(LOG_DIR, exist_ok=True)
     log_path = os.path.join(LOG_DIR, f"deepspeed-{deepspeed}_bitsandbytes-{bnb}.log")
     record = {"deepspeed": deepspeed, "bitsandbytes": bnb, "date": datetime.date.today().isoformat(),
               "commit": git_commit()}
     started = time.monotonic()
     with open(log_path, "w") as log:
-        problem = install(venv, deepspeed, bnb, args, log)
-        record["install_seconds"] = round(time.monotonic() - started)
-        python = os.path.join(venv, "bin", "python")
-        record["installed"] = installed_versions(python) if not problem else {}
-        if problem:
+        try:
+            reference = python_of(cell_venv(*REFERENCE, args, log))
+            python = python_of(cell_venv(deepspeed, bnb, args, log))
+            if (deepspeed, bnb) == REFERENCE:  # its cross-release partner is the oldest release
+                cell_venv(".".join(map(str, FIRST)), BNB_CURRENT, args, log)
+        except RuntimeError as exc:
             log.flush()
             with open(log_path) as f:
                 tail = f.read()
-            record.update(install_error=problem + "\n" + excerpt(tail), claims={})
+            record.update(install_error=f"{exc}\n{excerpt(tail)}", claims={}, installed={})
         else:
-            record["claims"] = run_claims(python, venv, work, log)
-    shutil.rmtree(venv, ignore_errors=True)
+            record["install_seconds"] = round(time.monotonic() - started)
+            record["installed"] = installed_versions(python)
+            record["claims"] = run_claims(deepspeed, bnb, python, reference, work, log)
     record["seconds"] = round(time.monotonic() - started)
     record["log"] = os.path.basename(log_path)
     return record
@@ -269,43 +376,63 @@ def minutes(seconds) -> str:
 def verdict(cell: dict, claim: str) -> str:
     if cell.get("install_error"):
         return "install failed"
-    record = cell["claims"][claim]
+    record = cell["claims"].get(claim)
+    if record is None:
+        return ""
     if record["outcome"] == "pass":
-        return f"pass ({record['tests']} tests, {record['seconds']} s)"
+        return f"pass ({record['tests']})"
+    if record["outcome"] == "n/a":
+        return "n/a"
     if record["outcome"] == "fail":
-        return f"**FAIL** ({record['failed']} of {record['tests']} tests)"
+        return f"**FAIL** ({record['failed']} of {record['tests']})"
     return "**not run**"
 
 
+def passed(cell: dict) -> bool:
+    """Every claim of the cell passed (or cannot apply to it)."""
+    return not cell.get("install_error") and all(r["outcome"] in ("pass", "n/a") for r in cell["claims"].values())
+
+
+def claims_of(cells) -> list:
+    return list(CLAIMS) + [c for c in FROM_REFERENCE if any(c in cell.get("claims", {}) for cell in cells)]
+
+
 def render(results: dict) -> str:
-    cells = [results[k] for k in sorted(results, key=lambda k: (release(k[0]), release(k[1])))]
-    claims = list(CLAIMS)
+    cells = [results[k] for k in sorted(results, key=lambda k: (release(k[1]) != release(BNB_CURRENT),
+                                                                  release(k[1]), release(k[0])))]
+    claims = claims_of(cells)
     total = sum(cell["seconds"] for cell in cells)
     lines = [
         "# Compatibility matrix",
         "",
-        "The core correctness tests of this repository against DeepSpeed and bitsandbytes releases, one fresh venv",
-        f"per cell (CPU: {TORCH}, gloo ranks). Written by `tools/compat_matrix.sh` (rerun one cell with",
-        "`tools/compat_matrix.sh --only deepspeed==X.Y.Z`); each verdict gives the number of tests behind it and their",
-        "time. Time: the whole cell, venv and install included (the first cell of a run also JIT-compiles the",
-        "kernels).",
+        "The core correctness tests of this repository against DeepSpeed and bitsandbytes releases (CPU: "
+        f"{TORCH}, gloo ranks), written by `tools/compat_matrix.sh` (one cell: `tools/compat_matrix.sh --only",
+        "deepspeed==X.Y.Z`). Each verdict gives the number of tests behind it; n/a: the claim cannot hold for that",
+        "release (why below). Time: the cell's tests (its environment is made once and reused).",
         "",
         "| DeepSpeed | bitsandbytes | " + " | ".join(claims) + " | time | commit |",
         "|---|---|" + "---|" * len(claims) + "---:|---|",
     ]
     for cell in cells:
+        tested = cell["seconds"] - cell.get("install_seconds", 0)
         lines.append(f"| {cell['deepspeed']} | {cell['bitsandbytes']} | "
                      + " | ".join(verdict(cell, c) for c in claims)
-                     + f" | {minutes(cell['seconds'])} | {cell.get('commit', '')} |")
-    lines += ["", f"Total: {minutes(total)} over {len(cells)} cells.", "", "Tests behind each claim:", ""]
+                     + f" | {minutes(tested)} | {cell.get('commit', '')} |")
+    lines += ["", f"Total: {minutes(total)} over {len(cells)} cells (environments made in that run included).", "",
+              "Tests behind each claim:", ""]
     lines += [f"- {claim}: " + ", ".join(f"`{i}`" for i in ids) for claim, ids in CLAIMS.items()]
+    lines += [f"- {claim} (run in DeepSpeed {REFERENCE[0]} / bitsandbytes {REFERENCE[1]}'s environment with {var} "
+              f"set to the cell's Python): " + ", ".join(f"`{i}`" for i in ids)
+              for claim, (var, ids) in FROM_REFERENCE.items()]
+    lines += [f"- n/a for {prefix}: {', '.join(sorted(claims))}: {why}"
+              for prefix, (claims, why) in NOT_APPLICABLE.items()]
     failures = []
     for cell in cells:
         name = f"DeepSpeed {cell['deepspeed']}, bitsandbytes {cell['bitsandbytes']}"
         if cell.get("install_error"):
             failures += [f"### {name}: install", "", "```", cell["install_error"], "```", ""]
         for claim, record in cell.get("claims", {}).items():
-            if record["outcome"] != "pass":
+            if record["outcome"] not in ("pass", "n/a"):
                 where = f" (first: `{record['first_failed']}`)" if record.get("first_failed") else ""
                 failures += [f"### {name}: {claim}{where}", "", "```", record["excerpt"], "```", ""]
     if failures:
@@ -339,17 +466,18 @@ def main():
     print(f"compat_matrix: {len(cells)} cells; logs in {LOG_DIR}; {platform.python_version()} ({args.python})",
           flush=True)
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("compat_matrix: terminated"))  # still delete the temp dir
-    with tempfile.TemporaryDirectory(prefix="deepspeed_bnb_compat_") as work:  # the prefix excerpt() hides
-        for n, (deepspeed, bnb) in enumerate(cells, 1):
-            print(f"[{n}/{len(cells)}] deepspeed=={deepspeed} bitsandbytes=={bnb} ...", end=" ", flush=True)
-            cell = run_cell(deepspeed, bnb, work, args)
-            results[(deepspeed, bnb)] = cell
-            write_atomically(RESULTS_JSON, json.dumps({"cells": list(results.values())}, indent=1) + "\n")
-            write_atomically(RESULTS_MD, render(results))
-            print(cell.get("install_error", "").split("\n")[0]
-                  or ", ".join(f"{k}: {verdict(cell, k)}" for k in CLAIMS), f"[{minutes(cell['seconds'])}]",
-                  flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("compat_matrix: terminated"))
+    work = os.path.join(CACHE, "work")
+    os.makedirs(work, exist_ok=True)
+    for n, (deepspeed, bnb) in enumerate(cells, 1):
+        print(f"[{n}/{len(cells)}] deepspeed=={deepspeed} bitsandbytes=={bnb} ...", end=" ", flush=True)
+        cell = run_cell(deepspeed, bnb, work, args)
+        results[(deepspeed, bnb)] = cell
+        write_atomically(RESULTS_JSON, json.dumps({"cells": list(results.values())}, indent=1) + "\n")
+        write_atomically(RESULTS_MD, render(results))
+        print(cell.get("install_error", "").split("\n")[0]
+              or ", ".join(f"{k}: {verdict(cell, k)}" for k in cell["claims"]), f"[{minutes(cell['seconds'])}]",
+              flush=True)
     print(f"compat_matrix: done in {minutes(time.monotonic() - started)}; table in {os.path.relpath(RESULTS_MD)}")
     print(render(results).split("\n\nTests behind")[0].split("\n\n")[-1])
 
