@@ -34,6 +34,7 @@ import deepspeed  # noqa: E402
 import deepspeed_bnb  # noqa: E402,F401
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed_bnb.runtime.engine import stock_deepspeed  # noqa: E402
+from deepspeed_bnb.runtime.zero.compat import PADDING_ENV  # noqa: E402
 from deepspeed_bnb.checkpoint.param_state import gather_param_states  # noqa: E402
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
@@ -51,6 +52,9 @@ TRAIN_CONFIGS = {
     "fp32_stage2_offload": dict(stage=2, offload=True),
     "fp32_stage2_round_robin": dict(stage=2, round_robin_gradients=True),
     "fp32_stage2_bnb_update": dict(stage=2, bnb_fused_kernel=False),  # bnb's own update instead of the fused kernel
+    # the layout made of padding tensors (what DeepSpeed < 0.19.7 gets) on any release: the same numbers
+    "fp32_stage2_padding_tensors": dict(stage=2, padding="tensors"),
+    "fp32_stage2_offload_padding_tensors": dict(stage=2, offload=True, padding="tensors"),
     "bf16_stage2_clip": dict(stage=2, bf16=True, clip=0.05),
     "bf16_stage1_fp32_accum": dict(stage=1, bf16=True, data_types={"grad_accum_dtype": "fp32"}),
     "fp32_stage3": dict(stage=3),  # every parameter persistent (the toy's are all below the 1e5 default)
@@ -65,9 +69,10 @@ TRAIN_CONFIGS = {
 STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(stage=3)}
 
 
-def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, **cfg):
+def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, padding=None, **cfg):
     """An engine of the toy model. emb32: the 32-bit embedding override HF Trainer registers with bnb's
-    GlobalOptimManager for 8-bit optimizers (resolved when the engine is built, then cleared)."""
+    GlobalOptimManager for 8-bit optimizers (resolved when the engine is built, then cleared). padding: how the
+    ZeRO-1/2 layout is placed (DEEPSPEED_BNB_ZERO_PADDING, read when the optimizer is built; None: the release's)."""
     extra = {k: cfg.pop(k) for k in ("data_types",) if k in cfg}
     config = {**ds_config(world, **cfg), **extra}
     with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
@@ -82,7 +87,12 @@ def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, **c
         with stock_deepspeed():
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        if padding:
+            os.environ[PADDING_ENV] = padding
+        try:
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        finally:
+            os.environ.pop(PADDING_ENV, None)
     manager.initialize()
     return engine
 

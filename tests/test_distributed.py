@@ -32,6 +32,7 @@ def max_delta(a, b):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("config", ["fp32_stage1", "fp32_stage2", "fp32_stage2_clip", "fp32_stage2_clip_accum",
                                     "fp32_stage2_offload", "fp32_stage2_round_robin", "fp32_stage2_bnb_update",
+                                    "fp32_stage2_padding_tensors", "fp32_stage2_offload_padding_tensors",
                                     "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload",
                                     "fp32_stage3_emb32"])
 def test_fp32_tracks_single_rank(results, world, config):
@@ -72,6 +73,15 @@ def test_stage3_matches_stage2(results, world):
     train = results[world]["train"]
     assert max_delta(train["fp32_stage3"]["losses"], train["fp32_stage2"]["losses"]) < FP32_TOL
     assert train["fp32_stage3_offload"]["losses"] == train["fp32_stage3"]["losses"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_padding_tensors_train_as_per_parameter_padding(results, world):
+    """The layout made of padding tensors (DeepSpeed < 0.19.7's) computes what DeepSpeed's per-parameter padding
+    computes, at every DP size, offload too."""
+    train = results[world]["train"]
+    assert train["fp32_stage2_padding_tensors"]["losses"] == train["fp32_stage2"]["losses"]
+    assert train["fp32_stage2_offload_padding_tensors"]["losses"] == train["fp32_stage2_offload"]["losses"]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

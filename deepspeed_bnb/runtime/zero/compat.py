@@ -8,14 +8,20 @@ on earlier ones it is made of zero padding tensors placed between the parameters
 ("tensors", runtime/zero/padding_tensors.py). Both give the same flat buffers and the same checkpoint files.
 DEEPSPEED_BNB_ZERO_PADDING=tensors selects the second on any release (to compare the two in one run).
 
-Between the supported releases:
+Between the supported releases (each difference a symbol of the override register, runtime/overrides.py, with the
+release that added it; the functions below read them):
 - DeepSpeed 0.19.8 copies gradients into the ZeRO-Offload CPU buffers asynchronously and waits for those copies
-  before loading a checkpoint (`_wait_for_offload_copies`); 0.19.7 copies synchronously.
-- DeepSpeed 0.19.7 does not average gradients across ranks under ZeRO-1 with a separate fp32 gradient accumulator
-  (`use_grad_accum_attribute`: bf16/fp16 with data_types.grad_accum_dtype "fp32", a combination deepspeed_bnb routes
-  to DeepSpeedZeroOptimizer): `get_gradient_for_reduction` returns `param.grad_accum.to(self.dtype)`, a copy, so the
-  reduced values land in the copy and the step reads the rank's own `grad_accum`. 0.19.8 reduces `grad_accum` itself.
-  Stock DeepSpeedZeroOptimizer with torch.optim.AdamW shows the same divergence at DP=2, so it is refused here.
+  before loading a checkpoint (`_wait_for_offload_copies`); earlier releases copy synchronously.
+- DeepSpeed before 0.19.8 does not average gradients across ranks under ZeRO-1 with a separate fp32 gradient
+  accumulator (`use_grad_accum_attribute`: bf16/fp16 with data_types.grad_accum_dtype "fp32", a combination
+  deepspeed_bnb routes to DeepSpeedZeroOptimizer): `get_gradient_for_reduction` returns
+  `param.grad_accum.to(self.dtype)`, a copy, so the reduced values land in the copy and the step reads the rank's own
+  `grad_accum`. 0.19.8 reduces `grad_accum` itself. Stock DeepSpeedZeroOptimizer with torch.optim.AdamW shows the same
+  divergence at DP=2, so it is refused here.
+- Smaller additions, each with a fallback below: the checkpoint engine's `is_decoupled` (0.17.1), `all_gather_object`
+  in deepspeed.comm (0.17.0), the ZeRO optimizers' `torch_autocast_gradscaler` (0.17.2), SuperOffload (0.18.0),
+  ZeRO-3's `param_names` (0.18.0), per-sub-group and per-parameter partition groups (0.19.3), the engine's
+  `checkpoint_mp_rank` (0.19.6).
 """
 
 import inspect
@@ -66,7 +72,7 @@ def reduces_grad_accum(deepspeed_version: str = deepspeed.__version__) -> bool:
 def require_reduced_grad_accum(use_grad_accum_attribute: bool, dp_world_size: int,
                                deepspeed_version: str = deepspeed.__version__) -> None:
     """Refuse ZeRO-1 with a separate fp32 gradient accumulator on more than one rank where DeepSpeed would not
-    average it (DeepSpeed 0.19.7, see the module docstring); one rank has nothing to average."""
+    average it (releases before 0.19.8, see the module docstring); one rank has nothing to average."""
     if use_grad_accum_attribute and dp_world_size > 1 and not reduces_grad_accum(deepspeed_version):
         raise NotImplementedError(
             f"deepspeed_bnb: DeepSpeed {deepspeed_version} does not average gradients across data-parallel ranks "
