@@ -1,4 +1,4 @@
-"""deepspeed_bnb: bitsandbytes 8-bit optimizers as first-class citizens of DeepSpeed ZeRO stage 1 and 2.
+"""deepspeed_bnb: bitsandbytes 8-bit optimizers as first-class citizens of DeepSpeed ZeRO stages 1, 2 and 3.
 
 Install for development with `pip install -e .[test]` (or just `make test`, which also creates the venv).
 torch is not pinned here: install the build you want first (the Makefile installs the CPU build when none is
@@ -70,10 +70,11 @@ setup(
     py_modules=["deepspeed_bnb_tools"],  # the offline tools' entry point: imports the package without its runtime
     python_requires=">=3.9",
     install_requires=[
-        # exactly the tested releases (deepspeed_bnb/_versions.py TESTED, which refuses others at import: it
-        # overrides ZeRO internals); DeepSpeed 0.19.7 and 0.19.8, bitsandbytes 0.50.2 (tools/compat_matrix.md)
-        "deepspeed>=0.19.7,<=0.19.8",
-        "bitsandbytes==0.50.2",
+        # exactly the tested releases (deepspeed_bnb/_versions.py, which refuses others at import: it overrides
+        # ZeRO internals): every DeepSpeed release from 0.16.4 to 0.19.8, bitsandbytes 0.49.1, 0.49.2 and 0.50.2
+        # (tools/compat_matrix.md)
+        "deepspeed>=0.16.4,<=0.19.8",
+        "bitsandbytes>=0.49.1,<=0.50.2,!=0.50.0,!=0.50.1",
         "torch>=2.4",
         "ninja",
         "packaging",

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from launch import torchrun  # noqa: E402
 
-MODELS = {"demo GPT (0.9M)": ["--width", "128", "--depth", "4"], "GPT w512 d8 (26M)": ["--width", "512", "--depth", "8"]}
+MODELS = {"demo GPT (0.9M)": ["--width", "128", "--depth", "4"], "GPT w520 d8 (27M)": ["--width", "520", "--depth", "8"]}
 
 
 def main():

@@ -4,7 +4,7 @@
     engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(...), config=cfg)
 
 The import checks the DeepSpeed and bitsandbytes releases (_versions.py) and installs every override of DeepSpeed
-listed in runtime/overrides.py. The offline checkpoint tools (`deepspeed-bnb`, deepspeed_bnb_tools.py) import the
+listed in deepspeed_bnb/overrides.py. The offline checkpoint tools (`deepspeed-bnb`, deepspeed_bnb_tools.py) import the
 package with DEEPSPEED_BNB_OFFLINE=1 instead: neither happens, and DeepSpeed stays exactly as installed. Never set
 it for training: a bnb optimizer would then reach stock ZeRO.
 """
@@ -18,11 +18,12 @@ OFFLINE = os.environ.get(OFFLINE_ENV) == "1"
 
 def activate() -> None:
     """Check the installed releases and install the DeepSpeed overrides (idempotent; done by the import)."""
+    from deepspeed_bnb import integrations, overrides
     from deepspeed_bnb._versions import check_versions
-    from deepspeed_bnb.runtime import overrides
     if not overrides.is_active():
         check_versions()
     overrides.activate()
+    integrations.install_lazily()  # Accelerate's entries, if and when Accelerate is imported
 
 
 if not OFFLINE:

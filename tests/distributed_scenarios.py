@@ -34,7 +34,8 @@ import deepspeed  # noqa: E402
 import deepspeed_bnb  # noqa: E402,F401
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed_bnb.runtime.engine import stock_deepspeed  # noqa: E402
-from deepspeed_bnb.runtime.zero.compat import PADDING_ENV  # noqa: E402
+# deepspeed.comm has all_gather_object from 0.17.0 on: compat's falls back to torch.distributed's
+from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object  # noqa: E402
 from deepspeed_bnb.checkpoint.param_state import gather_param_states  # noqa: E402
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
@@ -140,7 +141,7 @@ def scenario_train(world, rank, out):
 def all_ranks_same(value):
     """`value` if every rank holds the same, else None."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
+    all_gather_object(everyone, value)
     return value if all(v == value for v in everyone) else None
 
 
@@ -276,7 +277,7 @@ def unwritable_save(engine, out):
     except Exception as exc:  # the outcome itself is what the test inspects
         outcome = f"{type(exc).__name__}: {exc}"
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
+    all_gather_object(outcomes, outcome)
     engine.save_checkpoint(os.path.join(out, "after_unwritable"), tag="t")
     return {"outcomes": outcomes, "later_save_ok": os.path.exists(os.path.join(out, "after_unwritable", "latest"))}
 
@@ -315,7 +316,7 @@ def global_state(engine, world):
     mine = [({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in r.state.items()},
              r.master.detach().cpu().clone()) for r in records]
     everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
+    all_gather_object(everyone, mine)
     out = {}
     for g, record in enumerate(records):
         layout, eight_bit = record.layout, record.eight_bit
@@ -404,7 +405,7 @@ def check_state_gets(engine, world):
             full, local = safe_get_full_optimizer_state(p, key), safe_get_local_optimizer_state(p, key)
             start = p._hp_mapping.lp_fragment_address.start if p._hp_mapping is not None else 0
             pieces = [None] * world
-            dist.all_gather_object(pieces, (start, local.cpu()))
+            all_gather_object(pieces, (start, local.cpu()))
             joined = torch.zeros(p.numel())
             for first, piece in pieces:
                 joined[first:first + piece.numel()] = piece

@@ -101,7 +101,8 @@ def test_installing_twice_keeps_deepspeeds_originals():
     import deepspeed.runtime.engine as ds_engine
     import deepspeed.runtime.zero.config as ds_zero_config
 
-    from deepspeed_bnb.runtime import engine, overrides
+    from deepspeed_bnb import overrides
+    from deepspeed_bnb.runtime import engine
     from deepspeed_bnb.runtime.zero import config
     overrides.activate()
     overrides.activate()

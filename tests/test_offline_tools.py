@@ -38,7 +38,7 @@ else:
 mine = sorted(m for m in sys.modules if m.split(".")[0] == "deepspeed_bnb" and sys.modules[m] is not None)
 changed, checked = [], 0
 if sys.modules.get("deepspeed") is not None:
-    from deepspeed_bnb.runtime.overrides import OVERRIDES, REPLACE  # the register itself imports nothing
+    from deepspeed_bnb.overrides import OVERRIDES, REPLACE  # the register itself imports nothing
     for entry in OVERRIDES:  # every replaced symbol whose module this process loaded: still DeepSpeed's own?
         module, _, attr = entry.owner.rpartition(".")
         if entry.how != REPLACE:
@@ -72,9 +72,8 @@ def probe(*argv, cwd=None) -> dict:
 
 
 def runtime_modules(result) -> list:
-    # deepspeed_bnb.runtime.overrides is the register: data, imported by the probe itself to check the classes
-    return [m for m in result["mine"] if m.startswith(RUNTIME) and m != "deepspeed_bnb.runtime.overrides"
-            and m != "deepspeed_bnb.runtime"]
+    # deepspeed_bnb.overrides is the register: data the probe itself imports to check the classes (not in RUNTIME)
+    return [m for m in result["mine"] if m.startswith(RUNTIME)]
 
 
 @pytest.fixture(scope="module")

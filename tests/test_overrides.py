@@ -1,4 +1,4 @@
-"""The override register (runtime/overrides.py) is true of the installed DeepSpeed release, and complete.
+"""The override register (overrides.py) is true of the installed DeepSpeed release, and complete.
 
 - every entry that exists in this release resolves, with the parameters it lists in that order, and every parameter
   or symbol marked `since` a later release is absent (so the release differences written there are facts);
@@ -20,8 +20,8 @@ from packaging.version import Version
 
 import deepspeed_bnb  # noqa: F401  (activates the overrides)
 from conftest import TESTS
-from deepspeed_bnb.runtime import overrides
-from deepspeed_bnb.runtime.overrides import OVERRIDES, Override
+from deepspeed_bnb import overrides
+from deepspeed_bnb.overrides import OVERRIDES, Override
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 

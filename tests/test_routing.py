@@ -21,7 +21,7 @@ from deepspeed_bnb.optim import partition_step
 from deepspeed_bnb.optim.partition_step import FUSED
 import deepspeed.runtime.engine as ds_engine
 from deepspeed_bnb.runtime import engine as engine_module
-from deepspeed_bnb.runtime import overrides
+from deepspeed_bnb import overrides
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from toy import ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
 

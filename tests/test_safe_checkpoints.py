@@ -28,7 +28,7 @@ import torch
 
 import deepspeed.runtime.engine as ds_engine
 import deepspeed_bnb.runtime.engine as bnb_engine
-from deepspeed_bnb.runtime import overrides
+from deepspeed_bnb import overrides
 from conftest import TESTS, free_port, without_launch_vars
 from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, RETIRED_SUFFIX, STAGING_SUFFIX, publish, \
     write_json_atomic

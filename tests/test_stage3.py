@@ -19,7 +19,7 @@ from bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.param_state import gather_param_states
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed_bnb.runtime import engine as engine_module
-from deepspeed_bnb.runtime import overrides
+from deepspeed_bnb import overrides
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer

@@ -2,6 +2,7 @@
 and the tested ones; setup.py requires the same releases."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -9,13 +10,17 @@ import sys
 import pytest
 from packaging.requirements import Requirement
 
-from deepspeed_bnb._versions import ALLOW_UNTESTED_ENV, TESTED, UnsupportedVersionError, check_versions, is_tested
+from deepspeed_bnb._versions import ALLOW_UNTESTED_ENV, BITSANDBYTES, DEEPSPEED_RANGE, UnsupportedVersionError, \
+    check_versions, is_tested
 
-ACCEPTED = [("deepspeed", "0.19.7"), ("deepspeed", "0.19.8"), ("deepspeed", "0.19.8+cpu"),
-            ("bitsandbytes", "0.50.2"), ("bitsandbytes", "0.50.2+cu128")]
-REFUSED = [("deepspeed", "0.16.9"), ("deepspeed", "0.18.9"), ("deepspeed", "0.19.6"), ("deepspeed", "0.19.8.post1"),
-           ("deepspeed", "0.19.9"), ("deepspeed", "0.20.0"), ("bitsandbytes", "0.49.2"), ("bitsandbytes", "0.50.1"),
-           ("bitsandbytes", "0.50.3"), ("bitsandbytes", "0.51.0"), ("bitsandbytes", "not-a-version")]
+ACCEPTED = [("deepspeed", "0.16.4"), ("deepspeed", "0.17.3"), ("deepspeed", "0.18.4"), ("deepspeed", "0.18.9"),
+            ("deepspeed", "0.19.5"), ("deepspeed", "0.19.7"), ("deepspeed", "0.19.8"), ("deepspeed", "0.19.8+cpu"),
+            ("bitsandbytes", "0.49.1"), ("bitsandbytes", "0.49.2"), ("bitsandbytes", "0.50.2"),
+            ("bitsandbytes", "0.50.2+cu128")]
+REFUSED = [("deepspeed", "0.16.3"), ("deepspeed", "0.15.4"), ("deepspeed", "0.19.8.post1"), ("deepspeed", "0.19.9"),
+           ("deepspeed", "0.20.0"), ("deepspeed", "0.20.0rc1"), ("bitsandbytes", "0.48.2"), ("bitsandbytes", "0.49.0"),
+           ("bitsandbytes", "0.50.0"), ("bitsandbytes", "0.50.1"), ("bitsandbytes", "0.50.3"),
+           ("bitsandbytes", "0.51.0"), ("bitsandbytes", "not-a-version")]
 
 
 def test_installed_versions_pass():
@@ -34,7 +39,8 @@ def test_untested_release_is_refused_naming_it_and_the_tested_ones(package, foun
     with pytest.raises(UnsupportedVersionError) as failure:
         check_versions({package: found})
     message = str(failure.value)
-    listed = {"deepspeed": "deepspeed 0.19.7 and 0.19.8 only", "bitsandbytes": "bitsandbytes 0.50.2 only"}[package]
+    listed = {"deepspeed": "deepspeed 0.16.4 to 0.19.8 only",
+              "bitsandbytes": "bitsandbytes 0.49.1, 0.49.2 and 0.50.2 only"}[package]
     assert f"{package} {found} is installed; deepspeed_bnb is tested with {listed}" in message
     assert "pip install 'deepspeed==0.19.8' 'bitsandbytes==0.50.2'" in message and f"{ALLOW_UNTESTED_ENV}=1" in message
 
@@ -48,11 +54,11 @@ def test_escape_hatch_warns_instead(monkeypatch):
 def test_import_fails_on_untested_version():
     """The check runs at import: a fake distribution metadata version makes `import deepspeed_bnb` fail."""
     code = ("import importlib.metadata as m; real = m.version\n"
-            "m.version = lambda p: '0.18.0' if p == 'deepspeed' else real(p)\n"
+            "m.version = lambda p: '0.16.0' if p == 'deepspeed' else real(p)\n"
             "import deepspeed_bnb")
     env = {k: v for k, v in os.environ.items() if k != ALLOW_UNTESTED_ENV}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode != 0 and "deepspeed 0.18.0 is installed; deepspeed_bnb is tested with" in done.stderr
+    assert done.returncode != 0 and "deepspeed 0.16.0 is installed; deepspeed_bnb is tested with" in done.stderr
 
 
 def setup_requirements() -> dict:
@@ -71,8 +77,23 @@ def test_setup_requires_exactly_the_tested_releases(package, found):
 
 
 def test_every_tested_release_is_an_accepted_example():
-    """Keeps the examples above in step with TESTED (a release added there needs its accepted case here)."""
-    assert {(p, v) for p, releases in TESTED.items() for v in releases} <= set(ACCEPTED)
+    """Keeps the examples above in step with the tested releases (a release added there needs its case here)."""
+    assert {("bitsandbytes", v) for v in BITSANDBYTES} | {("deepspeed", v) for v in DEEPSPEED_RANGE} <= set(ACCEPTED)
+
+
+def test_every_release_the_matrix_passed_is_accepted_and_no_other():
+    """The guard accepts exactly the DeepSpeed releases of tools/compat_matrix.json whose every claim passed (every
+    release in the range), and each bitsandbytes release listed passed in some cell."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "compat_matrix.json")
+    with open(path) as f:
+        cells = json.load(f)["cells"]
+    good = [c for c in cells if not c.get("install_error") and c["claims"]
+            and all(r["outcome"] in ("pass", "n/a") for r in c["claims"].values())]
+    passed_deepspeed = {c["deepspeed"] for c in good if c["bitsandbytes"] == BITSANDBYTES[-1]}
+    tested_deepspeed = {c["deepspeed"] for c in cells if c["bitsandbytes"] == BITSANDBYTES[-1]}
+    assert {v for v in tested_deepspeed if is_tested("deepspeed", v)} == passed_deepspeed
+    assert DEEPSPEED_RANGE[0] in passed_deepspeed and DEEPSPEED_RANGE[1] in passed_deepspeed
+    assert set(BITSANDBYTES) <= {c["bitsandbytes"] for c in good}
 
 
 def test_padding_mode_follows_the_release_and_the_environment(monkeypatch):

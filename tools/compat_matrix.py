@@ -480,6 +480,10 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("compat_matrix: terminated"))
     work = os.path.join(CACHE, "work")
     os.makedirs(work, exist_ok=True)
+    # a JIT build killed midway (an interrupted matrix) leaves its lock behind, and the next build of that op waits for
+    # it forever (torch's FileBaton): the matrix runs one cell at a time, so any lock there now is stale
+    for lock in glob.glob(os.path.join(CACHE, "torch_extensions", "**", "lock"), recursive=True):
+        os.remove(lock)
     for n, (deepspeed, bnb) in enumerate(cells, 1):
         print(f"[{n}/{len(cells)}] deepspeed=={deepspeed} bitsandbytes=={bnb} ...", end=" ", flush=True)
         cell = run_cell(deepspeed, bnb, work, args)

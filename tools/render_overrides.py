@@ -1,4 +1,4 @@
-"""Rewrites the README's table of DeepSpeed overrides from the register (deepspeed_bnb/runtime/overrides.py).
+"""Rewrites the README's table of DeepSpeed overrides from the register (deepspeed_bnb/overrides.py).
 
 tests/test_overrides.py fails while the README's table differs from the register; run this to update it:
     python tools/render_overrides.py
@@ -15,7 +15,7 @@ BEGIN, END = "<!-- overrides: begin (tools/render_overrides.py) -->", "<!-- over
 def main():
     # the register module alone: importing the package would install the overrides (and check versions)
     spec = importlib.util.spec_from_file_location(
-        "overrides", os.path.join(REPO, "deepspeed_bnb", "runtime", "overrides.py"))
+        "overrides", os.path.join(REPO, "deepspeed_bnb", "overrides.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     path = os.path.join(REPO, "README.md")

@@ -10,12 +10,12 @@ import importlib.abc
 import importlib.util
 import sys
 
-# modules whose import installs their entries of the override register (runtime/overrides.py, `trigger`)
+# modules whose import installs their entries of the override register (overrides.py, `trigger`)
 PATCHES = ("accelerate.accelerator",)
 
 
 def _patch(module) -> None:
-    from deepspeed_bnb.runtime.overrides import install_triggered
+    from deepspeed_bnb.overrides import install_triggered
     install_triggered(module.__name__, module)
 
 

@@ -8,7 +8,7 @@ at any data-parallel size; `save_checkpoint` / `load_checkpoint` of such an engi
 checksummed manifest and verify it on load (checkpoint/manifest.py), read every file through the safe loader
 (checkpoint/safe_load.py: no pickled code runs), and check that the optimizer state fits before DeepSpeed replaces any
 module weight. Every other optimizer and stage keeps DeepSpeed's behaviour.
-Every replaced or swapped DeepSpeed symbol is declared in runtime/overrides.py, which installs them;
+Every replaced or swapped DeepSpeed symbol is declared in overrides.py, which installs them;
 `stock_deepspeed()` (from there) switches all of them off for a block (comparisons, benchmarks).
 """
 
@@ -30,7 +30,7 @@ from deepspeed_bnb.checkpoint.reader import SavedCheckpoint, check_unlisted, mod
 from deepspeed_bnb.checkpoint.safe_load import load_file
 from deepspeed_bnb.checkpoint.sources import FileSource, rank_file_paths
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
-from deepspeed_bnb.runtime.overrides import given_kwargs, stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
+from deepspeed_bnb.overrides import given_kwargs, stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin

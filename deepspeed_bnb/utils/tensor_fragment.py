@@ -9,7 +9,7 @@ state of fp32-state parameters and knows no `exp_avg`; the local functions are Z
   ParamOptimizerState, swaps its fragment for a BnbTensorFragment and rebinds `get_full_hp_param` /
   `set_full_hp_param`, which DeepSpeed's `safe_{get,set}_full_optimizer_state` call;
 - `safe_{get,set}_local_optimizer_state` below replace DeepSpeed's (in deepspeed.utils and its tensor_fragment
-  module; registered in runtime/overrides.py) so that they answer for these parameters too; every other parameter
+  module; registered in overrides.py) so that they answer for these parameters too; every other parameter
   keeps DeepSpeed's behaviour.
 
 What the four functions return / accept for a parameter of an engine stepped by BnbZeroOptimizer:
@@ -44,7 +44,7 @@ from deepspeed_bnb.ops.reference import dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim.bnb_adapter import StateKey
 from deepspeed_bnb.optim.state_classes import REGISTRY, StateClass
 from deepspeed_bnb.optim.state_names import StateName, public_names
-from deepspeed_bnb.runtime.overrides import stock
+from deepspeed_bnb.overrides import stock
 from deepspeed_bnb.state_layout import Segment
 
 PARAM_STATE_ATTR = "_bnb_optimizer_state"  # model-parameter attribute holding its ParamOptimizerState

@@ -8,7 +8,7 @@ on earlier ones it is made of zero padding tensors placed between the parameters
 ("tensors", runtime/zero/padding_tensors.py). Both give the same flat buffers and the same checkpoint files.
 DEEPSPEED_BNB_ZERO_PADDING=tensors selects the second on any release (to compare the two in one run).
 
-Between the supported releases (each difference a symbol of the override register, runtime/overrides.py, with the
+Between the supported releases (each difference a symbol of the override register, overrides.py, with the
 release that added it; the functions below read them):
 - DeepSpeed 0.19.8 copies gradients into the ZeRO-Offload CPU buffers asynchronously and waits for those copies
   before loading a checkpoint (`_wait_for_offload_copies`); earlier releases copy synchronously.

@@ -3,7 +3,7 @@
 DeepSpeed's `DeepSpeedZeroConfig` forbids unknown keys (pydantic `extra="forbid"`), and HF Trainer / Accelerate build
 `DeepSpeedConfig` themselves, long before `deepspeed.initialize`. Stripping our keys inside `initialize` is therefore
 not enough: the model itself must know them. The subclass below replaces DeepSpeed's where `get_zero_config` looks it
-up (runtime/overrides.py), so every parser accepts the new keys and still rejects typos such as `bnb_keep_hole`.
+up (overrides.py), so every parser accepts the new keys and still rejects typos such as `bnb_keep_hole`.
 """
 
 from typing import List, Union

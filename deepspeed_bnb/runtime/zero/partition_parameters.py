@@ -19,7 +19,7 @@ again, one at a time, when the optimizer marks them (`block_align`).
 import torch
 from deepspeed import comm as dist
 
-from deepspeed_bnb.runtime.overrides import stock
+from deepspeed_bnb.overrides import stock
 from deepspeed_bnb.state_layout import BLOCK_SIZE, round_up
 
 BLOCK_ALIGNED_ATTR = "ds_bnb_block_aligned"  # parameter attribute: True once its partitions are block-aligned

@@ -38,7 +38,7 @@ from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, 
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
-from deepspeed_bnb.runtime.overrides import swapped
+from deepspeed_bnb.overrides import swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE

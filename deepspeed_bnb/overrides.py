@@ -308,11 +308,10 @@ def _set(entries, use_ours: bool) -> None:
 
 
 def activate() -> None:
-    """Install every import-scope replacement of DeepSpeed (idempotent); Accelerate's when Accelerate is imported."""
+    """Install every import-scope replacement of DeepSpeed (idempotent). Those of another package (Accelerate) are
+    installed by `install_triggered` when that package is imported (deepspeed_bnb/integrations' import hook)."""
     _set(installed_entries(), True)
     _ACTIVE["on"] = True
-    from deepspeed_bnb import integrations
-    integrations.install_lazily()
 
 
 def install_triggered(trigger: str, module) -> None:
