@@ -17,7 +17,7 @@ import torch
 from conftest import torchrun
 
 ALL_SIZES = (1, 2, 3, 4)
-SIZES_ENV = "DEEPSPEED_BNB_SCENARIO_SIZES"  # e.g. "1,2": fewer launches (the compatibility matrix's claims need no more)
+SIZES_ENV = "DEEPSPEED_BNB_SCENARIO_SIZES"  # e.g. "1,2": fewer launches (what the compatibility matrix's claims need)
 SIZES = tuple(int(n) for n in os.environ.get(SIZES_ENV, ",".join(map(str, ALL_SIZES))).split(","))
 if SIZES != ALL_SIZES[:len(SIZES)]:
     raise ValueError(f"{SIZES_ENV}={os.environ[SIZES_ENV]!r}: a prefix of {ALL_SIZES} (1,2 or 1,2,3 or 1,2,3,4)")

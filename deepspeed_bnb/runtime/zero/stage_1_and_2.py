@@ -32,8 +32,8 @@ from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, 
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
-from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, autocast_gradscaler, padding_mode, require_reduced_grad_accum, \
-    wait_for_offload_copies
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, autocast_gradscaler, padding_mode, \
+    require_reduced_grad_accum, wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
@@ -54,7 +54,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         super().__init__(init_optimizer, param_names, *args, **kwargs)
-        # DeepSpeed 0.19.7 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
+        # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
         if autocast_gradscaler(self) is not None:
             raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
