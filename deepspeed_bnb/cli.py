@@ -1,5 +1,5 @@
-"""`deepspeed-bnb` (also `python -m deepspeed_bnb`): inspect, reshape, export, convert and migrate checkpoints offline;
-check the fused kernels on this machine."""
+"""`deepspeed-bnb` (also `python -m deepspeed_bnb_tools`; both install nothing in DeepSpeed): inspect, reshape,
+export, convert and migrate checkpoints offline; check the fused kernels on this machine."""
 
 import argparse
 import os
