@@ -331,6 +331,16 @@ def global_state(engine, world):
     return out
 
 
+def weights_follow_master(engine, state: dict) -> bool:
+    """The module's weights (gathered at stage 3) are the fp32 master weights of `state` in the module's dtype."""
+    params = list(engine.module.named_parameters())
+    gathered = deepspeed.zero.GatheredParameters([p for _, p in params]) if hasattr(params[0][1], "ds_id") \
+        else contextlib.nullcontext()
+    with gathered:
+        ok = all(torch.equal(p.detach().reshape(-1).cpu(), state[name]["master"].to(p.dtype)) for name, p in params)
+    return all_ranks(ok)
+
+
 def identical(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -372,13 +382,15 @@ def scenario_elastic_load(world, rank, out, sources):
             engine = build(world, seed=1, lr=LOADER_LR, **cfg)
             engine.load_checkpoint(folder, tag="t")
             lr_restored = [g["lr"] for g in engine.optimizer.param_groups]
-            same = identical(global_state(engine, world),
-                             torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False))
+            loaded = global_state(engine, world)
+            same = identical(loaded, torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False))
+            follows = weights_follow_master(engine, loaded)
             continued = run_steps(engine, range(3, 13), world, rank)
             control = build(world, seed=1, lr=LOADER_LR, **cfg)
             control.load_checkpoint(folder, tag="t", load_optimizer_states=False)
             dropped = run_steps(control, range(3, 13), world, rank)
-            results[f"{kind}_from{saved_dp}"] = {"state_identical": same, "continued": continued,
+            results[f"{kind}_from{saved_dp}"] = {"state_identical": same, "weights_follow_master": follows,
+                                                 "continued": continued,
                                                  "state_dropped": dropped, "lr": lr_restored,
                                                  "stage": engine.zero_optimization_stage()}
     return results

@@ -42,9 +42,11 @@ def test_load_at_any_dp(runs, kind, saved, loaded):
     saved_stage = ELASTIC_KINDS[kind]["stage"]
     assert run["stage"] == loader_stage(saved_stage, loaded)
     assert run["state_identical"], "per-parameter state or master weights differ from what was saved"
+    assert run["weights_follow_master"], "the module's weights are not the loaded master weights"
     assert run["lr"] == [1e-3, 5e-4], "hyper-parameters must come from the checkpoint"
     tolerance = FP32_TOL if kind.startswith("fp32") else BF16_TOL
-    assert max(abs(a - b) for a, b in zip(run["continued"], reference)) < tolerance
+    assert max(abs(a - b) for a, b in zip(run["continued"], reference)) < tolerance, \
+        {"continued": run["continued"], "reference": reference, "state_dropped": run["state_dropped"]}
     assert max(abs(a - b) for a, b in zip(run["state_dropped"], reference)) > 100 * tolerance  # control
     if saved == loaded and kind.startswith("fp32") and run["stage"] == saved_stage:
         assert run["continued"] == reference
