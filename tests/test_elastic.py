@@ -59,6 +59,8 @@ def test_deepspeed_reads_the_zero3_weights(runs, saved):
     assert runs[0][saved]["fp32_stage3"]["exports"] == {"zero_to_fp32": True, "gathered_16bit": True}
 
 
+@pytest.mark.skipif(len(SIZES) < 4, reason="the reshaped checkpoint is loaded by 3 ranks in the launch after DP 4 "
+                    "saved; DEEPSPEED_BNB_SCENARIO_SIZES leaves those out")
 @pytest.mark.parametrize("kind", RESHAPED_KINDS)
 def test_reshaped_checkpoint_loads_like_the_original(runs, kind):
     """`deepspeed-bnb reshape` of the DP=1 checkpoint to 3 ranks (stage 1 -> files of stage 3, stage 3 -> stage 2),
