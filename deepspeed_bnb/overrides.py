@@ -218,6 +218,14 @@ OVERRIDES: Tuple[Override, ...] = (
     Override(f"{PARTITION}.Init", "_padding_size", REPLACE, IMPORT_SCOPE,
              "deepspeed_bnb.runtime.zero.partition_parameters:_padding_size", "pads marked parameters to a multiple "
              "of 256 * world instead of world", ("self", "param")),
+    Override(f"{PARTITION}.Init", "_allgather_params_coalesced", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.runtime.zero.partition_parameters:_allgather_params_coalesced", "before 0.19.8 it waits on "
+             "the last of its asynchronous all-gathers only, which races on gloo: there each is made to finish "
+             "(every engine while deepspeed_bnb is active; 0.19.8 waits on every handle itself)",
+             ("self", "param_list", "hierarchy", "quantize")),
+    Override(PARTITION, "dist", SWAP, CALL_SCOPE, "deepspeed_bnb.runtime.zero.partition_parameters:_FinishedGathers",
+             "deepspeed.comm as partition_parameters calls it, with all-gathers that finish before they return, "
+             "during Init._allgather_params_coalesced (releases before 0.19.8, gloo)"),
     Override(f"{PARTITION}.Init", "_partition_world_size", CALL, CALL_SCOPE, "", "the partition world size of a "
              "parameter (before it, Init.num_partitions)", ("self", "param"), since="0.19.3"),
     Override(PARTITION, "_dist_allgather_fn", REPLACE, IMPORT_SCOPE,

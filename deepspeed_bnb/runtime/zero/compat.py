@@ -18,6 +18,8 @@ release that added it; the functions below read them):
   `param.grad_accum.to(self.dtype)`, a copy, so the reduced values land in the copy and the step reads the rank's own
   `grad_accum`. 0.19.8 reduces `grad_accum` itself. Stock DeepSpeedZeroOptimizer with torch.optim.AdamW shows the same
   divergence at DP=2, so it is refused here.
+- DeepSpeed before 0.19.8 waits on the last of the asynchronous all-gathers of a coalesced ZeRO-3 gather only,
+  which races on gloo (a wrapper waits on each: runtime/zero/partition_parameters.py).
 - Smaller additions, each with a fallback below: the checkpoint engine's `is_decoupled` (0.17.1), `all_gather_object`
   in deepspeed.comm (0.17.0), the ZeRO optimizers' `torch_autocast_gradscaler` (0.17.2), SuperOffload (0.18.0),
   ZeRO-3's `param_names` (0.18.0), per-sub-group and per-parameter partition groups (0.19.3), the engine's
@@ -80,6 +82,12 @@ def require_reduced_grad_accum(use_grad_accum_attribute: bool, dp_world_size: in
             f"fp16): it reduces a copy of each accumulated gradient and steps with the unreduced one (fixed in "
             f"DeepSpeed 0.19.8). Install DeepSpeed 0.19.8, or use zero_optimization.stage 2, or drop "
             f"data_types.grad_accum_dtype.")
+
+
+def waits_every_gather_handle(deepspeed_version: str = deepspeed.__version__) -> bool:
+    """Whether ZeRO-3's coalesced all-gather of several parameters waits on each of its asynchronous all-gathers
+    (0.19.8 on; before, only on the last: racy on gloo, runtime/zero/partition_parameters.py)."""
+    return Version(Version(deepspeed_version).base_version) >= Version("0.19.8")
 
 
 def is_decoupled(checkpoint_engine) -> bool:

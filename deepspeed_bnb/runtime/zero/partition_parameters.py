@@ -14,14 +14,27 @@ and checkpoints from `_padding_size` (through `aligned_size()` / `ds_tensor.ds_n
   parameter, so for marked parameters they are handed the partition without its padding (`_unpadded`).
 Parameters that `zero.Init` already partitioned (HF's `from_pretrained` under ZeRO-3) are gathered and partitioned
 again, one at a time, when the optimizer marks them (`block_align`).
+
+One fix of DeepSpeed itself, for releases before 0.19.8 on gloo: `Init._allgather_params_coalesced` (a synchronous
+all-gather of several parameters: persistent parameters at initialize and after every checkpoint, GatheredParameters)
+launches one asynchronous all-gather per parameter and waits on the last handle only. On NCCL the stream orders them;
+gloo runs each asynchronous collective on its own, so the others may still be writing when the parameters are used:
+garbage weights now and then, more often on a busy machine (measured: DeepSpeed 0.17.2, 2 ranks, ZeRO-3, under load,
+one run in four produced NaN or off losses). DeepSpeed 0.19.8 waits on every handle; before it, the wrapper below
+makes each of those all-gathers finish before it returns (`_FinishedGathers`).
 """
 
+import importlib
+
 import torch
+import torch.distributed
 from deepspeed import comm as dist
 
-from deepspeed_bnb.overrides import stock
+from deepspeed_bnb.overrides import stock, swapped
+from deepspeed_bnb.runtime.zero.compat import waits_every_gather_handle
 from deepspeed_bnb.state_layout import BLOCK_SIZE, round_up
 
+PARTITION_MODULE = "deepspeed.runtime.zero.partition_parameters"
 BLOCK_ALIGNED_ATTR = "ds_bnb_block_aligned"  # parameter attribute: True once its partitions are block-aligned
 
 
@@ -50,6 +63,37 @@ class _Completed:
 
     def is_completed(self):
         return True
+
+
+class _FinishedGathers:
+    """deepspeed.comm as partition_parameters uses it, whose all-gathers have finished when they return."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _finished(self, name, *args, **kwargs):
+        handle = getattr(self._comm, name)(*args, **kwargs)
+        if handle is not None:
+            handle.wait()
+        return _Completed()
+
+    def all_gather_into_tensor(self, *args, **kwargs):
+        return self._finished("all_gather_into_tensor", *args, **kwargs)
+
+    def all_gather(self, *args, **kwargs):
+        return self._finished("all_gather", *args, **kwargs)
+
+
+def _allgather_params_coalesced(self, param_list, hierarchy=0, quantize=False):
+    gather = stock("Init._allgather_params_coalesced")
+    if waits_every_gather_handle() or not param_list or torch.distributed.get_backend() != "gloo":
+        return gather(self, param_list, hierarchy, quantize)
+    comm = importlib.import_module(PARTITION_MODULE).dist  # what DeepSpeed's function calls now
+    with swapped("partition_parameters.dist", _FinishedGathers(comm)):  # see the module docstring
+        return gather(self, param_list, hierarchy, quantize)
 
 
 def _dist_allgather_fn(input_tensor, output_tensor, group=None):
