@@ -39,11 +39,20 @@ def without_launch_vars() -> dict:
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
 
 
-def launch_env() -> dict:
-    """The environment of a multi-rank child: no inherited rank variables, one OpenMP thread per rank, and
-    faulthandler on (a native abort prints the Python stack)."""
+def extensions_dir(python: str) -> str:
+    """The JIT cache of the venv `python` belongs to (VENV/bin/python -> VENV/torch_extensions)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "torch_extensions")
+
+
+def launch_env(python: str = sys.executable) -> dict:
+    """The environment of a multi-rank child run by `python`: no inherited rank variables, one OpenMP thread per rank,
+    and faulthandler on (a native abort prints the Python stack). A Python of another venv (another DeepSpeed or
+    bitsandbytes release) gets that venv's own JIT cache: DeepSpeed's CPU comm op of two releases under one
+    TORCH_EXTENSIONS_DIR has the same name and other sources, so each switch would rebuild it (about a minute)."""
     env = without_launch_vars()
     env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    if os.path.abspath(python) != os.path.abspath(sys.executable):
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir(python)
     return env
 
 

@@ -236,10 +236,8 @@ CONTROL = "adamw8bit_mixed"  # in this venv without the simulation: bnb 0.50.2's
 
 
 def _env(python) -> dict:
-    env = launch_env()
+    env = launch_env(python)  # that venv's own JIT cache
     env.update(PYTHONPATH=REPO, DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS="1")
-    if python != sys.executable:  # its own JIT cache: this venv's build must not be replaced by that venv's (rebuilt)
-        env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.dirname(os.path.dirname(python)), "torch_extensions")
     return env
 
 

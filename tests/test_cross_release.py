@@ -37,7 +37,7 @@ TOL = 1e-5  # fp32: another DP size sums gradients in another order
 
 
 def launch(python: str, ranks: int, *args: str):
-    env = launch_env()
+    env = launch_env(python)  # each release's own JIT cache
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH", "")]))
     cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
            os.path.join(TESTS, "cross_release_worker.py"), *args]

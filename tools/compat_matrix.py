@@ -7,8 +7,9 @@ Environments are kept and reused between cells and runs (under ~/.cache/deepspee
   (`DS_BUILD_OPS=0`, no CUDA; wheels cached beside the envs); a `.pth` file puts the base venv's packages behind it.
 A cell then costs its tests: the repository's tests run once per cell (one pytest, so the multi-rank launches that
 several claims share run once) with PYTHONPATH at the repository root (this checkout's deepspeed_bnb and tests),
-DEEPSPEED_BNB_SCENARIO_SIZES=1,2 (the claims need DP 1 and 2 only) and one TORCH_EXTENSIONS_DIR for every cell
-(deepspeed_bnb's kernels are JIT-built once there; DeepSpeed's own CPU comm op again for each release).
+DEEPSPEED_BNB_SCENARIO_SIZES=1,2 (the claims need DP 1 and 2 only) and the cell venv's own TORCH_EXTENSIONS_DIR
+(deepspeed_bnb's kernels and DeepSpeed's CPU comm op are JIT-built once per venv and kept: one directory for every
+release would rebuild DeepSpeed's op, same name and other sources, at every switch, several times a cell).
 
 Results are merged into tools/compat_matrix.json cell by cell (a rerun of one cell replaces that cell only) and
 rendered as the table in tools/compat_matrix.md, with a failure excerpt per failing claim. Run by hand; not part of
@@ -164,6 +165,11 @@ def python_of(venv: str) -> str:
     return os.path.join(venv, "bin", "python")
 
 
+def extensions_dir(python: str) -> str:
+    """The JIT cache of the venv `python` belongs to (as tests/conftest.py gives the Pythons it launches)."""
+    return os.path.join(os.path.dirname(os.path.dirname(python)), "torch_extensions")
+
+
 def site_packages(python: str) -> str:
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -311,11 +317,10 @@ def run_claims(deepspeed: str, bnb: str, python: str, reference: str, work: str,
     here = {claim: [i for i in ids if not i.startswith(excluded)] for claim, ids in CLAIMS.items()}
     skipped = {claim for claim, ids in here.items() if not ids}
     here = {claim: ids for claim, ids in here.items() if ids}
-    extensions = os.path.join(CACHE, "torch_extensions")  # one cell at a time: DeepSpeed's ops rebuild per release
     other = reference if (deepspeed, bnb) != REFERENCE else python_of(os.path.join(
         ENVS, f"deepspeed{'.'.join(map(str, FIRST))}-bnb{BNB_CURRENT}"))
     cases, output, _ = pytest_run(python, sorted({i for ids in here.values() for i in ids}), work, log,
-                                  TORCH_EXTENSIONS_DIR=extensions, DEEPSPEED_BNB_OTHER_PYTHON=other)
+                                  TORCH_EXTENSIONS_DIR=extensions_dir(python), DEEPSPEED_BNB_OTHER_PYTHON=other)
     results = {claim: claim_result(ids, cases, output, seconds_of(cases, ids)) for claim, ids in here.items()}
     for claim, ids in here.items():
         if len(ids) < len(CLAIMS[claim]):
@@ -324,7 +329,7 @@ def run_claims(deepspeed: str, bnb: str, python: str, reference: str, work: str,
     if excluded:  # the cell's own release cannot be its oracle: check it against the reference's
         for claim, (variable, ids) in FROM_REFERENCE.items():
             cases, output, seconds = pytest_run(reference, ids, work, log, **{variable: python},
-                                                TORCH_EXTENSIONS_DIR=os.path.join(CACHE, "torch_extensions"))
+                                                TORCH_EXTENSIONS_DIR=extensions_dir(reference))
             results[claim] = claim_result(ids, cases, output, seconds)
     return results
 
@@ -482,7 +487,7 @@ def main():
     os.makedirs(work, exist_ok=True)
     # a JIT build killed midway (an interrupted matrix) leaves its lock behind, and the next build of that op waits for
     # it forever (torch's FileBaton): the matrix runs one cell at a time, so any lock there now is stale
-    for lock in glob.glob(os.path.join(CACHE, "torch_extensions", "**", "lock"), recursive=True):
+    for lock in glob.glob(os.path.join(ENVS, "*", "torch_extensions", "**", "lock"), recursive=True):
         os.remove(lock)
     for n, (deepspeed, bnb) in enumerate(cells, 1):
         print(f"[{n}/{len(cells)}] deepspeed=={deepspeed} bitsandbytes=={bnb} ...", end=" ", flush=True)
