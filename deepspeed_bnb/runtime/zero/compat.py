@@ -20,6 +20,12 @@ release that added it; the functions below read them):
   divergence at DP=2, so it is refused here.
 - DeepSpeed before 0.19.8 waits on the last of the asynchronous all-gathers of a coalesced ZeRO-3 gather only,
   which races on gloo (a wrapper waits on each: runtime/zero/partition_parameters.py).
+- DeepSpeed 0.18.7-0.18.9 flatten each ZeRO-1/2 group from the parameters themselves wherever the accelerator
+  reports room for it (the CPU accelerator always does), with autograd recording: the flat buffer is then the result
+  of a `cat` that requires grad, and the all-gather of updated weights into it after each step fails on gloo ("Output
+  0 of Split is a view and is being modified inplace"; stock DeepSpeedZeroOptimizer with torch.optim.AdamW fails the
+  same way at DP=2). 0.19.0 went back to flattening copies. BnbZeroOptimizer flattens its groups without autograd on
+  every release, which gives the leaf buffer the other releases have.
 - Smaller additions, each with a fallback below: the checkpoint engine's `is_decoupled` (0.17.1), `all_gather_object`
   in deepspeed.comm (0.17.0), the ZeRO optimizers' `torch_autocast_gradscaler` (0.17.2), SuperOffload (0.18.0),
   ZeRO-3's `param_names` (0.18.0), per-sub-group and per-parameter partition groups (0.19.3), the engine's
@@ -57,6 +63,11 @@ def padding_mode(zero_optimizer_class=DeepSpeedZeroOptimizer) -> str:
                          f"per-parameter padding in ZeRO-1/2 flat groups (added in {PARAMETER_PADDING_SINCE}); "
                          f"unset it to use padding tensors.")
     return wanted
+
+
+def flattens_with_autograd(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:
+    """Whether this release's ZeRO-1/2 __init__ may flatten the parameters themselves (0.18.7-0.18.9; see above)."""
+    return "flatten_on_gpu" in inspect.getsource(zero_optimizer_class.__init__)
 
 
 def wait_for_offload_copies(zero_optimizer) -> None:

@@ -117,6 +117,10 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         i = len(self.round_robin_bit16_groups) - 1
         if i < 0 or len(self.bit16_groups_flat) != i or tensor_list is not self.round_robin_bit16_groups[i]:
             return self._bnb_stock_flatten(tensor_list, alignment, use_cpu_data, param_padding)
+        with torch.no_grad():  # a leaf buffer on every release (0.18.7-0.18.9 flatten the parameters: compat.py)
+            return self._bnb_flatten_group(i, tensor_list, alignment, use_cpu_data, param_padding)
+
+    def _bnb_flatten_group(self, i, tensor_list, alignment, use_cpu_data, param_padding):
         layout = self._bnb_layout(i)
         paddings = [slot.padding for slot in layout.slots]
         alignment = zero_alignment(alignment, layout)
