@@ -136,7 +136,8 @@ OVERRIDES: Tuple[Override, ...] = (
     _subclass(ZERO12, ZERO12_PY, "__init__", "resolves per-parameter precision before DeepSpeed replaces the "
               "groups' params with flat partitions", ("self", "init_optimizer", "param_names")),
     _subclass(ZERO12, ZERO12_PY, "flatten_dense_tensors_aligned", "chooses the block-aligned layout when __init__ "
-              "flattens a group: rewrites the per-parameter padding, or places padding tensors",
+              "flattens a group: rewrites the per-parameter padding, or places padding tensors; flattens without "
+              "autograd (0.18.7-0.18.9 flatten the parameters themselves: a buffer requiring grad)",
               ("self", "tensor_list", "alignment", "use_cpu_data"), params_since={"param_padding": "0.19.7"}),
     _subclass(ZERO12, ZERO12_PY, "_link_all_hp_params", "state keys answered from bnb state, dequantized; with "
               "padding tensors, linked along the flat order", ("self",)),
