@@ -120,6 +120,25 @@ def test_padding_mode_follows_the_release_and_the_environment(monkeypatch):
         padding_mode()
 
 
+def test_flattening_with_autograd_is_recognised_from_the_source():
+    """DeepSpeed 0.18.7-0.18.9's ZeRO-1/2 __init__ decides `flatten_on_gpu` (and then flattens the parameters
+    themselves); the installed release is told apart by its source, not its number."""
+    from deepspeed_bnb.runtime.zero.compat import flattens_with_autograd
+
+    class Zero0189:  # the decision those releases make
+        def __init__(self, accelerator, flat_buffer_bytes):
+            flatten_on_gpu = accelerator.is_available() and accelerator.available_memory() >= flat_buffer_bytes
+            self.flat = flatten_on_gpu
+
+    class Zero0190:
+        def __init__(self):
+            self.flat = None
+
+    assert flattens_with_autograd(Zero0189) and not flattens_with_autograd(Zero0190)
+    import deepspeed
+    assert flattens_with_autograd() == (deepspeed.__version__.split("+")[0] in ("0.18.7", "0.18.8", "0.18.9"))
+
+
 @pytest.mark.parametrize("deepspeed_version,grad_accum,world,refused", [
     ("0.19.7", True, 2, True), ("0.19.7+cpu", True, 3, True),
     ("0.19.7", True, 1, False), ("0.19.7", False, 2, False), ("0.19.8", True, 2, False)])

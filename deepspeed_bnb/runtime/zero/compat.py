@@ -67,7 +67,10 @@ def padding_mode(zero_optimizer_class=DeepSpeedZeroOptimizer) -> str:
 
 def flattens_with_autograd(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:
     """Whether this release's ZeRO-1/2 __init__ may flatten the parameters themselves (0.18.7-0.18.9; see above)."""
-    return "flatten_on_gpu" in inspect.getsource(zero_optimizer_class.__init__)
+    try:
+        return "flatten_on_gpu" in inspect.getsource(zero_optimizer_class.__init__)
+    except (OSError, TypeError):  # no source installed: assume it may (flattening without autograd is harmless)
+        return True
 
 
 def wait_for_offload_copies(zero_optimizer) -> None:
