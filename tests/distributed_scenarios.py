@@ -123,8 +123,9 @@ def stock_cannot_run(name, stage, world):
     at DP > 1 on gloo (runtime/zero/compat.py)."""
     if not name.startswith("stock"):
         return None
-    if own_update.missing("cpu"):
-        return f"stock ZeRO: {own_update.missing('cpu')}"
+    no_update = own_update.missing("cpu")
+    if no_update:
+        return f"stock ZeRO: {no_update}"
     if stage < 3 and world > 1 and flattens_with_autograd():
         return (f"stock DeepSpeed {deepspeed.__version__} fails ZeRO-{stage} at DP {world} on gloo (its flat buffer "
                 f"requires grad: runtime/zero/compat.py)")
