@@ -334,6 +334,17 @@ def run_claims(deepspeed: str, bnb: str, python: str, reference: str, work: str,
     return results
 
 
+def warm_up(python: str, log) -> None:
+    """Build DeepSpeed's CPU comm op and deepspeed_bnb's kernels into the venv's JIT cache in one process, before any
+    test: the first launch in a fresh cache otherwise has two ranks build DeepSpeed's op at once, and one of them
+    has been seen loading a .so the other had not written yet (DeepSpeed 0.18.2, "cannot open shared object file").
+    A failure here is left to the tests to report."""
+    code = ("from deepspeed.comm.torch import build_shm_op; build_shm_op(); "
+            "from deepspeed_bnb.ops import loader; loader.load()")
+    logged([python, "-c", code], log, clean_env(PYTHONPATH=REPO, TORCH_EXTENSIONS_DIR=extensions_dir(python),
+                                                **{ALLOW_UNTESTED_ENV: "1"}), timeout=1800)
+
+
 def run_cell(deepspeed: str, bnb: str, work: str, args) -> dict:
     os.makedirs(LOG_DIR, exist_ok=True)
     log_path = os.path.join(LOG_DIR, f"deepspeed-{deepspeed}_bitsandbytes-{bnb}.log")
@@ -354,6 +365,7 @@ def run_cell(deepspeed: str, bnb: str, work: str, args) -> dict:
         else:
             record["install_seconds"] = round(time.monotonic() - started)
             record["installed"] = installed_versions(python)
+            warm_up(python, log)
             record["claims"] = run_claims(deepspeed, bnb, python, reference, work, log)
     record["seconds"] = round(time.monotonic() - started)
     record["log"] = os.path.basename(log_path)
