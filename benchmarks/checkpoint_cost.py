@@ -91,7 +91,7 @@ def sha_all(paths):
 
 def measure(name, make_model, repeats, root):
     """Rows (model, optimizer, params, size, save, load safe, load full, sha, parse safe, parse full) for one model."""
-    from deepspeed_bnb.checkpoint.safe_load import TRUST_ENV, load_file
+    from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file
     rows = []
     for eight_bit in (True, False):
         model = make_model()

@@ -7,24 +7,24 @@ import sys
 
 
 def _inspect(args):
-    from deepspeed_bnb.checkpoint.summary import summary
+    from deepspeed_bnb.checkpoint.tools.summary import summary
     print(summary(args.checkpoint, verify_checksums=args.verify))
 
 
 def _reshape(args):
-    from deepspeed_bnb.checkpoint.reshape import reshape
+    from deepspeed_bnb.checkpoint.tools.reshape import reshape
     written = reshape(args.checkpoint, args.out, args.dp, progress=not args.quiet, stage=args.stage,
                       allow_large_dp=args.allow_large_dp)
     print(f"wrote {written} for {args.dp} ranks" + (f" at ZeRO stage {args.stage}" if args.stage else ""))
 
 
 def _migrate(args):
-    from deepspeed_bnb.checkpoint.reshape import migrate
+    from deepspeed_bnb.checkpoint.tools.reshape import migrate
     print(f"wrote {migrate(args.checkpoint, args.out, progress=not args.quiet)} in the current checkpoint format")
 
 
 def _export(args):
-    from deepspeed_bnb.checkpoint.export import export
+    from deepspeed_bnb.checkpoint.tools.export import export
     for kind, path in export(args.checkpoint, args.out, args.optimizer_state, progress=not args.quiet,
                              universal=args.universal).items():
         print(f"{kind:>12}: {path}")
@@ -32,7 +32,7 @@ def _export(args):
 
 def _convert(args):
     if args.from_bnb:
-        from deepspeed_bnb.checkpoint.from_bnb import convert_from_bnb
+        from deepspeed_bnb.checkpoint.tools.from_bnb import convert_from_bnb
         if args.weights is None:
             raise ValueError("convert --from-bnb needs --weights FILE: the model's state dict (torch or safetensors)")
         if args.to == "32bit":
@@ -51,7 +51,7 @@ def _convert(args):
         raise ValueError("convert needs --to 8bit or --to 32bit (or --from-bnb)")
     if args.weights or args.param_names:
         raise ValueError("convert: --weights and --param-names go with --from-bnb")
-    from deepspeed_bnb.checkpoint.convert import convert
+    from deepspeed_bnb.checkpoint.tools.convert import convert
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage)
     print(report)
@@ -181,9 +181,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if getattr(args, "trust", False):
-        from deepspeed_bnb.checkpoint.safe_load import TRUST_ENV
+        from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV
         os.environ[TRUST_ENV] = "1"
-    from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
     try:
         code = args.func(args)
     except (CheckpointMismatchError, ValueError, FileNotFoundError) as exc:

@@ -273,7 +273,7 @@ def control_run(args, save_dir, step, control_dir, control_events, world) -> Dic
 def weights_diff(reference_dir: str, other_dir: str) -> float:
     """Largest |difference| between the final fp32 master weights of two checkpoints (read offline)."""
     sys.path.insert(0, ROOT)
-    from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+    from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
     a, b = SavedCheckpoint(reference_dir), SavedCheckpoint(other_dir)
     worst = 0.0
     for g in range(len(a.groups)):

@@ -190,7 +190,7 @@ def save(engine, args, held_out, events, world) -> float:
     engine.save_checkpoint(args.save_dir, tag=f"global_step{engine.global_steps}")
     seconds = time.time() - began
     if dist.get_rank() == 0:
-        from deepspeed_bnb.checkpoint.retention import prune
+        from deepspeed_bnb.checkpoint.format.retention import prune
         prune(args.save_dir, args.keep)
         print(f"\nstep {engine.global_steps}: held-out loss {valid:.4f} nats/byte; saved in {seconds:.2f} s",
               flush=True)

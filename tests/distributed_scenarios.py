@@ -38,7 +38,7 @@ from deepspeed_bnb.runtime.engine import stock_deepspeed  # noqa: E402
 from deepspeed_bnb.optim import own_update  # noqa: E402
 from deepspeed_bnb.optim.partition_step import NoOwnUpdateError  # noqa: E402
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object, flattens_with_autograd  # noqa: E402
-from deepspeed_bnb.checkpoint.param_state import gather_param_states  # noqa: E402
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states  # noqa: E402
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
 from bnb_state import bnb_moments  # noqa: E402

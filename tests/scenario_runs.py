@@ -61,7 +61,7 @@ def launched(out, world, scenarios, sources):
 
 
 def reshape_dp1_for_three(out):
-    from deepspeed_bnb.checkpoint.reshape import reshape
+    from deepspeed_bnb.checkpoint.tools.reshape import reshape
     from distributed_scenarios import RESHAPED_KINDS
     for kind, stage in RESHAPED_KINDS.items():
         folder = os.path.join(out, "elastic", kind)

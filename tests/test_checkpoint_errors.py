@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import deepspeed_bnb  # noqa: F401
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from fault_injection import differences, engine_state
 from toy import Awkward, build_engine, ds_config, make_model, param_groups, train_steps
 

@@ -51,7 +51,7 @@ def release(python: str) -> str:
 
 def contents(folder: str, tag: str) -> dict:
     """parameter name -> its bnb state and fp32 master weights, as deepspeed_bnb's reader rebuilds them."""
-    from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+    from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
     saved = SavedCheckpoint(os.path.join(folder, tag), verify_checksums=True)
     out = {}
     for g, group in enumerate(saved.groups):

@@ -103,8 +103,9 @@ def test_each_global_batch_is_dealt_out_once_at_any_world_size(world):
 
 
 def test_retention_keeps_the_newest_and_what_latest_names(tmp_path):
-    from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, STAGING_SUFFIX
-    from deepspeed_bnb.checkpoint.retention import prune
+    from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
+    from deepspeed_bnb.checkpoint.format.publish import STAGING_SUFFIX
+    from deepspeed_bnb.checkpoint.format.retention import prune
     for step in range(1, 7):
         os.makedirs(tmp_path / f"global_step{step}")
         if step != 6:  # global_step6: a directory without a manifest (not complete): never touched

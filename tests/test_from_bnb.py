@@ -15,7 +15,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from deepspeed_bnb.checkpoint.from_bnb import QUANT_STATE_KEY
+from deepspeed_bnb.checkpoint.tools.from_bnb import QUANT_STATE_KEY
 from deepspeed_bnb.cli import main
 from test_matches_bnb import engine_param_states
 from toy import MIN_8BIT_SIZE, build_engine, make_model, param_groups, train_plain, train_steps

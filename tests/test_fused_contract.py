@@ -24,7 +24,7 @@ import torch
 from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 
 from bnb_state import flat_bnb_state
-from deepspeed_bnb.checkpoint.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.optim import fused_contract, partition_step
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep

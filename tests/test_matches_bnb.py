@@ -19,7 +19,7 @@ import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
 from bnb_state import bnb_moments, flat_bnb_state
 from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
-from deepspeed_bnb.checkpoint.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper

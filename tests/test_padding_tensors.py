@@ -17,7 +17,7 @@ import deepspeed
 import pytest
 import torch
 
-from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding
 from toy import ds_config, make_model, param_groups, train_steps

@@ -30,10 +30,10 @@ import deepspeed.runtime.engine as ds_engine
 import deepspeed_bnb.runtime.engine as bnb_engine
 from deepspeed_bnb import overrides
 from conftest import TESTS, free_port, without_launch_vars
-from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, RETIRED_SUFFIX, STAGING_SUFFIX, publish, \
-    write_json_atomic
-from deepspeed_bnb.checkpoint.constants import FORMAT_VERSION
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
+from deepspeed_bnb.checkpoint.format.publish import RETIRED_SUFFIX, STAGING_SUFFIX, publish, write_json_atomic
+from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from fault_injection import InjectedFault, differences, engine_state, watch
 from toy import MIN_8BIT_SIZE, build_engine, train_steps  # 8-bit and fp32 state side by side
 

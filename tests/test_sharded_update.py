@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bnb_optimizers import FACTORIES
-from deepspeed_bnb.checkpoint.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout
 

@@ -16,7 +16,7 @@ import torch
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
 from bnb_state import flat_bnb_state
-from deepspeed_bnb.checkpoint.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed_bnb.runtime import engine as engine_module
 from deepspeed_bnb import overrides

@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 import deepspeed_bnb  # noqa: F401
-from deepspeed_bnb.checkpoint.constants import FORMAT_VERSION
-from deepspeed_bnb.checkpoint.convert import convert
-from deepspeed_bnb.checkpoint.export import export
-from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
-from deepspeed_bnb.checkpoint.reshape import reshape
-from deepspeed_bnb.checkpoint.summary import summary
+from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
+from deepspeed_bnb.checkpoint.tools.convert import convert
+from deepspeed_bnb.checkpoint.tools.export import export
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.tools.reshape import reshape
+from deepspeed_bnb.checkpoint.tools.summary import summary
 from deepspeed_bnb.ops.reference import code_gap
 from toy import MIN_8BIT_SIZE, build_engine, train_steps
 from test_matches_bnb import engine_param_states
@@ -165,7 +165,7 @@ def test_convert_8bit_to_32bit_is_exact_dequantization(saved, tmp_path):
 
 def test_format_constants_are_deepspeeds():
     from deepspeed.checkpoint import constants as ds
-    from deepspeed_bnb.checkpoint import constants as ours
+    from deepspeed_bnb.checkpoint.format import constants as ours
     assert ours.BASE_OPTIMIZER_STATE_KEY == ds.BASE_OPTIMIZER_STATE
     assert ours.MASTER_WEIGHTS_KEY == ds.SINGLE_PARTITION_OF_FP32_GROUPS
 

@@ -22,8 +22,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 import deepspeed_bnb  # noqa: F401
 from bnb_state import ROUNDING, bnb_moments
 from conftest import without_launch_vars
-from deepspeed_bnb.checkpoint.convert import convert
-from deepspeed_bnb.checkpoint.export import export
+from deepspeed_bnb.checkpoint.tools.convert import convert
+from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.cli import main
 from deepspeed_bnb.ops.reference import code_gap
 from test_matches_bnb import engine_param_states

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-from deepspeed_bnb.checkpoint.constants import FORMAT_KEY
-from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.reshape import reshape
-from deepspeed_bnb.checkpoint.safe_load import TRUST_ENV, UnsafeCheckpointError
+from deepspeed_bnb.checkpoint.format.constants import FORMAT_KEY
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
+from deepspeed_bnb.checkpoint.tools.reshape import reshape
+from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV
 from deepspeed_bnb.cli import main
 from fault_injection import differences, engine_state
 from toy import MIN_8BIT_SIZE, build_engine, train_steps

@@ -1,1 +1,2 @@
-"""Checkpoint format of deepspeed_bnb: constants and the per-rank optimizer-state record."""
+"""deepspeed_bnb checkpoints: the on-disk format and its safe reading and publishing (format/), and the offline tools
+that rewrite checkpoints (tools/)."""

@@ -23,12 +23,14 @@ from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_i
 
 from deepspeed import comm as dist
 
-from deepspeed_bnb.checkpoint.manifest import UNSAFE_KEY, file_digest, latest_tag, list_files, publish, \
-    read_manifest, recover_tag, staging_dir, verify
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, is_record
-from deepspeed_bnb.checkpoint.reader import SavedCheckpoint, check_unlisted, model_states_name
-from deepspeed_bnb.checkpoint.safe_load import load_file
-from deepspeed_bnb.checkpoint.sources import FileSource, rank_file_paths
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.manifest import UNSAFE_KEY, file_digest, latest_tag, list_files, read_manifest, \
+    verify
+from deepspeed_bnb.checkpoint.format.publish import publish, recover_tag, staging_dir
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_unlisted, model_states_name
+from deepspeed_bnb.checkpoint.format.records import is_record
+from deepspeed_bnb.checkpoint.format.safe_load import load_file
+from deepspeed_bnb.checkpoint.format.sources import FileSource, rank_file_paths
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.overrides import given_kwargs, stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
 from deepspeed_bnb.runtime.zero import compat
@@ -165,7 +167,7 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
             fetch_z3_params = True
         elif not live_partitioned and saved == 3 and getattr(self, "_bnb_loading", None):
             # the weights zero_to_fp32 would rebuild, read through the safe loader (zero_to_fp32 unpickles fully)
-            from deepspeed_bnb.checkpoint.export import consolidated_weights
+            from deepspeed_bnb.checkpoint.format.weights import consolidated_weights
             load_dir, tag = self._bnb_loading
             weights = consolidated_weights(SavedCheckpoint(os.path.join(load_dir, str(tag))))
             module = dict(checkpoint["module"])

@@ -13,7 +13,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from deepspeed_bnb.checkpoint.partition_state import GroupRecord, load_records
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records
 from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
 from deepspeed_bnb.optim.partition_step import FUSED, routes

@@ -32,9 +32,9 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.manifest import describe
-from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.manifest import describe
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass

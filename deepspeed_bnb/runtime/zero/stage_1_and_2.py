@@ -26,9 +26,9 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, DS_VERSION
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from deepspeed_bnb.checkpoint.constants import PARAM_ALIGNMENT_PADDINGS
-from deepspeed_bnb.checkpoint.manifest import describe
-from deepspeed_bnb.checkpoint.partition_state import GroupRecord, build_record, load_records
+from deepspeed_bnb.checkpoint.format.constants import PARAM_ALIGNMENT_PADDINGS
+from deepspeed_bnb.checkpoint.format.manifest import describe
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors

@@ -8,8 +8,8 @@ error that names it.
 import os
 from typing import Callable, Dict, List
 
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.safe_load import UnsafeCheckpointError, load_file
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
+from deepspeed_bnb.checkpoint.format.safe_load import load_file
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"  # DeepSpeed's key for the ZeRO optimizer's state in a rank file
 

@@ -13,36 +13,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format.weights import consolidated_weights, fp32_moments
 from deepspeed_bnb.optim.state_names import TORCH_NAMES
-from deepspeed_bnb.ops.reference import dequantize_blockwise
-
-
-def fp32_moments(state: dict) -> list:
-    """A parameter's state rows as fp32 tensors, in TORCH_NAMES order (8-bit codes dequantized)."""
-    rows = []
-    for i in (1, 2):
-        key = f"state{i}"
-        if key not in state:
-            continue
-        value = state[key]
-        if value.dtype == torch.uint8:
-            value = dequantize_blockwise(value, state[f"absmax{i}"], state[f"qmap{i}"])
-        rows.extend(value.unbind(0) if value.dim() == 2 else [value])
-    return rows
-
-
-def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
-    """fp32 weights of every trained parameter, plus the model's other tensors (buffers, frozen) as saved."""
-    states = ckpt.model_states
-    weights = {name: tensor for name, tensor in states["module"].items()}
-    for g, shapes in enumerate(ckpt.param_shapes()):
-        for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
-            weights[name] = master.reshape(shape).clone()
-    for name, source in states.get("shared_params", {}).items():
-        weights[name] = weights[source]  # tied weights: the same tensor under both names
-    return weights
 
 
 def export(path: str, out_dir: str, optimizer_state: bool = False, progress: bool = True,
@@ -52,7 +26,7 @@ def export(path: str, out_dir: str, optimizer_state: bool = False, progress: boo
     first."""
     ckpt = SavedCheckpoint(path, verify_checksums=True)
     if universal:
-        from deepspeed_bnb.checkpoint.universal import LATEST_UNIVERSAL, write_universal
+        from deepspeed_bnb.checkpoint.tools.universal import LATEST_UNIVERSAL, write_universal
         return {"universal": write_universal(ckpt, out_dir, progress),
                 "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
     os.makedirs(out_dir, exist_ok=True)

@@ -19,13 +19,14 @@ from typing import Dict, List, Tuple
 import torch
 from tqdm import tqdm
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.manifest import fresh_staging, publish_staged, read_manifest, safe_name, verify, \
-    write_json_atomic
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint, check_unlisted
-from deepspeed_bnb.checkpoint.reshape import RanklessSource, check_output
-from deepspeed_bnb.checkpoint.safe_load import load_file
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.manifest import read_manifest, safe_name, verify
+from deepspeed_bnb.checkpoint.format.publish import fresh_staging, publish_staged, write_json_atomic
+from deepspeed_bnb.checkpoint.format.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint, check_unlisted
+from deepspeed_bnb.checkpoint.format.safe_load import load_file
+from deepspeed_bnb.checkpoint.format.weights import fp32_moments
+from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer file (engine.load_checkpoint with load_universal)
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
@@ -49,7 +50,6 @@ def _whole(value, where: str) -> torch.Tensor:
 def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) -> str:
     """Write `ckpt` (deepspeed_bnb, Adam family) as a DeepSpeed universal checkpoint in `out_dir`; returns the tag
     directory. The moments are bnb's dequantized ones (exact for fp32 state); the weights the fp32 master weights."""
-    from deepspeed_bnb.checkpoint.export import fp32_moments
     record = ckpt.record(0)
     if record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.errors import UnsafeCheckpointError
 
 TRUST_ENV = "DEEPSPEED_BNB_TRUST_CHECKPOINTS"
 """Set to 1 to load checkpoint files with full pickle (arbitrary code), for checkpoints you trust. Off by default."""
@@ -37,10 +37,6 @@ ALLOWED_GLOBALS = (
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _warned_trusted = set()
-
-
-class UnsafeCheckpointError(CheckpointMismatchError):
-    """A checkpoint file that needs an object outside the allow-list to load (it could run code)."""
 
 
 def trusted() -> bool:

@@ -11,7 +11,8 @@ import re
 import shutil
 from typing import List, Optional
 
-from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, RETIRED_SUFFIX, STAGING_SUFFIX, latest_tag
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag
+from deepspeed_bnb.checkpoint.format.publish import RETIRED_SUFFIX, STAGING_SUFFIX
 
 _STEP = re.compile(r"(\d+)$")
 

@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from deepspeed_bnb.checkpoint.safe_load import load_file
+from deepspeed_bnb.checkpoint.format.safe_load import load_file
 
 CHECKSUM = "crc32"  # algorithm of the per-tensor digests (hex, 8 digits)
 

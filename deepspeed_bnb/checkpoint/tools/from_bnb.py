@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.reshape import RanklessSource, write_rank_files
-from deepspeed_bnb.checkpoint.safe_load import load_file
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
+from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2: quantization tensors
@@ -179,7 +179,7 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
                      optimizer_key: Optional[str] = None, model_key: Optional[str] = None) -> str:
     """Write a plain bnb run (optimizer state dict + weights) as a deepspeed_bnb checkpoint for `dp` ranks at ZeRO
     `stage`; returns a report line."""
-    from deepspeed_bnb.checkpoint.convert import _build, _load_class, group_filler, target_keys
+    from deepspeed_bnb.checkpoint.tools.convert import _build, _load_class, group_filler, target_keys
     from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
     from deepspeed_bnb.state_layout import BLOCK_SIZE
     if dp < 1 or stage not in (1, 2, 3):

@@ -12,13 +12,14 @@ from typing import Dict, List
 
 import torch
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.manifest import MANIFEST_NAME, latest_tag, read_manifest, verify
-from deepspeed_bnb.checkpoint.param_state import gather_param_states
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, GroupRecord, check_record, \
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, verify
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, check_record, \
     empty_group_record, is_record, saved_master
-from deepspeed_bnb.checkpoint.safe_load import TRUST_ENV, load_file, trusted
-from deepspeed_bnb.checkpoint.sources import FileSource
+from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
+from deepspeed_bnb.checkpoint.format.sources import FileSource
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
 

@@ -3,8 +3,8 @@
 import os
 from typing import List
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 
 
 def _size(nbytes: float) -> str:

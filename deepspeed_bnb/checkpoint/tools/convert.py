@@ -18,13 +18,14 @@ import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, PARAM_SLICE_MAPPINGS
 from tqdm import tqdm
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.export import fp32_moments
-from deepspeed_bnb.checkpoint.param_state import scatter_param_states
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, empty_group_record
-from deepspeed_bnb.checkpoint.reader import SavedCheckpoint
-from deepspeed_bnb.checkpoint.reshape import check_output, write_rank_files
-from deepspeed_bnb.checkpoint.universal import UniversalCheckpoint, universal_tag_dir
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.weights import fp32_moments
+from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.records import empty_group_record
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.tools.rank_files import check_output, write_rank_files
+from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 

@@ -10,14 +10,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.reshard import Run, copy_runs, plan
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
 from deepspeed_bnb.state_layout import GroupLayout, layout_from_dict
-
-
-class CheckpointMismatchError(RuntimeError):
-    """A checkpoint that does not fit the engine loading it, or that is damaged."""
 
 
 @dataclass

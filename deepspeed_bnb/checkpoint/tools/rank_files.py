@@ -1,8 +1,7 @@
-"""Offline resharding: rewrite a deepspeed_bnb checkpoint for another data-parallel size and ZeRO stage (lossless).
+"""Writes a new tag's files from per-parameter state: model states and one optimizer file per rank, for any DP size
+and ZeRO stage. The offline writers (reshape, migrate, convert, --from-bnb, universal inputs) all publish through
+`write_rank_files`.
 
-Engines built with deepspeed_bnb load a checkpoint at any DP size and stage directly; `reshape` writes the files a run
-at DP size M (and stage S) would have written, for tools that expect them or to spread the read load of a later
-resume. It also writes the per-rank files other offline writers (convert) produce, through `write_rank_files`.
 Stage 3 files hold DeepSpeed's `fp32_flat_groups` in stock ZeRO-3 slices (what zero_to_fp32 reads) and one
 model-states file per rank; stage 1/2 files hold `single_partition_of_fp32_groups` and one model-states file.
 """
@@ -19,15 +18,14 @@ from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP, GROUP_PADD
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm import tqdm
 
-from deepspeed_bnb.checkpoint import constants as C
-from deepspeed_bnb.checkpoint.manifest import describe, fresh_staging, publish_staged
-from deepspeed_bnb.checkpoint.partition_state import CheckpointMismatchError, GroupRecord, build_record, \
-    load_records
-from deepspeed_bnb.checkpoint.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint
-from deepspeed_bnb.checkpoint.sources import OPTIMIZER_STATE_DICT
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.manifest import describe
+from deepspeed_bnb.checkpoint.format.publish import fresh_staging, publish_staged
+from deepspeed_bnb.checkpoint.format.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
+from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
 from deepspeed_bnb.state_layout import ShardedLayout
 
-MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files
 STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS,
                   C.PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
 
@@ -161,49 +159,3 @@ def check_output(ckpt: SavedCheckpoint, out_dir: str) -> None:
         raise ValueError(f"the output directory {out_dir} is the checkpoint being read ({ckpt.tag_dir}) or inside it: "
                          f"writing there would replace the source. Give a new directory (and move it into place "
                          f"afterwards if you want to).")
-
-
-def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Optional[int] = None,
-            allow_large_dp: bool = False) -> str:
-    """Write checkpoint `path` (a checkpoint or tag directory) into `out_dir` for `dp` data-parallel ranks at ZeRO
-    `stage` (1, 2 or 3; default: the checkpoint's own). Every input file is checked against its SHA-256 first."""
-    if dp < 1:
-        raise ValueError(f"reshape: --dp must be a positive number of ranks, got {dp}")
-    if dp > MAX_DP and not allow_large_dp:
-        raise ValueError(f"reshape: --dp {dp} would write {dp} rank files (more than {MAX_DP}); if that is really the "
-                         f"data-parallel size of the run, pass --allow-large-dp.")
-    if stage is not None and stage not in (1, 2, 3):
-        raise ValueError(f"reshape: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
-    ckpt = SavedCheckpoint(path, verify_checksums=True)
-    if not ckpt.is_deepspeed_bnb:
-        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint; reshape rewrites deepspeed_bnb "
-                                      f"checkpoints. `deepspeed-bnb convert` turns it into one.")
-    check_output(ckpt, out_dir)
-    first = ckpt.record(0)
-    stage = ckpt.zero_stage if stage is None else stage
-
-    def fill(rank):
-        groups = [ckpt.empty_group(g, dp, rank, stage) for g in range(len(ckpt.groups))]
-        load_records(ckpt.source, groups, rank, first[C.OPTIMIZER_CLASS_KEY], True, True)
-        return groups
-
-    return write_rank_files(ckpt, out_dir, dp, fill, first[C.OPTIMIZER_CLASS_KEY], first[C.OPTIMIZER_NAME_KEY],
-                            progress, stage)
-
-
-def migrate(path: str, out_dir: str, progress: bool = True) -> str:
-    """Rewrite a deepspeed_bnb checkpoint of any format version in the current one (same DP size and stage): a
-    manifest with per-tensor checksums, every file readable by the safe loader. Lossless (the files are rebuilt
-    from the per-parameter state, as reshape does)."""
-    ckpt = SavedCheckpoint(path, verify_checksums=True)
-    if not ckpt.is_deepspeed_bnb:
-        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint; migrate rewrites deepspeed_bnb "
-                                      f"checkpoints. `deepspeed-bnb convert` turns it into one.")
-    written = reshape(path, out_dir, ckpt.dp, progress, ckpt.zero_stage, allow_large_dp=True)
-    from deepspeed_bnb.checkpoint.manifest import UNSAFE_KEY, read_manifest
-    unsafe = {name: entry[UNSAFE_KEY] for name, entry in read_manifest(written)["files"].items() if UNSAFE_KEY in entry}
-    if unsafe:
-        raise CheckpointMismatchError(f"{written} was written, but {unsafe} still need trust to load: they hold "
-                                      f"objects of the source's client_state or lr scheduler. Load the source in "
-                                      f"a trusted engine, replace those entries by plain values and save again.")
-    return written
