@@ -66,11 +66,16 @@ PARTITION = "deepspeed.runtime.zero.partition_parameters"
 FRAGMENT = "deepspeed.utils.tensor_fragment"
 ENGINE_PY, ZERO12_PY, ZERO3_PY = ("deepspeed_bnb.runtime.engine", "deepspeed_bnb.runtime.zero.stage_1_and_2",
                                   "deepspeed_bnb.runtime.zero.stage3")
+CHECKPOINTING_PY = "deepspeed_bnb.runtime.checkpointing"
 PADDING_PY = "deepspeed_bnb.runtime.zero.padding_tensors"
 
 
-def _engine(name, why, params, **kw):
-    return Override(ENGINE, name, REPLACE, IMPORT_SCOPE, f"{ENGINE_PY}:{name}", why, params, **kw)
+def _engine(name, why, params, module=ENGINE_PY, **kw):
+    return Override(ENGINE, name, REPLACE, IMPORT_SCOPE, f"{module}:{name}", why, params, **kw)
+
+
+def _checkpointing(name, why, params, **kw):
+    return _engine(name, why, params, module=CHECKPOINTING_PY, **kw)
 
 
 def _subclass(owner, ours, name, why, params, **kw):
@@ -85,21 +90,23 @@ OVERRIDES: Tuple[Override, ...] = (
             "method: for a bnb optimizer the names are swapped for the call (entries below)", ("self", "optimizer")),
     _engine("_do_optimizer_sanity_check", "bf16 + fp32 gradient accumulation + ZeRO-1 would pick BF16_Optimizer, "
             "which shards bnb state element-wise; bnb optimizers go to ZeRO instead", ("self", "basic_optimizer")),
-    _engine("_load_zero_checkpoint", "stock loading refuses another DP size and concatenates state element-wise; "
-            "bnb engines load their per-rank records at any DP size", ("self", "load_dir", "tag",
-                                                                          "load_optimizer_states")),
-    _engine("_get_all_ckpt_names", "at stage 3 a rank beyond the saving DP size, or a checkpoint of the other stage "
-            "family, has no model-states file of its own name", ("self", "checkpoints_path", "tag")),
-    _engine("load_module_state_dict", "module weights of the other stage family: gathered into ZeRO-3, or rebuilt "
-            "through the safe loader instead of zero_to_fp32's full unpickling",
-            ("self", "checkpoint", "strict", "custom_load_fn", "fetch_z3_params"),
-            params_since={"z3_params_to_fetch": "0.19.3", "allowed_missing_keys": "0.19.3"}),
-    _engine("save_checkpoint", "crash-safe publishing with a checksummed manifest; a save that cannot start fails on "
-            "every rank", ("self", "save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters")),
-    _engine("load_checkpoint", "verify the manifest, read every file through the safe loader, check the optimizer "
-            "state fits before DeepSpeed replaces module weights",
-            ("self", "load_dir", "tag", "load_module_strict", "load_optimizer_states", "load_lr_scheduler_states",
-             "load_module_only", "custom_load_fn")),
+    _checkpointing("_load_zero_checkpoint", "stock loading refuses another DP size and concatenates state "
+                   "element-wise; bnb engines load their per-rank records at any DP size",
+                   ("self", "load_dir", "tag", "load_optimizer_states")),
+    _checkpointing("_get_all_ckpt_names", "at stage 3 a rank beyond the saving DP size, or a checkpoint of the other "
+                   "stage family, has no model-states file of its own name", ("self", "checkpoints_path", "tag")),
+    _checkpointing("load_module_state_dict", "module weights of the other stage family: gathered into ZeRO-3, or "
+                   "rebuilt through the safe loader instead of zero_to_fp32's full unpickling",
+                   ("self", "checkpoint", "strict", "custom_load_fn", "fetch_z3_params"),
+                   params_since={"z3_params_to_fetch": "0.19.3", "allowed_missing_keys": "0.19.3"}),
+    _checkpointing("save_checkpoint", "crash-safe publishing with a checksummed manifest under the save directory's "
+                   "lock; a save that fails on one rank (cannot start, a full disk, the publish) fails on every rank",
+                   ("self", "save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters")),
+    _checkpointing("load_checkpoint", "for bnb engines, and any engine loading a deepspeed_bnb tag: verify the "
+                   "manifest, read every file through the safe loader, check the optimizer state fits before "
+                   "DeepSpeed replaces module weights, agree on failures across ranks",
+                   ("self", "load_dir", "tag", "load_module_strict", "load_optimizer_states",
+                    "load_lr_scheduler_states", "load_module_only", "custom_load_fn")),
     _engine("_get_zero_param_shapes", "names every entry of the ZeRO flat lists; padding tensors (releases without "
             "per-parameter padding) are hidden so the model states are the same on every release", ("self",)),
     Override("deepspeed.runtime.engine", "is_zero_supported_optimizer", REPLACE, IMPORT_SCOPE,
@@ -118,9 +125,18 @@ OVERRIDES: Tuple[Override, ...] = (
     Override(ENGINE, "super_offload", CALL, CALL_SCOPE, "", "SuperOffload steps with DeepSpeedCPUAdam: refused for "
              "bnb optimizers", ("self",), since="0.18.0"),
     Override("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine", "load", SWAP, CALL_SCOPE,
-             f"{ENGINE_PY}:_safe_reads", "DeepSpeed reads model states through the engine's checkpoint_engine.load "
-             "(full pickle); replaced on that object for the duration of a load by the safe loader",
-             ("self", "path", "map_location")),
+             f"{CHECKPOINTING_PY}:_safe_reads", "DeepSpeed reads model states through the engine's "
+             "checkpoint_engine.load (full pickle); replaced on that object for the duration of a load by the safe "
+             "loader", ("self", "path", "map_location")),
+    Override("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine", "save", SWAP, CALL_SCOPE,
+             f"{CHECKPOINTING_PY}:_DeferredWrites", "a write that fails on one rank would raise there while the other "
+             "ranks wait in DeepSpeed's closing barrier; replaced on that object for the duration of a save by one "
+             "that records the failure, which every rank then raises", ("self", "state_dict", "path")),
+    Override("deepspeed.runtime.engine", "get_fp32_state_dict_from_zero_checkpoint", SWAP, CALL_SCOPE,
+             f"{CHECKPOINTING_PY}:_safe_reads", "ZeRO-3 weights-only loads rebuild the weights with zero_to_fp32, "
+             "which unpickles every rank file in full, globs the tag for files and re-reads `latest` whatever tag "
+             "was asked for; during a load it returns the loaded tag's weights, read through the safe loader",
+             ("checkpoint_dir",)),
     Override("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine", "is_decoupled", CALL,
              CALL_SCOPE, "", "a decoupled writer finishes files after save_checkpoint returns: no manifest then",
              ("self",), since="0.17.1"),

@@ -22,6 +22,7 @@ from typing import Sequence, Tuple
 
 BLOCK_SIZE = 256
 """bitsandbytes' blockwise-quantization block for optimizer state (every backend since bnb 0.44)."""
+MAX_BLOCK = 1 << 16  # the largest block a layout read from a file may have (ours: BLOCK_SIZE, or 1)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -80,6 +81,7 @@ class GroupLayout:
     numels: Tuple[int, ...]  # elements of each parameter, in the group's flat order
     dp: int  # data-parallel size the group is partitioned over
     block: int = BLOCK_SIZE  # quantization block; every slot offset and partition boundary is a multiple of it
+    kind = "flat"  # to_dict tag of a ShardedLayout's counterpart (a class attribute, not a field; never written)
 
     def __post_init__(self):
         if self.dp < 1:
@@ -155,10 +157,6 @@ class GroupLayout:
 
     def to_dict(self) -> dict:
         return {"numels": list(self.numels), "dp": self.dp, "block": self.block}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "GroupLayout":
-        return cls(numels=tuple(int(n) for n in data["numels"]), dp=int(data["dp"]), block=int(data["block"]))
 
 
 @dataclass(frozen=True)
@@ -244,11 +242,20 @@ class ShardedLayout:
 
 
 def layout_from_dict(data: dict):
-    """GroupLayout or ShardedLayout from its to_dict() (a dict without "kind" is a GroupLayout: format 1 files)."""
-    if data.get("kind", "flat") == ShardedLayout.kind:
-        return ShardedLayout(numels=tuple(int(n) for n in data["numels"]), dp=int(data["dp"]),
-                             block=int(data["block"]))
-    return GroupLayout.from_dict(data)
+    """GroupLayout or ShardedLayout from its to_dict() (a dict without "kind" is a GroupLayout: format 1 files).
+    The dict comes from a file: anything but positive integers (at most MAX_BLOCK for the block) is a ValueError."""
+    def count(value, what, limit=None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (limit and value > limit):
+            raise ValueError(f"layout {what} must be an integer from 1{f' to {limit}' if limit else ''}, got "
+                             f"{value!r}")
+        return value
+
+    if not isinstance(data, dict) or not isinstance(data.get("numels"), (list, tuple)) or \
+            data.get("kind", GroupLayout.kind) not in (GroupLayout.kind, ShardedLayout.kind):
+        raise ValueError(f"not a layout (a dict of kind, numels, dp, block): {str(data)[:200]}")
+    cls = ShardedLayout if data.get("kind") == ShardedLayout.kind else GroupLayout
+    return cls(numels=tuple(count(n, "numel") for n in data["numels"]), dp=count(data.get("dp"), "dp"),
+               block=count(data.get("block"), "block", MAX_BLOCK))
 
 
 def zero_alignment(stock_alignment: int, layout: GroupLayout) -> int:

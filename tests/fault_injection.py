@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import deepspeed.runtime.engine as ds_engine
+import pytest
 import torch
 
 # The calls that change a checkpoint directory: (module, attribute, step kind, index of the path argument, index of
@@ -73,6 +74,18 @@ def _half_done(kind: str, real, args, kwargs, target: str) -> None:
 
 def _raise(step: Step) -> None:
     raise InjectedFault(f"injected fault at: {step}")
+
+
+@contextlib.contextmanager
+def raises_injected():
+    """The block fails because of the injected fault: raised as it is, or as the error every rank of a save raises
+    for a failure on one of them (CheckpointSaveError), which carries the fault as its cause."""
+    with pytest.raises(Exception) as info:
+        yield info
+    cause = info.value
+    while cause is not None and not isinstance(cause, InjectedFault):
+        cause = cause.__cause__
+    assert cause is not None, f"the block failed for another reason than the injected fault: {info.value!r}"
 
 
 def _writes(args, kwargs) -> bool:

@@ -185,7 +185,7 @@ def test_garbled_manifest_names_the_file(saved, tmp_path):
 
 def test_refusal_without_the_early_check_changes_weights_control(saved, monkeypatch):
     """Without the check before DeepSpeed's load, the same refusal comes after the module weights were replaced."""
-    import deepspeed_bnb.runtime.engine as bnb_engine
+    import deepspeed_bnb.runtime.checkpointing as bnb_engine
     monkeypatch.setattr(bnb_engine, "_check_fits", lambda *args: None)
     path, _, _ = saved
     engine = build(min_8bit_size=5000)

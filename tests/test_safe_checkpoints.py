@@ -27,14 +27,14 @@ import pytest
 import torch
 
 import deepspeed.runtime.engine as ds_engine
-import deepspeed_bnb.runtime.engine as bnb_engine
+import deepspeed_bnb.runtime.checkpointing as bnb_engine
 from deepspeed_bnb import overrides
 from conftest import TESTS, free_port, without_launch_vars
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.publish import RETIRED_SUFFIX, STAGING_SUFFIX, publish, write_json_atomic
 from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from fault_injection import InjectedFault, differences, engine_state, watch
+from fault_injection import differences, engine_state, raises_injected, watch
 from toy import MIN_8BIT_SIZE, build_engine, train_steps  # 8-bit and fp32 state side by side
 
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -135,7 +135,7 @@ class Saves:
     def fail_save(self, mode, index, torn=False):
         """A copy of the previous checkpoint after a save in `mode` failed at its `index`th call; and that call."""
         folder = self.copy_of_previous()
-        with watch(folder, fail_at=index, torn=torn) as seen, pytest.raises(InjectedFault):
+        with watch(folder, fail_at=index, torn=torn) as seen, raises_injected():
             self.engine.save_checkpoint(folder, tag=MODES[mode])
         return folder, str(seen[index])
 
@@ -204,6 +204,7 @@ def test_protocol_is_the_enumerated_steps(saves, mode):
 def test_failed_save_keeps_a_complete_checkpoint(saves, mode, step, torn):
     folder = saves.fail_protocol_step(mode, step, torn)
     assert saves.what_loads(folder) == expected(mode, step)
+    assert fill("{s}", mode) not in listing(folder), "a failed save leaves its staging directory behind"
     saves.engine.save_checkpoint(folder, tag=MODES[mode])  # a later save, over whatever the failed one left
     assert saves.what_loads(folder) == "new"
     tags = ["a"] if mode == "overwrite" else ["a", "b"]
@@ -231,9 +232,11 @@ def test_save_after_an_interrupted_overwrite_without_a_load(saves, step):
     ids, calls = zip(*AFTER_INTERRUPTED_OVERWRITE)
     index = ids.index(step) if step in ids else None
     with watch(folder, fail_at=index) as seen, \
-            (pytest.raises(InjectedFault) if index is not None else contextlib.nullcontext()):
+            (raises_injected() if index is not None else contextlib.nullcontext()):
         saves.engine.save_checkpoint(folder, tag="a")
-    assert [str(call) for call in seen] == list(calls[:len(calls) if index is None else index + 1])
+    upto = len(calls) if index is None else index + 1
+    assert [str(call) for call in seen][:upto] == list(calls[:upto])  # then DeepSpeed's rest, and the clean-up
+    assert f".a{STAGING_SUFFIX}" not in listing(folder), "a failed save leaves its staging directory behind"
     published = index is None or index > ids.index("publish-tag")
     assert saves.what_loads(folder) == ("new" if published else "old")
     saves.engine.save_checkpoint(folder, tag="a")
@@ -254,7 +257,7 @@ def delete_then_rename(save_dir, tag, files, description, save_latest):
     publish(save_dir, tag, files, description, save_latest)
 
 
-BROKEN = {  # name -> (attribute of deepspeed_bnb.runtime.engine replaced, by what, mode, a call a fault must catch)
+BROKEN = {  # name -> (attribute of deepspeed_bnb.runtime.checkpointing replaced, by what, mode, a call a fault must catch)
     "latest-first": ("publish", latest_first, "new-tag", "rename {s}/{t} -> {t}"),
     "delete-then-rename": ("publish", delete_then_rename, "overwrite", "rename {s}/{t} -> {t}"),
     "no-recovery-on-load": ("recover_tag", lambda load_dir, tag: None, "overwrite", "rename {s}/{t} -> {t}"),

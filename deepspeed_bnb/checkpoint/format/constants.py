@@ -32,3 +32,8 @@ MASTER_ENTRY_KEY = "master_entry"  # record: ZeRO state-dict entry with this ran
 MASTER_LAYOUT_KEY = "master_layout"  # group: layout of its fp32 master weights in that entry (stock ZeRO-3 slices)
 ZERO_STAGE_KEY = "zero_stage"  # DeepSpeed's ZeRO state-dict entry: the stage that wrote it
 FP32_FLAT_GROUPS_KEY = "fp32_flat_groups"  # DeepSpeed's ZeRO-3 entry: per sub-group, this rank's fp32 slices
+
+# File names inside a tag directory (DeepSpeed's, for model-parallel rank 0)
+MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one model-states file
+STAGE3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per DP rank (empty module weights)
+RANK_FILE = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # per DP rank: prefix ("" or "bf16_"), rank

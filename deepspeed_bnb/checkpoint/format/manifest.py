@@ -1,10 +1,14 @@
 """A tag's manifest: the files that make up the checkpoint, with their sizes and SHA-256 checksums (publish.py writes
 it last, once every rank's files are complete), and the checks of a tag against it.
 
-Manifest version 2 adds, per `.pt` file, the CRC-32 of every tensor in it (integrity.py), so that a load that finds a
-file's SHA-256 wrong names the damaged tensor; version-1 manifests (no per-tensor digests) are still read.
-Everything a manifest names is checked before use: a tag or file name that would leave the checkpoint directory is
-refused, since the manifest and `latest` are as untrusted as the rest of a downloaded checkpoint.
+The manifest defines the checkpoint: a tag holds exactly the files it lists, as regular files inside the tag
+directory (a file copied in afterwards, an entry removed, a symbolic link or a tag directory that is one, are all
+refused before anything is read), and it lists the files its own description requires (model states and one
+optimizer file per data-parallel rank). Manifest version 2 adds, per `.pt` file, the CRC-32 of every tensor in it
+(integrity.py), so that a load that finds a file's SHA-256 wrong names the damaged tensor; version-1 manifests (no
+per-tensor digests) are still read. Everything a manifest names is checked before use: a tag or file name that
+would leave the checkpoint directory is refused, since the manifest and `latest` are as untrusted as the rest of a
+downloaded checkpoint.
 """
 
 import hashlib
@@ -12,8 +16,9 @@ import json
 import os
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from deepspeed_bnb.checkpoint.format.integrity import damaged_tensors, tensor_checksums
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, RANK_FILE, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
+from deepspeed_bnb.checkpoint.format.integrity import damaged_tensors, tensor_checksums
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 
 MANIFEST_NAME = "deepspeed_bnb_manifest.json"
@@ -102,29 +107,96 @@ def read_manifest(tag_dir: str) -> Optional[dict]:
 
 
 def verify(tag_dir: str, manifest: dict, checksum: Iterable[str] = ()) -> None:
-    """Every listed file exists with its size; the files in `checksum` (relative paths) also match their SHA-256 and,
-    torch files, load through the safe loader (a manifest matching a planted file proves nothing: whoever planted
-    it could rewrite the manifest; the pickle is parsed, the tensors stay on disk)."""
-    for name, expected in manifest["files"].items():
+    """The tag holds exactly the files the manifest lists (no others, no links) with their sizes, and the files the
+    manifest's description requires; the files in `checksum` (relative paths) also match their SHA-256 and, torch
+    files, load through the safe loader (a manifest matching a planted file proves nothing: whoever planted it could
+    rewrite the manifest; the pickle is parsed, the tensors stay on disk)."""
+    listed = manifest["files"]
+    present = tag_files(tag_dir)
+    unlisted = sorted(set(present) - set(listed))
+    if unlisted:
+        shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        raise CheckpointMismatchError(
+            f"{tag_dir} holds {shown}, which its manifest ({MANIFEST_NAME}) does not list: the file was added after "
+            f"the save (copied in from another checkpoint?) or its entry was removed. deepspeed_bnb reads only a "
+            f"checkpoint's listed files and refuses a tag with others; remove the file, or load another tag.")
+    missing = [name for name in required_files(manifest, tag_dir) if name not in listed]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{os.path.join(tag_dir, MANIFEST_NAME)} does not list {', '.join(missing[:5])}, which a checkpoint of "
+            f"its own description (ZeRO stage {manifest.get('zero_stage')}, {manifest.get('dp_world_size')} "
+            f"data-parallel ranks) consists of: the manifest was edited. Restore it, or load another tag.")
+    for name, expected in listed.items():
         path = os.path.join(tag_dir, name)
-        if not os.path.isfile(path):
+        if name not in present:
             raise CheckpointMismatchError(f"{path} is missing; the checkpoint's manifest lists it.")
-        size = os.path.getsize(path)
+        size = present[name]
         if size != expected["bytes"]:
             raise CheckpointMismatchError(f"{path} has {size} bytes, the manifest says {expected['bytes']}: the file "
                                           f"is truncated or was replaced.")
     for name in checksum:
         path = os.path.join(tag_dir, name)
-        if name not in manifest["files"]:
+        if name not in listed:
             raise CheckpointMismatchError(f"{path} is not listed in the checkpoint's manifest ({MANIFEST_NAME}).")
         actual = _hash(path)[1]
-        if actual != manifest["files"][name]["sha256"]:
-            expected = manifest["files"][name]["sha256"]
+        if actual != listed[name]["sha256"]:
+            expected = listed[name]["sha256"]
             raise CheckpointMismatchError(f"{path} fails its SHA-256 check (manifest {expected}, file {actual}): the "
-                                          f"file is corrupted{_where_damaged(path, manifest['files'][name])}. Restore "
-                                          f"it from the source of the checkpoint, or load another tag.")
+                                          f"file is corrupted{_where_damaged(path, listed[name])}. Restore it from "
+                                          f"the source of the checkpoint, or load another tag.")
         if name.endswith(".pt"):
-            load_file(path, mmap=True)
+            load_file(path)
+
+
+def tag_files(tag_dir: str) -> Dict[str, int]:
+    """Relative path -> size of every file under a tag directory (the manifest itself excluded), walked without
+    following links; a symbolic link, or anything but a directory or regular file, is an error naming it (a link
+    would let the checkpoint read files outside itself)."""
+    if os.path.islink(tag_dir):
+        raise CheckpointMismatchError(
+            f"{tag_dir} is a symbolic link (to {os.readlink(tag_dir)}): a checkpoint's tag must be a directory inside "
+            f"it, not a pointer to files elsewhere. Copy the target in its place (cp -rL), or load another tag.")
+    found, pending = {}, [""]
+    while pending:
+        relative = pending.pop()
+        with os.scandir(os.path.join(tag_dir, relative)) as entries:
+            for entry in entries:
+                name = os.path.join(relative, entry.name)
+                if entry.is_symlink():
+                    raise CheckpointMismatchError(
+                        f"{entry.path} is a symbolic link (to {os.readlink(entry.path)}): every file of a checkpoint "
+                        f"must be a regular file inside it. Replace the link by a copy of its target, or load "
+                        f"another tag.")
+                if entry.is_dir():
+                    pending.append(name)
+                elif entry.is_file():
+                    if name != MANIFEST_NAME:
+                        found[name] = entry.stat().st_size
+                else:
+                    raise CheckpointMismatchError(f"{entry.path} is not a regular file (a device, pipe or socket); "
+                                                  f"a checkpoint holds files only: refused.")
+    return found
+
+
+def required_files(manifest: dict, tag_dir: str = "") -> List[str]:
+    """The files a tag of the manifest's description consists of: the model states and one optimizer file per rank
+    of `dp_world_size` (ZeRO-3: one model-states file per rank), or a universal checkpoint's two entry files. The
+    description is checked first: its counts bound what is asked of the file system."""
+    where = os.path.join(tag_dir, MANIFEST_NAME)
+    if manifest.get("universal"):
+        return ["zero/optimizer_state.pt", MODEL_STATES]
+    stage, dp = manifest.get("zero_stage"), manifest.get("dp_world_size")
+    if stage is None and dp is None:  # no description (hand-made): nothing more to require
+        return []
+    if stage not in (1, 2, 3) or isinstance(dp, bool) or not isinstance(dp, int) or not 1 <= dp <= len(
+            manifest["files"]):
+        raise CheckpointMismatchError(f"{where} describes ZeRO stage {stage!r} at {dp!r} data-parallel ranks, which "
+                                      f"its {len(manifest['files'])} files cannot be: the manifest is damaged or "
+                                      f"crafted. Restore it, or load another tag.")
+    bf16 = any(name.startswith("bf16_zero_pp_rank_") for name in manifest["files"])
+    optimizer = [RANK_FILE.format("bf16_" if bf16 else "", r) for r in range(dp)]
+    model = [STAGE3_MODEL_STATES.format(r) for r in range(dp)] if stage == 3 else [MODEL_STATES]
+    return model + optimizer
 
 
 def _hash(path: str, flush: bool = False) -> Tuple[int, str]:

@@ -8,31 +8,107 @@ becomes a live-shaped GroupRecord for any rank of any DP size with `empty_group`
 import os
 import re
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from deepspeed_bnb.checkpoint.format import constants as C
-from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, verify
-from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.format.records import GroupRecord, check_record, \
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, tag_files, verify
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, check_record, check_saved_records, \
     empty_group_record, is_record, saved_master
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
 from deepspeed_bnb.checkpoint.format.sources import FileSource
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
 
-MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one model-states file
-STAGE3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per DP rank (empty module weights)
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _STAGE3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+# Entries of a model-states file a reader relies on, and what each must be (a file is checked before use)
+_MODEL_STATE_TYPES = {"module": dict, "param_shapes": list, "dp_world_size": int, "mp_world_size": int,
+                      "global_steps": int, "skipped_steps": int, "global_samples": int, "buffer_names": list,
+                      "shared_params": dict, "ds_config": dict, "ds_version": str}
+_REQUIRED_MODEL_STATES = ("module", "dp_world_size")
+
+
+def rank_files(tag_dir: str) -> Tuple[bool, Dict[int, str]]:
+    """(whether they carry bf16_ names, DP rank -> file name) of the ZeRO optimizer files in a tag directory (model
+    rank 0; none: (False, {})); an error when files of an fp32 and a bf16 save lie side by side."""
+    found: Dict[bool, Dict[int, str]] = {}
+    for name in os.listdir(tag_dir):
+        match = _RANK_FILE.match(name)
+        if match:
+            found.setdefault(bool(match.group(1)), {})[int(match.group(2))] = name
+    if len(found) > 1:
+        raise CheckpointMismatchError(f"{tag_dir} holds the optimizer files of a bf16 save (bf16_zero_pp_rank_*) "
+                                      f"and of an fp32 one side by side: files of two checkpoints were mixed. Keep "
+                                      f"one set, or load another tag.")
+    bf16 = next(iter(found), False)
+    return bf16, found.get(bf16, {})
+
+
+def saved_dp(model_states: dict, tag_dir: str, where: str) -> Tuple[int, bool, Dict[int, str]]:
+    """(the DP size a checkpoint was written by, as its model states say, checked against the rank files the tag
+    holds; whether those carry bf16_ names; rank -> file name): a count read from a file is believed only as far as
+    the files bear it out."""
+    bf16, files = rank_files(tag_dir)
+    dp = model_states.get("dp_world_size", len(files))
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise CheckpointMismatchError(f"{where}: 'dp_world_size' is {dp!r}, not a number of ranks; the file is "
+                                      f"malformed (damaged or crafted).")
+    first_missing = next((rank for rank in range(len(files) + 1) if rank not in files), None)
+    if first_missing is not None and first_missing < dp:
+        name = C.RANK_FILE.format("bf16_" if bf16 else "", first_missing)
+        raise CheckpointMismatchError(
+            f"{os.path.join(tag_dir, name)} is missing: {where} says the checkpoint was written by {dp:,} "
+            f"data-parallel ranks, and this file holds rank {first_missing}'s share (the tag holds {len(files)} "
+            f"optimizer files). Restore the checkpoint from its source, or load another tag.")
+    if len(files) != dp:
+        raise CheckpointMismatchError(
+            f"{tag_dir} holds optimizer files of {len(files)} ranks ({sorted(files)[:8]}...), but {where} says the "
+            f"checkpoint was written by {dp}: files of another save were mixed in, or the model states were altered. "
+            f"Restore the checkpoint from its source, or load another tag.")
+    return dp, bf16, files
+
+
+def check_model_states(states, path: str) -> dict:
+    """`states`, a model-states file's contents, if the entries readers rely on have their types; else an error
+    naming the file and the entry."""
+    if not isinstance(states, dict):
+        raise CheckpointMismatchError(f"{path} holds {type(states).__name__}, not DeepSpeed's model states (a dict).")
+    for key in _REQUIRED_MODEL_STATES:
+        if key not in states:
+            raise CheckpointMismatchError(f"{path} has no '{key}' entry: it is not a DeepSpeed model-states file.")
+    for key, kind in _MODEL_STATE_TYPES.items():
+        value = states.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) or
+                                  (kind is int and value < 0)):
+            wanted = "an integer >= 0" if kind is int else f"a {kind.__name__}"
+            raise CheckpointMismatchError(f"{path}: '{key}' is {str(value)[:100]}, not {wanted}; the file is "
+                                          f"malformed (damaged or crafted).")
+    module = states["module"]
+    if not all(isinstance(name, str) and torch.is_tensor(value) for name, value in module.items()):
+        raise CheckpointMismatchError(f"{path}: 'module' is not a map of names to tensors; the file is malformed.")
+    for shapes in states.get("param_shapes") or []:
+        if not isinstance(shapes, dict) or not all(
+                isinstance(name, str) and isinstance(shape, (tuple, list)) and
+                all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+                for name, shape in shapes.items()):
+            raise CheckpointMismatchError(f"{path}: 'param_shapes' is not a list of maps from names to shapes; the "
+                                          f"file is malformed.")
+    shared = states.get("shared_params") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) and v in module for k, v in shared.items()):
+        raise CheckpointMismatchError(f"{path}: 'shared_params' names tied weights that 'module' does not hold; the "
+                                      f"file is malformed.")
+    return states
 
 
 def model_states_name(tag_dir: str) -> str:
     """The model-states file a loader reads first: stage 1/2's, or stage 3's of rank 0."""
     for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):
-        if os.path.isfile(os.path.join(tag_dir, name)):
+        if os.path.lexists(os.path.join(tag_dir, name)):
             return name
     return MODEL_STATES
 
@@ -73,29 +149,38 @@ class SavedCheckpoint:
         self.manifest = read_manifest(self.tag_dir)
         if self.manifest is not None:
             verify(self.tag_dir, self.manifest, sorted(self.manifest["files"]) if verify_checksums else ())
-        ranks = {}
-        for name in os.listdir(self.tag_dir):
-            match = _RANK_FILE.match(name)
-            if match:
-                ranks.setdefault(bool(match.group(1)), {})[int(match.group(2))] = name
-        if not ranks:
-            raise CheckpointMismatchError(f"{self.tag_dir} holds no ZeRO optimizer files (*_optim_states.pt).")
-        self.bf16_names = True in ranks
-        names = ranks[self.bf16_names]
-        self.dp = int(self.model_states.get("dp_world_size", len(names)))
-        missing = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # named in the error FileSource raises
-        self.source = FileSource([os.path.join(self.tag_dir, names.get(r, missing.format(r))) for r in range(self.dp)])
+        self.dp, self.bf16_names, names = saved_dp(self.model_states, self.tag_dir, self.model_states_path)
+        self.source = FileSource([os.path.join(self.tag_dir, names[r]) for r in range(self.dp)])
         if self.manifest is None:
             check_unlisted(self.tag_dir, self.is_deepspeed_bnb)
+        if self.is_deepspeed_bnb:  # every count a reader will allocate from, checked against the files first
+            check_saved_records(self.source)
+            self._check_param_shapes()
+
+    @property
+    def model_states_path(self) -> str:
+        return os.path.join(self.tag_dir, model_states_name(self.tag_dir))
 
     @property
     def model_states(self) -> dict:
         if not hasattr(self, "_model_states"):
-            path = os.path.join(self.tag_dir, model_states_name(self.tag_dir))
-            if not os.path.isfile(path):
-                raise CheckpointMismatchError(f"{path} is missing.")
-            self._model_states = load_file(path, mmap=True)
+            self._model_states = check_model_states(load_file(self.model_states_path), self.model_states_path)
         return self._model_states
+
+    def _check_param_shapes(self) -> None:
+        """The model states name every parameter of the records with its number of elements."""
+        try:
+            shapes = self.param_shapes()
+        except KeyError as exc:
+            raise CheckpointMismatchError(f"{self.model_states_path}: 'param_shapes' does not name the parameter "
+                                          f"{exc} of the optimizer records; the files are of different runs.") from None
+        for g, group_shapes in enumerate(shapes):
+            numels = [torch.Size(shape).numel() for shape in group_shapes.values()]
+            if list(group_shapes) != self.groups[g][C.PARAM_NAMES_KEY] or tuple(numels) != self.layout(g).numels:
+                raise CheckpointMismatchError(
+                    f"{self.model_states_path}: 'param_shapes' of param group {g} ({len(numels)} parameters, "
+                    f"{sum(numels):,} elements) differ from the optimizer records' ({len(self.layout(g).numels)}, "
+                    f"{sum(self.layout(g).numels):,}); the files are of different runs.")
 
     def optimizer_state(self, rank: int) -> dict:
         return self.source.state(rank)
@@ -171,8 +256,8 @@ class SavedCheckpoint:
                                   saved[C.HYPERPARAMS_KEY])
 
     def other_files(self) -> List[str]:
-        """Files of the tag that are neither rank optimizer files nor the manifest (model states, ...)."""
-        return sorted(name for name in os.listdir(self.tag_dir)
-                      if not _RANK_FILE.match(name) and not _STAGE3_MODEL_FILE.match(name)
-                      and not name.startswith("deepspeed_bnb_manifest"))
-
+        """Files of the tag that are neither rank optimizer files, stage-3 model states nor the manifest (the model
+        states, DeepSpeed's other files), as paths relative to the tag: the manifest's list when there is one."""
+        names = self.manifest["files"] if self.manifest is not None else tag_files(self.tag_dir)
+        return sorted(name for name in names
+                      if not _RANK_FILE.match(name) and not _STAGE3_MODEL_FILE.match(name) and name != MANIFEST_NAME)

@@ -79,8 +79,9 @@ def is_record(value) -> bool:
     return isinstance(value, dict) and C.FORMAT_KEY in value
 
 
-def check_record(record, source: str, optimizer_class: str) -> None:
-    """Refuse anything that is not a record this version can read, written by the same optimizer class."""
+def check_record(record, source: str, optimizer_class: Optional[str] = None) -> None:
+    """Refuse anything that is not a well-formed record this version can read (written by `optimizer_class`, when
+    given): every count and name in it checked before a reader relies on one."""
     if not is_record(record):
         raise CheckpointMismatchError(
             f"{source} holds no deepspeed_bnb optimizer state (it was written by stock DeepSpeed or another tool). "
@@ -90,11 +91,50 @@ def check_record(record, source: str, optimizer_class: str) -> None:
     if version not in C.READABLE_FORMATS:
         raise CheckpointMismatchError(f"{source} uses deepspeed_bnb checkpoint format {version!r}; this version of "
                                       f"deepspeed_bnb reads formats {C.READABLE_FORMATS}. Upgrade deepspeed_bnb.")
-    if record[C.OPTIMIZER_CLASS_KEY] != optimizer_class:
+    _check_structure(record, source)
+    if optimizer_class is not None and record[C.OPTIMIZER_CLASS_KEY] != optimizer_class:
         raise CheckpointMismatchError(
             f"{source} was written by optimizer {record[C.OPTIMIZER_CLASS_KEY]}, but this engine uses "
             f"{optimizer_class}. Build the engine with the same optimizer class, or load with "
             f"load_optimizer_states=False.")
+
+
+def _check_structure(record: dict, source: str) -> None:
+    """The record's fields have the types and lengths the format gives them (the file is not trusted to)."""
+    def malformed(where, what):
+        return CheckpointMismatchError(f"{source}: {where} {what}; the record is malformed (damaged or crafted).")
+
+    for key, kind in ((C.OPTIMIZER_CLASS_KEY, str), (C.OPTIMIZER_NAME_KEY, str), (C.DP_RANK_KEY, int),
+                      (C.GROUPS_KEY, list)):
+        if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
+            raise malformed(f"'{key}'", f"is {type(record.get(key)).__name__}, not {kind.__name__}")
+    for g, group in enumerate(record[C.GROUPS_KEY]):
+        where = f"param group {g}"
+        if not isinstance(group, dict):
+            raise malformed(where, f"is {type(group).__name__}, not a dict")
+        layouts = []
+        for key in (C.LAYOUT_KEY, C.MASTER_LAYOUT_KEY):
+            if key in group or key == C.LAYOUT_KEY:
+                try:
+                    layouts.append(layout_from_dict(group.get(key)))
+                except ValueError as exc:
+                    raise malformed(f"{where}, '{key}'", f"is no layout ({exc})") from None
+        if any((layout.numels, layout.dp) != (layouts[0].numels, layouts[0].dp) for layout in layouts):
+            raise malformed(f"{where}, '{C.MASTER_LAYOUT_KEY}'", "has other parameters or ranks than its layout")
+        numels = len(group[C.LAYOUT_KEY]["numels"])
+        for key, kind in ((C.PARAM_NAMES_KEY, str), (C.EIGHT_BIT_KEY, bool)):
+            value = group.get(key)
+            if not isinstance(value, list) or len(value) != numels or not all(isinstance(v, kind) for v in value):
+                raise malformed(f"{where}, '{key}'", f"is not a list of {numels} {kind.__name__} values (one per "
+                                                     f"parameter of its layout)")
+        classes, state = group.get(C.KEY_CLASSES_KEY), group.get(C.STATE_KEY)
+        known = {cls.value for cls in StateClass}
+        if not isinstance(classes, dict) or not all(isinstance(k, str) and v in known for k, v in classes.items()):
+            raise malformed(f"{where}, '{C.KEY_CLASSES_KEY}'", f"is not a map of state keys to {sorted(known)}")
+        if not isinstance(state, dict) or not set(state) <= set(classes) or \
+                not isinstance(group.get(C.HYPERPARAMS_KEY), dict):
+            raise malformed(where, f"has no '{C.HYPERPARAMS_KEY}' dict, or its '{C.STATE_KEY}' is not a dict of the "
+                                   f"keys '{C.KEY_CLASSES_KEY}' lists")
 
 
 def _first_difference(saved: Sequence, current: Sequence, names: Sequence[str]) -> str:
@@ -208,6 +248,32 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
             copy_runs(live.master, lambda rank, g=g: master(rank, g), master_runs[g], StateClass.ELEMENT)
 
 
+def check_saved_records(source, optimizer_class: Optional[str] = None) -> None:
+    """Every rank file of `source` holds a well-formed record of rank 0's layout, key classes and precisions, with
+    exactly the tensors and master weights that layout gives each rank: what an offline reader checks before it
+    allocates anything from the layout (the tensors lie in the files, so the layout is bounded by their bytes).
+    The checks are load_records' own, against templates on the meta device (no memory)."""
+    first = source.state(0).get(C.BASE_OPTIMIZER_STATE_KEY) if isinstance(source.state(0), dict) else None
+    check_record(first, source.name(0), optimizer_class)
+    templates = []
+    for saved in first[C.GROUPS_KEY]:
+        layout = layout_from_dict(saved[C.LAYOUT_KEY])
+        classes = {k: StateClass(v) for k, v in saved[C.KEY_CLASSES_KEY].items()}
+        state = {}
+        for key, cls in classes.items():
+            value = saved[C.STATE_KEY].get(key)
+            if cls in (StateClass.ELEMENT, StateClass.BLOCK, StateClass.WHOLE) and not torch.is_tensor(value):
+                raise CheckpointMismatchError(f"{source.name(0)}: state {key!r} ({cls.value}) is "
+                                              f"{type(value).__name__}, not a tensor; the record is malformed.")
+            state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if torch.is_tensor(value) \
+                else value
+        templates.append(GroupRecord(hyperparams={}, layout=layout, param_names=list(saved[C.PARAM_NAMES_KEY]),
+                                     eight_bit=list(saved[C.EIGHT_BIT_KEY]), key_classes=classes, state=state,
+                                     master=torch.empty(0, dtype=torch.float32, device="meta")))
+    for rank in range(source.dp):  # each call checks rank 0's record and this rank's (the ones it would read)
+        load_records(source, templates, rank, first[C.OPTIMIZER_CLASS_KEY], True, True, validate_only=True)
+
+
 def _flat_range(tensors: Sequence[torch.Tensor], start: int, length: int) -> torch.Tensor:
     """Elements [start, start + length) of the concatenation of `tensors`, copying only the pieces it spans."""
     pieces, offset = [], 0
@@ -225,11 +291,15 @@ def saved_master(zero_state: dict, record: dict, g: int, master_layouts: Sequenc
     """An old rank's fp32 master weights of param group `g`. Stage 1/2 keep them per group in DeepSpeed's
     MASTER_WEIGHTS_KEY; stage 3 in the entry the record names (DeepSpeed's fp32_flat_groups, one tensor per sub-group,
     stock ZeRO-3 slices so that DeepSpeed's zero_to_fp32 reads them), the groups one after another."""
-    entry = record.get(C.MASTER_ENTRY_KEY)
-    if entry is None:
-        return zero_state[C.MASTER_WEIGHTS_KEY][g]
+    entry = record.get(C.MASTER_ENTRY_KEY, C.MASTER_WEIGHTS_KEY)
+    tensors = zero_state.get(entry) if entry in (C.MASTER_WEIGHTS_KEY, C.FP32_FLAT_GROUPS_KEY) else None
+    if not isinstance(tensors, list) or not all(torch.is_tensor(t) for t in tensors) or (
+            entry == C.MASTER_WEIGHTS_KEY and len(tensors) <= g):
+        return None  # the caller's shape check names the file
+    if entry == C.MASTER_WEIGHTS_KEY:
+        return tensors[g]
     start = sum(layout.partition_size for layout in master_layouts[:g])
-    return _flat_range(zero_state[entry], start, master_layouts[g].partition_size)
+    return _flat_range(tensors, start, master_layouts[g].partition_size)
 
 
 def _check_saved_state(saved: dict, live: GroupRecord, old: GroupLayout, rank: int, where: str) -> None:

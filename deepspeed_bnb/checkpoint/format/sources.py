@@ -8,7 +8,7 @@ error that names it.
 import os
 from typing import Callable, Dict, List
 
-from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"  # DeepSpeed's key for the ZeRO optimizer's state in a rank file
@@ -35,16 +35,10 @@ class FileSource:
             if not os.path.isfile(path):
                 raise CheckpointMismatchError(f"{path} is missing: the checkpoint was written by {self.dp} "
                                               f"data-parallel ranks and this file holds rank {rank}'s share.")
-            try:
-                blob = load_file(path, mmap=True)
-            except UnsafeCheckpointError:
-                raise
-            except Exception as exc:  # truncated zip, bad pickle, ...: the file, not the caller, is at fault
-                raise CheckpointMismatchError(f"{path} cannot be read ({type(exc).__name__}: {exc}); the file is "
-                                              f"truncated or corrupted.") from exc
-            if not isinstance(blob, dict) or OPTIMIZER_STATE_DICT not in blob:
+            blob = load_file(path)  # names the file in any error
+            if not isinstance(blob, dict) or not isinstance(blob.get(OPTIMIZER_STATE_DICT), dict):
                 raise CheckpointMismatchError(f"{path} is not a DeepSpeed ZeRO optimizer file "
-                                              f"(no '{OPTIMIZER_STATE_DICT}').")
+                                              f"(no '{OPTIMIZER_STATE_DICT}' dict).")
             self._cache[rank] = blob
         return self._cache[rank]
 

@@ -1,12 +1,27 @@
 """A checkpoint's per-parameter values in fp32: the consolidated weights (what DeepSpeed's zero_to_fp32 gives) and a
-parameter's optimizer-state rows with 8-bit codes dequantized. Read through SavedCheckpoint (safe loader, manifest)."""
+parameter's optimizer-state rows with 8-bit codes dequantized. Read through SavedCheckpoint (safe loader, manifest).
 
-from typing import Dict
+zero_to_fp32 unpickles every file in full and globs the tag for files (listed in a manifest or not); this module is
+what deepspeed_bnb reads instead, for its own checkpoints (the records' master weights) and stock DeepSpeed's (ZeRO-1/2:
+the master partitions cut by `param_slice_mappings`; ZeRO-3: `fp32_flat_groups` in slices of ceil(numel / dp)), with
+ZeRO-3's frozen parameters joined from every rank's model states as zero_to_fp32 joins them.
+"""
+
+import math
+import os
+from collections import OrderedDict
+from typing import Dict, List
 
 import torch
+from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
 
-from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states
+from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.ops.reference import dequantize_blockwise
+
+FROZEN_SHAPES, FROZEN_FRAGMENTS = "frozen_param_shapes", "frozen_param_fragments"  # DeepSpeed's ZeRO-3 entries
 
 
 def fp32_moments(state: dict) -> list:
@@ -27,9 +42,95 @@ def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     """fp32 weights of every trained parameter, plus the model's other tensors (buffers, frozen) as saved."""
     states = ckpt.model_states
     weights = {name: tensor for name, tensor in states["module"].items()}
-    for g, shapes in enumerate(ckpt.param_shapes()):
-        for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
-            weights[name] = master.reshape(shape).clone()
+    weights.update(frozen_zero3_weights(ckpt))
+    weights.update(trained_weights(ckpt))
     for name, source in states.get("shared_params", {}).items():
         weights[name] = weights[source]  # tied weights: the same tensor under both names
+    return weights
+
+
+def trained_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
+    """name -> fp32 weights (the parameter's shape) of every parameter the optimizer trained."""
+    if not ckpt.is_deepspeed_bnb and ckpt.zero_stage == 3:
+        return _stock_zero3_weights(ckpt)
+    weights = {}
+    for g, shapes in enumerate(ckpt.param_shapes()):
+        masters = ckpt.master_weights(g) if ckpt.is_deepspeed_bnb else stock_master_weights(ckpt, g)
+        for (name, shape), master in zip(shapes.items(), masters):
+            weights[name] = master.reshape(shape).clone()
+    return weights
+
+
+def stock_master_weights(ckpt: SavedCheckpoint, g: int) -> List[torch.Tensor]:
+    """Each parameter of param group g of a stock ZeRO-1/2 checkpoint, flattened: its pieces cut from every rank's
+    master partition by DeepSpeed's `param_slice_mappings`, joined in rank order."""
+    pieces: Dict[str, list] = OrderedDict((name, []) for name in ckpt.param_shapes()[g])
+    for rank in range(ckpt.dp):
+        state, where = ckpt.optimizer_state(rank), ckpt.source.name(rank)
+        try:
+            master, mappings = state[C.MASTER_WEIGHTS_KEY][g], state[PARAM_SLICE_MAPPINGS][g]
+            for name, address in mappings.items():
+                pieces[name].append(master.narrow(0, address.start, address.numel))
+        except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as exc:
+            raise CheckpointMismatchError(f"{where}: the master weights of param group {g} cannot be cut by its "
+                                          f"'{PARAM_SLICE_MAPPINGS}' ({type(exc).__name__}: {exc}); the file is "
+                                          f"malformed.") from None
+    out = []
+    for (name, shape), parts in zip(ckpt.param_shapes()[g].items(), pieces.values()):
+        joined = torch.cat(parts) if parts else torch.empty(0)
+        if joined.numel() != torch.Size(shape).numel():
+            raise CheckpointMismatchError(f"{ckpt.tag_dir}: the rank files hold {joined.numel()} master-weight "
+                                          f"elements of {name}, its shape {tuple(shape)} has {torch.Size(shape).numel()}"
+                                          f"; the files are of different runs.")
+        out.append(joined)
+    return out
+
+
+def _stock_zero3_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
+    """A stock ZeRO-3 checkpoint's trained parameters: each rank's `fp32_flat_groups` joined, every parameter a slice
+    of ceil(numel / dp) per rank in `param_shapes` order (zero_to_fp32's reading)."""
+    shapes = [(name, torch.Size(shape)) for group in ckpt.param_shapes() for name, shape in group.items()]
+    slices = [math.ceil(shape.numel() / ckpt.dp) for _, shape in shapes]
+    flats = []
+    for rank in range(ckpt.dp):
+        groups = ckpt.optimizer_state(rank).get(C.FP32_FLAT_GROUPS_KEY)
+        if not isinstance(groups, list) or not all(torch.is_tensor(t) for t in groups) or \
+                sum(t.numel() for t in groups) < sum(slices):
+            raise CheckpointMismatchError(f"{ckpt.source.name(rank)}: '{C.FP32_FLAT_GROUPS_KEY}' does not hold the "
+                                          f"{sum(slices):,} elements its model states' parameters take on each rank; "
+                                          f"the files are malformed or of different runs.")
+        flats.append(torch.cat([t.reshape(-1) for t in groups]))
+    weights, offset = {}, 0
+    for (name, shape), size in zip(shapes, slices):
+        joined = torch.cat([flat.narrow(0, offset, size) for flat in flats])
+        weights[name] = joined.narrow(0, 0, shape.numel()).reshape(shape).float().clone()
+        offset += size
+    return weights
+
+
+def frozen_zero3_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
+    """ZeRO-3's frozen parameters: partitioned like the trained ones, each rank's slice kept in its own model states
+    (`frozen_param_fragments`) with the shapes in rank 0's (`frozen_param_shapes`); empty for other checkpoints."""
+    shapes = ckpt.model_states.get(FROZEN_SHAPES)
+    if not shapes:
+        return {}
+    if not isinstance(shapes, dict):
+        raise CheckpointMismatchError(f"{ckpt.model_states_path}: '{FROZEN_SHAPES}' is not a map of names to shapes.")
+    fragments = []
+    for rank in range(ckpt.dp):
+        path = os.path.join(ckpt.tag_dir, C.STAGE3_MODEL_STATES.format(rank))
+        states = ckpt.model_states if rank == 0 else check_model_states(load_file(path), path)
+        found = states.get(FROZEN_FRAGMENTS)
+        if not isinstance(found, dict) or set(found) != set(shapes):
+            raise CheckpointMismatchError(f"{path}: '{FROZEN_FRAGMENTS}' does not hold this rank's slice of every "
+                                          f"frozen parameter {sorted(shapes)[:5]}; the files are of different runs.")
+        fragments.append(found)
+    weights = {}
+    for name, shape in shapes.items():
+        parts = [rank_fragments[name] for rank_fragments in fragments]
+        numel = torch.Size(shape).numel()
+        if not all(torch.is_tensor(p) for p in parts) or sum(p.numel() for p in parts) < numel:
+            raise CheckpointMismatchError(f"{ckpt.tag_dir}: the slices of frozen parameter {name} hold fewer than its "
+                                          f"{numel} elements; the files are of different runs.")
+        weights[name] = torch.cat([p.reshape(-1) for p in parts]).narrow(0, 0, numel).reshape(shape).clone()
     return weights

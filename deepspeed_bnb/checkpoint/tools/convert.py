@@ -19,7 +19,7 @@ from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_
 from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
-from deepspeed_bnb.checkpoint.format.weights import fp32_moments
+from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
 from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
@@ -89,16 +89,6 @@ def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Te
             for i, key in enumerate(("exp_avg", "exp_avg_sq")):
                 pieces[name][i].append(flat[key].narrow(0, address.start, address.numel).float())
     return [([torch.cat(parts[0]), torch.cat(parts[1])], step or 0) for parts in pieces.values()]
-
-
-def _stock_master(ckpt: SavedCheckpoint, g: int) -> List[torch.Tensor]:
-    pieces: Dict[str, list] = OrderedDict((name, []) for name in ckpt.param_shapes()[g])
-    for rank in range(ckpt.dp):
-        state = ckpt.optimizer_state(rank)
-        master = state[C.MASTER_WEIGHTS_KEY][g]
-        for name, address in state[PARAM_SLICE_MAPPINGS][g].items():
-            pieces[name].append(master.narrow(0, address.start, address.numel))
-    return [torch.cat(parts) for parts in pieces.values()]
 
 
 def _stock_hyperparams(ckpt: SavedCheckpoint, g: int) -> dict:
@@ -183,7 +173,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
             moments, master = _moments_of_record(ckpt, g), ckpt.master_weights(g)
             hyper = ckpt.groups[g][C.HYPERPARAMS_KEY]
         else:
-            moments, master, hyper = _moments_of_stock(ckpt, g), _stock_master(ckpt, g), _stock_hyperparams(ckpt, g)
+            moments, master, hyper = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g), _stock_hyperparams(ckpt, g)
         optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
         if rule not in ADAM_RULES:
