@@ -2,8 +2,9 @@
 export, convert and migrate checkpoints offline; check the fused kernels on this machine."""
 
 import argparse
-import os
+import contextlib
 import sys
+import traceback
 
 
 def _inspect(args):
@@ -45,7 +46,7 @@ def _convert(args):
         print(convert_from_bnb(args.checkpoint, args.weights, args.out,
                                args.optimizer_class or "bitsandbytes.optim.adamw.AdamW8bit", names, args.dp or 1,
                                args.stage or 2, progress=not args.quiet, optimizer_key=args.optimizer_key,
-                               model_key=args.model_key))
+                               model_key=args.model_key, allow_large_dp=args.allow_large_dp))
         return
     if args.to is None:
         raise ValueError("convert needs --to 8bit or --to 32bit (or --from-bnb)")
@@ -53,7 +54,8 @@ def _convert(args):
         raise ValueError("convert: --weights and --param-names go with --from-bnb")
     from deepspeed_bnb.checkpoint.tools.convert import convert
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
-                     min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage)
+                     min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage,
+                     allow_large_dp=args.allow_large_dp)
     print(report)
 
 
@@ -128,8 +130,9 @@ def parser() -> argparse.ArgumentParser:
                                              help="data-parallel size to write the checkpoint for")
     commands.choices["reshape"].add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
                                              help="ZeRO stage to write the files of (default: the checkpoint's)")
-    commands.choices["reshape"].add_argument("--allow-large-dp", action="store_true",
-                                             help="allow --dp above 4096 (one file per rank)")
+    for name in ("reshape", "convert"):
+        commands.choices[name].add_argument("--allow-large-dp", action="store_true",
+                                            help="allow --dp above 4096 (one file per rank)")
     commands.choices["export"].add_argument("--optimizer-state", action="store_true",
                                             help="also write optimizer.safetensors (fp32 state per parameter, e.g. "
                                                  "<name>.exp_avg, <name>.exp_avg_sq, <name>.step) and "
@@ -180,14 +183,19 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if getattr(args, "trust", False):
-        from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV
-        os.environ[TRUST_ENV] = "1"
-    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, CheckpointSaveError
+    from deepspeed_bnb.checkpoint.format.safe_load import trusting
     try:
-        code = args.func(args)
-    except (CheckpointMismatchError, ValueError, FileNotFoundError) as exc:
+        with trusting() if getattr(args, "trust", False) else contextlib.nullcontext():  # this call only
+            code = args.func(args)
+    except (CheckpointMismatchError, CheckpointSaveError, ValueError, OSError) as exc:
         print(f"deepspeed-bnb {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # input the checks above did not foresee
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"deepspeed-bnb {args.command}: {getattr(args, 'checkpoint', '')} is malformed in a way deepspeed-bnb "
+              f"does not check for ({type(exc).__name__}: {exc}, at {where.filename}:{where.lineno}); nothing was "
+              f"written. Please report it.", file=sys.stderr)
         return 2
     return code or 0
 

@@ -355,7 +355,7 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
         if is_record(record):
             raise CheckpointMismatchError(
                 f"{tag_dir} holds bitsandbytes optimizer state ({record.get('optimizer_class', '?')}, written by "
-                f"deepspeed_bnb), which this engine's {type(engine.optimizer).__name__} cannot take. Build the engine "
+                f"deepspeed_bnb), which this engine's {_client_optimizer(engine)} cannot take. Build the engine "
                 f"with that bitsandbytes optimizer (it loads at any data-parallel size), load the weights only "
                 f"(load_optimizer_states=False), or export the state for torch AdamW with `deepspeed-bnb export "
                 f"{tag_dir} OUT --universal`.")
@@ -364,6 +364,11 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
     if rebuilds or (not partitioned and plan.saved_stage == 3):
         plan.weights = consolidated_weights(SavedCheckpoint(tag_dir))
     return plan
+
+
+def _client_optimizer(engine) -> str:
+    optimizer = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _check_fits(engine, load_dir: str, tag: str, dp: int) -> FileSource:

@@ -5,6 +5,7 @@ it changes anything, then fills the new partition with the block-aligned runs of
 the plan is the identity, at another it moves parameter pieces between ranks. Either way it is a copy: lossless.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -312,7 +313,8 @@ def _check_saved_state(saved: dict, live: GroupRecord, old: GroupLayout, rank: i
             continue
         _expect(key in saved, f"{where}: state {key!r} is missing.")
         if cls == StateClass.SCALAR:
-            _expect(not torch.is_tensor(value), f"{where}: state {key!r} should be a number, not a tensor.")
+            _expect(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                    f"{where}: state {key!r} should be a number, not {str(value)[:80]}.")
             continue
         length = fp32_numel if key.startswith(FP32_PREFIX) else old.partition_size
         if cls == StateClass.BLOCK:

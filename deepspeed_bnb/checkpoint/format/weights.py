@@ -80,8 +80,8 @@ def stock_master_weights(ckpt: SavedCheckpoint, g: int) -> List[torch.Tensor]:
         joined = torch.cat(parts) if parts else torch.empty(0)
         if joined.numel() != torch.Size(shape).numel():
             raise CheckpointMismatchError(f"{ckpt.tag_dir}: the rank files hold {joined.numel()} master-weight "
-                                          f"elements of {name}, its shape {tuple(shape)} has {torch.Size(shape).numel()}"
-                                          f"; the files are of different runs.")
+                                          f"elements of {name}, its shape {tuple(shape)} has "
+                                          f"{torch.Size(shape).numel()}; the files are of different runs.")
         out.append(joined)
     return out
 

@@ -24,8 +24,9 @@ from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
-from deepspeed_bnb.checkpoint.tools.rank_files import check_output, write_rank_files
+from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, write_rank_files
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
+from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
@@ -104,6 +105,8 @@ def target_keys(adapter, group: dict, eight_bit) -> Tuple[dict, dict]:
     key_classes, templates = {}, {}
     for precision in sorted(set(eight_bit)):
         for key in adapter.state_keys(group, 0, precision, "cpu"):
+            if key.cls == StateClass.SCRATCH:  # rebuilt by every step, never stored (LAMB's, LARS' unorm_vec)
+                continue
             key_classes[key.stored_as] = key.cls
             templates[key.stored_as] = key.template
     return key_classes, templates
@@ -137,7 +140,8 @@ def step_ratio(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, 
 
 
 def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = None, min_8bit_size: int = 4096,
-            progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None) -> str:
+            progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None,
+            allow_large_dp: bool = False) -> str:
     """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
     files to write for a universal checkpoint (which has neither; default 1 and 2); other inputs keep theirs (reshape
     changes them)."""
@@ -152,8 +156,10 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
     if (dp is not None or stage is not None) and not universal:
         raise ValueError("convert: --dp and --stage apply to universal (and --from-bnb) inputs, which have no DP size "
                          "or stage of their own; `deepspeed-bnb reshape` changes those of a ZeRO checkpoint")
-    if (dp is not None and dp < 1) or (stage is not None and stage not in (1, 2, 3)):
-        raise ValueError(f"convert: --dp must be >= 1 and --stage 1, 2 or 3 (got {dp}, {stage})")
+    if dp is not None:
+        check_dp("convert", dp, allow_large_dp)
+    if stage is not None and stage not in (1, 2, 3):
+        raise ValueError(f"convert: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
     ckpt = UniversalCheckpoint(path, dp or 1, stage or 2) if universal else SavedCheckpoint(path, verify_checksums=True)
     check_output(ckpt, out_dir)
     ours = ckpt.is_deepspeed_bnb
@@ -173,7 +179,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
             moments, master = _moments_of_record(ckpt, g), ckpt.master_weights(g)
             hyper = ckpt.groups[g][C.HYPERPARAMS_KEY]
         else:
-            moments, master, hyper = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g), _stock_hyperparams(ckpt, g)
+            moments, master = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g)
+            hyper = _stock_hyperparams(ckpt, g)
         optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
         if rule not in ADAM_RULES:

@@ -5,6 +5,7 @@ untrained parameters from the model states). The optimizer state is every parame
 names torch's optimizers use (Adam: `exp_avg`, `exp_avg_sq`, `step`), so other tools can read it.
 """
 
+import contextlib
 import json
 import os
 from typing import Dict
@@ -14,8 +15,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.publish import replacing
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.weights import consolidated_weights, fp32_moments
+from deepspeed_bnb.checkpoint.tools.rank_files import check_output
 from deepspeed_bnb.optim.state_names import TORCH_NAMES
 
 
@@ -29,15 +33,36 @@ def export(path: str, out_dir: str, optimizer_state: bool = False, progress: boo
         from deepspeed_bnb.checkpoint.tools.universal import LATEST_UNIVERSAL, write_universal
         return {"universal": write_universal(ckpt, out_dir, progress),
                 "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
+    check_output(ckpt, out_dir)
+    weights = consolidated_weights(ckpt)
+    optimizer = _optimizer_state(ckpt, progress) if optimizer_state else None
     os.makedirs(out_dir, exist_ok=True)
     written = {"model": os.path.join(out_dir, "model.safetensors")}
-    weights = consolidated_weights(ckpt)
-    save_file({k: v.contiguous() for k, v in _untie(weights).items()}, written["model"],
-              metadata={"source": ckpt.tag_dir, "format": "fp32 master weights"})
-    if not optimizer_state:
-        return written
+    if optimizer is not None:
+        written.update(optimizer=os.path.join(out_dir, "optimizer.safetensors"),
+                       param_groups=os.path.join(out_dir, "optimizer.json"))
+    # each file written beside its name and renamed into place when all are written: a failed export leaves nothing,
+    # and a link standing at an output name is replaced, not written through
+    with contextlib.ExitStack() as outputs:
+        tmp = {kind: outputs.enter_context(replacing(path)) for kind, path in written.items()}
+        save_file({k: v.contiguous() for k, v in _untie(weights).items()}, tmp["model"],
+                  metadata={"source": ckpt.tag_dir, "format": "fp32 master weights"})
+        if optimizer is not None:
+            tensors, description = optimizer
+            save_file(tensors, tmp["optimizer"], metadata={"optimizer_class": description["optimizer_class"]})
+            with open(tmp["param_groups"], "w") as f:
+                json.dump(description, f, indent=1, default=str)
+    return written
+
+
+def _optimizer_state(ckpt: SavedCheckpoint, progress: bool):
+    """(every parameter's optimizer state in fp32 under torch's names, the optimizer.json description)."""
     record = ckpt.record(0)
-    names = TORCH_NAMES[record[C.OPTIMIZER_NAME_KEY]]
+    names = TORCH_NAMES.get(record[C.OPTIMIZER_NAME_KEY])
+    if names is None:
+        raise CheckpointMismatchError(f"{ckpt.source.name(0)} holds state of the bnb update rule "
+                                      f"{record[C.OPTIMIZER_NAME_KEY]!r}, which has no torch names to export it under "
+                                      f"(known: {sorted(TORCH_NAMES)}).")
     tensors, groups = {}, []
     for g, shapes in enumerate(ckpt.param_shapes()):
         per_param = ckpt.param_states(g)
@@ -48,13 +73,8 @@ def export(path: str, out_dir: str, optimizer_state: bool = False, progress: boo
             tensors[f"{name}.step"] = torch.tensor(float(state["step"]))
         groups.append({"params": list(shapes), **{k: v for k, v in record[C.GROUPS_KEY][g][C.HYPERPARAMS_KEY].items()
                                                   if k != "params"}})
-    written["optimizer"] = os.path.join(out_dir, "optimizer.safetensors")
-    save_file(tensors, written["optimizer"], metadata={"optimizer_class": record[C.OPTIMIZER_CLASS_KEY]})
-    written["param_groups"] = os.path.join(out_dir, "optimizer.json")
-    with open(written["param_groups"], "w") as f:
-        json.dump({"optimizer_class": record[C.OPTIMIZER_CLASS_KEY], "state_names": list(names),
-                   "param_groups": groups}, f, indent=1, default=str)
-    return written
+    return tensors, {"optimizer_class": record[C.OPTIMIZER_CLASS_KEY], "state_names": list(names),
+                     "param_groups": groups}
 
 
 def _untie(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ the run goes on where it stopped, at any DP size.
 """
 
 import functools
+import math
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -19,6 +20,7 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
+from deepspeed_bnb.state_layout import num_blocks
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2: quantization tensors
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")  # where training scripts put optimizer.state_dict()
@@ -44,6 +46,21 @@ def _is_optimizer_state(value) -> bool:
     return isinstance(value, dict) and "state" in value and "param_groups" in value
 
 
+def _check_optimizer_state(value: dict, path: str) -> dict:
+    """An optimizer state dict's structure, before anything counts on it: param groups with lists of parameter
+    indices, and per-parameter states of named entries."""
+    groups, state = value["param_groups"], value["state"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise CheckpointMismatchError(f"{path}: 'param_groups' is not a list of param groups with their 'params'; "
+                                      f"the optimizer state dict is malformed.")
+    if not isinstance(state, dict) or not all(isinstance(s, dict) and all(isinstance(k, str) for k in s) and
+                                              isinstance(s.get(QUANT_STATE_KEY, {}), dict) for s in state.values()):
+        raise CheckpointMismatchError(f"{path}: 'state' is not a map of parameter indices to their state dicts; the "
+                                      f"optimizer state dict is malformed.")
+    return value
+
+
 def _is_weights(value) -> bool:
     return isinstance(value, dict) and bool(value) and all(torch.is_tensor(v) for v in value.values())
 
@@ -67,14 +84,6 @@ def flat_param_states(optimizer_state: dict) -> List[dict]:
     return states
 
 
-def _flattened(value: torch.Tensor, numel: int, cls: StateClass) -> torch.Tensor:
-    """bnb's tensor of one parameter as the partition code expects it: (numel,) / (rows, numel), (blocks,) / ..."""
-    if cls == StateClass.ELEMENT:
-        rows = value.numel() // max(numel, 1)
-        return value.reshape(rows, numel) if rows > 1 else value.reshape(numel)
-    return value.reshape(-1) if value.dim() <= 1 else value.reshape(value.shape[0], -1)
-
-
 class BnbRun(RanklessSource):
     """A plain bitsandbytes run's optimizer state dict and weights, as the source convert and write_rank_files read."""
 
@@ -82,8 +91,9 @@ class BnbRun(RanklessSource):
                  optimizer_key: Optional[str] = None, model_key: Optional[str] = None, stage: int = 2,
                  dp: int = 1):
         self.optimizer_path = optimizer_path
-        self.optimizer_state = _unwrap(load_file(optimizer_path), OPTIMIZER_KEYS, _is_optimizer_state, optimizer_path,
-                                       "optimizer state dict ('state' and 'param_groups')", optimizer_key)
+        self.optimizer_state = _check_optimizer_state(
+            _unwrap(load_file(optimizer_path), OPTIMIZER_KEYS, _is_optimizer_state, optimizer_path,
+                    "optimizer state dict ('state' and 'param_groups')", optimizer_key), optimizer_path)
         self.weights = read_weights(weights_path, model_key)
         self.states = flat_param_states(self.optimizer_state)
         self.names = self._names(names, weights_path)
@@ -143,26 +153,42 @@ class BnbRun(RanklessSource):
     def master_weights(self, g: int) -> List[torch.Tensor]:
         return [self.weights[name].reshape(-1).float() for name in self.names[self.group_slice(g)]]
 
-    def param_states(self, g: int, key_classes: Dict[str, StateClass]) -> List[dict]:
-        """The group's per-parameter states shaped for scatter_param_states, keys checked against the target's."""
+    def param_states(self, g: int, key_classes: Dict[str, StateClass], templates: dict) -> List[dict]:
+        """The group's per-parameter states shaped for scatter_param_states, each checked against the target class's
+        keys, and its tensors against the templates' rows and dtypes and the parameter's size."""
         out = []
         for name, state in zip(self.names[self.group_slice(g)], self.states[self.group_slice(g)]):
             numel = self.weights[name].numel()
             eight_bit = state["state1"].dtype == torch.uint8
-            wanted = {k[len(FP32_PREFIX):] if k.startswith(FP32_PREFIX) else k: cls for k, cls in key_classes.items()
+            wanted = {k[len(FP32_PREFIX):] if k.startswith(FP32_PREFIX) else k: (k, cls)
+                      for k, cls in key_classes.items()
                       if (not k.startswith(FP32_PREFIX)) == eight_bit or cls == StateClass.SCALAR}
             flat = {}
-            for key, cls in wanted.items():
-                if cls in (StateClass.SCRATCH,):
-                    continue
+            for key, (stored, cls) in wanted.items():
                 if key not in state:
                     raise CheckpointMismatchError(f"{self.optimizer_path}: parameter {name} has no {key!r} (it has "
                                                   f"{sorted(state)}); the state is not of the optimizer class given.")
-                value = state[key]
-                flat[key] = _flattened(value, numel, cls) if torch.is_tensor(value) and cls in (
-                    StateClass.ELEMENT, StateClass.BLOCK) else value
+                flat[key] = self._checked(state[key], templates[stored], cls, numel, f"parameter {name}, {key!r}")
             out.append(flat)
         return out
+
+    def _checked(self, value, template, cls: StateClass, numel: int, where: str):
+        """`value` shaped as the partition code expects it ((rows, numel) / (rows, blocks), the template's rows and
+        dtype), or an error naming the file when it cannot be: a size read from a file is checked before use."""
+        if cls == StateClass.SCALAR:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise CheckpointMismatchError(f"{self.optimizer_path}: {where} is {str(value)[:80]}, not a number.")
+            return value
+        if cls == StateClass.WHOLE:
+            expected = tuple(template.shape)
+        else:
+            expected = (*template.shape[:-1], numel if cls == StateClass.ELEMENT else num_blocks(numel))
+        if not torch.is_tensor(value) or value.numel() != math.prod(expected) or value.dtype != template.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+            raise CheckpointMismatchError(f"{self.optimizer_path}: {where} is {got}; the optimizer class given keeps "
+                                          f"{expected} {template.dtype} for this parameter. The state is damaged or "
+                                          f"of another optimizer or model.")
+        return value.reshape(expected)
 
     @functools.cached_property
     def model_states(self) -> dict:
@@ -176,14 +202,17 @@ class BnbRun(RanklessSource):
 
 def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optimizer_class: str,
                      names: Optional[List[str]] = None, dp: int = 1, stage: int = 2, progress: bool = True,
-                     optimizer_key: Optional[str] = None, model_key: Optional[str] = None) -> str:
+                     optimizer_key: Optional[str] = None, model_key: Optional[str] = None,
+                     allow_large_dp: bool = False) -> str:
     """Write a plain bnb run (optimizer state dict + weights) as a deepspeed_bnb checkpoint for `dp` ranks at ZeRO
     `stage`; returns a report line."""
     from deepspeed_bnb.checkpoint.tools.convert import _build, _load_class, group_filler, target_keys
+    from deepspeed_bnb.checkpoint.tools.rank_files import check_dp
     from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
     from deepspeed_bnb.state_layout import BLOCK_SIZE
-    if dp < 1 or stage not in (1, 2, 3):
-        raise ValueError(f"convert --from-bnb: --dp must be >= 1 and --stage 1, 2 or 3 (got {dp}, {stage})")
+    check_dp("convert --from-bnb", dp, allow_large_dp)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"convert --from-bnb: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
     cls = _load_class(optimizer_class)
     run = BnbRun(optimizer_path, weights_path, names, optimizer_key, model_key, stage, dp)
     plans, counts, shapes = [], {"8bit": 0, "fp32": 0}, run.param_shapes()
@@ -198,7 +227,7 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
             raise CheckpointMismatchError(f"{optimizer_path}: the parameters of param group {g} are at different "
                                           f"steps {sorted(steps)}; ZeRO keeps one step per param group.")
         key_classes, templates = target_keys(adapter, group, eight_bit)
-        per_param = run.param_states(g, key_classes)
+        per_param = run.param_states(g, key_classes, templates)
         for state, name in zip(per_param, group_shapes):  # 8-bit codes mean what the target's maps say
             for key, cls_ in key_classes.items():
                 if cls_ == StateClass.WHOLE and key in state and not torch.equal(state[key], templates[key]):

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.manifest import describe
-from deepspeed_bnb.checkpoint.format.publish import fresh_staging, publish_staged
-from deepspeed_bnb.checkpoint.format.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint
+from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
 from deepspeed_bnb.state_layout import ShardedLayout
@@ -125,29 +126,44 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
     stage = ckpt.zero_stage if stage is None else stage
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     check_output(ckpt, out_dir)
-    staged = fresh_staging(out_dir, tag)
-    for name in ckpt.other_files():
-        if name != MODEL_STATES:
-            shutil.copy2(os.path.join(ckpt.tag_dir, name), os.path.join(staged, name))
-    states = model_states_for(ckpt, dp, stage)
-    for name in [STAGE3_MODEL_STATES.format(rank) for rank in range(dp)] if stage == 3 else [MODEL_STATES]:
-        torch.save(states, os.path.join(staged, name))
-    masters = {}
+    with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
+        for name in ckpt.other_files():
+            if name != MODEL_STATES:
+                target = os.path.join(staged, name)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(os.path.join(ckpt.tag_dir, name), target)
+        states = model_states_for(ckpt, dp, stage)
+        for name in [STAGE3_MODEL_STATES.format(rank) for rank in range(dp)] if stage == 3 else [MODEL_STATES]:
+            torch.save(states, os.path.join(staged, name))
+        masters = {}
 
-    def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
-        if g not in masters:
-            masters[g] = ckpt.master_weights(g)
-        return masters[g]
+        def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
+            if g not in masters:
+                masters[g] = ckpt.master_weights(g)
+            return masters[g]
 
-    described = None
-    for rank in tqdm(range(dp), desc="rank files", disable=not progress):
-        groups = fill(rank)
-        blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
-        blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp, optimizer_class,
-                                                     optimizer_name, full_masters)
-        torch.save(blob, os.path.join(staged, rank_file_name(rank, ckpt.bf16_names)))
-        described = [(g.param_names, g.layout.numels, g.eight_bit) for g in groups]
-    return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described))
+        described = None
+        for rank in tqdm(range(dp), desc="rank files", disable=not progress):
+            groups = fill(rank)
+            blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
+            blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp,
+                                                         optimizer_class, optimizer_name, full_masters)
+            torch.save(blob, os.path.join(staged, rank_file_name(rank, ckpt.bf16_names)))
+            described = [(g.param_names, g.layout.numels, g.eight_bit) for g in groups]
+        return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described))
+
+
+MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files
+
+
+def check_dp(verb: str, dp: int, allow_large_dp: bool = False) -> int:
+    """A DP size to write files for: a positive number of ranks, and at most MAX_DP unless asked for."""
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"{verb}: --dp must be a positive number of ranks, got {dp!r}")
+    if dp > MAX_DP and not allow_large_dp:
+        raise ValueError(f"{verb}: --dp {dp} would write {dp} rank files (more than {MAX_DP}); if that is really the "
+                         f"data-parallel size of the run, pass --allow-large-dp.")
+    return dp
 
 
 def check_output(ckpt: SavedCheckpoint, out_dir: str) -> None:

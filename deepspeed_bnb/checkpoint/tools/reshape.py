@@ -12,20 +12,13 @@ from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import load_records
-from deepspeed_bnb.checkpoint.tools.rank_files import check_output, write_rank_files
-
-MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files
-
+from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, write_rank_files
 
 def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Optional[int] = None,
             allow_large_dp: bool = False) -> str:
     """Write checkpoint `path` (a checkpoint or tag directory) into `out_dir` for `dp` data-parallel ranks at ZeRO
     `stage` (1, 2 or 3; default: the checkpoint's own). Every input file is checked against its SHA-256 first."""
-    if dp < 1:
-        raise ValueError(f"reshape: --dp must be a positive number of ranks, got {dp}")
-    if dp > MAX_DP and not allow_large_dp:
-        raise ValueError(f"reshape: --dp {dp} would write {dp} rank files (more than {MAX_DP}); if that is really the "
-                         f"data-parallel size of the run, pass --allow-large-dp.")
+    check_dp("reshape", dp, allow_large_dp)
     if stage is not None and stage not in (1, 2, 3):
         raise ValueError(f"reshape: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
     ckpt = SavedCheckpoint(path, verify_checksums=True)

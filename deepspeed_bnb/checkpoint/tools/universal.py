@@ -22,8 +22,9 @@ from tqdm import tqdm
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import read_manifest, safe_name, verify
-from deepspeed_bnb.checkpoint.format.publish import fresh_staging, publish_staged, write_json_atomic
-from deepspeed_bnb.checkpoint.format.reader import MODEL_STATES, STAGE3_MODEL_STATES, SavedCheckpoint, check_unlisted
+from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged, write_json_atomic
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states, check_unlisted
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
@@ -57,7 +58,17 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) 
                                       f"(exp_avg, exp_avg_sq) and needs an Adam-family optimizer.")
     check_output(ckpt, out_dir)
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
-    staged = fresh_staging(out_dir, tag)
+    with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
+        _write_universal_files(ckpt, record, staged, progress)
+        written = publish_staged(out_dir, tag, {"universal": True, "source_optimizer_class": ckpt.optimizer_class},
+                                 save_latest=False)
+    write_json_atomic(os.path.join(out_dir, LATEST_UNIVERSAL), tag)
+    return written
+
+
+def _write_universal_files(ckpt: SavedCheckpoint, record: dict, staged: str, progress: bool) -> None:
+    """The universal layout of `ckpt` in the staging tag directory `staged`: zero/<parameter>/{fp32, exp_avg,
+    exp_avg_sq, step}.pt, zero/optimizer_state.pt, and model states for the stage-1/2 and stage-3 loaders."""
     groups, steps = [], []
     for g, shapes in enumerate(ckpt.param_shapes()):
         masters, states = ckpt.master_weights(g), ckpt.param_states(g)
@@ -84,17 +95,13 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) 
                 "optimizer_state_dict": {"state": {0: {"step": torch.tensor(steps[0] if steps else 0.0)}},
                                          "param_groups": groups}},
                os.path.join(staged, ZERO_DIR, OPTIMIZER_STATE))
-    states = {k: source[k] for k in ("global_steps", "skipped_steps", "global_samples", "lr_scheduler", "ds_version",
-                                     "param_shapes", "buffer_names", "ds_config") if k in source}
+    states = {k: source[k] for k in ("global_steps", "skipped_steps", "global_samples", "lr_scheduler",
+                                     "ds_version", "param_shapes", "buffer_names", "ds_config") if k in source}
     # The universal loader restores weights from zero/, never from `module`: none are copied (a stage-3 source has
     # none, and full copies would double the folder); param_shapes keeps names, shapes and groups for readers.
     states.update(module={}, dp_world_size=1, mp_world_size=1, param_shapes=ckpt.param_shapes())
     for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):  # the names stage 1/2 and stage 3 loaders glob for
         torch.save(states, os.path.join(staged, name))
-    written = publish_staged(out_dir, tag, {"universal": True, "source_optimizer_class": ckpt.optimizer_class},
-                             save_latest=False)
-    write_json_atomic(os.path.join(out_dir, LATEST_UNIVERSAL), tag)
-    return written
 
 
 class UniversalCheckpoint(RanklessSource):
@@ -112,11 +119,15 @@ class UniversalCheckpoint(RanklessSource):
             verify(self.tag_dir, self.manifest, sorted(self.manifest["files"]))
         else:  # ds_to_universal writes none
             check_unlisted(self.tag_dir, ours=False)
-        self.optimizer_state = load_file(os.path.join(self.tag_dir, ZERO_DIR, OPTIMIZER_STATE))
+        optimizer_path = os.path.join(self.tag_dir, ZERO_DIR, OPTIMIZER_STATE)
+        self.optimizer_state = load_file(optimizer_path)
+        if not isinstance(self.optimizer_state, dict):
+            raise CheckpointMismatchError(f"{optimizer_path} holds {type(self.optimizer_state).__name__}, not a "
+                                          f"DeepSpeed universal optimizer state (a dict).")
         for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):
             path = os.path.join(self.tag_dir, name)
             if os.path.isfile(path):
-                self.model_states = load_file(path)
+                self.model_states = check_model_states(load_file(path), path)
                 break
         else:
             raise CheckpointMismatchError(f"{self.tag_dir} has no model-states file ({MODEL_STATES}).")
