@@ -489,10 +489,119 @@ def scenario_param_state(world, rank, out):
             "checkpoint": ckpt, "tag": "set", "gets": gets_path}
 
 
+# ---- one rank's failure fails every rank -------------------------------------------------------------------------------
+
+def outcome(call) -> str:
+    """'ok', or the exception's type and message (what the test side inspects)."""
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # the outcome itself is the result
+        return f"{type(exc).__name__}: {exc}"
+
+
+def everywhere(value):
+    everyone = [None] * dist.get_world_size()
+    all_gather_object(everyone, value)
+    return everyone
+
+
+@contextlib.contextmanager
+def on_rank(rank, owner, name, replacement):
+    """`owner.name` replaced on one rank only, for the block (a fault injected there)."""
+    previous = getattr(owner, name)
+    if dist.get_rank() == rank:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
+
+
+def failing(error):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+@contextlib.contextmanager
+def file_size_limit(rank, limit):
+    """Writes beyond `limit` bytes fail on one rank with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored): a disk that filled up
+    under that rank alone."""
+    import resource
+    import signal
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.getsignal(signal.SIGXFSZ)
+    if dist.get_rank() == rank:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        if dist.get_rank() == rank:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+
+def scenario_rank_failures(world, rank, out):
+    """A load or save step that fails on one rank only: every rank raises the same error, promptly, the engines and
+    the checkpoints already published stay as they were, and the next attempt works."""
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointSaveError
+    from deepspeed_bnb.checkpoint.format.publish import DirectoryLock
+    from deepspeed_bnb.runtime import checkpointing
+    folder = os.path.join(out, "rank_failures")
+    engine = build(world, stage=2)
+    run_steps(engine, range(2), world, rank)
+    engine.save_checkpoint(folder, tag="good")
+    results = {}
+
+    def latest():
+        with open(os.path.join(folder, "latest")) as f:
+            return f.read()
+
+    def leftovers():
+        return sorted(n for n in os.listdir(folder) if n.startswith("."))
+
+    fresh = build(world, seed=1, stage=2)
+    before = snapshot(fresh)
+    with on_rank(1, checkpointing, "verify", failing(OSError(5, "Input/output error", "a rank file"))):
+        results["load_io_error"] = {"outcomes": everywhere(outcome(lambda: fresh.load_checkpoint(folder))),
+                                    "unchanged": all_ranks(same_snapshot(before, snapshot(fresh)))}
+    results["load_io_error"]["then_loads"] = everywhere(outcome(lambda: fresh.load_checkpoint(folder)))
+
+    run_steps(engine, range(2, 3), world, rank)
+    with file_size_limit(1, 4096):
+        results["write_too_large"] = {"outcomes": everywhere(outcome(lambda: engine.save_checkpoint(folder,
+                                                                                                    tag="next")))}
+    results["write_too_large"].update(latest=latest(), leftovers=leftovers(),
+                                      next_exists=os.path.exists(os.path.join(folder, "next")))
+
+    with on_rank(0, checkpointing, "publish", failing(OSError(28, "No space left on device"))):
+        results["publish_fails"] = {"outcomes": everywhere(outcome(lambda: engine.save_checkpoint(folder,
+                                                                                                  tag="next")))}
+    results["publish_fails"].update(latest=latest(), leftovers=leftovers())
+
+    lock = DirectoryLock(folder)
+    if rank == 0:
+        lock.try_acquire()  # another job's save in progress (a second description of the directory: excluded)
+    results["locked"] = {"outcomes": everywhere(outcome(lambda: engine.save_checkpoint(folder, tag="next")))}
+    lock.release()
+    results["locked"]["latest"] = latest()
+
+    results["then_saves"] = everywhere(outcome(lambda: engine.save_checkpoint(folder, tag="next")))
+    results["then_saves_latest"] = latest()
+    after = snapshot(engine)
+    reloaded = build(world, seed=1, stage=2)
+    reloaded.load_checkpoint(folder)
+    results["then_loads_exactly"] = all_ranks(same_snapshot(after, snapshot(reloaded)))
+    results["save_error_class"] = CheckpointSaveError.__name__
+    return results
+
+
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
-             "param_state": scenario_param_state}
+             "param_state": scenario_param_state, "rank_failures": scenario_rank_failures}
 
 
 def main():

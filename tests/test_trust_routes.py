@@ -314,3 +314,21 @@ def test_latest_leading_out_is_refused_for_stock_engines_too(zero2_tag, tmp_path
     with pytest.raises(CheckpointMismatchError, match="latest names the tag .* not a plain name"):
         torch_adamw_engine().load_checkpoint(folder, load_optimizer_states=False)
     assert glob.glob(os.path.join(source, "t", MANIFEST_NAME))  # the target is a deepspeed_bnb tag (routed to us)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_export_is_a_pickle_free_zero_to_fp32_for_stock_checkpoints(one_rank, tmp_path, stage):
+    """`deepspeed-bnb export` reads a stock DeepSpeed checkpoint through the safe loader and gives what DeepSpeed's own
+    zero_to_fp32 gives (the oracle, which unpickles every file in full)."""
+    from safetensors.torch import load_file
+    engine = torch_adamw_engine(stage=stage)
+    train_steps(engine, range(2))
+    folder = str(tmp_path / "stock")
+    engine.save_checkpoint(folder, tag="s")
+    assert not os.path.exists(os.path.join(folder, "s", MANIFEST_NAME))  # a stock save: no manifest
+    expected = deepspeed_zero_to_fp32(folder, tag="s")
+    with pytest.warns(RuntimeWarning, match="a stock DeepSpeed checkpoint"):
+        assert main(["export", folder, str(tmp_path / "out"), "--quiet"]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == set(expected)
+    assert all(torch.equal(exported[name], expected[name].float()) for name in expected)

@@ -130,8 +130,11 @@ class _DeferredWrites:
             space = f"; {free:,} bytes are free on its file system" + (" (the disk is full)" if free < 1 << 20 else "")
         except OSError:
             space = ""
-        raise CheckpointSaveError(f"writing {path} failed ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}){space}") from exc
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        if "unexpected pos" in text:  # torch.save's writer loses the errno
+            text += " (torch.save's report of a write the file system refused: a full disk or quota, or a file size " \
+                    "limit)"
+        raise CheckpointSaveError(f"writing {path} failed ({type(exc).__name__}: {text}){space}") from exc
 
 
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
