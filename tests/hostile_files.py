@@ -117,6 +117,12 @@ def tensor_class(path):
     return write_archive(path, under_x(call("torch", "Tensor", num(1 << 26))))
 
 
+def tensor_through_rebuild_from_type(path):
+    """torch.Tensor(n) again, called by _rebuild_from_type_v2 (which stock ZeRO-3 files use with a tensor rebuild)."""
+    return write_archive(path, under_x(call("torch._tensor", "_rebuild_from_type_v2", glob("torch", "Tensor"),
+                                            glob("torch", "Tensor"), tup(num(1 << 26)), EMPTY_DICT)))
+
+
 def copies_of_one_string(path):
     """One 64 KiB string, memoized, handed to 4000 bytes constructors (_codecs.encode): 256 MiB from a 120 KB file."""
     copies = b"".join(call("_codecs", "encode", get(1), text("latin1")) + APPEND for _ in range(4000))

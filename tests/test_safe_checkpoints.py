@@ -27,13 +27,13 @@ import pytest
 import torch
 
 import deepspeed.runtime.engine as ds_engine
-import deepspeed_bnb.runtime.checkpointing as bnb_engine
 from deepspeed_bnb import overrides
+import deepspeed_bnb.runtime.checkpointing as bnb_engine
 from conftest import TESTS, free_port, without_launch_vars
-from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
-from deepspeed_bnb.checkpoint.format.publish import RETIRED_SUFFIX, STAGING_SUFFIX, publish, write_json_atomic
 from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
+from deepspeed_bnb.checkpoint.format.publish import RETIRED_SUFFIX, STAGING_SUFFIX, publish, write_json_atomic
 from fault_injection import differences, engine_state, raises_injected, watch
 from toy import MIN_8BIT_SIZE, build_engine, train_steps  # 8-bit and fp32 state side by side
 
@@ -218,6 +218,27 @@ def test_retired_tag_is_recovered_on_load(saves):
     assert {"a", retired} & set(listing(folder)) == {retired}
     assert saves.what_loads(folder) == "old"
     assert "a" in listing(folder) and retired not in listing(folder)
+
+
+def test_recovery_that_cannot_rename_says_what_to_do(saves, monkeypatch):
+    """The same, on a checkpoint that cannot be changed (read-only: the rename back fails): a clear refusal naming
+    the retired copy and the fix, the engine untouched; then, the rename done by hand, it loads."""
+    folder = saves.fail_protocol_step("overwrite", "publish-tag")
+    retired = os.path.join(folder, f".a{RETIRED_SUFFIX}")
+    real_rename = os.rename
+
+    def read_only(src, dst):
+        raise OSError(30, "Read-only file system", src)
+    monkeypatch.setattr(os, "rename", read_only)
+    engine = build_engine(seed=1, lr=5e-2, min_8bit_size=MIN_8BIT_SIZE)
+    before = engine_state(engine)
+    with pytest.raises(CheckpointMismatchError, match=rf"waits in {retired} and cannot be put back .*Read-only file "
+                                                      rf"system.*Rename that directory to {os.path.join(folder, 'a')}"):
+        engine.load_checkpoint(folder)
+    assert not differences(engine_state(engine), before)
+    monkeypatch.setattr(os, "rename", real_rename)
+    os.rename(retired, os.path.join(folder, "a"))
+    assert saves.what_loads(folder) == "old"
 
 
 # From that moment the next save of `a` (no load in between) finds no `a` to retire: the overwrite's calls without

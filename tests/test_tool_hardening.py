@@ -13,10 +13,8 @@
 - A failed run leaves no staging directory, no `latest`, no partial output.
 """
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -26,13 +24,14 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 import hostile_files
+import tampering
 from conftest import TESTS
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, allowed_globals, trusted
-from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.cli import main
 from fault_injection import differences, engine_state
+from tampering import Payload, copy_of, two_rank_checkpoint
 from toy import MIN_8BIT_SIZE, build_engine, train_steps
 
 TAG = "t"
@@ -44,49 +43,17 @@ VERBS = {  # verb -> argv after the checkpoint, with {out} for the output direct
 }
 
 
-class Payload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 @pytest.fixture(scope="module")
 def two_ranks(one_rank, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tools")
-    engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)
-    train_steps(engine, range(2))
-    engine.save_checkpoint(str(root / "dp1"), tag=TAG)
-    reshape(str(root / "dp1"), str(root / "dp2"), 2, progress=False)
-    return str(root / "dp2"), engine_state(engine)
-
-
-def copy_of(source, tmp_path, name="ckpt"):
-    folder = str(tmp_path / name)
-    shutil.copytree(source, folder)
-    return folder
+    return two_rank_checkpoint(str(tmp_path_factory.mktemp("tools")), TAG)
 
 
 def rehash(folder, name):
-    path = os.path.join(folder, TAG, MANIFEST_NAME)
-    with open(path) as f:
-        manifest = json.load(f)
-    with open(os.path.join(folder, TAG, name), "rb") as f:
-        data = f.read()
-    manifest["files"].setdefault(name, {}).update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    manifest["files"][name].pop("tensors", None)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    tampering.rehash(os.path.join(folder, TAG), name)
 
 
 def rewrite(folder, name, change):
-    """Load a file of the tag, let `change` alter it (or return a replacement), save it, rewrite its manifest entry."""
-    path = os.path.join(folder, TAG, name)
-    blob = torch.load(path, weights_only=False)
-    blob = change(blob) or blob
-    torch.save(blob, path)
-    rehash(folder, name)
+    tampering.rewrite(os.path.join(folder, TAG), name, change)
 
 
 def record(blob):

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
-from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from deepspeed_bnb.ops.reference import code_gap

@@ -16,7 +16,6 @@ removed, the planted file is what gets loaded.
 """
 
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -33,48 +32,12 @@ from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.cli import main
 from deepspeed_bnb.overrides import stock_deepspeed
 from fault_injection import differences, engine_state
+from tampering import copy_of, plant
 from toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
 
 RANK0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
 MODEL3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-
-
-class Payload:
-    """Pickles as a call of os.system: what a malicious checkpoint carries."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def rehash(tag_dir, name):
-    """The manifest entry of `name` rewritten to match the file (the attacker controls the manifest too)."""
-    path = os.path.join(tag_dir, MANIFEST_NAME)
-    with open(path) as f:
-        manifest = json.load(f)
-    with open(os.path.join(tag_dir, name), "rb") as f:
-        data = f.read()
-    manifest["files"].setdefault(name, {}).update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    manifest["files"][name].pop("tensors", None)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
-
-
-def plant(tag_dir, name, marker):
-    path = os.path.join(tag_dir, name)
-    blob = torch.load(path, weights_only=False)
-    blob["ds_version"] = Payload(marker)
-    torch.save(blob, path)
-    rehash(tag_dir, name)
-
-
-def copy_of(source, tmp_path, name="ckpt"):
-    folder = str(tmp_path / name)
-    shutil.copytree(source, folder, symlinks=True)
-    return folder
 
 
 def zero3_engine(seed=1):
@@ -332,3 +295,18 @@ def test_export_is_a_pickle_free_zero_to_fp32_for_stock_checkpoints(one_rank, tm
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(exported) == set(expected)
     assert all(torch.equal(exported[name], expected[name].float()) for name in expected)
+
+
+def test_bnb_zero3_engine_loads_stock_zero3_weights(one_rank, tmp_path):
+    """A stock ZeRO-3 checkpoint (torch AdamW: its fp32 flat groups are tensors with attributes, rebuilt through
+    torch's _rebuild_from_type_v2) into a bnb ZeRO-3 engine, weights only: the weights zero_to_fp32 gives."""
+    stock = torch_adamw_engine(stage=3)
+    train_steps(stock, range(2))
+    folder = str(tmp_path / "stock3")
+    stock.save_checkpoint(folder, tag="s")
+    expected = deepspeed_zero_to_fp32(folder, tag="s")
+    engine = zero3_engine()
+    with pytest.warns(RuntimeWarning, match="a stock DeepSpeed checkpoint"):
+        engine.load_checkpoint(folder, tag="s", load_optimizer_states=False)
+    loaded = gathered_weights(engine)
+    assert all(torch.equal(loaded[name], expected[name].float()) for name in expected)

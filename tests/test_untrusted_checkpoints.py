@@ -14,23 +14,22 @@
   directory that is not the source.
 """
 
-import hashlib
 import json
 import os
-import shutil
 
 import bitsandbytes as bnb
 import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
+import tampering
 from deepspeed_bnb.checkpoint.format.constants import FORMAT_KEY
-from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
-from deepspeed_bnb.checkpoint.tools.reshape import reshape
+from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV
 from deepspeed_bnb.cli import main
 from fault_injection import differences, engine_state
+from tampering import Payload, copy_of, two_rank_checkpoint
 from toy import MIN_8BIT_SIZE, build_engine, train_steps
 
 TAG = "t"
@@ -38,54 +37,22 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 RANK_FILE = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 
 
-class Payload:
-    """Pickles as a call of os.system: what a malicious checkpoint carries."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 @pytest.fixture(scope="module")
 def two_ranks(one_rank, tmp_path_factory):
     """A checkpoint of 2 data-parallel ranks (reshaped offline from a 1-rank save) and the state it holds."""
-    root = tmp_path_factory.mktemp("untrusted")
-    engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)
-    train_steps(engine, range(2))
-    engine.save_checkpoint(str(root / "dp1"), tag=TAG)
-    reshape(str(root / "dp1"), str(root / "dp2"), 2, progress=False)
-    return str(root / "dp2"), engine_state(engine)
+    return two_rank_checkpoint(str(tmp_path_factory.mktemp("untrusted")), TAG)
 
 
 def fresh_engine():
     return build_engine(seed=1, lr=5e-2, min_8bit_size=MIN_8BIT_SIZE)
 
 
-def copy_of(source, tmp_path, name="ckpt") -> str:
-    folder = str(tmp_path / name)
-    shutil.copytree(source, folder)
-    return folder
-
-
 def rehash(folder, name):
-    """Rewrite the manifest entry of `name` to match the file (the attacker controls the manifest too)."""
-    path = os.path.join(folder, TAG, MANIFEST_NAME)
-    with open(path) as f:
-        manifest = json.load(f)
-    with open(os.path.join(folder, TAG, name), "rb") as f:
-        data = f.read()
-    manifest["files"][name].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    tampering.rehash(os.path.join(folder, TAG), name)
 
 
 def plant(folder, name, marker):
-    blob = torch.load(os.path.join(folder, TAG, name), weights_only=False)
-    blob["ds_version"] = Payload(marker)  # any entry will do; this one every loader reads
-    torch.save(blob, os.path.join(folder, TAG, name))
-    rehash(folder, name)
+    tampering.plant(os.path.join(folder, TAG), name, marker)
 
 
 @pytest.fixture

@@ -156,7 +156,11 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     tag = _check_tag_name(str(tag) if tag is not None else f"global_step{self.global_steps}")
     staged, call = staging_dir(save_dir, tag), f"save_checkpoint({save_dir!r}, tag={tag!r})"
-    untouched = f"Nothing was saved on any rank: the checkpoints already in {save_dir} are untouched"
+    outcome = {"before publishing": f"Nothing was saved on any rank: the checkpoints already in {save_dir} are "
+                                    f"untouched",
+               "publishing": f"`latest` in {save_dir} still names a complete checkpoint (the previous one; or, for a "
+                             f"failure after the new tag took its place, that one)"}
+    phase = ["before publishing"]
     lock = DirectoryLock(save_dir) if _publisher(self) else None
     created = []
 
@@ -181,12 +185,13 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                      CheckpointSaveError, context=f"{call} failed while hashing the written files: ")
         everyone = [None] * dist.get_world_size()
         compat.all_gather_object(everyone, mine)
+        phase[0] = "publishing"
         agree(lambda: _publish(self, save_dir, tag, everyone, save_latest), CheckpointSaveError,
               context=f"{call} failed while publishing: ")
     except CheckpointSaveError as exc:
         if created:
             remove(staged)
-        raise CheckpointSaveError(f"{exc}. {untouched}.") from exc.__cause__
+        raise CheckpointSaveError(f"{exc}. {outcome[phase[0]]}.") from exc.__cause__
     except BaseException:
         if created:
             remove(staged)

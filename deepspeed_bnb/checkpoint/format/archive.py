@@ -13,7 +13,7 @@ load:
 - the zip format (legacy torch.save files and raw pickles are refused with the way out: they cannot be read without
   full pickle);
 - every record stored uncompressed, inside the file, records not overlapping;
-- a pickle of the opcodes torch's weights-only unpickler reads, naming only TORCH_GLOBALS (what torch.save uses for
+- a pickle of the opcodes torch's weights-only unpickler reads, naming only CALLED and DATA (what torch.save uses for
   tensors and containers), storage and dtype names, and the DeepSpeed value types of safe_load.ALLOWED_GLOBALS;
 - every storage the pickle names a record of exactly its element count times its element size;
 - constructor calls that together copy no more than the pickle's own size (each memoized object may be handed to a
@@ -34,15 +34,20 @@ import torch
 from deepspeed_bnb.checkpoint.format.errors import TRUST_ENV, CheckpointMismatchError, UnsafeCheckpointError, refusal
 
 ZIP_MAGIC = b"PK\x03\x04"
-# What torch.save's pickle names besides storages and dtypes: containers, tensor and parameter rebuilds, shapes,
-# devices (every file of ZeRO-1/2/3, bf16 and universal checkpoints, stock and deepspeed_bnb, uses no other), and the
-# plain values a client_state may hold (bytes, sets, complex numbers: what they copy is charged like any constructor's).
+# What torch.save's pickle names besides storages and dtypes (every file of ZeRO-1/2/3, bf16 and universal
+# checkpoints, stock and deepspeed_bnb, names no other), and the plain values a client_state may hold. CALLED may be
+# called (REDUCE, NEWOBJ): containers, tensor and parameter rebuilds, shapes, devices, bytes, sets, complex numbers
+# (what each copies of its arguments is charged); a tensor with attributes (stock ZeRO-3's fp32_flat_groups) is
+# rebuilt through `_rebuild_from_type_v2`, whose own arguments must then be a tensor rebuild and a tensor type. DATA
+# may only be handed to those (the type argument of `_rebuild_from_type_v2`): `torch.Tensor(n)` itself would allocate.
 # Everything else torch's weights-only unpickler admits is refused: bytearray(n), UntypedStorage(n), TypedStorage(n)
-# and the tensor classes (allocations sized by a number in the pickle), sparse, nested, quantized, meta and subclass
-# rebuilds (no checkpoint of a ZeRO run holds them).
-TORCH_GLOBALS = frozenset({"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
-                           "torch._utils._rebuild_parameter", "torch.Size", "torch.device", "_codecs.encode",
-                           "builtins.set", "builtins.complex"})
+# and the tensor classes as constructors (allocations sized by a number in the pickle), sparse, nested, quantized,
+# meta and device rebuilds (no checkpoint of a ZeRO run holds them).
+REBUILDS = ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter")
+TENSOR_TYPES = ("torch.Tensor", "torch.nn.parameter.Parameter")
+CALLED = frozenset({"collections.OrderedDict", *REBUILDS, "torch._tensor._rebuild_from_type_v2", "torch.Size",
+                    "torch.device", "_codecs.encode", "builtins.set", "builtins.complex"})
+DATA = frozenset(TENSOR_TYPES)
 # The opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py); a pickle with another one is
 # not torch.save's (torch would refuse it too, with a less clear message).
 OPCODES = frozenset({"PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM",
@@ -74,7 +79,7 @@ def not_a_torch_archive(path: str, head: bytes) -> str:
 
 def check_archive(path: str, allowed: Iterable[str]) -> None:
     """Raise CheckpointMismatchError (UnsafeCheckpointError for a refused global) unless `path` is a torch zip archive
-    whose records lie uncompressed inside the file, whose pickle names only TORCH_GLOBALS, storage and dtype names, or
+    whose records lie uncompressed inside the file, whose pickle names only CALLED, DATA, storage and dtype names, or
     `allowed` (dotted names), whose storages match their records, and whose constructor calls copy no more than the
     pickle holds."""
     size = os.path.getsize(path)
@@ -142,7 +147,8 @@ class _Simulation:
 
     def __init__(self, path: str, allowed: set, records: dict, pickle_bytes: int):
         self.path, self.records = path, records
-        self.known = TORCH_GLOBALS | _storage_and_dtype_globals() | allowed
+        self.known = CALLED | DATA | _storage_and_dtype_globals() | allowed
+        self.callable = CALLED | allowed
         self.budget = pickle_bytes + COPY_ALLOWANCE
         self.stack, self.memo = [], {}
 
@@ -216,7 +222,7 @@ class _Simulation:
             stack.append(self.memo[arg])
         elif name in ("REDUCE", "NEWOBJ"):  # a constructor: what it may copy of its arguments is charged
             args = stack.pop()
-            stack.pop()
+            self.check_call(stack.pop(), args)
             stack.append(_Box(self.charge(args)))
         elif name == "BUILD":  # an object's state set from a dict: copied into it
             self.charge(_Box(0, (stack.pop(),)))
@@ -224,6 +230,19 @@ class _Simulation:
             self.storage(stack.pop())
             stack.append(_OPAQUE)
         # PROTO, STOP: nothing on the stack
+
+    def check_call(self, func, args) -> None:
+        """Only CALLED and the DeepSpeed types are called; `_rebuild_from_type_v2` only on a tensor rebuild and a
+        tensor type (torch.save's form), since it calls its first argument with the rest."""
+        name = func.name if isinstance(func, _Global) else None
+        if name not in self.callable:
+            raise UnsafeCheckpointError(refusal(self.path, f"a call of {name or 'an object built by the pickle'}"))
+        if name == "torch._tensor._rebuild_from_type_v2":
+            items = getattr(args, "items", ())
+            if len(items) != 4 or not (isinstance(items[0], _Global) and items[0].name in REBUILDS and
+                                       isinstance(items[1], _Global) and items[1].name in TENSOR_TYPES):
+                raise UnsafeCheckpointError(refusal(self.path, "a _rebuild_from_type_v2 call of another function or "
+                                                               "type than a tensor rebuild"))
 
     def storage(self, pid) -> None:
         """A storage id ('storage', storage type, key, location, element count): its record must hold exactly that

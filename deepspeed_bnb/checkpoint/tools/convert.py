@@ -19,15 +19,15 @@ from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_
 from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
-from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
-from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.format.records import empty_group_record
+from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format.records import empty_group_record
+from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, write_rank_files
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
-from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
+from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}

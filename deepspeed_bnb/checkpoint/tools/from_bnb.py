@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
+from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.state_layout import num_blocks
 

@@ -19,9 +19,9 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged
-from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT

@@ -20,10 +20,10 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import read_manifest, safe_name, verify
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged, write_json_atomic
-from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states, check_unlisted
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments

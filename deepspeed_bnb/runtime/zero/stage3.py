@@ -383,7 +383,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     def load_state_dict(self, *args, **kwargs):
         # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for this class
-        # (runtime/engine.py) by bnb_load_checkpoint.
+        # (runtime/checkpointing.py) by bnb_load_checkpoint.
         raise NotImplementedError("deepspeed_bnb: BnbZeroStage3Optimizer loads its checkpoints through "
                                   "engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
                                   "ZeRO states is not an entry point. Call engine.load_checkpoint instead.")

@@ -14,7 +14,7 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
 - `state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's element-wise
   trim/concatenate, which would corrupt quantization maps and per-block scales; it loads at any DP size through
-  `bnb_load_checkpoint` (runtime/engine.py routes `engine.load_checkpoint` there; `load_state_dict` refuses).
+  `bnb_load_checkpoint` (runtime/checkpointing.py routes `engine.load_checkpoint` there; `load_state_dict` refuses).
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
@@ -255,7 +255,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, *args, **kwargs):
         # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for this class
-        # (runtime/engine.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing over
+        # (runtime/checkpointing.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing over
         # DeepSpeed's in-memory list (every rank's whole file, element-wise) is refused rather than half supported.
         raise NotImplementedError("deepspeed_bnb: BnbZeroOptimizer loads its checkpoints through "
                                   "engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
