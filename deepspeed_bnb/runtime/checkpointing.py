@@ -38,10 +38,10 @@ from deepspeed import comm as dist
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, CheckpointSaveError, \
     UnsafeCheckpointError
-from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, UNSAFE_KEY, file_digest, list_files, \
-    read_manifest, safe_name, verify
-from deepspeed_bnb.checkpoint.format.publish import LATEST, DirectoryLock, publish, recover_tag, remove, \
-    retired_dir, staging_dir
+from deepspeed_bnb.checkpoint.format.manifest import LATEST, LATEST_UNIVERSAL, MANIFEST_NAME, UNSAFE_KEY, \
+    file_digest, list_files, read_manifest, read_pointer, safe_name, verify
+from deepspeed_bnb.checkpoint.format.publish import DirectoryLock, publish, recover_tag, remove, retired_dir, \
+    staging_dir
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states, check_unlisted, \
     model_states_name, saved_dp
 from deepspeed_bnb.checkpoint.format.records import is_record
@@ -52,7 +52,6 @@ from deepspeed_bnb.overrides import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 
-LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer file for universal checkpoints
 _AGREED_ERRORS = {cls.__name__: cls for cls in (CheckpointMismatchError, UnsafeCheckpointError, CheckpointSaveError)}
 
 
@@ -259,16 +258,6 @@ def _written_by_deepspeed_bnb(load_dir: str, tag: str) -> bool:
         os.path.lexists(os.path.join(retired_dir(load_dir, tag), MANIFEST_NAME))
 
 
-def _pointer(load_dir: str, universal: bool):
-    """(the tag `latest` or `latest_universal` names, read as DeepSpeed reads it, the pointer's path); (None, path)
-    without one. Checked as a name only once it is known to lead to a deepspeed_bnb tag or a bnb engine."""
-    path = os.path.join(load_dir, LATEST_UNIVERSAL if universal else LATEST)
-    if not os.path.isfile(path):
-        return None, path
-    with open(path, "rb") as f:
-        return f.read(4097).decode("utf-8", errors="replace").strip(), path
-
-
 def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
     stock_load = stock("DeepSpeedEngine.load_checkpoint")
     bnb, universal = is_bnb_zero(self.optimizer), self.load_universal_checkpoint()
@@ -283,8 +272,9 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
     call.apply_defaults()
     arguments = {k: v for k, v in call.arguments.items() if k != "self"}
     pointer = None
-    if tag is None:
-        tag, pointer = _pointer(load_dir, universal)
+    if tag is None:  # read as DeepSpeed reads it; checked as a name once it leads to a tag of ours or a bnb engine
+        pointer = os.path.join(load_dir, LATEST_UNIVERSAL if universal else LATEST)
+        tag = read_pointer(load_dir, os.path.basename(pointer))
         if tag is None:  # DeepSpeed warns (or raises, for universal) and returns (None, None)
             return stock_load(self, **arguments)
     tag = str(tag)
@@ -336,7 +326,7 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
     tag_dir = plan.tag_dir
     if not os.path.isdir(tag_dir):  # stock DeepSpeed fails later on a bare assertion about this directory
         named = f"tag {tag!r} was asked for" if explicit else \
-            f"{os.path.join(load_dir, LATEST_UNIVERSAL if universal else 'latest')} names tag {tag!r}"
+            f"{os.path.join(load_dir, LATEST_UNIVERSAL if universal else LATEST)} names tag {tag!r}"
         tags = sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n))) \
             if os.path.isdir(load_dir) else []
         raise CheckpointMismatchError(f"{named}, but {tag_dir} does not exist. Tags there: {tags}. Pass one of them "

@@ -16,12 +16,14 @@ import json
 import os
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, RANK_FILE, STAGE3_MODEL_STATES
+from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION, MODEL_STATES, RANK_FILE, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
 from deepspeed_bnb.checkpoint.format.integrity import damaged_tensors, tensor_checksums
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 
 MANIFEST_NAME = "deepspeed_bnb_manifest.json"
+LATEST = "latest"  # DeepSpeed's pointer to the newest tag of a checkpoint directory
+LATEST_UNIVERSAL = "latest_universal"  # ... and to the tag of a universal checkpoint (engines with load_universal)
 MANIFEST_VERSION = 2
 READABLE_MANIFEST_VERSIONS = (1, 2)
 TENSORS_KEY = "tensors"  # per file entry (version 2, `.pt` files): tensor path -> CRC-32 (integrity.py)
@@ -65,15 +67,25 @@ def list_files(root: str) -> List[str]:
     return sorted(found)
 
 
-def latest_tag(save_dir: str) -> Optional[str]:
-    """The tag `latest` names in a checkpoint directory, or None without one."""
-    path = os.path.join(save_dir, "latest")
+def read_pointer(directory: str, name: str = LATEST) -> Optional[str]:
+    """The tag a pointer file (`latest`, `latest_universal`) names, read as DeepSpeed reads it (whitespace stripped, at
+    most 4 KiB), or None without one. Not checked: see `pointer_tag`."""
+    path = os.path.join(directory, name)
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
-        raw = f.read(4097)
-    tag = raw.decode("utf-8", errors="replace").strip()
-    return safe_name(tag, path, "tag", one_component=True)
+        return f.read(4097).decode("utf-8", errors="replace").strip()
+
+
+def pointer_tag(directory: str, name: str = LATEST) -> Optional[str]:
+    """The tag a pointer file names, checked to be a plain directory name inside `directory`; None without one."""
+    tag = read_pointer(directory, name)
+    return None if tag is None else safe_name(tag, os.path.join(directory, name), "tag", one_component=True)
+
+
+def latest_tag(save_dir: str) -> Optional[str]:
+    """The tag `latest` names in a checkpoint directory, or None without one."""
+    return pointer_tag(save_dir, LATEST)
 
 
 def read_manifest(tag_dir: str) -> Optional[dict]:
@@ -226,7 +238,6 @@ def _where_damaged(path: str, entry: dict) -> str:
 
 def describe(optimizer_class: str, zero_stage: int, dp: int, groups) -> dict:
     """The manifest's description of a run: `groups` yields (param_names, numels, eight_bit) per param group."""
-    from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
     return {"deepspeed_bnb_format": FORMAT_VERSION, "optimizer_class": optimizer_class, "zero_stage": zero_stage,
             "dp_world_size": dp,
             "groups": [{"param_names": list(names), "numels": list(numels), "eight_bit": list(eight_bit)}

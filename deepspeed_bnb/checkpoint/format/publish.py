@@ -27,11 +27,10 @@ import warnings
 from typing import Dict, Optional
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointSaveError
-from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, MANIFEST_VERSION, file_digest, list_files
+from deepspeed_bnb.checkpoint.format.manifest import LATEST, MANIFEST_NAME, MANIFEST_VERSION, file_digest, list_files
 
 STAGING_SUFFIX = ".deepspeed_bnb-partial"  # `.<tag>` + suffix: the tag being written
 RETIRED_SUFFIX = ".deepspeed_bnb-retired"  # `.<tag>` + suffix: the previous version of a tag being replaced
-LATEST = "latest"  # DeepSpeed's pointer to the newest tag
 _UNLOCKABLE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)  # no flock on this file system
 _warned_unlockable = set()
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL
 from deepspeed_bnb.checkpoint.format.publish import replacing
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.weights import consolidated_weights, fp32_moments
@@ -30,7 +31,7 @@ def export(path: str, out_dir: str, optimizer_state: bool = False, progress: boo
     first."""
     ckpt = SavedCheckpoint(path, verify_checksums=True)
     if universal:
-        from deepspeed_bnb.checkpoint.tools.universal import LATEST_UNIVERSAL, write_universal
+        from deepspeed_bnb.checkpoint.tools.universal import write_universal
         return {"universal": write_universal(ckpt, out_dir, progress),
                 "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
     check_output(ckpt, out_dir)

@@ -22,14 +22,13 @@ from tqdm import tqdm
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.format.manifest import read_manifest, safe_name, verify
+from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL, pointer_tag, read_manifest, safe_name, verify
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged, write_json_atomic
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states, check_unlisted
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 
-LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer file (engine.load_checkpoint with load_universal)
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"  # DeepSpeed's key for the whole tensor in a per-parameter file (checkpoint.constants.PARAM)
@@ -191,11 +190,8 @@ class UniversalCheckpoint(RanklessSource):
 def universal_tag_dir(path: str):
     """The tag directory of a universal checkpoint at `path` (a directory with latest_universal, or the tag itself),
     or None when `path` is not one."""
-    pointer = os.path.join(path, LATEST_UNIVERSAL)
-    if os.path.isfile(pointer):
-        with open(pointer, "rb") as f:
-            tag = safe_name(f.read(4097).decode("utf-8", errors="replace").strip(), pointer, "tag",
-                            one_component=True)
+    tag = pointer_tag(path, LATEST_UNIVERSAL)
+    if tag is not None:
         return os.path.join(path, tag)
     if os.path.isfile(os.path.join(path, ZERO_DIR, OPTIMIZER_STATE)):
         return path

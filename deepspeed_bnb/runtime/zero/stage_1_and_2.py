@@ -255,8 +255,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, *args, **kwargs):
         # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for this class
-        # (runtime/checkpointing.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing over
-        # DeepSpeed's in-memory list (every rank's whole file, element-wise) is refused rather than half supported.
+        # (runtime/checkpointing.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing
+        # over DeepSpeed's in-memory list (every rank's whole file, element-wise) is refused rather than half
+        # supported.
         raise NotImplementedError("deepspeed_bnb: BnbZeroOptimizer loads its checkpoints through "
                                   "engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
                                   "ZeRO states is not an entry point. Call engine.load_checkpoint instead.")
