@@ -63,7 +63,7 @@ ext_modules, cmdclass = extensions()
 setup(
     name="deepspeed_bnb",
     version="0.1.0",
-    description="Block-aware DeepSpeed ZeRO-1/2 for bitsandbytes 8-bit optimizers: elastic, resumable, fast.",
+    description="Block-aware DeepSpeed ZeRO-1/2/3 for bitsandbytes 8-bit optimizers: elastic, resumable, fast.",
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_bnb", "deepspeed_bnb.*"]),

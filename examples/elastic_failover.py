@@ -27,6 +27,7 @@ done (see teardown.py).
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,9 +134,24 @@ def steps_by_number(events: List[dict]) -> Dict[int, dict]:
     return {e["step"]: e for e in events if e["event"] == "step"}
 
 
+def prepare_workdir(args) -> None:
+    """An empty workdir: a second run would resume from the first run's checkpoints (the elastic job would start at
+    the last step and end at once, and the wait for its next step would time out), so a used one is refused, or
+    cleared with --fresh."""
+    used = sorted(os.listdir(args.workdir)) if os.path.isdir(args.workdir) else []
+    if used and not args.fresh:
+        raise ValueError(f"--workdir {args.workdir} already holds a run ({', '.join(used[:5])}"
+                         f"{' ...' if len(used) > 5 else ''}): its checkpoints would be resumed instead of trained "
+                         f"anew. Pass --fresh to delete it first, or another --workdir.")
+    if used:
+        print(f"--fresh: deleting the previous run in {args.workdir}", flush=True)
+        shutil.rmtree(args.workdir)
+    os.makedirs(args.workdir, exist_ok=True)
+
+
 def run(args) -> dict:
     check_plan(args)
-    os.makedirs(args.workdir, exist_ok=True)
+    prepare_workdir(args)
     logs = lambda name: open(os.path.join(args.workdir, f"{name}.log"), "w")  # noqa: E731
     world = 2 * args.nproc
 
@@ -284,7 +300,8 @@ def weights_diff(reference_dir: str, other_dir: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default="checkpoints/failover")
+    p.add_argument("--workdir", default="checkpoints/failover", help="where the runs write (must be empty or new)")
+    p.add_argument("--fresh", action="store_true", help="delete what a previous run left in --workdir first")
     p.add_argument("--config", default="configs/zero2_adamw8bit.json")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=15)

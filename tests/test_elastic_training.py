@@ -136,3 +136,16 @@ def test_deepspeeds_elasticity_block_is_refused_by_deepspeed(one_rank):
                              "min_gpus": 1, "max_gpus": 8, "version": 0.2}}
     with pytest.raises(DeepSpeedConfigError, match="Elastic training has been removed.*train_batch_size"):
         deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)), config=config)
+
+
+def test_failover_refuses_a_used_workdir(tmp_path, capsys):
+    """A second run in the same workdir would resume the first run's checkpoints: refused before any launch, or
+    cleared (saying so) with --fresh."""
+    from elastic_failover import parser, prepare_workdir
+    workdir = tmp_path / "failover"
+    prepare_workdir(parser().parse_args(["--workdir", str(workdir)]))  # new: made
+    (workdir / "elastic").mkdir()
+    with pytest.raises(ValueError, match=r"already holds a run \(elastic\).*--fresh"):
+        prepare_workdir(parser().parse_args(["--workdir", str(workdir)]))
+    prepare_workdir(parser().parse_args(["--workdir", str(workdir), "--fresh"]))
+    assert list(workdir.iterdir()) == [] and "--fresh: deleting the previous run" in capsys.readouterr().out
