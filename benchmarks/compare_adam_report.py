@@ -46,7 +46,19 @@ def summarize(r: dict) -> dict:
         "ckpt_total": r["ckpt_total"],
         "final_loss": final_loss(r),
         "valid_loss": r["valid_loss"],
+        **update_sizes(r),
     }
+
+
+def update_sizes(r: dict) -> dict:
+    """The largest |update| / lr of any element in one step over the run, its median over steps, and how often an
+    element moved beyond 10 x lr (steps, elements)."""
+    per_step = [x for x in r.get("update_over_lr", []) if x is not None]
+    beyond = r.get("updates_beyond_10_lr", [])
+    if not per_step:
+        return {"update_max": float("nan"), "update_median": float("nan"), "spike_steps": 0, "spike_elements": 0}
+    return {"update_max": max(per_step), "update_median": statistics.median(per_step),
+            "spike_steps": sum(1 for n in beyond if n), "spike_elements": sum(beyond)}
 
 
 def _ratio(a, b) -> str:
@@ -109,6 +121,14 @@ def tables(results: dict, meta: dict) -> str:
                          f"{_ratio(x['step_ms'], ref['step_ms'])} | {_ratio(x['engine_step_ms'], ref['engine_step_ms'])} | "
                          f"{_pct(x['final_loss'], ref['final_loss'])} | "
                          f"{_pct(x['valid_loss'], ref['valid_loss'])} |")
+    lines += ["", ("Update size: the largest |w_new - w_old| / lr of any master weight in one step (Adam moves an "
+                   "element by about lr at most; far more is a spike), its median over the steps, and how many steps "
+                   "moved some element beyond 10 x lr:"), "",
+              "| configuration | largest / lr | median per step | steps beyond 10 x lr | elements beyond 10 x lr |",
+              "|---|---:|---:|---:|---:|"]
+    for name, x in s.items():
+        lines.append(f"| {LABELS[name]} | {x['update_max']:.2f} | {x['update_median']:.2f} | {x['spike_steps']} | "
+                     f"{x['spike_elements']} |")
     lines += ["", ("Optimizer state per rank, from the state tensors (elements: the master partition this rank "
                   "updates, alignment padding included):"), "",
               "| configuration | rank | elements | state bytes | bytes / element | by key |", "|---|---:|---:|---:|---:|---|"]

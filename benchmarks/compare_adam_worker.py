@@ -116,6 +116,19 @@ def master_partitions(zero) -> list:
     return getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
 
 
+BIG_UPDATE = 10.0  # an element moving more than this many times the lr in one step is counted as a spike
+
+
+def update_size(masters, before, lr: float):
+    """(largest |update| / lr of this rank's master weights in one step, elements beyond BIG_UPDATE * lr); None when
+    the lr is 0 (the warm-up's first step). Adam moves an element by about lr at most (|m̂ / sqrt(v̂)| <= ~1)."""
+    if lr <= 0:
+        return None
+    moved = [(t.detach() - b).abs() for t, b in zip(masters, before)]
+    return (max(float(m.max()) for m in moved if m.numel()) / lr,
+            sum(int((m > BIG_UPDATE * lr).sum()) for m in moved))
+
+
 def checkpoint_sizes(folder: str) -> dict:
     """Bytes on disk: all files, the *optim_states* files, and inside those the master weights vs the rest."""
     total = optim = master = 0
@@ -148,18 +161,22 @@ def main():
     generator = torch.Generator().manual_seed(1000 * args.seed + rank)
     phases["init_s"], clock = time.perf_counter() - clock, time.perf_counter()
 
-    losses, step_times, update_times = [], [], []
+    losses, step_times, update_times, update_sizes = [], [], [], []
+    masters = master_partitions(engine.optimizer)
     for _ in range(args.steps):
         x, y = batches.sample("train", args.batch, generator)
         started = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
+        lr = engine.get_lr()[0]  # the lr this step uses (the scheduler moves it after the step)
+        weights = [t.detach().clone() for t in masters]
         before_step = time.perf_counter()
         engine.step()  # ZeRO reduced the gradients during backward; this is clip, update (and ZeRO-2's all-gather)
         done = time.perf_counter()
         step_times.append(done - started)
         update_times.append(done - before_step)
         losses.append(loss.item())
+        update_sizes.append(update_size(masters, weights, lr))
     rss_peak_train = rss_bytes()
     phases["train_s"], clock = time.perf_counter() - clock, time.perf_counter()
 
@@ -185,6 +202,8 @@ def main():
     }
     per_rank = [None] * world
     tdist.all_gather_object(per_rank, mine)
+    sizes = [None] * world
+    tdist.all_gather_object(sizes, update_sizes)
 
     engine.save_checkpoint(args.ckpt_dir, tag="final")
     tdist.barrier()
@@ -209,6 +228,9 @@ def main():
             "median_engine_step_s": statistics.median(update_times[skip:]),
             "tokens_per_s": world * args.batch * args.context / median,
             "per_rank": per_rank,
+            # per step: the largest |update| / lr over every rank's master weights, and the elements beyond 10 x lr
+            "update_over_lr": [None if step[0] is None else max(rank[0] for rank in step) for step in zip(*sizes)],
+            "updates_beyond_10_lr": [0 if step[0] is None else sum(rank[1] for rank in step) for step in zip(*sizes)],
             "phases_s": phases,
             **checkpoint_sizes(args.ckpt_dir),
         }

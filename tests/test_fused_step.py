@@ -285,3 +285,56 @@ def test_zero_gradient_elements_never_move():
     unused.view(-1, 64)[1::3] = True
     assert torch.equal(ours[unused], start[unused])
     assert not torch.equal(theirs[unused], start[unused]), "control: bnb 0.50's CPU path drifts them"
+
+
+def _small_second_moment_run(use_kernel: bool, steps: int = 3):
+    """Steps of 16 blocks where, in each block, one element's gradient is 1e-5 of the others' (an attention weight
+    next to busy ones): per step, the largest |update| / lr, and the state after the last step."""
+    lr, n = 1e-3, 4096
+    g = torch.Generator().manual_seed(7)
+    part = object.__new__(Partition)
+    part.params = torch.randn(n, generator=g)
+    part.codes1, part.codes2 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    part.absmax1, part.absmax2, part.state1, part.state2 = torch.zeros(16), torch.zeros(16), torch.zeros(0), \
+        torch.zeros(0)
+    part.qmaps, part.table = [QMAP1, QMAP2], rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0])
+    part.hyper = lambda t: rules.hyper_table([AdamHyper.adamw(lr, 0.9, 0.999, 1e-8, 0.0, t)])
+    ratios = []
+    for t in range(1, steps + 1):
+        grads = torch.randn(n, generator=g).abs() + 0.5
+        grads[::256] = 1e-5 * grads[::256]
+        before = part.params.clone()
+        part.step(t, grads, use_kernel, 1.0)
+        ratios.append(float((part.params - before).abs().max()) / lr)
+    return ratios, part
+
+
+def test_small_second_moment_never_stored_as_zero(monkeypatch):
+    """A positive second moment far below its block's absmax keeps the smallest positive code (not 0's), so the next
+    step divides by the v accumulated so far: no update grows beyond bnb's own CPU update's from the same start
+    (bnb CPU never stores 0 for a positive v). Control: nearest rounding alone stores those v as 0 and the next step
+    moves the element by many times lr."""
+    ratios, part = _small_second_moment_run(use_kernel=False)
+    small = torch.zeros(4096, dtype=torch.bool)
+    small[::256] = True
+    assert (QMAP2[part.codes2.long()][small] > 0).all()
+    param = torch.nn.Parameter(torch.randn(4096, generator=torch.Generator().manual_seed(7)))
+    plain = bnb.optim.AdamW8bit([param], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, min_8bit_size=0)
+    g = torch.Generator().manual_seed(7)
+    torch.randn(4096, generator=g)  # the start, drawn as above
+    bnb_ratios = []
+    for _ in range(3):
+        grads = torch.randn(4096, generator=g).abs() + 0.5
+        grads[::256] = 1e-5 * grads[::256]
+        before = param.detach().clone()
+        param.grad = grads
+        plain.step()
+        bnb_ratios.append(float((param.detach() - before).abs().max()) / 1e-3)
+    assert max(ratios) <= 1.05 * max(bnb_ratios), (ratios, bnb_ratios)
+    if KERNEL:  # the compiled kernel applies the same floor, bit for bit
+        _, kernel = _small_second_moment_run(use_kernel=True)
+        assert_bit_identical(kernel, part, "small second moments")
+    monkeypatch.setattr(reference, "positive_floor", lambda qmap: (-1, -1))  # control: nearest rounding only
+    nearest, unfloored = _small_second_moment_run(use_kernel=False)
+    assert (QMAP2[unfloored.codes2.long()][small] == 0).all()
+    assert max(nearest) > 2 * max(bnb_ratios), (nearest, bnb_ratios)  # measured: 3.9 x lr against 1.02

@@ -184,6 +184,14 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
     for (int64_t j = 0; j < len; ++j) codes[j] = static_cast<uint8_t>(t.order[index[j]]);
 }
 
+// codes[j] = floor_positive(codes[j], x[j]) over one block (Adam's second moment, after quantize_*).
+inline void floor_positive_block(int64_t len, const float* __restrict__ x, uint8_t* __restrict__ codes,
+                                 PositiveFloor floor) {
+    if (floor.zero < 0) return;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) codes[j] = floor_positive(codes[j], x[j], floor);
+}
+
 #if DSBNB_AVX512
 template <typename GradT>
 constexpr avx512::Grad grad_kind() {

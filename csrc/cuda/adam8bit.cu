@@ -89,7 +89,8 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                 if (j < len) {
                     const int64_t i = base + j;
                     codes1[i] = order1[nearest_sorted(normalize(m[k], r1), mid1, t1.lut, t1.max_walk)];
-                    codes2[i] = order2[nearest_sorted(normalize(v[k], r2), mid2, t2.lut, t2.max_walk)];
+                    codes2[i] = floor_positive(order2[nearest_sorted(normalize(v[k], r2), mid2, t2.lut, t2.max_walk)],
+                                               v[k], t2.floor);
                 }
             }
             if (lane == 0) {

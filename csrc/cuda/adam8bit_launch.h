@@ -15,6 +15,7 @@ struct DeviceTables {
     const int32_t* order;    // [256]
     const int32_t* lut;      // [1 << kLutBits]
     int max_walk;            // compares nearest_sorted needs after the look-up
+    PositiveFloor floor;     // the codes floor_positive uses (Adam's second moment)
 };
 
 enum class GradType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };

@@ -71,8 +71,9 @@ class ConstantCache {
 struct UploadedTables {
     at::Tensor midpoints, order, lut;
     int max_walk;
+    PositiveFloor floor;
     DeviceTables view() const {
-        return {midpoints.data_ptr<float>(), order.data_ptr<int32_t>(), lut.data_ptr<int32_t>(), max_walk};
+        return {midpoints.data_ptr<float>(), order.data_ptr<int32_t>(), lut.data_ptr<int32_t>(), max_walk, floor};
     }
 };
 
@@ -88,7 +89,8 @@ inline DeviceTables tables_for(const at::Tensor& qmap) {
                  };
                  return UploadedTables{upload(tables->midpoints, 256, at::kFloat),
                                        upload(tables->order, 256, at::kInt),
-                                       upload(tables->lut, 1 << kLutBits, at::kInt), tables->max_walk};
+                                       upload(tables->lut, 1 << kLutBits, at::kInt), tables->max_walk,
+                                       tables->floor};
              })
         .view();
 }

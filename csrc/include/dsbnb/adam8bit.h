@@ -154,6 +154,19 @@ DSBNB_HD int nearest_sorted(float u, const float* midpoints, const int32_t* lut,
     return i;
 }
 
+// Where a map holds 0 and positive values: the code of 0 and the code of the smallest positive value. Adam's second
+// moment is stored with this floor (floor_positive): a positive v whose nearest code is 0's keeps the smallest
+// positive code instead, since a v stored as 0 under a nonzero m makes the next step divide by about eps (see
+// deepspeed_bnb/ops/reference.py). -1: the map has no such pair, and no floor applies.
+struct PositiveFloor {
+    int32_t zero = -1;      // code whose value is 0.0
+    int32_t smallest = -1;  // code of the smallest positive value
+};
+
+DSBNB_HD uint8_t floor_positive(uint8_t code, float x, PositiveFloor f) {
+    return (static_cast<int32_t>(code) == f.zero && x > 0.0f) ? static_cast<uint8_t>(f.smallest) : code;
+}
+
 // The sizes of one optimizer state's arrays, for the segment checks: its codes and absmax (8-bit segments) and its
 // packed fp32 array (fp32 segments).
 struct StateSizes {
@@ -190,6 +203,7 @@ struct QuantTables {
     // When max_walk <= 1 (bnb's maps), each bucket resolves with one compare: code = u > split ? high : low.
     float split[1 << kLutBits];      // the midpoint inside the bucket (+inf when there is none)
     int32_t codes[1 << kLutBits];    // code of the lower candidate | code of the upper candidate << 8
+    PositiveFloor floor;             // the codes floor_positive uses (Adam's second moment)
 
     explicit QuantTables(const float* qmap) {
         int index[256];
@@ -198,6 +212,12 @@ struct QuantTables {
         for (int i = 0; i < 256; ++i) order[i] = index[i];
         for (int i = 0; i < 255; ++i) midpoints[i] = (qmap[index[i]] + qmap[index[i + 1]]) / 2.0f;
         midpoints[255] = INFINITY;
+        for (int i = 0; i + 1 < 256; ++i) {
+            if (qmap[index[i]] == 0.0f && qmap[index[i + 1]] > 0.0f) {
+                floor.zero = index[i];
+                floor.smallest = index[i + 1];
+            }
+        }
         max_walk = 0;
         for (uint32_t key = 0; key < (1u << kLutBits); ++key) {
             const bool negative = key >> (kLutBits - 1);
