@@ -72,19 +72,28 @@ TRAIN_CONFIGS = {
 STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(stage=3)}
 
 
-def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, padding=None, **cfg):
+FROZEN = ("emb.weight", "ln.weight", "ln.bias")  # frozen=True: parameters with requires_grad=False (no optimizer state)
+
+
+def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, padding=None, frozen=False, **cfg):
     """An engine of the toy model. emb32: the 32-bit embedding override HF Trainer registers with bnb's
     GlobalOptimManager for 8-bit optimizers (resolved when the engine is built, then cleared). padding: how the
-    ZeRO-1/2 layout is placed (DEEPSPEED_BNB_ZERO_PADDING, read when the optimizer is built; None: the release's)."""
+    ZeRO-1/2 layout is placed (DEEPSPEED_BNB_ZERO_PADDING, read when the optimizer is built; None: the release's).
+    frozen: the FROZEN parameters do not train (as a fine-tuning run freezes embeddings)."""
     extra = {k: cfg.pop(k) for k in ("data_types",) if k in cfg}
     config = {**ds_config(world, **cfg), **extra}
     with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
         model = make_model(seed)
+    groups = param_groups(model, lr=lr)
+    if frozen:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in FROZEN)
+        groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in groups]
     manager = bnb.optim.GlobalOptimManager.get_instance()
     manager.initialize()
     if emb32:
         manager.register_module_override(model.emb, "weight", {"optim_bits": 32})
-    optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=lr), min_8bit_size=MIN_8BIT_SIZE)
+    optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE)
     if stock:
         config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers
         with stock_deepspeed():
@@ -311,7 +320,9 @@ def unwritable_save(engine, out):
 # Elastic checkpoints: each kind is saved at every DP size N and loaded at every M (stage flipped for some M, and by a
 # loader built with another lr: hyper-parameters and moments must come from the checkpoint).
 ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict(stage=2, bf16=True),
-                 "fp32_stage3": dict(stage=3, stage3_gather_16bit_weights_on_model_save=True)}
+                 "fp32_stage3": dict(stage=3, stage3_gather_16bit_weights_on_model_save=True),
+                 # frozen parameters: ZeRO-3 keeps each rank's slice of them in that rank's model states
+                 "fp32_stage3_frozen": dict(stage=3, frozen=True, stage3_gather_16bit_weights_on_model_save=True)}
 # kind -> the ZeRO stage `deepspeed-bnb reshape` writes its DP=1 checkpoint for 3 ranks at (None: the same)
 RESHAPED_KINDS = {"fp32_stage1": 3, "bf16_stage2": None, "fp32_stage3": 2}
 LOADER_LR = 5e-2
@@ -331,8 +342,11 @@ def stage3_exports(engine, folder, reference):
         return None
     fp32 = get_fp32_state_dict_from_zero_checkpoint(folder, tag="t")
     gathered = torch.load(os.path.join(folder, "model16.bin"), weights_only=True)
-    return {"zero_to_fp32": all(torch.equal(fp32[n].flatten(), ref["master"]) for n, ref in reference.items()),
-            "gathered_16bit": all(torch.equal(gathered[n].flatten(), ref["master"]) for n, ref in reference.items())}
+
+    def saved(ref):  # a trained parameter's fp32 master weights, a frozen one's weights
+        return ref["master"] if "master" in ref else ref["frozen"]
+    return {"zero_to_fp32": all(torch.equal(fp32[n].flatten(), saved(ref)) for n, ref in reference.items()),
+            "gathered_16bit": all(torch.equal(gathered[n].flatten(), saved(ref)) for n, ref in reference.items())}
 
 
 def global_state(engine, world):
@@ -354,6 +368,11 @@ def global_state(engine, world):
                 masters.setdefault(seg.slot, []).append(everyone[rank][g][1].narrow(0, seg.offset, seg.numel))
         for slot, name in enumerate(record.param_names):
             out[name] = {**per_param[slot], "master": torch.cat(masters[slot])}
+    frozen = [(name, p) for name, p in engine.module.named_parameters() if not p.requires_grad]
+    if frozen:  # no optimizer state: the weights themselves, gathered at stage 3
+        with deepspeed.zero.GatheredParameters([p for _, p in frozen]) if hasattr(frozen[0][1], "ds_id") else \
+                contextlib.nullcontext():
+            out.update({name: {"frozen": p.detach().reshape(-1).cpu().clone()} for name, p in frozen})
     return out
 
 
@@ -363,7 +382,8 @@ def weights_follow_master(engine, state: dict) -> bool:
     gathered = deepspeed.zero.GatheredParameters([p for _, p in params]) if hasattr(params[0][1], "ds_id") \
         else contextlib.nullcontext()
     with gathered:
-        ok = all(torch.equal(p.detach().reshape(-1).cpu(), state[name]["master"].to(p.dtype)) for name, p in params)
+        ok = all(torch.equal(p.detach().reshape(-1).cpu(), state[name]["master"].to(p.dtype)) for name, p in params
+                 if "master" in state[name])
     return all_ranks(ok)
 
 
@@ -388,6 +408,8 @@ def scenario_elastic_save(world, rank, out):
         engine = build(world, **cfg)
         run_steps(engine, range(3), world, rank)
         engine.save_checkpoint(folder, tag="t")
+        if cfg.get("frozen"):  # the same state without the frozen weights
+            engine.save_checkpoint(folder, tag="x", exclude_frozen_parameters=True)
         reference = global_state(engine, world)
         if rank == 0:
             torch.save(reference, os.path.join(folder, "reference_state.pt"))
@@ -418,8 +440,24 @@ def scenario_elastic_load(world, rank, out, sources):
             results[f"{kind}_from{saved_dp}"] = {"state_identical": same, "weights_follow_master": follows,
                                                  "continued": continued,
                                                  "state_dropped": dropped, "lr": lr_restored,
-                                                 "stage": engine.zero_optimization_stage()}
+                                                 "stage": engine.zero_optimization_stage(),
+                                                 "excluded_frozen": cfg.get("frozen") and not saved_dp.startswith("r")
+                                                 and excluded_frozen_load(world, cfg, folder)}
     return results
+
+
+def excluded_frozen_load(world, cfg, folder) -> dict:
+    """Tag "x" (saved with exclude_frozen_parameters) loaded: the trained state as saved, the frozen weights the
+    loading engine's own."""
+    engine = build(world, seed=1, lr=LOADER_LR, **cfg)
+    own = {name: state for name, state in global_state(engine, world).items() if "frozen" in state}
+    engine.load_checkpoint(folder, tag="x")
+    loaded = global_state(engine, world)
+    reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False)
+    trained = [name for name in reference if "master" in reference[name]]
+    return {"trained_identical": identical({n: loaded[n] for n in trained}, {n: reference[n] for n in trained}),
+            "frozen_kept": identical({n: loaded[n] for n in own}, own),
+            "frozen_differ_from_saved": not identical({n: reference[n] for n in own}, own)}  # else vacuous
 
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # what param_state sets and gets (Adam's names for bnb's state1, state2)

@@ -1,9 +1,11 @@
 """Checkpoints load at any data-parallel size: every (N, M) in {1,2,3,4}², lossless, and training continues.
 
-Three checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint on), bf16 with ZeRO-2 (off) and fp32
-with ZeRO-3. Each is loaded at each M, under another ZeRO stage for even M (1 -> 2 and 3, 2 -> 1, 3 -> 2 and 1:
-distributed_scenarios.LOADER_STAGES), by an engine built with a 50x larger lr. Checks: every parameter's codes, absmax,
-fp32 moments, step and fp32 master weights equal what was saved, byte for byte; the saved lr is restored; 10 more
+Four checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint on), bf16 with ZeRO-2 (off), fp32
+with ZeRO-3, and fp32 with ZeRO-3 and frozen parameters (whose weights ZeRO-3 saves as per-rank slices; saved once more
+with exclude_frozen_parameters). Each is loaded at each M, under another ZeRO stage for even M (1 -> 2 and 3,
+2 -> 1, 3 -> 2 and 1: distributed_scenarios.LOADER_STAGES), by an engine built with a 50x larger lr and another seed.
+Checks: every parameter's codes, absmax, fp32 moments, step and fp32 master weights (frozen: its weights) equal what
+was saved, byte for byte; the saved lr is restored; 10 more
 steps track the run that never stopped. Control: loading without optimizer state diverges. The ZeRO-3 checkpoints are
 also read by DeepSpeed's own zero_to_fp32 and written as a gathered 16-bit model: both give the saved weights.
 The scenarios run in launches shared with test_distributed.py (tests/scenario_runs.py): DP=1 in the test process,
@@ -56,7 +58,19 @@ def test_load_at_any_dp(runs, kind, saved, loaded):
 def test_deepspeed_reads_the_zero3_weights(runs, saved):
     """DeepSpeed's zero_to_fp32 (stock ZeRO-3 slices in fp32_flat_groups) and stage3_gather_16bit_weights_on_model_save
     give exactly the saved fp32 master weights of every parameter."""
-    assert runs[0][saved]["fp32_stage3"]["exports"] == {"zero_to_fp32": True, "gathered_16bit": True}
+    for kind in ("fp32_stage3", "fp32_stage3_frozen"):
+        assert runs[0][saved][kind]["exports"] == {"zero_to_fp32": True, "gathered_16bit": True}, kind
+
+
+FROZEN_CASES = [(n, m) for n in SIZES for m in SIZES]
+
+
+@pytest.mark.parametrize("saved,loaded", FROZEN_CASES)
+def test_frozen_parameters_excluded_from_the_save(runs, saved, loaded):
+    """save_checkpoint(exclude_frozen_parameters=True) at ZeRO-3, loaded at any DP size (and stage): the trained
+    state as saved, the frozen parameters keep the loading engine's weights (which differ from the saved ones)."""
+    run = runs[1][("fp32_stage3_frozen", str(saved), loaded)]["excluded_frozen"]
+    assert run == {"trained_identical": True, "frozen_kept": True, "frozen_differ_from_saved": True}
 
 
 @pytest.mark.skipif(len(SIZES) < 4, reason="the reshaped checkpoint is loaded by 3 ranks in the launch after DP 4 "

@@ -16,9 +16,9 @@ import torch
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
 from bnb_state import flat_bnb_state
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 import deepspeed.runtime.zero.stage3 as ds_stage3
-from deepspeed_bnb.runtime import engine as engine_module
 from deepspeed_bnb import overrides
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
@@ -204,3 +204,31 @@ def test_parameter_state_api_gives_the_moments_as_at_stage_2(one_rank, tmp_path)
     train_steps(stock, range(1))
     codes = safe_get_full_optimizer_state(stock.module.fc1.weight, "state1")
     assert torch.equal(codes, codes.round()) and codes.max() > 1  # code numbers, not moments
+
+
+def frozen_engine(seed, vocab):
+    """The toy model at ZeRO-3 with its embedding frozen (requires_grad=False, not in the optimizer)."""
+    model = make_model(seed)
+    model.emb = torch.nn.Embedding(vocab, model.emb.embedding_dim)
+    model.emb.weight.requires_grad_(False)
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
+    return deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](groups), config=ds_config(1, stage=3))[0]
+
+
+def test_frozen_parameter_of_another_shape_is_refused_before_anything_loads(one_rank, tmp_path):
+    """A frozen parameter whose saved size differs from the engine's is refused by name, and the engine is unchanged
+    (DeepSpeed would have loaded the trained weights first). Control: the same checkpoint loads into the model it
+    was saved from, frozen weights included."""
+    from toy import VOCAB
+    saver = frozen_engine(0, VOCAB)
+    train_steps(saver, range(STEPS))
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    other = frozen_engine(1, VOCAB + 3)
+    before = weights(other)
+    with pytest.raises(CheckpointMismatchError, match=r"frozen parameter 'emb.weight' has 3880 elements there and "
+                       r"4000 in this engine's model"):
+        other.load_checkpoint(str(tmp_path), tag="t")
+    assert all(torch.equal(before[n], w) for n, w in weights(other).items())
+    same = frozen_engine(1, VOCAB)
+    same.load_checkpoint(str(tmp_path), tag="t")
+    assert all(torch.equal(weights(saver)[n], w) for n, w in weights(same).items())

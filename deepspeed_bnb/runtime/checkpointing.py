@@ -31,9 +31,10 @@ import inspect
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import torch
 from deepspeed import comm as dist
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, CheckpointSaveError, \
@@ -47,7 +48,8 @@ from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_
 from deepspeed_bnb.checkpoint.format.records import is_record
 from deepspeed_bnb.checkpoint.format.safe_load import forced_weights_only, load_file
 from deepspeed_bnb.checkpoint.format.sources import FileSource, rank_file_paths
-from deepspeed_bnb.checkpoint.format.weights import consolidated_weights
+from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, consolidated_weights, \
+    frozen_zero3_weights
 from deepspeed_bnb.overrides import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
@@ -238,6 +240,7 @@ class TagLoad:
     saved_stage: int = 0  # ZeRO stage the tag was written at (0: unknown)
     source: Optional[FileSource] = None  # a bnb engine's optimizer files, checked to fit it
     weights: Optional[Dict] = None  # fp32 weights by name where DeepSpeed would rebuild them with zero_to_fp32
+    frozen: Dict = field(default_factory=dict)  # full weights of the engine's frozen parameters the tag holds
 
     @property
     def tag_dir(self) -> str:
@@ -359,9 +362,37 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
                 f"{tag_dir} OUT --universal`.")
     partitioned = engine.zero_optimization_partition_weights()
     rebuilds = partitioned and not arguments["load_optimizer_states"] and not engine.has_moe_layers
+    saved = None
     if rebuilds or (not partitioned and plan.saved_stage == 3):
-        plan.weights = consolidated_weights(SavedCheckpoint(tag_dir))
+        saved = SavedCheckpoint(tag_dir)
+        plan.weights = consolidated_weights(saved)
+    plan.frozen = _frozen_weights(engine, plan, lambda: saved or SavedCheckpoint(tag_dir))
     return plan
+
+
+def _frozen_weights(engine, plan: TagLoad, checkpoint) -> Dict:
+    """Full weights of the engine's frozen parameters that the tag holds (none when it was saved with
+    exclude_frozen_parameters): a stage-3 tag keeps each rank's slice in that rank's model states (DeepSpeed's
+    frozen_param_fragments, loadable only at the saving DP size), a stage-1/2 tag the whole tensors in `module`."""
+    frozen = {name: param for name, param in engine.module.named_parameters() if not param.requires_grad}
+    if not frozen:
+        return {}
+    if plan.saved_stage == 3 and plan.model_states.get(FROZEN_SHAPES):
+        held = frozen_zero3_weights(checkpoint())
+    else:
+        held = plan.model_states["module"]
+    weights = {}
+    for name, param in frozen.items():
+        numel = getattr(param, "ds_numel", param.numel())
+        if name not in held or (plan.saved_stage == 3 and held[name].numel() == 0):
+            continue  # not saved (exclude_frozen_parameters), or a stage-3 placeholder: the engine's values stay
+        if held[name].numel() != numel:
+            raise CheckpointMismatchError(
+                f"{plan.model_states_path}: frozen parameter {name!r} has {held[name].numel()} elements there and "
+                f"{numel} in this engine's model: the checkpoint is of another model. Build the engine with the model "
+                f"it was saved from.")
+        weights[name] = held[name]
+    return weights
 
 
 def _client_optimizer(engine) -> str:
@@ -446,7 +477,7 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
     # (partitioned). Into a stage-3 engine, full weights load as DeepSpeed loads them for module-only loads (gathered,
     # loaded, partitioned again); into a stage-1/2 engine, a stage-3 file's weights are the ones load_checkpoint
     # rebuilt from the rank files through the safe loader (zero_to_fp32 unpickles fully). A bnb engine's fp32 master
-    # weights then come from the optimizer records either way.
+    # weights then come from the optimizer records either way. Frozen parameters: see _load_frozen.
     stock_load = stock("DeepSpeedEngine.load_module_state_dict")
     plan = current_load()
     if plan is not None and custom_load_fn is None and plan.saved_stage:
@@ -459,6 +490,45 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
                 if name in plan.weights:
                     module[name] = plan.weights[name].to(param.dtype)
             checkpoint["module"] = module
-    return stock_load(self, checkpoint, strict, custom_load_fn, fetch_z3_params,
-                      **given_kwargs("DeepSpeedEngine.load_module_state_dict", z3_params_to_fetch=z3_params_to_fetch,
-                                     allowed_missing_keys=allowed_missing_keys))
+    frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad} \
+        if plan is not None and custom_load_fn is None and allowed_missing_keys is None else {}
+    if frozen:
+        checkpoint = _without_frozen(self, checkpoint, frozen, strict)
+        strict = False  # checked above, the frozen names excepted
+    stock_load(self, checkpoint, strict, custom_load_fn, fetch_z3_params,
+               **given_kwargs("DeepSpeedEngine.load_module_state_dict", z3_params_to_fetch=z3_params_to_fetch,
+                              allowed_missing_keys=allowed_missing_keys))
+    for name, param in frozen.items():
+        if name in plan.frozen:
+            _load_frozen(param, plan.frozen[name], name)
+
+
+def _without_frozen(engine, checkpoint: dict, frozen: dict, strict: bool) -> dict:
+    """The checkpoint DeepSpeed's load is handed when the engine has frozen parameters: without their entries, which
+    _load_frozen loads at this engine's DP size instead (DeepSpeed copies each rank's saved ZeRO-3 slice into the
+    live one, a size mismatch at any other DP size, after the trained weights were already loaded); the other keys
+    checked as a strict load checks them (a tag saved with exclude_frozen_parameters has no frozen entries at all:
+    those parameters keep the engine's values)."""
+    module = {name: value for name, value in checkpoint["module"].items() if name not in frozen}
+    if strict:
+        expected = set(engine.module.state_dict()) - set(frozen)
+        missing, unexpected = sorted(expected - set(module)), sorted(set(module) - expected)
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(engine.module).__name__}: missing keys "
+                               f"{missing[:10]}, unexpected keys {unexpected[:10]} (frozen parameters aside)")
+    return {**{k: v for k, v in checkpoint.items() if k != FROZEN_FRAGMENTS}, "module": module}
+
+
+def _load_frozen(param, full, name: str) -> None:
+    """A frozen parameter set from its full saved weights: its own slice where ZeRO-3 partitions it (rank r holds
+    elements [r * n, (r + 1) * n) of the flattened tensor, zero-padded), the whole tensor otherwise."""
+    full = full.reshape(-1)
+    with torch.no_grad():
+        if hasattr(param, "ds_id"):
+            part = param.ds_tensor
+            start = dist.get_rank(group=param.ds_process_group) * part.numel()
+            piece = full.narrow(0, min(start, full.numel()), max(0, min(part.numel(), full.numel() - start)))
+            part.data.zero_()
+            part.data.reshape(-1).narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))
+        else:
+            param.data.copy_(full.reshape(param.shape).to(param.dtype))
