@@ -206,13 +206,14 @@ def test_parameter_state_api_gives_the_moments_as_at_stage_2(one_rank, tmp_path)
     assert torch.equal(codes, codes.round()) and codes.max() > 1  # code numbers, not moments
 
 
-def frozen_engine(seed, vocab):
-    """The toy model at ZeRO-3 with its embedding frozen (requires_grad=False, not in the optimizer)."""
+def frozen_engine(seed, vocab, stage=3):
+    """The toy model with its embedding frozen (requires_grad=False, not in the optimizer)."""
     model = make_model(seed)
     model.emb = torch.nn.Embedding(vocab, model.emb.embedding_dim)
     model.emb.weight.requires_grad_(False)
     groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
-    return deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](groups), config=ds_config(1, stage=3))[0]
+    return deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](groups),
+                                config=ds_config(1, stage=stage))[0]
 
 
 def test_frozen_parameter_of_another_shape_is_refused_before_anything_loads(one_rank, tmp_path):
@@ -232,3 +233,19 @@ def test_frozen_parameter_of_another_shape_is_refused_before_anything_loads(one_
     same = frozen_engine(1, VOCAB)
     same.load_checkpoint(str(tmp_path), tag="t")
     assert all(torch.equal(weights(saver)[n], w) for n, w in weights(same).items())
+
+
+def test_frozen_parameters_saved_at_stage_2_load_into_stage_3(one_rank, tmp_path):
+    """Stage 1/2 saves frozen weights whole in the module; a ZeRO-3 engine takes them (its own slice of each), the
+    trained state as saved. Control: the loading engine's own frozen weights differ."""
+    from toy import VOCAB
+    saver = frozen_engine(0, VOCAB, stage=2)
+    train_steps(saver, range(STEPS))
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    loader = frozen_engine(1, VOCAB)
+    assert not torch.equal(weights(loader)["emb.weight"], weights(saver)["emb.weight"])
+    loader.load_checkpoint(str(tmp_path), tag="t")
+    saved, loaded = weights(saver), weights(loader)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[n], loaded[n]) for n in saved)
+    for name, state in states(saver).items():
+        assert_same(states(loader)[name], state, name)
