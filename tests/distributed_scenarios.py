@@ -39,6 +39,7 @@ from deepspeed_bnb.optim import own_update  # noqa: E402
 from deepspeed_bnb.optim.partition_step import NoOwnUpdateError  # noqa: E402
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object, flattens_with_autograd  # noqa: E402
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states  # noqa: E402
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
 from bnb_state import bnb_moments  # noqa: E402
@@ -75,16 +76,24 @@ STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(s
 FROZEN = ("emb.weight", "ln.weight", "ln.bias")  # frozen=True: parameters with requires_grad=False (no optimizer state)
 
 
-def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, padding=None, frozen=False, **cfg):
+MOE_EP = {1: 1, 2: 2, 3: 1, 4: 2}  # moe=True: DP size -> expert-parallel size (the toy has NUM_EXPERTS experts)
+
+
+def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, padding=None, frozen=False, moe=False,
+          **cfg):
     """An engine of the toy model. emb32: the 32-bit embedding override HF Trainer registers with bnb's
     GlobalOptimManager for 8-bit optimizers (resolved when the engine is built, then cleared). padding: how the
     ZeRO-1/2 layout is placed (DEEPSPEED_BNB_ZERO_PADDING, read when the optimizer is built; None: the release's).
-    frozen: the FROZEN parameters do not train (as a fine-tuning run freezes embeddings)."""
+    frozen: the FROZEN parameters do not train (as a fine-tuning run freezes embeddings). moe: the toy with a MoE
+    layer of MOE_EP[world] expert-parallel ranks, its experts in param groups of their own (DeepSpeed's split)."""
     extra = {k: cfg.pop(k) for k in ("data_types",) if k in cfg}
     config = {**ds_config(world, **cfg), **extra}
     with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
-        model = make_model(seed)
+        model = make_model(seed, ep_size=MOE_EP[world] if moe else None)
     groups = param_groups(model, lr=lr)
+    if moe:
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            [{**group, "name": name} for group, name in zip(groups, ("decay", "no_decay"))])
     if frozen:
         for name, param in model.named_parameters():
             param.requires_grad_(name not in FROZEN)
@@ -322,15 +331,24 @@ def unwritable_save(engine, out):
 ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict(stage=2, bf16=True),
                  "fp32_stage3": dict(stage=3, stage3_gather_16bit_weights_on_model_save=True),
                  # frozen parameters: ZeRO-3 keeps each rank's slice of them in that rank's model states
-                 "fp32_stage3_frozen": dict(stage=3, frozen=True, stage3_gather_16bit_weights_on_model_save=True)}
+                 "fp32_stage3_frozen": dict(stage=3, frozen=True, stage3_gather_16bit_weights_on_model_save=True),
+                 # MoE: experts over MOE_EP[N] expert-parallel ranks, so N -> M changes that size or the experts' DP
+                 # (ZeRO-1 loads it at 4 ranks only: at 2, expert-parallel 2 -> 2 resumes bit-exact at the same stage)
+                 "fp32_moe_stage2": dict(stage=2, moe=True, loader_stages={2: 2})}
 # kind -> the ZeRO stage `deepspeed-bnb reshape` writes its DP=1 checkpoint for 3 ranks at (None: the same)
 RESHAPED_KINDS = {"fp32_stage1": 3, "bf16_stage2": None, "fp32_stage3": 2}
 LOADER_LR = 5e-2
 LOADER_STAGES = {1: {2: 2, 4: 3}, 2: {2: 1, 4: 1}, 3: {2: 2, 4: 1}}  # saving stage -> {M: loading stage} (else same)
 
 
-def loader_stage(kind_stage, world):
-    return LOADER_STAGES[kind_stage].get(world, kind_stage)
+def engine_config(cfg: dict) -> dict:
+    """An ELASTIC_KINDS entry as build() takes it."""
+    return {k: v for k, v in cfg.items() if k != "loader_stages"}
+
+
+def loader_stage(kind, world):
+    stage = ELASTIC_KINDS[kind]["stage"]
+    return {**LOADER_STAGES[stage], **ELASTIC_KINDS[kind].get("loader_stages", {})}.get(world, stage)
 
 
 def stage3_exports(engine, folder, reference):
@@ -349,25 +367,49 @@ def stage3_exports(engine, folder, reference):
             "gathered_16bit": all(torch.equal(gathered[n].flatten(), saved(ref)) for n, ref in reference.items())}
 
 
+def expert_offline_reads(folder, reference):
+    """What the offline tools make of a checkpoint with expert groups: `export` writes every parameter's saved fp32
+    master weights (each expert under its global name), `inspect` lists every expert, `reshape` refuses by name."""
+    from safetensors.torch import load_file
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    from deepspeed_bnb.checkpoint.tools.export import export
+    from deepspeed_bnb.checkpoint.tools.reshape import reshape
+    from deepspeed_bnb.checkpoint.tools.summary import summary
+    tag = os.path.join(folder, "t")
+    weights = load_file(export(tag, os.path.join(folder, "export"), progress=False)["model"])
+    listing = summary(tag)
+    try:
+        reshape(tag, os.path.join(folder, "reshaped"), 1, progress=False)
+        refused = "written"
+    except CheckpointMismatchError as exc:
+        refused = str(exc)
+    return {"exported": sorted(weights) == sorted(reference) and
+            all(torch.equal(weights[name].flatten(), state["master"]) for name, state in reference.items()),
+            "listed": all(f"  {name}  " in listing for name in reference),
+            "reshape": refused}
+
+
 def global_state(engine, world):
     """Every parameter's bnb state and fp32 master weights, gathered from all ranks (independent of the layout and of
     the ZeRO stage: the optimizer's checkpoint records, which describe their own layout)."""
     records = engine.optimizer._bnb_group_records()
     mine = [({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in r.state.items()},
-             r.master.detach().cpu().clone()) for r in records]
+             r.master.detach().cpu().clone(), r.param_names) for r in records]
     everyone = [None] * world
     all_gather_object(everyone, mine)
     out = {}
     for g, record in enumerate(records):
         layout, eight_bit = record.layout, record.eight_bit
-        states = [everyone[r][g][0] for r in range(world)]
-        per_param = gather_param_states(layout, eight_bit, record.key_classes, states)
-        masters = {}
-        for rank in range(world):
-            for seg in layout.segments(rank, eight_bit):
-                masters.setdefault(seg.slot, []).append(everyone[rank][g][1].narrow(0, seg.offset, seg.numel))
-        for slot, name in enumerate(record.param_names):
-            out[name] = {**per_param[slot], "master": torch.cat(masters[slot])}
+        # the ranks one partitioning spans: all of them, or an expert group's per expert-parallel rank (global names)
+        for ranks in [range(world)] if record.expert is None else record.expert.files:
+            states = [everyone[r][g][0] for r in ranks]
+            per_param = gather_param_states(layout, eight_bit, record.key_classes, states)
+            masters = {}
+            for k, rank in enumerate(ranks):
+                for seg in layout.segments(k, eight_bit):
+                    masters.setdefault(seg.slot, []).append(everyone[rank][g][1].narrow(0, seg.offset, seg.numel))
+            for slot, name in enumerate(everyone[ranks[0]][g][2]):
+                out[name] = {**per_param[slot], "master": torch.cat(masters[slot])}
     frozen = [(name, p) for name, p in engine.module.named_parameters() if not p.requires_grad]
     if frozen:  # no optimizer state: the weights themselves, gathered at stage 3
         with deepspeed.zero.GatheredParameters([p for _, p in frozen]) if hasattr(frozen[0][1], "ds_id") else \
@@ -379,6 +421,10 @@ def global_state(engine, world):
 def weights_follow_master(engine, state: dict) -> bool:
     """The module's weights (gathered at stage 3) are the fp32 master weights of `state` in the module's dtype."""
     params = list(engine.module.named_parameters())
+    if any(getattr(engine.optimizer, "bnb_experts", ())):  # expert parameters by their global names
+        names = {p: name for i, group in enumerate(engine.optimizer.bnb_params)
+                 for p, name in zip(group, engine.optimizer.bnb_record_names[i])}
+        params = [(names.get(p, name), p) for name, p in params]
     gathered = deepspeed.zero.GatheredParameters([p for _, p in params]) if hasattr(params[0][1], "ds_id") \
         else contextlib.nullcontext()
     with gathered:
@@ -405,7 +451,7 @@ def scenario_elastic_save(world, rank, out):
     results = {}
     for kind, cfg in ELASTIC_KINDS.items():
         folder = os.path.join(out, "elastic", kind, f"dp{world}")
-        engine = build(world, **cfg)
+        engine = build(world, **engine_config(cfg))
         run_steps(engine, range(3), world, rank)
         engine.save_checkpoint(folder, tag="t")
         if cfg.get("frozen"):  # the same state without the frozen weights
@@ -414,14 +460,16 @@ def scenario_elastic_save(world, rank, out):
         if rank == 0:
             torch.save(reference, os.path.join(folder, "reference_state.pt"))
         exports = stage3_exports(engine, folder, reference) if cfg["stage"] == 3 else None
-        results[kind] = {"continued": run_steps(engine, range(3, 13), world, rank), "exports": exports}
+        offline = expert_offline_reads(folder, reference) if cfg.get("moe") and rank == 0 else None
+        results[kind] = {"continued": run_steps(engine, range(3, 13), world, rank), "exports": exports,
+                         "offline": offline}
     return results
 
 
 def scenario_elastic_load(world, rank, out, sources):
     results = {}
     for kind, cfg in ELASTIC_KINDS.items():
-        cfg = {**cfg, "stage": loader_stage(cfg["stage"], world)}
+        cfg = {**engine_config(cfg), "stage": loader_stage(kind, world)}
         for saved_dp in sources:  # a DP size, or "r<N>": a checkpoint that `deepspeed-bnb reshape` wrote for N ranks
             if saved_dp.startswith("r") and kind not in RESHAPED_KINDS:
                 continue
@@ -438,6 +486,7 @@ def scenario_elastic_load(world, rank, out, sources):
             control.load_checkpoint(folder, tag="t", load_optimizer_states=False)
             dropped = run_steps(control, range(3, 13), world, rank)
             results[f"{kind}_from{saved_dp}"] = {"state_identical": same, "weights_follow_master": follows,
+                                                 "parameters": len(loaded),
                                                  "continued": continued,
                                                  "state_dropped": dropped, "lr": lr_restored,
                                                  "stage": engine.zero_optimization_stage(),

@@ -173,11 +173,17 @@ def _step_text(blob):
     record(blob)["groups"][0]["state"]["step"] = "abc"
 
 
+def _placement_on_plain_group(blob):
+    record(blob)["groups"][0]["experts"] = {"group_name": "ep_size_2", "ep_size": 2, "ep_rank": 1, "edp_rank": 0,
+                                            "files": [[0], [1]]}
+
+
 MALFORMED = {"groups_not_a_list": (_groups_not_a_list, "'groups' is str, not list"),
              "negative_numel": (_negative_numel, "is no layout .*numel must be an integer from 1, got -1"),
              "short_state": (_short_state, r"state 'state1' is \(100,\) torch.uint8 in the checkpoint; expected"),
              "names_short": (_names_short, "'param_names' is not a list of .* values"),
-             "step_text": (_step_text, "state 'step' should be a number, not abc")}
+             "step_text": (_step_text, "state 'step' should be a number, not abc"),
+             "placement_on_plain_group": (_placement_on_plain_group, "the checkpoint mixes files of different runs")}
 
 
 @pytest.mark.parametrize("case", MALFORMED)
@@ -347,3 +353,26 @@ def test_inputs_of_from_bnb_and_convert_are_bounded(two_ranks, tmp_path):
     (code, err), (dp_code, dp_err) = results
     assert code == 2 and "is compressed" in err and bomb in err, err
     assert dp_code == 2 and "--allow-large-dp" in dp_err, dp_err
+
+
+PLACEMENTS = {  # an expert group's placement as a file might hold it (4 rank files), and the refusal
+    "not_a_dict": ([0], "is not a dict with a group name"),
+    "negative_rank": ({"ep_rank": -1}, "has counts that are not integers >= 0"),
+    "rank_outside": ({"ep_rank": 2}, "names a rank outside its table"),
+    "file_twice": ({"files": [[0, 1], [1, 3]]}, "does not split the 4 rank files into 2 equal"),
+    "uneven": ({"files": [[0], [1, 2, 3]]}, "does not split the 4 rank files into 2 equal"),
+    "file_beyond": ({"files": [[0, 2], [1, 4]]}, "does not split the 4 rank files into 2 equal"),
+}
+
+
+@pytest.mark.parametrize("case", PLACEMENTS)
+def test_expert_placement_is_checked(case):
+    """A record's expert placement (which rank file holds which experts) is refused by name unless it splits the
+    checkpoint's files into equal expert-data-parallel groups. Control: a well-formed one reads back as written."""
+    from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, placement_from_dict
+    good = ExpertPlacement("ep_size_2", 2, 1, 0, ((0, 2), (1, 3)))
+    assert placement_from_dict(good.to_dict(), 4, "f") == good
+    change, needle = PLACEMENTS[case]
+    data = change if not isinstance(change, dict) else {**good.to_dict(), **change}
+    with pytest.raises(CheckpointMismatchError, match=f"f: the expert placement {needle}"):
+        placement_from_dict(data, 4, "f")

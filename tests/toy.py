@@ -14,6 +14,7 @@ from torch import nn
 
 VOCAB, SEQ, GLOBAL_BATCH = 97, 8, 12  # GLOBAL_BATCH divides by 1, 2, 3, 4 and by 2 micro-steps at DP 1..3
 MIN_8BIT_SIZE = 1000
+NUM_EXPERTS = 4  # AwkwardMoE
 
 
 class Awkward(nn.Module):
@@ -31,9 +32,28 @@ class Awkward(nn.Module):
         return self.head(torch.tanh(self.fc2(h)))
 
 
-def make_model(seed=0, dtype=torch.float32) -> Awkward:
+class AwkwardMoE(Awkward):
+    """Awkward with a DeepSpeed MoE layer after the embedding: NUM_EXPERTS experts spread over `ep_size` ranks, top-1
+    gating without token dropping or random token selection, so a step is the same math at every DP and EP size."""
+
+    def __init__(self, ep_size: int):
+        from deepspeed.moe.layer import MoE
+        super().__init__()
+        expert = nn.Sequential(nn.Linear(40, 32), nn.GELU(), nn.Linear(32, 40))
+        self.moe = MoE(hidden_size=40, expert=expert, num_experts=NUM_EXPERTS, ep_size=ep_size, k=1, min_capacity=0,
+                       use_rts=False, drop_tokens=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = h + self.moe(h)[0]
+        h = self.ln(torch.nn.functional.gelu(self.fc1(h)))
+        return self.head(torch.tanh(self.fc2(h)))
+
+
+def make_model(seed=0, dtype=torch.float32, ep_size=None) -> Awkward:
+    """The toy model (with ep_size: AwkwardMoE, its experts spread over that many ranks)."""
     torch.manual_seed(seed)
-    return Awkward().to(dtype)
+    return (Awkward() if ep_size is None else AwkwardMoE(ep_size)).to(dtype)
 
 
 def param_groups(model, lr=1e-3):

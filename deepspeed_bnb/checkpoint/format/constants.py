@@ -30,6 +30,9 @@ MASTER_WEIGHTS_KEY = "single_partition_of_fp32_groups"  # DeepSpeed's per-rank f
 # ZeRO-3 records only (stage 1/2 records have neither; readers then use LAYOUT_KEY and MASTER_WEIGHTS_KEY):
 MASTER_ENTRY_KEY = "master_entry"  # record: ZeRO state-dict entry with this rank's fp32 master weights, all groups
 MASTER_LAYOUT_KEY = "master_layout"  # group: layout of its fp32 master weights in that entry (stock ZeRO-3 slices)
+# Expert groups only (DeepSpeed MoE; a reader that ignores it fails on the layout's DP size where experts are spread
+# over ranks, and reads an ep_size of 1 correctly):
+EXPERTS_KEY = "experts"  # group: experts.ExpertPlacement.to_dict(); its param names are then global expert names
 ZERO_STAGE_KEY = "zero_stage"  # DeepSpeed's ZeRO state-dict entry: the stage that wrote it
 FP32_FLAT_GROUPS_KEY = "fp32_flat_groups"  # DeepSpeed's ZeRO-3 entry: per sub-group, this rank's fp32 slices
 

@@ -17,8 +17,8 @@ from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, tag_files, verify
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
-from deepspeed_bnb.checkpoint.format.records import GroupRecord, check_record, check_saved_records, \
-    empty_group_record, is_record, saved_master
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, SavedPart, check_record, check_saved_records, \
+    empty_group_record, is_record, saved_master, saved_parts
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
 from deepspeed_bnb.checkpoint.format.sources import FileSource
 from deepspeed_bnb.optim.state_classes import StateClass
@@ -176,11 +176,14 @@ class SavedCheckpoint:
                                           f"{exc} of the optimizer records; the files are of different runs.") from None
         for g, group_shapes in enumerate(shapes):
             numels = [torch.Size(shape).numel() for shape in group_shapes.values()]
-            if list(group_shapes) != self.groups[g][C.PARAM_NAMES_KEY] or tuple(numels) != self.layout(g).numels:
+            parts = self.parts(g)
+            names = [name for part in parts for name in part.names]
+            saved = tuple(numel for part in parts for numel in part.layout.numels)
+            if list(group_shapes) != names or tuple(numels) != saved:
                 raise CheckpointMismatchError(
                     f"{self.model_states_path}: 'param_shapes' of param group {g} ({len(numels)} parameters, "
-                    f"{sum(numels):,} elements) differ from the optimizer records' ({len(self.layout(g).numels)}, "
-                    f"{sum(self.layout(g).numels):,}); the files are of different runs.")
+                    f"{sum(numels):,} elements) differ from the optimizer records' ({len(saved)}, {sum(saved):,}); "
+                    f"the files are of different runs.")
 
     def optimizer_state(self, rank: int) -> dict:
         return self.source.state(rank)
@@ -214,37 +217,66 @@ class SavedCheckpoint:
     def key_classes(self, g: int) -> Dict[str, StateClass]:
         return {k: StateClass(v) for k, v in self.groups[g][C.KEY_CLASSES_KEY].items()}
 
+    def parts(self, g: int) -> List[SavedPart]:
+        """The saved partitionings of group g: one over every rank file, or, in an expert group (DeepSpeed MoE), one
+        per expert-parallel rank, each holding its experts (global names) over its expert-data-parallel files."""
+        return saved_parts(self.record, g, self.dp, self.source.name)
+
+    @property
+    def has_experts(self) -> bool:
+        return any(C.EXPERTS_KEY in group for group in self.groups)
+
+    def refuse_experts(self, what: str) -> None:
+        """An error for the offline writers that lay a group out over ranks themselves, which expert groups are
+        not yet (their experts live on expert-parallel ranks the checkpoint alone does not choose for a new run)."""
+        if self.has_experts:
+            raise CheckpointMismatchError(
+                f"{self.tag_dir} holds expert groups (DeepSpeed MoE), which `{what}` does not handle yet. "
+                f"engine.load_checkpoint loads such a checkpoint at any data-parallel size and any expert-parallel "
+                f"size over the same experts; `deepspeed-bnb export` writes its weights and state by name.")
+
     def param_shapes(self) -> List[Dict[str, torch.Size]]:
         """Per group: parameter name -> shape, in flat order (DeepSpeed saves these with the model states: per param
-        group at stage 1/2, per ZeRO-3 sub-group at stage 3, which our records join into param groups again)."""
+        group at stage 1/2, per ZeRO-3 sub-group at stage 3, which our records join into param groups again; an
+        expert group's are rank 0's experts, and every other part's experts have their shapes in the same order)."""
         saved = [dict(shapes) for shapes in self.model_states["param_shapes"]]
-        if not self.is_deepspeed_bnb or len(saved) == len(self.groups):
+        if not self.is_deepspeed_bnb:
             return saved
-        merged = {name: shape for shapes in saved for name, shape in shapes.items()}
-        return [{name: merged[name] for name in group[C.PARAM_NAMES_KEY]} for group in self.groups]
+        if len(saved) != len(self.groups):
+            merged = {name: shape for shapes in saved for name, shape in shapes.items()}
+            saved = [{name: merged[name] for name in group[C.PARAM_NAMES_KEY]} for group in self.groups]
+        for g, group in enumerate(self.groups):
+            if C.EXPERTS_KEY in group:
+                parts, shapes = self.parts(g), list(saved[g].values())
+                if list(saved[g]) != list(parts[0].names):
+                    raise CheckpointMismatchError(
+                        f"{self.model_states_path}: 'param_shapes' of param group {g} do not name the experts of rank "
+                        f"0's optimizer record; the files are of different runs.")
+                saved[g] = {name: shape for part in parts for name, shape in zip(part.names, shapes)}
+        return saved
 
     def param_states(self, g: int) -> List[dict]:
-        """bnb-style state of every parameter of group g (see param_state.gather_param_states)."""
-        states = []
+        """bnb-style state of every parameter of group g, part by part (see param_state.gather_param_states)."""
         whole = {k: v for k, v in self.groups[g][C.STATE_KEY].items()
                  if self.key_classes(g).get(k) == StateClass.WHOLE}
-        for rank in range(self.dp):
-            states.append({**self.record(rank)[C.GROUPS_KEY][g][C.STATE_KEY], **whole})
-        group = self.groups[g]
-        return gather_param_states(self.layout(g), group[C.EIGHT_BIT_KEY], self.key_classes(g), states)
+        out = []
+        for part in self.parts(g):
+            states = [{**self.record(rank)[C.GROUPS_KEY][g][C.STATE_KEY], **whole} for rank in part.files]
+            out += gather_param_states(part.layout, part.eight_bit, self.key_classes(g), states)
+        return out
 
     def master_weights(self, g: int) -> List[torch.Tensor]:
-        """fp32 master weights of every parameter of group g (flattened), joined from every rank."""
-        group = self.groups[g]
-        layout = layout_from_dict(group.get(C.MASTER_LAYOUT_KEY, group[C.LAYOUT_KEY]))
-        eight_bit = group[C.EIGHT_BIT_KEY]
+        """fp32 master weights of every parameter of group g (flattened), joined from every rank, part by part."""
         layouts = [layout_from_dict(saved.get(C.MASTER_LAYOUT_KEY, saved[C.LAYOUT_KEY])) for saved in self.groups]
-        pieces: Dict[int, list] = {}
-        for rank in range(self.dp):
-            master = saved_master(self.optimizer_state(rank), self.record(rank), g, layouts)
-            for seg in layout.segments(rank, eight_bit):
-                pieces.setdefault(seg.slot, []).append(master.narrow(0, seg.offset, seg.numel))
-        return [torch.cat(pieces[slot]) for slot in range(len(layout.numels))]
+        out = []
+        for part in self.parts(g):
+            pieces: Dict[int, list] = {}
+            for k, rank in enumerate(part.files):
+                master = saved_master(self.optimizer_state(rank), self.record(rank), g, layouts)
+                for seg in part.master_layout.segments(k, part.eight_bit):
+                    pieces.setdefault(seg.slot, []).append(master.narrow(0, seg.offset, seg.numel))
+            out += [torch.cat(pieces[slot]) for slot in range(len(part.names))]
+        return out
 
     def empty_group(self, g: int, dp: int, rank: int, stage: int = 2) -> GroupRecord:
         """A zero GroupRecord of group g for `rank` of a layout at `dp` ranks and ZeRO `stage`, shaped like the saved

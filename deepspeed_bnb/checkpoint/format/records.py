@@ -5,14 +5,16 @@ it changes anything, then fills the new partition with the block-aligned runs of
 the plan is the identity, at another it moves parameter pieces between ranks. Either way it is a copy: lossless.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, placement_from_dict
 from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
 from deepspeed_bnb.state_layout import GroupLayout, layout_from_dict
@@ -30,6 +32,7 @@ class GroupRecord:
     state: dict  # the flat state of this rank's partition (live tensors, loaded in place)
     master: Optional[torch.Tensor] = None  # this rank's fp32 master-weight partition (loaded in place)
     master_layout: Optional[object] = None  # layout of the master weights as saved, when not `layout` (ZeRO-3)
+    expert: Optional[ExpertPlacement] = None  # an expert group's placement (DeepSpeed MoE); param_names are global
 
 
 def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str], eight_bit: Sequence[bool],
@@ -69,6 +72,7 @@ def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups
             C.STATE_KEY: {k: v for k, v in g.state.items()
                           if k in g.key_classes and (dp_rank == 0 or g.key_classes[k] != StateClass.WHOLE)},
             **({C.MASTER_LAYOUT_KEY: g.master_layout.to_dict()} if g.master_layout is not None else {}),
+            **({C.EXPERTS_KEY: g.expert.to_dict()} if g.expert is not None else {}),
         } for g in groups],
     }
     if master_entry is not None:
@@ -160,11 +164,15 @@ def _check_group(saved: dict, live: GroupRecord, where: str) -> GroupLayout:
             f"{where}: per-parameter state precision differs (8-bit vs fp32) — "
             f"{_first_difference(saved[C.EIGHT_BIT_KEY], live.eight_bit, live.param_names)}. Build the optimizer "
             f"with the min_8bit_size / optim_bits used when saving.")
+    _check_key_classes(saved, live, where)
+    return layout
+
+
+def _check_key_classes(saved: dict, live: GroupRecord, where: str) -> None:
     classes = {k: v.value for k, v in live.key_classes.items()}
     if saved[C.KEY_CLASSES_KEY] != classes:
         raise CheckpointMismatchError(
             f"{where}: optimizer-state keys differ: checkpoint {saved[C.KEY_CLASSES_KEY]}, engine {classes}.")
-    return layout
 
 
 def _expect(condition: bool, message: str) -> None:
@@ -179,10 +187,93 @@ def _check_tensor(value, shape, dtype, where: str) -> None:
             f"or was not written by this layout.")
 
 
+@dataclass(frozen=True)
+class SavedPart:
+    """Saved partitions of a param group's parameters: all of them, or one expert-parallel rank's experts."""
+
+    files: Tuple[int, ...]  # the rank file holding each partition, in partition order
+    layout: GroupLayout  # the layout they were written with
+    master_layout: object  # the layout of their fp32 master weights (the same but at ZeRO-3: stock slices)
+    names: Tuple[str, ...]  # parameter names in flat order (global expert names in an expert group)
+    eight_bit: Tuple[bool, ...]  # per parameter in flat order: 8-bit state?
+    ep_rank: Optional[int] = None  # the expert-parallel rank that held them (None: not an expert group)
+
+    def partition(self, file: int) -> int:
+        return self.files.index(file)
+
+
+def saved_parts(record: Callable[[int], dict], g: int, dp: int, where: Callable[[int], str]) -> List[SavedPart]:
+    """The saved parts of param group g of a checkpoint of `dp` rank files (`record(file)`: that file's checked
+    record): one over every file, or one per expert-parallel rank over its expert-data-parallel files."""
+    first = record(0)[C.GROUPS_KEY][g]
+    if C.EXPERTS_KEY not in first:
+        return [_part(first, tuple(range(dp)), None)]
+    placement = placement_from_dict(first[C.EXPERTS_KEY], dp, f"{where(0)}, param group {g}")
+    return [_part(record(files[0])[C.GROUPS_KEY][g], files, x) for x, files in enumerate(placement.files)]
+
+
+def _part(saved: dict, files: Tuple[int, ...], ep_rank: Optional[int]) -> SavedPart:
+    return SavedPart(files=files, layout=layout_from_dict(saved[C.LAYOUT_KEY]),
+                     master_layout=layout_from_dict(saved.get(C.MASTER_LAYOUT_KEY, saved[C.LAYOUT_KEY])),
+                     names=tuple(saved[C.PARAM_NAMES_KEY]), eight_bit=tuple(saved[C.EIGHT_BIT_KEY]), ep_rank=ep_rank)
+
+
+def _slot_maps(parts: Sequence[SavedPart], live: GroupRecord, where: str) -> List[Dict[int, int]]:
+    """Per saved part: live slot -> its slot there, for an expert group (every live parameter found once, with its
+    size and precision; the checkpoint holding as many experts as the engine's expert-parallel ranks together)."""
+    found = {name: (p, t) for p, part in enumerate(parts) for t, name in enumerate(part.names)}
+    maps: List[Dict[int, int]] = [{} for _ in parts]
+    for slot, name in enumerate(live.param_names):
+        if name not in found:
+            raise CheckpointMismatchError(
+                f"{where}: the checkpoint holds no state for {name} (its experts: {parts[0].names[0]}, ...). It is of "
+                f"another model, or of a model with other experts.")
+        p, t = found[name]
+        if parts[p].layout.numels[t] != live.layout.numels[slot] or parts[p].eight_bit[t] != live.eight_bit[slot]:
+            raise CheckpointMismatchError(
+                f"{where}: {name} has {parts[p].layout.numels[t]} elements with "
+                f"{'8-bit' if parts[p].eight_bit[t] else 'fp32'} state in the checkpoint, {live.layout.numels[slot]} "
+                f"with {'8-bit' if live.eight_bit[slot] else 'fp32'} state in this engine.")
+        maps[p][slot] = t
+    held = len(live.param_names) * live.expert.ep_size
+    if len(found) != held:
+        raise CheckpointMismatchError(
+            f"{where}: the checkpoint holds {len(found)} expert parameters, this engine {held} "
+            f"({len(live.param_names)} on each of {live.expert.ep_size} expert-parallel ranks): the models have "
+            f"different numbers of experts. Build the MoE layers with the num_experts used when saving.")
+    return maps
+
+
+def _group_plan(parts: Sequence[SavedPart], live: GroupRecord, rank: int, where: str, master: bool = False
+                ) -> Tuple[Run, ...]:
+    """The runs filling `rank`'s partition of `live` from the saved parts, with each run's src_rank the file index."""
+    if live.expert is None:
+        old = parts[0].master_layout if master else parts[0].layout
+        return plan(old, live.layout, live.eight_bit, rank)
+    runs = []
+    for part, slots in zip(parts, _slot_maps(parts, live, where)):
+        old = part.master_layout if master else part.layout
+        runs += [dataclasses.replace(run, src_rank=part.files[run.src_rank])
+                 for run in plan(old, live.layout, live.eight_bit, live.expert.edp_rank, slots, part.eight_bit)]
+    return tuple(runs)
+
+
+def _check_expert_group(saved: dict, live: GroupRecord, where: str) -> None:
+    # a record without placement holds all of a group's parameters: it fits an expert group spread over 1 rank
+    if (C.EXPERTS_KEY in saved and live.expert is None) or \
+            (C.EXPERTS_KEY not in saved and live.expert is not None and live.expert.ep_size > 1):
+        what = "an expert group (DeepSpeed MoE)" if live.expert is not None else "not an expert group"
+        raise CheckpointMismatchError(f"{where}: this engine's param group is {what}, the checkpoint's is not. Build "
+                                      f"the param groups as when saving (split_params_into_different_moe_groups_for_"
+                                      f"optimizer for MoE models).")
+    _check_key_classes(saved, live, where)
+
+
 def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer_class: str,
                  optimizer_states: bool, master_weights: bool, validate_only: bool = False) -> None:
     """Load this rank's share of a checkpoint written at DP size `source.dp` (any DP, stage 1, 2 or 3; same model
-    and optimizer).
+    and optimizer; an expert group at any expert-data-parallel size, and any expert-parallel size over the same
+    experts).
 
     `source` gives each old rank's optimizer_state_dict (sources.py); `master_weights`: also load the old ranks' fp32
     master-weight partitions (False: keep the live ones). Nothing changes unless everything fits.
@@ -203,15 +294,23 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
         return records[rank]
 
     first = record(0)
-    old_layouts = [_check_group(saved, live, f"{source.name(0)}, param group {g}")
-                   for g, (saved, live) in enumerate(zip(first[C.GROUPS_KEY], groups))]
-    for g, layout in enumerate(old_layouts):
-        _expect(layout.dp == source.dp, f"{source.name(0)}, param group {g}: written for {layout.dp} ranks, but the "
-                                        f"checkpoint has {source.dp} rank files.")
-    runs = [plan(old, live.layout, live.eight_bit, new_rank) for old, live in zip(old_layouts, groups)]
-    master_layouts = [layout_from_dict(saved.get(C.MASTER_LAYOUT_KEY, saved[C.LAYOUT_KEY]))
-                      for saved in first[C.GROUPS_KEY]]
-    master_runs = [plan(old, live.layout, live.eight_bit, new_rank) for old, live in zip(master_layouts, groups)]
+    parts = []
+    for g, (saved, live) in enumerate(zip(first[C.GROUPS_KEY], groups)):
+        where = f"{source.name(0)}, param group {g}"
+        if live.expert is None and C.EXPERTS_KEY not in saved:
+            _check_group(saved, live, where)
+        else:
+            _check_expert_group(saved, live, where)
+        parts.append(saved_parts(record, g, source.dp, source.name))
+        for part in parts[g]:
+            _expect(part.layout.dp == len(part.files),
+                    f"{where}: written for {part.layout.dp} ranks, but the checkpoint has {len(part.files)} rank "
+                    f"files{'' if part.ep_rank is None else f' for expert-parallel rank {part.ep_rank}'}.")
+    runs = [_group_plan(p, live, new_rank, f"{source.name(0)}, param group {g}")
+            for g, (p, live) in enumerate(zip(parts, groups))]
+    master_runs = [_group_plan(p, live, new_rank, f"{source.name(0)}, param group {g}", master=True)
+                   for g, (p, live) in enumerate(zip(parts, groups))]
+    master_layouts = [p[0].master_layout for p in parts]  # ZeRO-3 (no expert groups) finds a group's by those before
     masters = {}
 
     def master(rank, g):
@@ -225,17 +324,22 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
     # -- validate every input before changing anything --
     for rank in needed:
         rec = record(rank)
-        for g, (saved, live, old) in enumerate(zip(rec[C.GROUPS_KEY], groups, old_layouts)):
+        for g, (saved, live) in enumerate(zip(rec[C.GROUPS_KEY], groups)):
             where = f"{source.name(rank)}, param group {g}"
-            _expect(layout_from_dict(saved[C.LAYOUT_KEY]) == old and
-                    saved[C.KEY_CLASSES_KEY] == first[C.GROUPS_KEY][g][C.KEY_CLASSES_KEY],
-                    f"{where}: layout or state keys differ from rank 0's file; the checkpoint mixes files of "
-                    f"different runs.")
+            part = next(p for p in parts[g] if rank in p.files)
+            k = part.partition(rank)
+            _expect(layout_from_dict(saved[C.LAYOUT_KEY]) == part.layout and
+                    saved[C.KEY_CLASSES_KEY] == first[C.GROUPS_KEY][g][C.KEY_CLASSES_KEY] and
+                    tuple(saved[C.PARAM_NAMES_KEY]) == part.names and
+                    (C.EXPERTS_KEY in saved) == (part.ep_rank is not None) and
+                    (part.ep_rank is None or _placed(saved, source.dp, where) == (part.ep_rank, k)),
+                    f"{where}: layout, parameters or state keys differ from those of the other files of its "
+                    f"partitions; the checkpoint mixes files of different runs.")
             if optimizer_states:
-                _check_saved_state(saved[C.STATE_KEY], live, old, rank, where)
+                _check_saved_state(saved[C.STATE_KEY], live, part, k, where, holds_whole=rank == 0)
             if master_weights:
-                m = master_layouts[g]
-                _check_tensor(master(rank, g), (m.partition_size - m.tail_padding(rank),), live.master.dtype,
+                m = part.master_layout
+                _check_tensor(master(rank, g), (m.partition_size - m.tail_padding(k),), live.master.dtype,
                               f"{source.name(rank)}: fp32 master weights of param group {g}")
     if validate_only:
         return
@@ -249,16 +353,31 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
             copy_runs(live.master, lambda rank, g=g: master(rank, g), master_runs[g], StateClass.ELEMENT)
 
 
+def _placed(saved: dict, dp: int, where: str) -> Tuple[int, int]:
+    """(expert-parallel rank, partition) a file's record of an expert group says it holds."""
+    placement = placement_from_dict(saved.get(C.EXPERTS_KEY), dp, where)
+    return placement.ep_rank, placement.edp_rank
+
+
 def check_saved_records(source, optimizer_class: Optional[str] = None) -> None:
     """Every rank file of `source` holds a well-formed record of rank 0's layout, key classes and precisions, with
     exactly the tensors and master weights that layout gives each rank: what an offline reader checks before it
     allocates anything from the layout (the tensors lie in the files, so the layout is bounded by their bytes).
-    The checks are load_records' own, against templates on the meta device (no memory)."""
+    The checks are load_records' own, against templates on the meta device (no memory); an expert group's template
+    is, for each file, the part of the experts that file holds."""
     first = source.state(0).get(C.BASE_OPTIMIZER_STATE_KEY) if isinstance(source.state(0), dict) else None
     check_record(first, source.name(0), optimizer_class)
-    templates = []
-    for saved in first[C.GROUPS_KEY]:
-        layout = layout_from_dict(saved[C.LAYOUT_KEY])
+
+    def record(rank):
+        value = source.state(rank).get(C.BASE_OPTIMIZER_STATE_KEY) if isinstance(source.state(rank), dict) else None
+        check_record(value, source.name(rank), first[C.OPTIMIZER_CLASS_KEY])
+        _expect(len(value[C.GROUPS_KEY]) == len(first[C.GROUPS_KEY]),
+                f"{source.name(rank)} has {len(value[C.GROUPS_KEY])} param groups; rank 0's file has "
+                f"{len(first[C.GROUPS_KEY])}.")
+        return value
+
+    groups = []  # per group: key classes, meta-device state, saved parts
+    for g, saved in enumerate(first[C.GROUPS_KEY]):
         classes = {k: StateClass(v) for k, v in saved[C.KEY_CLASSES_KEY].items()}
         state = {}
         for key, cls in classes.items():
@@ -268,10 +387,16 @@ def check_saved_records(source, optimizer_class: Optional[str] = None) -> None:
                                               f"{type(value).__name__}, not a tensor; the record is malformed.")
             state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if torch.is_tensor(value) \
                 else value
-        templates.append(GroupRecord(hyperparams={}, layout=layout, param_names=list(saved[C.PARAM_NAMES_KEY]),
-                                     eight_bit=list(saved[C.EIGHT_BIT_KEY]), key_classes=classes, state=state,
-                                     master=torch.empty(0, dtype=torch.float32, device="meta")))
+        groups.append((classes, state, saved_parts(record, g, source.dp, source.name)))
     for rank in range(source.dp):  # each call checks rank 0's record and this rank's (the ones it would read)
+        templates = []
+        for classes, state, parts in groups:
+            part = next(p for p in parts if rank in p.files)
+            expert = None if part.ep_rank is None else \
+                ExpertPlacement("", len(parts), part.ep_rank, part.partition(rank), tuple(p.files for p in parts))
+            templates.append(GroupRecord(hyperparams={}, layout=part.layout, param_names=list(part.names),
+                                         eight_bit=list(part.eight_bit), key_classes=classes, state=state,
+                                         master=torch.empty(0, dtype=torch.float32, device="meta"), expert=expert))
         load_records(source, templates, rank, first[C.OPTIMIZER_CLASS_KEY], True, True, validate_only=True)
 
 
@@ -303,12 +428,16 @@ def saved_master(zero_state: dict, record: dict, g: int, master_layouts: Sequenc
     return _flat_range(tensors, start, master_layouts[g].partition_size)
 
 
-def _check_saved_state(saved: dict, live: GroupRecord, old: GroupLayout, rank: int, where: str) -> None:
-    fp32_numel = old.fp32_numel(rank, live.eight_bit)
+def _check_saved_state(saved: dict, live: GroupRecord, part: SavedPart, rank: int, where: str,
+                       holds_whole: bool) -> None:
+    """The state of partition `rank` of `part` as saved has the keys, types and shapes the live state needs (and the
+    whole tensors, which DP rank 0 saves for everyone, where `holds_whole`)."""
+    old = part.layout
+    fp32_numel = old.fp32_numel(rank, part.eight_bit)
     for key, cls in live.key_classes.items():
         value, target = saved.get(key), live.state[key]
         if cls == StateClass.WHOLE:
-            if rank == 0:
+            if holds_whole:
                 _check_tensor(value, target.shape, target.dtype, f"{where}: state {key!r}")
             continue
         _expect(key in saved, f"{where}: state {key!r} is missing.")
@@ -335,7 +464,10 @@ def _apply_group(g: int, live: GroupRecord, runs: Sequence[Run], record) -> None
             live.state[key].zero_()
             copy_runs(live.state[key], lambda rank: record(rank)[C.GROUPS_KEY][g][C.STATE_KEY][key], mine, cls,
                       fp32_space)
-    params = live.hyperparams["params"]
+    # the group's structure stays the engine's: its parameters, and an expert group's name and mark (DeepSpeed finds
+    # the expert-data-parallel group by the name, which changes with the expert-parallel size)
+    kept = {k: live.hyperparams[k] for k in ("params", "name", "moe") if k in live.hyperparams} \
+        if live.expert is not None else {"params": live.hyperparams["params"]}
     live.hyperparams.clear()
     live.hyperparams.update(first[C.HYPERPARAMS_KEY])
-    live.hyperparams["params"] = params
+    live.hyperparams.update(kept)

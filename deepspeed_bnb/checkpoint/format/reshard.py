@@ -7,7 +7,7 @@ touches only the old ranks that overlap the new partition.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,19 +32,29 @@ class Run:
         return num_blocks(self.numel)
 
 
-def plan(old: GroupLayout, new: GroupLayout, eight_bit: Sequence[bool], new_rank: int) -> Tuple[Run, ...]:
-    """The runs that fill `new_rank`'s partition of `new` from the partitions of `old` (same parameters)."""
-    if old.numels != new.numels:
-        raise ValueError(f"reshard.plan: layouts hold different parameters ({len(old.numels)} vs {len(new.numels)} "
-                         f"tensors)")
+def plan(old: GroupLayout, new: GroupLayout, eight_bit: Sequence[bool], new_rank: int,
+         old_slots: Optional[Dict[int, int]] = None, old_eight_bit: Optional[Sequence[bool]] = None
+         ) -> Tuple[Run, ...]:
+    """The runs that fill `new_rank`'s partition of `new` from the partitions of `old` (same parameters), or, with
+    `old_slots` (new slot -> old slot), the parameters of `new` that `old` holds (`old_eight_bit`: their precisions in
+    old order): an expert group's experts come from the files of the expert-parallel rank that held them."""
+    if old_slots is None:
+        if old.numels != new.numels:
+            raise ValueError(f"reshard.plan: layouts hold different parameters ({len(old.numels)} vs "
+                             f"{len(new.numels)} tensors)")
+        old_slots = {slot: slot for slot in range(len(new.numels))}
+    elif any(old.numels[o] != new.numels[n] for n, o in old_slots.items()):
+        raise ValueError("reshard.plan: a parameter has another number of elements in the old layout")
     # runs are block-aligned when both layouts are (state); fp32 master weights may come from stock ZeRO-3's slices
     old_pieces: Dict[int, list] = {}
     for rank in range(old.dp):
-        for seg in old.segments(rank, eight_bit):
+        for seg in old.segments(rank, eight_bit if old_eight_bit is None else old_eight_bit):
             old_pieces.setdefault(seg.slot, []).append((rank, seg))
     runs: List[Run] = []
     for seg in new.segments(new_rank, eight_bit):
-        for rank, src in old_pieces[seg.slot]:
+        if seg.slot not in old_slots:
+            continue
+        for rank, src in old_pieces[old_slots[seg.slot]]:
             lo = max(seg.param_start, src.param_start)
             hi = min(seg.param_start + seg.numel, src.param_start + src.numel)
             if lo >= hi:

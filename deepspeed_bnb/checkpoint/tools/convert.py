@@ -163,6 +163,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
     ckpt = UniversalCheckpoint(path, dp or 1, stage or 2) if universal else SavedCheckpoint(path, verify_checksums=True)
     check_output(ckpt, out_dir)
     ours = ckpt.is_deepspeed_bnb
+    if ours:
+        ckpt.refuse_experts("deepspeed-bnb convert")
     if not ours and not universal and ckpt.zero_stage == 3:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed ZeRO-3 checkpoint; convert reads stock "
                                       f"ZeRO-1/2 ones (and deepspeed_bnb checkpoints of any stage). Load it into a "

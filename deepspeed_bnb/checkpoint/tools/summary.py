@@ -38,20 +38,28 @@ def summary(path: str, verify_checksums: bool = False) -> str:
     ]
     shapes = ckpt.param_shapes()
     for g, group in enumerate(ckpt.groups):
-        layout, eight_bit = ckpt.layout(g), group[C.EIGHT_BIT_KEY]
+        parts = ckpt.parts(g)
+        layout = parts[0].layout
+        numels = [n for part in parts for n in part.layout.numels]
+        eight_bit = [b for part in parts for b in part.eight_bit]
         hyper = ", ".join(f"{k}={v}" for k, v in sorted(group[C.HYPERPARAMS_KEY].items()) if k != "params")
         classes = ", ".join(f"{k}:{v}" for k, v in group[C.KEY_CLASSES_KEY].items())
         step = group[C.STATE_KEY].get("step")
+        placed = f"{layout.dp} partitions of {layout.partition_size:,} elements" if len(parts) == 1 else \
+            (f"expert group (DeepSpeed MoE): {len(parts)} expert-parallel ranks, each holding its experts in "
+             f"{layout.dp} partition{'s' if layout.dp > 1 else ''} of {layout.partition_size:,} elements")
         lines += [
-            f"param group {g}: {len(layout.numels)} parameters, {sum(layout.numels):,} elements "
+            f"param group {g}: {len(numels)} parameters, {sum(numels):,} elements "
             f"({sum(eight_bit)} with 8-bit state, {len(eight_bit) - sum(eight_bit)} fp32); step {step}",
             f"  hyper-parameters  {hyper}",
             f"  state keys        {classes}",
-            f"  layout            {layout.dp} partitions of {layout.partition_size:,} elements, "
-            f"block-alignment padding {layout.padding_numel:,}",
+            f"  layout            {placed}, block-alignment padding {layout.padding_numel * len(parts):,}",
         ]
-        for (name, shape), numel, is8 in zip(shapes[g].items(), layout.numels, eight_bit):
-            lines.append(f"    {'8-bit' if is8 else 'fp32 ':5}  {name}  {tuple(shape)}  {numel:,}")
+        for part in parts:
+            if part.ep_rank is not None:
+                lines.append(f"  expert-parallel rank {part.ep_rank}: rank files {list(part.files)}")
+            for name, numel, is8 in zip(part.names, part.layout.numels, part.eight_bit):
+                lines.append(f"    {'8-bit' if is8 else 'fp32 ':5}  {name}  {tuple(shapes[g][name])}  {numel:,}")
     lines.append("files")
     total = 0
     for name in sorted(os.listdir(ckpt.tag_dir)):

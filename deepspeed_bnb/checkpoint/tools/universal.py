@@ -55,6 +55,7 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) 
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "
                                       f"({ckpt.optimizer_class}); a universal export writes torch AdamW state "
                                       f"(exp_avg, exp_avg_sq) and needs an Adam-family optimizer.")
+    ckpt.refuse_experts("deepspeed-bnb export --universal")
     check_output(ckpt, out_dir)
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails

@@ -27,6 +27,7 @@ from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_bnb.checkpoint.format.constants import PARAM_ALIGNMENT_PADDINGS
+from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
@@ -36,6 +37,7 @@ from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, autocast_gradscal
     require_reduced_grad_accum, wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
+from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
 from deepspeed_bnb.utils.tensor_fragment import link_param_states
 
@@ -90,6 +92,11 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             step.route(group)  # known before the first step, for the log below and for inspection
             self.bnb_steps.append(step)
         self._bnb_log_routes()  # self.bnb_routes: parameter name -> FUSED or why bnb's update steps it
+        # per param group: where an expert group's experts live (None: not an expert group), and the names its
+        # record gives the parameters (global expert names)
+        self.bnb_experts: List[Optional[ExpertPlacement]] = expert_placements(self)
+        self.bnb_record_names: List[List[str]] = [record_names(self, i, placement)
+                                                  for i, placement in enumerate(self.bnb_experts)]
 
     def bnb_flat_params(self, i) -> list:
         """The model parameters of param group `i` in flat order (DeepSpeed's list without padding tensors)."""
@@ -224,9 +231,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         """What a checkpoint manifest records about the run that wrote it."""
         return describe(self._bnb_optimizer_class(), 2 if self.partition_gradients else 1,
                         dist.get_world_size(group=self.dp_process_group),
-                        [([self.param_names[p] for p in params], layout.numels, eight_bit)
-                         for params, layout, eight_bit in zip(self.bnb_params, self.bnb_layouts,
-                                                              self.bnb_eight_bit)])
+                        [(names, layout.numels, eight_bit)
+                         for names, layout, eight_bit in zip(self.bnb_record_names, self.bnb_layouts,
+                                                             self.bnb_eight_bit)])
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------
 
@@ -236,9 +243,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             partition = self.single_partition_of_fp32_groups[i]
             state = self.optimizer.state[partition]
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[i], layout=self.bnb_layouts[i],
-                                       param_names=[self.param_names[p] for p in params],
-                                       eight_bit=self.bnb_eight_bit[i], key_classes=self.bnb.stored_classes(state),
-                                       state=state, master=partition.data))
+                                       param_names=self.bnb_record_names[i], eight_bit=self.bnb_eight_bit[i],
+                                       key_classes=self.bnb.stored_classes(state), state=state,
+                                       master=partition.data, expert=self.bnb_experts[i]))
         return records
 
     def state_dict(self):
