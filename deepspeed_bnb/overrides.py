@@ -96,7 +96,8 @@ OVERRIDES: Tuple[Override, ...] = (
     _checkpointing("_get_all_ckpt_names", "at stage 3 a rank beyond the saving DP size, or a checkpoint of the other "
                    "stage family, has no model-states file of its own name", ("self", "checkpoints_path", "tag")),
     _checkpointing("load_module_state_dict", "module weights of the other stage family: gathered into ZeRO-3, or "
-                   "rebuilt through the safe loader instead of zero_to_fp32's full unpickling",
+                   "rebuilt through the safe loader instead of zero_to_fp32's full unpickling; frozen parameters set from "
+                   "their full saved weights at this DP size (stock copies each rank's saved ZeRO-3 slice)",
                    ("self", "checkpoint", "strict", "custom_load_fn", "fetch_z3_params"),
                    params_since={"z3_params_to_fetch": "0.19.3", "allowed_missing_keys": "0.19.3"}),
     _checkpointing("save_checkpoint", "crash-safe publishing with a checksummed manifest under the save directory's "

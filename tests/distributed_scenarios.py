@@ -37,7 +37,8 @@ from deepspeed_bnb.runtime.engine import stock_deepspeed  # noqa: E402
 # deepspeed.comm has all_gather_object from 0.17.0 on: compat's falls back to torch.distributed's
 from deepspeed_bnb.optim import own_update  # noqa: E402
 from deepspeed_bnb.optim.partition_step import NoOwnUpdateError  # noqa: E402
-from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object, flattens_with_autograd  # noqa: E402
+from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object, checkpoint_mp_rank, \
+    flattens_with_autograd  # noqa: E402
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
@@ -389,27 +390,41 @@ def expert_offline_reads(folder, reference):
             "reshape": refused}
 
 
+def _joined(g, by_dp) -> dict:
+    """name -> state and master weights of param group g, joined over the data-parallel ranks `by_dp` (each rank's
+    records, as global_state gathers them), per expert-parallel rank in an expert group."""
+    first = by_dp[0][g]
+    out = {}
+    for ranks in [range(len(by_dp))] if first["expert"] is None else first["expert"].files:
+        per_param = gather_param_states(first["layout"], first["eight_bit"], first["key_classes"],
+                                        [by_dp[r][g]["state"] for r in ranks])
+        masters = {}
+        for k, rank in enumerate(ranks):
+            for seg in first["layout"].segments(k, first["eight_bit"]):
+                masters.setdefault(seg.slot, []).append(by_dp[rank][g]["master"].narrow(0, seg.offset, seg.numel))
+        for slot, name in enumerate(by_dp[ranks[0]][g]["names"]):
+            out[name] = {**per_param[slot], "master": torch.cat(masters[slot])}
+    return out
+
+
 def global_state(engine, world):
     """Every parameter's bnb state and fp32 master weights, gathered from all ranks (independent of the layout and of
-    the ZeRO stage: the optimizer's checkpoint records, which describe their own layout)."""
-    records = engine.optimizer._bnb_group_records()
-    mine = [({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in r.state.items()},
-             r.master.detach().cpu().clone(), r.param_names) for r in records]
+    the ZeRO stage: the optimizer's checkpoint records, which describe their own layout). With pipeline or tensor
+    parallelism, each model-parallel rank's parameters are joined over its data-parallel group, as "mp<r>/<name>"."""
+    mine = [{"state": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in r.state.items()},
+             "master": r.master.detach().cpu().clone(), "names": r.param_names, "layout": r.layout,
+             "eight_bit": r.eight_bit, "key_classes": r.key_classes, "expert": r.expert}
+            for r in engine.optimizer._bnb_group_records()]
     everyone = [None] * world
-    all_gather_object(everyone, mine)
+    all_gather_object(everyone, (checkpoint_mp_rank(engine), dist.get_rank(group=engine.optimizer.dp_process_group),
+                                 mine))
+    model_ranks = sorted({mp for mp, _, _ in everyone})
     out = {}
-    for g, record in enumerate(records):
-        layout, eight_bit = record.layout, record.eight_bit
-        # the ranks one partitioning spans: all of them, or an expert group's per expert-parallel rank (global names)
-        for ranks in [range(world)] if record.expert is None else record.expert.files:
-            states = [everyone[r][g][0] for r in ranks]
-            per_param = gather_param_states(layout, eight_bit, record.key_classes, states)
-            masters = {}
-            for k, rank in enumerate(ranks):
-                for seg in layout.segments(k, eight_bit):
-                    masters.setdefault(seg.slot, []).append(everyone[rank][g][1].narrow(0, seg.offset, seg.numel))
-            for slot, name in enumerate(everyone[ranks[0]][g][2]):
-                out[name] = {**per_param[slot], "master": torch.cat(masters[slot])}
+    for mp in model_ranks:
+        prefix = f"mp{mp}/" if len(model_ranks) > 1 else ""
+        by_dp = [held for _, _, held in sorted((e for e in everyone if e[0] == mp), key=lambda e: e[1])]
+        for g in range(len(by_dp[0])):
+            out.update({prefix + name: state for name, state in _joined(g, by_dp).items()})
     frozen = [(name, p) for name, p in engine.module.named_parameters() if not p.requires_grad]
     if frozen:  # no optimizer state: the weights themselves, gathered at stage 3
         with deepspeed.zero.GatheredParameters([p for _, p in frozen]) if hasattr(frozen[0][1], "ds_id") else \
@@ -418,13 +433,14 @@ def global_state(engine, world):
     return out
 
 
-def weights_follow_master(engine, state: dict) -> bool:
-    """The module's weights (gathered at stage 3) are the fp32 master weights of `state` in the module's dtype."""
-    params = list(engine.module.named_parameters())
+def weights_follow_master(engine, state: dict, prefix: str = "") -> bool:
+    """The module's weights (gathered at stage 3) are the fp32 master weights of `state` (under `prefix` + name) in
+    the module's dtype."""
+    params = [(prefix + name, p) for name, p in engine.module.named_parameters()]
     if any(getattr(engine.optimizer, "bnb_experts", ())):  # expert parameters by their global names
         names = {p: name for i, group in enumerate(engine.optimizer.bnb_params)
                  for p, name in zip(group, engine.optimizer.bnb_record_names[i])}
-        params = [(names.get(p, name), p) for name, p in params]
+        params = [(prefix + names[p] if p in names else name, p) for name, p in params]
     gathered = deepspeed.zero.GatheredParameters([p for _, p in params]) if hasattr(params[0][1], "ds_id") \
         else contextlib.nullcontext()
     with gathered:
@@ -685,10 +701,27 @@ def scenario_rank_failures(world, rank, out):
     return results
 
 
+# ---- pipeline and tensor parallelism (tests/parallel_scenarios.py) -------------------------------------------------
+
+def scenario_parallel_save(world, rank, out):
+    import parallel_scenarios
+    return parallel_scenarios.scenario_parallel_save(world, rank, out)
+
+
+def scenario_parallel_load(world, rank, out, sources):
+    """`sources`: the elastic sources of this launch; the even ones are the world sizes whose model-parallel runs
+    saved checkpoints (at data-parallel size N / 2)."""
+    import parallel_scenarios
+    saved = [int(n) for n in sources if n.isdigit() and int(n) % parallel_scenarios.MODEL_PARALLEL == 0]
+    return parallel_scenarios.scenario_parallel_load(world, rank, out, saved)
+
+
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
-             "param_state": scenario_param_state, "rank_failures": scenario_rank_failures}
+             "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
+             "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load}
+TAKES_SOURCES = ("elastic_load", "parallel_load")  # scenarios given --elastic-from
 
 
 def main():
@@ -704,7 +737,7 @@ def main():
     results = {}
     for name in args.scenarios.split(","):
         try:
-            extra = ([n for n in args.elastic_from.split(",") if n],) if name == "elastic_load" else ()
+            extra = ([n for n in args.elastic_from.split(",") if n],) if name in TAKES_SOURCES else ()
             results[name] = SCENARIOS[name](world, rank, args.out, *extra)
         except Exception:
             results[name] = {"error": traceback.format_exc()}

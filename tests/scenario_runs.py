@@ -26,11 +26,16 @@ DISTRIBUTED = {1: "train", 2: "train,resume,stock_elastic,whole_mismatch,param_s
 RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for 3 ranks
 
 
+PARALLEL = (2, 4)  # world sizes of the pipeline / tensor-parallel runs (model-parallel 2 x data-parallel 1 and 2)
+
+
 def plan():
     """(world size, scenarios, elastic sources) of each run, in order: every checkpoint is saved before it is loaded."""
-    first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"])),
+    first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"] +
+                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
-    later = [(w, "elastic_load", [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
+    later = [(w, "elastic_load" + (",parallel_load" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else ""),
+              [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
     if 3 not in SIZES[1:-1]:  # the reshaped DP=1 checkpoint is loaded at 3 ranks only
         later = [(w, scenarios, [s for s in sources if s != RESHAPED]) for w, scenarios, sources in later]
     later.append((1, "elastic_load", [str(n) for n in SIZES[1:]]))  # in this process again: no launch
@@ -40,11 +45,11 @@ def plan():
 def in_this_process(out, world, scenarios, sources):
     """The scenarios distributed_scenarios.py would run at DP=1, run on the test's one-rank group (one thread, as a
     launched rank has)."""
-    from distributed_scenarios import SCENARIOS
+    from distributed_scenarios import SCENARIOS, TAKES_SOURCES
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {name: SCENARIOS[name](1, 0, out, *([sources] if name == "elastic_load" else []))
+        return {name: SCENARIOS[name](1, 0, out, *([sources] if name in TAKES_SOURCES else []))
                 for name in scenarios.split(",")}
     finally:
         torch.set_num_threads(threads)
@@ -78,7 +83,7 @@ def run_all(out) -> dict:
         run = in_this_process if world == 1 else launched
         for name, value in run(out, world=world, scenarios=scenarios, sources=sources).items():
             assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
-            if name == "elastic_load":
+            if name in ("elastic_load", "parallel_load"):
                 results.setdefault(world, {}).setdefault(name, {}).update(value)
             else:
                 results.setdefault(world, {})[name] = value

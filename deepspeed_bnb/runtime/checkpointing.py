@@ -371,16 +371,18 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
 
 
 def _frozen_weights(engine, plan: TagLoad, checkpoint) -> Dict:
-    """Full weights of the engine's frozen parameters that the tag holds (none when it was saved with
-    exclude_frozen_parameters): a stage-3 tag keeps each rank's slice in that rank's model states (DeepSpeed's
-    frozen_param_fragments, loadable only at the saving DP size), a stage-1/2 tag the whole tensors in `module`."""
+    """Full weights of the engine's frozen parameters, where the load must set them itself: in a ZeRO-3 engine.
+    DeepSpeed copies the tag's frozen_param_fragments into each frozen parameter's live slice, and those are the
+    saving rank's slices (a ZeRO-3 tag) or whole tensors (a ZeRO-2 tag): a size mismatch at any other DP size or from
+    stage 2, after the trained weights were loaded. In a stage-1/2 engine DeepSpeed's module load sets them from the
+    whole tensors in `module` (a stage-1/2 tag: this model-parallel rank's file) or from the weights load_checkpoint
+    rebuilt (a stage-3 tag). Either way a frozen parameter of another size is refused here, before anything loads."""
     frozen = {name: param for name, param in engine.module.named_parameters() if not param.requires_grad}
     if not frozen:
         return {}
-    if plan.saved_stage == 3 and plan.model_states.get(FROZEN_SHAPES):
-        held = frozen_zero3_weights(checkpoint())
-    else:
-        held = plan.model_states["module"]
+    sliced = plan.saved_stage == 3 and bool(plan.model_states.get(FROZEN_SHAPES))
+    held = frozen_zero3_weights(checkpoint()) if sliced else \
+        plan.model_states["module"] or {}  # None from a pipeline engine (layer files)
     weights = {}
     for name, param in frozen.items():
         numel = getattr(param, "ds_numel", param.numel())
@@ -392,7 +394,7 @@ def _frozen_weights(engine, plan: TagLoad, checkpoint) -> Dict:
                 f"{numel} in this engine's model: the checkpoint is of another model. Build the engine with the model "
                 f"it was saved from.")
         weights[name] = held[name]
-    return weights
+    return weights if engine.zero_optimization_partition_weights() else {}
 
 
 def _client_optimizer(engine) -> str:
@@ -490,45 +492,41 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
                 if name in plan.weights:
                     module[name] = plan.weights[name].to(param.dtype)
             checkpoint["module"] = module
-    frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad} \
-        if plan is not None and custom_load_fn is None and allowed_missing_keys is None else {}
+    frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad} \
+        if plan is not None and custom_load_fn is None and allowed_missing_keys is None else set()
     if frozen:
-        checkpoint = _without_frozen(self, checkpoint, frozen, strict)
+        checkpoint = _without_frozen(self, checkpoint, frozen, plan.frozen, strict)
         strict = False  # checked above, the frozen names excepted
     stock_load(self, checkpoint, strict, custom_load_fn, fetch_z3_params,
                **given_kwargs("DeepSpeedEngine.load_module_state_dict", z3_params_to_fetch=z3_params_to_fetch,
                               allowed_missing_keys=allowed_missing_keys))
-    for name, param in frozen.items():
-        if name in plan.frozen:
-            _load_frozen(param, plan.frozen[name], name)
+    for name, param in self.module.named_parameters():
+        if name in frozen and name in plan.frozen:
+            _load_frozen(param, plan.frozen[name])
 
 
-def _without_frozen(engine, checkpoint: dict, frozen: dict, strict: bool) -> dict:
-    """The checkpoint DeepSpeed's load is handed when the engine has frozen parameters: without their entries, which
-    _load_frozen loads at this engine's DP size instead (DeepSpeed copies each rank's saved ZeRO-3 slice into the
-    live one, a size mismatch at any other DP size, after the trained weights were already loaded); the other keys
-    checked as a strict load checks them (a tag saved with exclude_frozen_parameters has no frozen entries at all:
-    those parameters keep the engine's values)."""
-    module = {name: value for name, value in checkpoint["module"].items() if name not in frozen}
+def _without_frozen(engine, checkpoint: dict, frozen: set, loaded_here: dict, strict: bool) -> dict:
+    """The checkpoint DeepSpeed's load is handed when the engine has frozen parameters: without DeepSpeed's fragments
+    of them (see _frozen_weights) and without the entries _load_frozen sets instead (`loaded_here`); the other keys
+    checked as a strict load checks them, except that frozen parameters may be missing (a tag saved with
+    exclude_frozen_parameters: they keep the engine's values)."""
+    module = {name: value for name, value in checkpoint["module"].items() if name not in loaded_here}
     if strict:
-        expected = set(engine.module.state_dict()) - set(frozen)
-        missing, unexpected = sorted(expected - set(module)), sorted(set(module) - expected)
+        present = set(engine.module.state_dict())
+        missing = sorted(present - frozen - set(module) - set(loaded_here))
+        unexpected = sorted(set(module) - present)
         if missing or unexpected:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(engine.module).__name__}: missing keys "
                                f"{missing[:10]}, unexpected keys {unexpected[:10]} (frozen parameters aside)")
     return {**{k: v for k, v in checkpoint.items() if k != FROZEN_FRAGMENTS}, "module": module}
 
 
-def _load_frozen(param, full, name: str) -> None:
-    """A frozen parameter set from its full saved weights: its own slice where ZeRO-3 partitions it (rank r holds
-    elements [r * n, (r + 1) * n) of the flattened tensor, zero-padded), the whole tensor otherwise."""
-    full = full.reshape(-1)
+def _load_frozen(param, full) -> None:
+    """A frozen ZeRO-3 parameter's own slice set from its full saved weights (rank r holds elements [r * n, (r + 1) * n)
+    of the flattened tensor, zero-padded past its end)."""
+    full, part = full.reshape(-1), param.ds_tensor
+    start = dist.get_rank(group=param.ds_process_group) * part.numel()
+    piece = full.narrow(0, min(start, full.numel()), max(0, min(part.numel(), full.numel() - start)))
     with torch.no_grad():
-        if hasattr(param, "ds_id"):
-            part = param.ds_tensor
-            start = dist.get_rank(group=param.ds_process_group) * part.numel()
-            piece = full.narrow(0, min(start, full.numel()), max(0, min(part.numel(), full.numel() - start)))
-            part.data.zero_()
-            part.data.reshape(-1).narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))
-        else:
-            param.data.copy_(full.reshape(param.shape).to(param.dtype))
+        part.data.zero_()
+        part.data.reshape(-1).narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))

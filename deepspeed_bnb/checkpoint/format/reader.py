@@ -88,7 +88,7 @@ def check_model_states(states, path: str) -> dict:
             wanted = "an integer >= 0" if kind is int else f"a {kind.__name__}"
             raise CheckpointMismatchError(f"{path}: '{key}' is {str(value)[:100]}, not {wanted}; the file is "
                                           f"malformed (damaged or crafted).")
-    module = states["module"]
+    module = states["module"] or {}  # None from a pipeline engine: its layers have files of their own
     if not all(isinstance(name, str) and torch.is_tensor(value) for name, value in module.items()):
         raise CheckpointMismatchError(f"{path}: 'module' is not a map of names to tensors; the file is malformed.")
     for shapes in states.get("param_shapes") or []:

@@ -41,7 +41,7 @@ def fp32_moments(state: dict) -> list:
 def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     """fp32 weights of every trained parameter, plus the model's other tensors (buffers, frozen) as saved."""
     states = ckpt.model_states
-    weights = {name: tensor for name, tensor in states["module"].items()}
+    weights = {name: tensor for name, tensor in (states["module"] or {}).items()}
     weights.update(frozen_zero3_weights(ckpt))
     weights.update(trained_weights(ckpt))
     for name, source in states.get("shared_params", {}).items():

@@ -1,0 +1,141 @@
+"""Pipeline- and tensor-parallel scenarios (run by distributed_scenarios.py at 2 and 4 ranks): checkpoints saved with a
+model-parallel size of 2 at data-parallel size D load at D' with the same model-parallel layout.
+
+Kinds: `pp2_stage1`, a DeepSpeed PipelineModule of the toy's layers in 2 stages under ZeRO-1 (pipelines take ZeRO-1
+only); `tp2_stage2`, a tiny Llama split by AutoTP (`tensor_parallel.autotp_size: 2`) under ZeRO-2, loaded under ZeRO-1
+at DP 2. Each is saved after 3 steps at DP = world / 2 and loaded by an engine built with another seed and a 50x
+larger lr; the checks are the elastic matrix's: state and master weights of every (model-parallel rank, parameter)
+byte-identical, the module's weights the master weights, the saved lr restored, 10 more steps tracking the run that
+never stopped, and loading without optimizer state diverging.
+"""
+
+import os
+
+import bitsandbytes as bnb
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from torch import nn
+
+from distributed_scenarios import LOADER_LR, global_state, identical, weights_follow_master
+from deepspeed_bnb.runtime.zero.compat import checkpoint_mp_rank
+from toy import GLOBAL_BATCH, MIN_8BIT_SIZE, VOCAB, ds_config, global_batch, loss_fn
+
+MODEL_PARALLEL = 2  # pipeline stages / tensor-parallel ranks of every kind
+PARALLEL_KINDS = {"pp2_stage1": dict(pipeline=True, stage=1), "tp2_stage2": dict(pipeline=False, stage=2)}
+LOADER_STAGES = {"tp2_stage2": {2: 1}}  # kind -> {data-parallel size: the loader's ZeRO stage} (else the saved one)
+MICRO_STEPS = 2  # pipelines split each rank's batch into micro-batches
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 40)
+
+    def forward(self, tokens):
+        return self.emb(tokens)
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc, self.out = nn.Linear(40, width), nn.Linear(width, 40)
+
+    def forward(self, h):
+        return h + self.out(torch.tanh(self.fc(h)))
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(40, VOCAB)
+
+    def forward(self, h):
+        return self.head(h)
+
+
+def pipeline_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build(world, pipeline, stage, seed=0, lr=1e-3):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    torch.manual_seed(seed)
+    dp = world // MODEL_PARALLEL
+    if pipeline:
+        model = PipelineModule([LayerSpec(Embed), LayerSpec(Block, 301), LayerSpec(Block, 37), LayerSpec(Head)],
+                               num_stages=MODEL_PARALLEL, loss_fn=pipeline_loss, partition_method="uniform")
+        config = ds_config(dp, stage=stage, micro_steps=MICRO_STEPS)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=32))
+        config = {**ds_config(dp, stage=stage), "tensor_parallel": {"autotp_size": MODEL_PARALLEL}}
+    optimizer = bnb.optim.AdamW8bit([{"params": list(model.parameters()), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def run_steps(engine, steps, pipeline):
+    """The toy's global batches, split over the data-parallel ranks; the mean loss of each step."""
+    group = engine.optimizer.dp_process_group
+    dp, d = dist.get_world_size(group=group), dist.get_rank(group=group)
+    losses = []
+    for step in steps:
+        tokens, targets = global_batch(step)
+        per = GLOBAL_BATCH // dp
+        tokens, targets = tokens[d * per:(d + 1) * per], targets[d * per:(d + 1) * per]
+        if pipeline:  # the last stage's loss, averaged over the data-parallel ranks, on every rank
+            micro = per // MICRO_STEPS
+            batches = iter([(tokens[i * micro:(i + 1) * micro], targets[i * micro:(i + 1) * micro])
+                            for i in range(MICRO_STEPS)])
+            losses.append(float(engine.train_batch(data_iter=batches)))
+            continue
+        loss = loss_fn(lambda t: engine(input_ids=t).logits, tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        total = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def folder_of(out, kind, dp):
+    return os.path.join(out, "parallel", kind, f"dp{dp}")
+
+
+def scenario_parallel_save(world, rank, out):
+    results = {}
+    for kind, cfg in PARALLEL_KINDS.items():
+        folder = folder_of(out, kind, world // MODEL_PARALLEL)
+        engine = build(world, **cfg)
+        run_steps(engine, range(3), cfg["pipeline"])
+        engine.save_checkpoint(folder, tag="t")
+        reference = global_state(engine, world)
+        if rank == 0:
+            torch.save(reference, os.path.join(folder, "reference_state.pt"))
+        results[kind] = {"continued": run_steps(engine, range(3, 13), cfg["pipeline"])}
+    return results
+
+
+def scenario_parallel_load(world, rank, out, sources):
+    """Loads the checkpoints of the model-parallel runs at `sources`, the world sizes that saved them."""
+    results = {}
+    for kind, cfg in PARALLEL_KINDS.items():
+        cfg = {**cfg, "stage": LOADER_STAGES.get(kind, {}).get(world // MODEL_PARALLEL, cfg["stage"])}
+        for saved_world in sources:
+            folder = folder_of(out, kind, saved_world // MODEL_PARALLEL)
+            engine = build(world, seed=1, lr=LOADER_LR, **cfg)
+            engine.load_checkpoint(folder, tag="t")
+            loaded = global_state(engine, world)
+            same = identical(loaded, torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False))
+            follows = weights_follow_master(engine, loaded, prefix=f"mp{checkpoint_mp_rank(engine)}/")
+            lr = [g["lr"] for g in engine.optimizer.param_groups]
+            continued = run_steps(engine, range(3, 13), cfg["pipeline"])
+            control = build(world, seed=1, lr=LOADER_LR, **cfg)
+            control.load_checkpoint(folder, tag="t", load_optimizer_states=False)
+            results[f"{kind}_from{saved_world // MODEL_PARALLEL}"] = {
+                "state_identical": same, "weights_follow_master": follows, "lr": lr,
+                "continued": continued, "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"]),
+                "stage": engine.zero_optimization_stage()}
+    return results
