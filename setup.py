@@ -81,12 +81,12 @@ setup(
         "safetensors",
     ],
     extras_require={
-        # the real clients: examples/train_accelerate.py, examples/train_hf_trainer.py and their tests
-        "clients": ["accelerate>=1.0", "transformers>=4.45"],
+        # the real clients: examples/train_accelerate.py, train_hf_trainer.py, train_trl_sft.py and their tests
+        "clients": ["accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets"],
         # benchmarks/compare_adam.py draws its plots with matplotlib
         "bench": ["matplotlib"],
         # CI runs the client tests and the benchmark smoke test, so `test` pulls both
-        "test": ["pytest", "accelerate>=1.0", "transformers>=4.45", "matplotlib"],
+        "test": ["pytest", "accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets", "matplotlib"],
     },
     entry_points={"console_scripts": ["deepspeed-bnb = deepspeed_bnb_tools:main"]},
     ext_modules=ext_modules,

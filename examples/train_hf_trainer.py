@@ -35,10 +35,11 @@ from teardown import finish
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, default_output_dir="checkpoints/trainer",
+               default_config=os.path.join(HERE, "..", "configs", "zero2_hf_trainer.json")):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="checkpoints/trainer", help="Trainer's output_dir (checkpoints)")
-    parser.add_argument("--deepspeed", default=os.path.join(HERE, "..", "configs", "zero2_hf_trainer.json"),
+    parser.add_argument("--output_dir", default=default_output_dir, help="Trainer's output_dir (checkpoints)")
+    parser.add_argument("--deepspeed", default=default_config,
                         help="DeepSpeed config (JSON)")
     parser.add_argument("--max_steps", type=int, default=60, help="optimizer steps of the whole run (default 60)")
     parser.add_argument("--save_steps", type=int, default=None, help="save every this many steps (default: at the "
@@ -76,17 +77,38 @@ def collate(windows):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    world = world_size(args)
+    model = tiny_gpt2(args, vocab_size=256, positions=args.context + 1, eos_token_id=0)
+    windows = ByteWindows(stdlib_bytes(args.text_mb << 20), args.context, args.max_steps * args.global_batch,
+                          seed=args.seed)
+    losses = LossLog()
+    trainer = Trainer(model=model, args=training_arguments(args, world), train_dataset=windows, data_collator=collate,
+                      callbacks=[losses])
+    trainer.train(resume_from_checkpoint=args.resume)
+    return report(trainer, losses, args)
+
+
+def world_size(args) -> int:
+    """The number of ranks of this launch, checked against --global_batch."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.global_batch % world:
         raise ValueError(f"--global_batch {args.global_batch} does not split over {world} ranks")
+    return world
+
+
+def tiny_gpt2(args, vocab_size: int, positions: int, eos_token_id: int) -> GPT2LMHeadModel:
+    """A GPT-2 of --width and --depth from a config (no download), seeded by --seed."""
     torch.manual_seed(args.seed)
-    config = GPT2Config(vocab_size=256, n_positions=args.context + 1, n_embd=args.width, n_layer=args.depth,
+    # no dropout: runs at any rank count see the same model
+    config = GPT2Config(vocab_size=vocab_size, n_positions=positions, n_embd=args.width, n_layer=args.depth,
                         n_head=max(1, args.width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)  # no dropout: runs at any rank count see the same model
-    model = GPT2LMHeadModel(config)
-    windows = ByteWindows(stdlib_bytes(args.text_mb << 20), args.context, args.max_steps * args.global_batch,
-                          seed=args.seed)
-    training_args = TrainingArguments(
+                        bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    return GPT2LMHeadModel(config)
+
+
+def training_arguments(args, world: int, arguments_class=TrainingArguments, **extra):
+    """The run's TrainingArguments (or a subclass, such as TRL's SFTConfig, with its own fields in `extra`)."""
+    return arguments_class(
         output_dir=args.output_dir,
         deepspeed=args.deepspeed,
         optim="adamw_bnb_8bit",
@@ -109,17 +131,19 @@ def main(argv=None) -> dict:
         # world size, and DeepSpeed (its CPU accelerator) runs in that group.
         use_cpu=get_accelerator().device_name() == "cpu",
         disable_tqdm=True,
+        **extra,
     )
-    losses = LossLog()
-    trainer = Trainer(model=model, args=training_args, train_dataset=windows, data_collator=collate,
-                      callbacks=[losses])
-    trainer.train(resume_from_checkpoint=args.resume)
+
+
+def report(trainer, losses: LossLog, args) -> dict:
+    """The run's losses and optimizer classes (printed by rank 0, and written to --log_json)."""
     engine = trainer.model_wrapped  # the DeepSpeed engine
     basic = engine.basic_optimizer  # what Trainer created (optim="adamw_bnb_8bit": bnb's AdamW, 8-bit state)
     log = {"world": trainer.args.world_size, "losses": losses.losses, "optimizer": type(engine.optimizer).__name__,
            "basic_optimizer": f"{type(basic).__module__}.{type(basic).__name__}",
            "optim_bits": getattr(getattr(basic, "args", None), "optim_bits", None),
-           "offload": bool(engine.zero_cpu_offload())}
+           "offload": bool(engine.zero_cpu_offload()), "bf16": bool(engine.bfloat16_enabled()),
+           "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)}
     if trainer.is_world_process_zero():
         print(f"{log['optimizer']} over {log['basic_optimizer']} ({log['optim_bits']}-bit state) on {log['world']} "
               "ranks", flush=True)

@@ -1,8 +1,9 @@
-"""Runs the client examples (examples/train_accelerate.py, examples/train_hf_trainer.py) several times in one process.
+"""Runs the client examples (examples/train_accelerate.py, examples/train_hf_trainer.py, examples/train_trl_sft.py)
+several times in one process.
 
-For tests/test_clients.py, under `accelerate launch` or torchrun (a launch costs seconds on 2 cores, so one launch
+For tests/test_clients.py and tests/test_trl.py, under `accelerate launch` or torchrun (a launch costs seconds on 2 cores, so one launch
 does several runs, one after the other). Each run is `NAME:ARGS` (ARGS as one shell-quoted string, passed to the
-example's main); a NAME ending in `-weights-only` resumes without the optimizer state (the negative control).
+example's main; the example is `accelerate`, `trainer` or `trl`); a NAME ending in `-weights-only` resumes without the optimizer state (the negative control).
 Rank 0 writes OUT/imports.json: whether `import deepspeed_bnb` imported Accelerate, and who patches it afterwards.
 
     torchrun --nproc_per_node 1 tests/client_runs.py trainer OUT "resume:--resume ... --log_json OUT/resume.json"
@@ -60,9 +61,11 @@ def main():
             train_accelerate.main(argv + (["--resume_without_optimizer_state"] if name.endswith("-weights-only")
                                           else []))
         else:
+            if example == "trl":
+                import train_trl_sft  # needs trl (and datasets), which the other examples do not
             with trainer_resumes_without_optimizer_state() if name.endswith("-weights-only") else \
                     contextlib.nullcontext():
-                train_hf_trainer.main(argv)
+                (train_trl_sft if example == "trl" else train_hf_trainer).main(argv)
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(out, "imports.json"), "w") as f:
             json.dump({"accelerate_imported_by_deepspeed_bnb": ACCELERATE_IMPORTED_WITH_DEEPSPEED_BNB,
