@@ -200,6 +200,10 @@ OVERRIDES: Tuple[Override, ...] = (
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "
               "gradient by ceil(numel / dp): marked parameters' gradients are padded to their partitions first",
               ("self", "params_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
+    _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads", "reduce_scatter: "
+              "false all-reduces a bucket and cuts each gradient at rank * ceil(numel / dp): the bucket is laid out "
+              "with marked parameters' gradients padded to their partitions first",
+              ("self", "buffer_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
               ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized",

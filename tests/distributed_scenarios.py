@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import traceback
+import types
 
 import torch
 
@@ -70,6 +71,10 @@ TRAIN_CONFIGS = {
     "fp32_stage3_offload": dict(stage=3, offload=True, offload_param={"device": "cpu"}),
     "bf16_stage3_clip": dict(stage=3, bf16=True, clip=0.05),
     "fp32_stage3_emb32": dict(stage=3, emb32=True),  # HF Trainer's 32-bit embedding override
+    # reduce_scatter: false (DeepSpeed all-reduces each gradient bucket and cuts it per rank), parameters partitioned
+    # at construction; its control keeps DeepSpeed's own cut (rank * ceil(numel / dp)) for the bnb engine
+    "fp32_stage3_all_reduce": dict(stage=3, reduce_scatter=False, zero_init=True),
+    "fp32_stage3_all_reduce_stock_cut": dict(stage=3, reduce_scatter=False, zero_init=True, stock_cut=True),
 }
 STOCK_CONFIGS = {"stock_fp32_stage2": dict(stage=2), "stock_fp32_stage3": dict(stage=3)}
 
@@ -155,6 +160,7 @@ def scenario_train(world, rank, out):
     results = {}
     for name, cfg in {**TRAIN_CONFIGS, **STOCK_CONFIGS}.items():
         cfg = dict(cfg)
+        stock_cut = cfg.pop("stock_cut", False)
         cannot = stock_cannot_run(name, cfg["stage"], world)
         if cannot:
             results[name] = {"refused": cannot}
@@ -166,6 +172,11 @@ def scenario_train(world, rank, out):
         except (NotImplementedError, NoOwnUpdateError) as exc:
             results[name] = {"refused": str(exc)}
             continue
+        if stock_cut:
+            from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+            engine.optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads = types.MethodType(
+                DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads,
+                engine.optimizer)
         results[name] = {"losses": run_steps(engine, range(20), world, rank, cfg.get("micro_steps", 1)),
                          "optimizer": type(engine.optimizer).__name__}
         if hasattr(engine.optimizer, "bnb"):  # per-parameter precision, as every rank decided it

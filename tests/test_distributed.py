@@ -35,7 +35,7 @@ def max_delta(a, b):
                                     "fp32_stage2_offload", "fp32_stage2_round_robin", "fp32_stage2_bnb_update",
                                     "fp32_stage2_padding_tensors", "fp32_stage2_offload_padding_tensors",
                                     "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload",
-                                    "fp32_stage3_emb32"])
+                                    "fp32_stage3_emb32", "fp32_stage3_all_reduce"])
 def test_fp32_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]
     assert run["optimizer"] == ("BnbZeroStage3Optimizer" if "stage3" in config else "BnbZeroOptimizer")
@@ -77,6 +77,18 @@ def test_stage3_matches_stage2(results, world):
     train = results[world]["train"]
     assert max_delta(train["fp32_stage3"]["losses"], train["fp32_stage2"]["losses"]) < FP32_TOL
     assert train["fp32_stage3_offload"]["losses"] == train["fp32_stage3"]["losses"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_all_reduce_cuts_block_aligned_slices(results, world):
+    """reduce_scatter: false (DeepSpeed all-reduces each gradient bucket and cuts every gradient at rank *
+    ceil(numel / dp)) steps what the reduce-scatter path steps, with each rank's gradient slice whole blocks. Control:
+    the same bnb engine with DeepSpeed's own cut hands ranks the wrong gradient elements."""
+    train = results[world]["train"]
+    assert max_delta(train["fp32_stage3_all_reduce"]["losses"], train["fp32_stage3"]["losses"]) < FP32_TOL
+    control = train["fp32_stage3_all_reduce_stock_cut"]
+    assert control["optimizer"] == "BnbZeroStage3Optimizer"
+    assert max_delta(control["losses"], train["fp32_stage3_all_reduce"]["losses"]) > 10 * FP32_TOL
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

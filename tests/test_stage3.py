@@ -157,7 +157,6 @@ def test_routing_cannot_fail_silently(one_rank, monkeypatch):
 
 
 @pytest.mark.parametrize("zero,named", [
-    (dict(reduce_scatter=False), "reduce_scatter: false"),
     (dict(offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}), "offload_optimizer.device: nvme"),
     (dict(zero_quantized_weights=True), "zero_quantized_weights"),
 ])

@@ -135,6 +135,14 @@ def sub_group_process_group(zero3, sub_group_id):
     return get(sub_group_id) if get is not None else zero3.dp_process_group
 
 
+def ipg_bucket_params(zero3, communication_data_type=None) -> list:
+    """The parameters of the ZeRO-3 gradient bucket being reduced, in the order of its buffer: DeepSpeed 0.17.2 keeps
+    one bucket per communication dtype, earlier releases one list."""
+    if communication_data_type is None:
+        return zero3.params_in_ipg_bucket
+    return zero3.ipg_buckets[communication_data_type].params
+
+
 def name_stage3_params(zero3, module) -> None:
     """`param_names` of a ZeRO-3 optimizer, which DeepSpeed keeps from 0.18.0 on (the engine's names: the
     module's named parameters)."""

@@ -10,6 +10,8 @@ checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
   every slice is whole 256-element blocks of its parameter (state_layout.ShardedLayout);
 - `__avg_scatter_grads`: the gradient reduce-scatter chunks each gradient by ceil(numel / dp); marked parameters'
   gradients are padded to their partitions first, so each rank receives the gradient of its own slice;
+  `__avg_scatter_contiguous_grads` (`reduce_scatter: false`: the bucket is all-reduced, then cut the same way): the
+  bucket is laid out with those gradients padded the same way;
 - `_optimizer_step`: per sub-group, the same PartitionStep as stages 1/2 (fused kernel where it is bnb's own
   arithmetic, bnb's `update_step` elsewhere, segment by segment; 8-bit vs fp32 state per model parameter; padding
   never updated);
@@ -55,8 +57,6 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
     offload = kwargs.get("offload_optimizer_config")
     offload_param = kwargs.get("offload_param_config")
     checks = [
-        (not kwargs.get("reduce_scatter", True), "zero_optimization.reduce_scatter: false",
-         "its all-reduce path slices gradients by ceil(numel / dp) itself", "remove it (true is the default)"),
         (kwargs.get("zero_hpz_partition_size", 1) > 1, "zero_optimization.zero_hpz_partition_size > 1",
          "hierarchical partitions (hpZ) keep secondary slices of another size", "set it to 1"),
         (kwargs.get("zero_quantized_weights") or kwargs.get("zero_quantized_nontrainable_weights"),
@@ -231,6 +231,30 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         with swapped("stage3.reduce_scatter_coalesced", padded_scatter):
             return DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(
                 self, params_to_reduce, *args, **kwargs)
+
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads(self, buffer_to_reduce, *args, **kwargs):
+        # reduce_scatter: false. DeepSpeed all-reduces the bucket (its gradients back to back) and cuts each gradient
+        # at rank * ceil(numel / dp), reading each size from `param.grad`. Lay the bucket out with the gradients of
+        # block-aligned parameters padded to their partitions (`aligned_size()`, zeros after the gradient) and show
+        # DeepSpeed those padded pieces as the gradients for the call: its cut is then exactly each rank's slice, and
+        # the reduction (dtype, averaging, predivide) stays DeepSpeed's. Costs one padded copy of the bucket.
+        # (`communication_data_type`, its other argument, arrived in DeepSpeed 0.17.2 with the per-dtype buckets)
+        stock_reduce = DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads
+        params = compat.ipg_bucket_params(self, *args, **kwargs)
+        aligned = [p.aligned_size() if is_block_aligned(p) else p.grad.numel() for p in params]
+        if all(n == p.grad.numel() for p, n in zip(params, aligned)):
+            return stock_reduce(self, buffer_to_reduce, *args, **kwargs)
+        padded = buffer_to_reduce.new_zeros(sum(aligned))
+        grads, at, to = [p.grad.data for p in params], 0, 0
+        for param, grad, size in zip(params, grads, aligned):
+            padded.narrow(0, to, grad.numel()).copy_(buffer_to_reduce.narrow(0, at, grad.numel()))
+            param.grad.data = padded.narrow(0, to, size)
+            at, to = at + grad.numel(), to + size
+        try:
+            return stock_reduce(self, padded, *args, **kwargs)
+        finally:
+            for param, grad in zip(params, grads):
+                param.grad.data = grad
 
     # ---- step ---------------------------------------------------------------------------------------------------
 
