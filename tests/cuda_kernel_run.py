@@ -14,8 +14,8 @@ DSBNB_STAND_INS, e.g. "deepspeed,bitsandbytes"):
 - the deepspeed_bnb package is registered without running its __init__, which installs the DeepSpeed integration and
   refuses to import without DeepSpeed and bitsandbytes;
 - a stand-in `bitsandbytes` with only functional.create_dynamic_map (reference.dynamic_map, held to bnb's bit for bit
-  by tests/test_fused_step.py) takes bitsandbytes' place: the selected tests use nothing else of it.
-Then it runs the kernel-vs-reference tests of every rule's test file (kernel_tests.py) for the device and the
+  by tests/test_fused_adam.py) takes bitsandbytes' place: the selected tests use nothing else of it.
+Then it runs the kernel-vs-reference tests of the fused rules' test files (kernel_tests.py) for the device and the
 first-use check the ZeRO optimizer runs there (test_self_check.py), and fails when none ran (a machine without a GPU
 skips them all).
 """

@@ -32,7 +32,8 @@ import torch
 from conftest import TESTS, free_port, launch_env, run_or_fail
 from deepspeed_bnb.ops import loader
 from deepspeed_bnb.optim import fused_contract, own_update, partition_step
-from deepspeed_bnb.optim.partition_step import FUSED, NoOwnUpdateError
+from deepspeed_bnb.optim.fused_route import FUSED
+from deepspeed_bnb.optim.partition_step import NoOwnUpdateError
 from legacy_bnb import CPU_REFUSAL, legacy_python, simulate_049
 from legacy_bnb_runs import OPTIMIZERS, REFUSALS, refusals
 from toy import ds_config, make_model, param_groups, train_steps
@@ -117,7 +118,7 @@ def _bnb_fp32_step(call, lr_factor=1.0):
     params, grads, state = _inputs(call)
     grads.mul_(call["inv_scale"])
     segments = [s for s in part.segments if not s.eight_bit]
-    overrides = [part.variants[part.variant[i]] for i, s in enumerate(part.segments) if not s.eight_bit]
+    overrides = [part.variants[part.variant[s.slot]] for s in segments]
     group = {**call["group"], "lr": call["group"]["lr"] * lr_factor}
     simulated, F.is_on_gpu = F.is_on_gpu, REAL_IS_ON_GPU
     try:

@@ -139,8 +139,8 @@ def test_missing_toolchain_is_reported_not_hidden(monkeypatch):
         assert loader.load() is False
     assert not caught and len(tries) == 1 and "Ninja is required" in loader.error()
 
-    from test_fused_step import Partition
-    a = Partition(5)
+    from rule_cases import CASES
+    a = CASES["adam"].partition(5)
     with pytest.raises(RuntimeError, match="Ninja is required"):
         a.step(1, a.grads(1), True, 1.0)  # asks for the kernel
     before = a.params.clone()

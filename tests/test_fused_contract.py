@@ -25,11 +25,12 @@ from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 
 from bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
-from deepspeed_bnb.optim import fused_contract, partition_step
+from deepspeed_bnb.optim import fused_contract, fused_route, partition_step
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.partition_step import FUSED, PartitionStep
+from deepspeed_bnb.optim.fused_route import FUSED
+from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.state_layout import GroupLayout
-from test_fused_step import needs_kernel
+from kernel_harness import needs_kernel
 
 GROUPS = ((3000, 700), (1500, 300))  # per param group: with min_8bit_size=1000, one 8-bit and one fp32 parameter
 STEPS = 3
@@ -137,8 +138,8 @@ class Partitions:
 
     def stepper(self, i, kernel_reason) -> PartitionStep:
         segments = self.layouts[i].segments(0, self.eight_bit[i])
-        return PartitionStep(self.adapter, i, segments, [self.adapter.override(split(self.params)[i][s.slot])
-                                                         for s in segments], "cpu", kernel_reason)
+        return PartitionStep(self.adapter, i, segments, [self.adapter.override(p) for p in split(self.params)[i]],
+                             self.eight_bit[i], "cpu", kernel_reason)
 
     def step(self, grads, steps=None, states=None, flat=None):
         for i, layout in enumerate(self.layouts):
@@ -149,7 +150,7 @@ class Partitions:
                                           (states or self.states)[i])
 
     def routes(self) -> List[Optional[str]]:
-        return [route for step in self.steps for route in step.routes]
+        return [route for step in self.steps for route in step.param_routes]
 
     def weights(self, flat=None) -> List[torch.Tensor]:
         return [(flat or self.flat)[i].narrow(0, slot.offset, slot.numel).clone()
@@ -344,8 +345,8 @@ def test_control_fusing_everything_differs_from_bnb(cls, name, monkeypatch):
     """Without the contract (every parameter fused, 32-bit state and overridden update_step included), parameters
     the contract gives bnb's update no longer equal plain bnb: the exact comparison above is not vacuous."""
     routed = [j for j, route in enumerate(_routes(cls, name)) if route is not FUSED]
-    monkeypatch.setattr(partition_step, "param_reason", lambda rule, config, eight_bit: None)
-    monkeypatch.setattr(partition_step, "optimizer_reason", lambda optimizer: None)
+    monkeypatch.setattr(fused_route, "param_reason", lambda rule, config, eight_bit: None)
+    monkeypatch.setattr(fused_route, "optimizer_reason", lambda optimizer: None)
     outcome = run(cls, next(v for v in VARIANTS if v.name == name))
     assert routed and all(route is FUSED for route in outcome.routes)
     outcome.routes = ["the real contract's" if j in routed else FUSED for j in range(len(outcome.weights))]

@@ -17,10 +17,9 @@ from bitsandbytes.optim.optimizer import Optimizer2State
 
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.ops import loader, self_check
-from deepspeed_bnb.optim import partition_step
-from deepspeed_bnb.optim.partition_step import FUSED
+from deepspeed_bnb.optim import fused_route
+from deepspeed_bnb.optim.fused_route import FUSED
 import deepspeed.runtime.engine as ds_engine
-from deepspeed_bnb.runtime import engine as engine_module
 from deepspeed_bnb import overrides
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from toy import ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
@@ -89,9 +88,9 @@ def test_default_equals_plain_bnb_where_the_kernel_does_not_model_the_optimizer(
 @pytest.mark.parametrize("factory", [_trust_ratio_adam, _counting], ids=["max_unorm_32bit", "update_step_override"])
 def test_control_without_the_contract_the_default_differs(one_rank, factory, monkeypatch):
     """What the contract prevents: fusing every parameter regardless changes the result (and skips the override)."""
-    monkeypatch.setattr(partition_step, "optimizer_reason", lambda optimizer: None)
-    monkeypatch.setattr(partition_step, "param_reason", lambda rule, config, eight_bit: None)
-    monkeypatch.setattr(engine_module.BnbZeroOptimizer, "_bnb_kernel_reason", lambda self, setting, device: None)
+    monkeypatch.setattr(fused_route, "optimizer_reason", lambda optimizer: None)
+    monkeypatch.setattr(fused_route, "param_reason", lambda rule, config, eight_bit: None)
+    monkeypatch.setattr(fused_route, "kernel_reason", lambda setting, optimizer, device: None)
     CountingAdamW8bit.calls = 0
     forced, _ = trained(factory)
     if factory is _counting:
@@ -170,14 +169,14 @@ def test_gpu_default_is_bnbs_own_update(one_rank, monkeypatch):
     CUDA kernels (no check, no warning); `true` opts in and still runs the first-use check, whose failure refuses."""
     _, engine = trained(_adamw8bit)
     optimizer = engine.optimizer
-    reason = optimizer._bnb_kernel_reason("auto", torch.device("cuda"))
+    reason = fused_route.kernel_reason("auto", optimizer.optimizer, torch.device("cuda"))
     assert "opt-in until validated on GPUs" in reason
     monkeypatch.setattr(self_check, "disagreement", lambda rule, device: None if device.type == "cuda" else "x")
-    assert optimizer._bnb_kernel_reason(True, torch.device("cuda")) is None
+    assert fused_route.kernel_reason(True, optimizer.optimizer, torch.device("cuda")) is None
     monkeypatch.setattr(self_check, "disagreement", lambda rule, device: "it raised RuntimeError: no kernel image")
     with pytest.raises(ValueError, match="first-use check on cuda.*no kernel image"):
-        optimizer._bnb_kernel_reason(True, torch.device("cuda"))
-    assert "not on xpu" in optimizer._bnb_kernel_reason("auto", torch.device("xpu"))
+        fused_route.kernel_reason(True, optimizer.optimizer, torch.device("cuda"))
+    assert "not on xpu" in fused_route.kernel_reason("auto", optimizer.optimizer, torch.device("xpu"))
 
 
 def test_bnb_optimizer_is_always_stepped_by_bnb_zero_optimizer(one_rank, monkeypatch):

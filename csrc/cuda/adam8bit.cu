@@ -11,7 +11,7 @@
 //   nvcc -c -std=c++17 -O3 -fmad=false -Icsrc/include -gencode arch=compute_80,code=sm_80 \
 //        -gencode arch=compute_90,code=sm_90 csrc/cuda/adam8bit.cu -o /tmp/adam8bit.o
 // Flags that keep it exact: -fmad=false, and no --use_fast_math (IEEE division and sqrt are nvcc's defaults).
-// Test: pytest tests/test_fused_step.py (runs its CUDA cases where a GPU is present).
+// Test: pytest tests/test_fused_rules.py -k adam (runs its CUDA cases where a GPU is present).
 
 #include "fused_device.cuh"
 

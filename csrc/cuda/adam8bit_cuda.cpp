@@ -4,7 +4,7 @@
 // what the host derives from them is cached per tensor (fused_cuda.h, shared with the Lion binding lion8bit_cuda.cpp).
 // Registered as the CUDA implementation of deepspeed_bnb::adam8bit_step_ (schema: csrc/ops.cpp).
 // Build: only with a CUDA build of torch, by deepspeed_bnb/ops/loader.py (JIT) or setup.py (prebuilt).
-// Test: pytest tests/test_fused_step.py on a machine with a GPU.
+// Test: pytest tests/test_fused_rules.py -k adam on a machine with a GPU.
 
 #include "fused_cuda.h"
 

@@ -3,7 +3,7 @@
 // uploaded once per table (both cached per tensor, so a steady-state step never synchronizes with the device), the
 // per-call segment checks on the cached host rows, and the gradient argument of the launch.
 // Build: only with a CUDA build of torch, with the bindings. Test: tests/test_cuda_build.py (syntax, without a GPU);
-// tests/test_fused_step.py, test_fused_lion.py and test_fused_momentum.py on a machine with a GPU.
+// tests/test_fused_rules.py (every rule of the registry) on a machine with a GPU.
 #pragma once
 
 #include <ATen/ATen.h>

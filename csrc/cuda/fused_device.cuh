@@ -4,8 +4,8 @@
 // gradient loads (fp32/bf16/fp16 widened exactly), the NaN-propagating warp max, and the whole kernel of the
 // one-state rules (one_state_step_kernel). Like the kernels, free of torch headers (compiled by nvcc alone, see
 // adam8bit.cu).
-// Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_step.py,
-// test_fused_lion.py and test_fused_momentum.py run it where a GPU is present.
+// Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_rules.py
+// (every rule of the registry) runs it where a GPU is present.
 #pragma once
 
 #include <cuda_fp16.h>

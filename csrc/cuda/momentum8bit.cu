@@ -11,7 +11,8 @@
 //   nvcc -c -std=c++17 -O3 -fmad=false -Icsrc/include -gencode arch=compute_80,code=sm_80 \
 //        -gencode arch=compute_90,code=sm_90 csrc/cuda/momentum8bit.cu -o /tmp/momentum8bit.o
 // Flags that keep it exact: -fmad=false, and no --use_fast_math.
-// Test: pytest tests/test_fused_momentum.py (runs its CUDA cases where a GPU is present); tests/test_cuda_build.py.
+// Test: pytest tests/test_fused_rules.py -k momentum (runs its CUDA cases where a GPU is present);
+// tests/test_cuda_build.py.
 
 #include "fused_device.cuh"
 

@@ -21,8 +21,9 @@ Adding a rule touches these files (tests/test_rules.py checks that they agree wi
    (a Rule for fused_cpu.h's one-state walk, or a walk of its own); csrc/cuda/<op>.cu (a Rule for fused_device.cuh's
    one-state kernel, or a kernel of its own), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
 6. deepspeed_bnb/ops/build_flags.py: its sources.
-7. tests: a tests/test_fused_<name>.py holding its kernel to the reference and the reference to bnb, listed in
-   tests/kernel_tests.py (for the portable and GPU runs).
+7. tests: its RuleCase in tests/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
+   tests/test_fused_rules.py hold its kernel to the reference and the reference to bnb; what is its own alone (its
+   semantics by hand) in a tests/test_fused_<name>.py listed in tests/kernel_tests.py (portable and GPU runs).
 The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
 test need no change: they read this registry or build_flags. Optional: a row in benchmarks/bench_optimizer_step.py
 (CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/test_matches_bnb.py (HYPER_ROWS).

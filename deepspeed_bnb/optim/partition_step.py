@@ -1,10 +1,12 @@
 """One param group's optimizer step on one rank: the fused kernel where it is bnb's own arithmetic, bnb elsewhere.
 
-Which parameters the kernel may step is decided per parameter by fused_contract.py from bnb's own config of that
+Which parameters the kernel may step is decided by fused_route.py (its only owner) from bnb's own config of each
 parameter (get_config with its overrides), and decided again at every step, because configs change during training
 (a learning-rate schedule, a hand-edited param group): a parameter whose config leaves what the kernel models is
-stepped by bnb's `update_step` from that step on, and back. The two paths share one flat state (bnb_adapter.py), so
-a parameter can change path at any step and checkpoints do not care which path wrote them.
+stepped by bnb's `update_step` from that step on, and back. The routes are those of every parameter of the partition,
+so every rank decides (and logs, and refuses) the same whichever parameters it holds segments of. The two paths share
+one flat state (bnb_adapter.py), so a parameter can change path at any step and checkpoints do not care which path
+wrote them.
 
 Where bitsandbytes has no update of its own (own_update.py: bnb 0.49 on a CPU), the kernel is the only code that can
 step a parameter: it also steps 32-bit state there (its fp32 path, where fused_contract.fp32_param_reason allows), and
@@ -18,11 +20,10 @@ import torch
 
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused_contract import fp32_param_reason, optimizer_reason, param_reason
+from deepspeed_bnb.optim.fused_contract import optimizer_reason
 from deepspeed_bnb.optim.fused_partition import FusedPartition
+from deepspeed_bnb.optim.fused_route import FUSED, route_table
 from deepspeed_bnb.state_layout import Segment
-
-FUSED = None  # the route of a parameter the kernel steps (any other route is the reason bnb steps it)
 
 
 def distinct(values: Sequence[dict]):
@@ -33,37 +34,6 @@ def distinct(values: Sequence[dict]):
             unique.append(value)
         index.append(unique.index(value))
     return unique, index
-
-
-def _route(adapter: BnbAdapter, kernel_reason: Optional[str], config: dict, eight_bit: bool,
-           no_own_update: Optional[str]) -> Optional[str]:
-    reason = (kernel_reason or optimizer_reason(adapter.optimizer)
-              or param_reason(adapter.optimizer_name, config, eight_bit))
-    if (reason is not FUSED and no_own_update and not eight_bit and not kernel_reason
-            and not optimizer_reason(adapter.optimizer)):
-        # bnb's own 32-bit update does not exist here: the kernel's fp32 path is the only one
-        return fp32_param_reason(adapter.optimizer_name, config)
-    return reason
-
-
-def route_table(adapter: BnbAdapter, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
-                eight_bit: Sequence[bool], no_own_update: Optional[str] = None) -> List[Optional[str]]:
-    """Per parameter piece (its config variant among `configs`, its precision): FUSED, or why bnb's own update steps
-    it. `kernel_reason`: why no parameter may be fused here at all (no kernel on this device, a failed first-use
-    check, ...); `no_own_update`: why bnb has no update of its own here (own_update.missing), or None."""
-    memo = {}  # (variant, precision) -> route
-    for key in zip(variant, eight_bit):
-        if key not in memo:
-            memo[key] = _route(adapter, kernel_reason, configs[key[0]], key[1], no_own_update)
-    return [memo[key] for key in zip(variant, eight_bit)]
-
-
-def routes(adapter: BnbAdapter, kernel_reason: Optional[str], group: dict, gindex: int, overrides: Sequence[dict],
-           eight_bit: Sequence[bool]) -> List[Optional[str]]:
-    """Per parameter of a param group (given its overrides and precision): FUSED, or why bnb's own update steps it."""
-    variants, index = distinct(overrides)
-    return route_table(adapter, kernel_reason, [adapter.config(group, gindex, v) for v in variants], index, eight_bit,
-                       own_update.missing(adapter.device))
 
 
 class NoOwnUpdateError(RuntimeError):
@@ -108,46 +78,49 @@ def _warn_fp32_path(no_own_update: str) -> None:
 
 
 class PartitionStep:
-    """The step of one param group's partition on this rank (segments in the rank's flat order)."""
+    """The step of one partition (a param group at stages 1/2, a sub-group at stage 3) on this rank: the partition's
+    parameters in flat order, this rank's segments of them (`Segment.slot` indexes the parameters)."""
 
     def __init__(self, adapter: BnbAdapter, gindex: int, segments: Sequence[Segment], overrides: Sequence[dict],
-                 device, kernel_reason: Optional[str], on_reroute: Optional[Callable] = None):
+                 eight_bit: Sequence[bool], device, kernel_reason: Optional[str],
+                 on_reroute: Optional[Callable] = None):
         self.adapter = adapter
         self.gindex = gindex
-        self.segments = tuple(segments)
-        self.variants, self.variant = distinct(overrides)  # distinct per-parameter overrides; each segment's one
+        self.segments = tuple(segments)  # this rank's pieces of the parameters, in its flat order
+        self.variants, self.variant = distinct(overrides)  # distinct per-parameter overrides; each parameter's one
+        self.eight_bit = tuple(eight_bit)  # per parameter: 8-bit state?
         self.device = device
-        self.kernel_reason = kernel_reason  # why no parameter may be fused on this rank/device (None: per parameter)
+        self.kernel_reason = kernel_reason  # why no parameter may be fused on this device (None: per parameter)
         self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
-        self.on_reroute = on_reroute  # called with (segments, their old routes, new routes) when routes change
-        self.routes: Optional[List[Optional[str]]] = None  # per segment: FUSED or the reason bnb steps it
+        self.on_reroute = on_reroute  # called with (old routes, new routes) per parameter when they change
+        self.param_routes: Optional[List[Optional[str]]] = None  # per parameter: FUSED or the reason bnb steps it
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
         self._fused_variants: List[int] = []  # variant of each hyper row of the kernel
         self._configs: List[dict] = []  # bnb's config of each variant, as of the last route()
         self._bnb: List[int] = []  # indices of the segments bnb steps
 
     def route(self, group: dict) -> None:
-        """(Re)decide each segment's path from `group`'s current config; the kernel is rebuilt only on change."""
+        """(Re)decide each parameter's path from `group`'s current config; the kernel is rebuilt only on change."""
         self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
-        new = route_table(self.adapter, self.kernel_reason, self._configs, self.variant,
-                          [s.eight_bit for s in self.segments], self.no_own_update)
-        if new == self.routes:
+        new = route_table(self.adapter.optimizer, self.kernel_reason, self._configs, self.variant, self.eight_bit,
+                          self.no_own_update)
+        if new == self.param_routes:
             return
         if self.no_own_update:
-            stuck, _ = distinct([(self.variants[self.variant[i]], s.eight_bit, route)
-                                 for i, (s, route) in enumerate(zip(self.segments, new)) if route is not FUSED])
+            stuck, _ = distinct([(self.variants[v], eight_bit, route) for v, eight_bit, route
+                                 in zip(self.variant, self.eight_bit, new) if route is not FUSED])
             if stuck:
                 raise no_own_update_error(self.adapter, self.gindex, self.kernel_reason, self.no_own_update, stuck)
-            if any(not s.eight_bit for s in self.segments):
+            if not all(self.eight_bit):
                 _warn_fp32_path(self.no_own_update)
-        old, self.routes = self.routes, new
-        fused = [i for i, route in enumerate(new) if route is FUSED]
-        self._bnb = [i for i, route in enumerate(new) if route is not FUSED]
-        self._fused_variants, rows = distinct([self.variant[i] for i in fused])
+        old, self.param_routes = self.param_routes, new
+        fused = [i for i, s in enumerate(self.segments) if new[s.slot] is FUSED]
+        self._bnb = [i for i, s in enumerate(self.segments) if new[s.slot] is not FUSED]
+        self._fused_variants, rows = distinct([self.variant[self.segments[i].slot] for i in fused])
         self.fused = (FusedPartition(self.adapter.optimizer_name, [self.segments[i] for i in fused], rows, self.device)
                       if fused else None)
         if old is not None and self.on_reroute is not None:
-            self.on_reroute(self.segments, old, new)
+            self.on_reroute(old, new)
 
     @torch.no_grad()
     def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict, inv_scale: float = 1.0):
@@ -163,4 +136,4 @@ class PartitionStep:
                 grads.narrow(0, segment.offset, segment.numel).mul_(inv_scale)
         # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once
         self.adapter.step(group, self.gindex, params, grads, state, bnb_segments,
-                          [self.variants[self.variant[i]] for i in self._bnb])
+                          [self.variants[self.variant[s.slot]] for s in bnb_segments])

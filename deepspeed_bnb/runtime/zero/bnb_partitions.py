@@ -1,11 +1,12 @@
-"""What the bnb ZeRO optimizers of every stage share: which code steps each parameter, and accounting of the state.
+"""What the bnb ZeRO optimizers of every stage share: refusals, each partition's step and its routes' log, the load
+entry points, accounting of the state.
 
 Stage 1/2 (stage_1_and_2.py) steps one flat partition per param group, stage 3 (stage3.py) one per sub-group; both
 describe each partition as (its model parameters, the bnb param group, their precisions) through `_bnb_partitions`,
-and the methods here work on that description only.
+and the methods here work on that description only. Which code steps a parameter is optim/fused_route.py's decision.
 """
 
-import warnings
+import functools
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -14,15 +15,18 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records
-from deepspeed_bnb.ops import loader, self_check
-from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, describe_routes, optimizer_reason
-from deepspeed_bnb.optim.partition_step import FUSED, routes
+from deepspeed_bnb.optim.bnb_adapter import check_steppable
+from deepspeed_bnb.optim.fused_contract import describe_routes
+from deepspeed_bnb.optim.fused_route import FUSED
+from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.runtime.zero.compat import autocast_gradscaler
 
 
 class BnbPartitionsMixin:
     """Shared by BnbZeroOptimizer (ZeRO-1/2) and BnbZeroStage3Optimizer. The class using it sets `self.bnb`
-    (BnbAdapter), `self.bnb_eight_bit` and `self.bnb_routes`, and implements `_bnb_partitions`."""
+    (BnbAdapter), `self.bnb_eight_bit`, `self.bnb_segments` and `self.bnb_steps` (`_bnb_step_of`), and implements
+    `_bnb_partitions`."""
 
     def bnb_check_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True) -> None:
         """Raise CheckpointMismatchError unless `bnb_load_checkpoint(source, ...)` would load; changes nothing.
@@ -46,53 +50,33 @@ class BnbPartitionsMixin:
         """The process group partition i is split over."""
         raise NotImplementedError
 
-    def _bnb_kernel_reason(self, setting, device) -> Optional[str]:
-        """Why bnb's own update steps every parameter of this optimizer on `device` (None: the fused kernel steps
-        each parameter whose bnb config it models; fused_contract.py). `true` turns every reason but the contract's
-        into an error; a kernel that should run here and cannot warns once."""
-        if setting is False:
-            return "zero_optimization.bnb_fused_kernel is false"
-        reason = optimizer_reason(self.optimizer)
-        if reason is None and device.type not in KERNEL_DEVICES:
-            reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
-        if reason is None and device.type == "cuda" and setting == "auto":
-            # the CUDA kernels are compiled and checked at first use, but have not yet been run and benchmarked
-            # on a GPU by this project: an unproven path is never the silent default
-            return ("the fused CUDA kernels are opt-in until validated on GPUs (zero_optimization.bnb_fused_kernel: "
-                    "true uses them, after the first-use check)")
-        if reason is None and not loader.load():
-            reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
-            self._bnb_fall_back(setting, reason)
-        if reason is None:
-            problem = self_check.disagreement(self.bnb.optimizer_name, device)
-            if problem:
-                reason = (f"the compiled '{self.bnb.optimizer_name}' kernel failed its first-use check on {device} "
-                          f"against its pure-torch reference ({problem})")
-                self._bnb_fall_back(setting, reason + "; please report it with your CPU/GPU model and torch/CUDA "
-                                                      "versions")
-        if reason is not None and setting is True:
-            raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {reason}. Use \"auto\" (the kernel where "
-                             f"it models bnb's update, bnb's own update elsewhere) or false.")
-        return reason
-
     @staticmethod
-    def _bnb_fall_back(setting, reason: str) -> None:
-        if setting is not True:  # `true` raises instead (the caller)
-            warnings.warn(f"deepspeed_bnb: {reason}. bitsandbytes' own update steps this run instead (same "
-                          f"optimizer, bnb's speed); zero_optimization.bnb_fused_kernel: false silences this.",
-                          RuntimeWarning, stacklevel=5)
+    def _bnb_refuse_unsupported(optimizer) -> None:
+        """What no stage supports, before DeepSpeed builds anything: a bnb optimizer this package cannot step."""
+        check_steppable(optimizer)
+
+    def _bnb_refuse_built(self) -> None:
+        """What no stage supports, once DeepSpeed's optimizer is built."""
+        if autocast_gradscaler(self) is not None:
+            raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
+                                      "DeepSpeed's own fp16/bf16 config sections.")
+
+    def _bnb_step_of(self, i: int, params, gindex: int, eight_bit, segments, device) -> PartitionStep:
+        """The step of partition i on this rank: its model parameters in flat order with their precisions, this rank's
+        segments of them; routed by fused_route.py under the optimizer-wide `self.bnb_kernel_reason`."""
+        return PartitionStep(self.bnb, gindex, segments, [self.bnb.override(p) for p in params], eight_bit, device,
+                             self.bnb_kernel_reason, on_reroute=functools.partial(self._bnb_log_reroute, i))
 
     def _bnb_param_name(self, param, where: str) -> str:
         return self.param_names.get(param, where)
 
     def _bnb_model_routes(self) -> Dict[str, Optional[str]]:
-        """Every model parameter's route (rank-independent: it depends on the parameter and its config only)."""
+        """Every model parameter's route, as the partitions' steps decided it (rank-independent: it depends on the
+        parameter and its config only)."""
         out = {}
-        for i, (params, gindex, eight_bit) in enumerate(self._bnb_partitions()):
-            found = routes(self.bnb, self.bnb_kernel_reason, self.optimizer.param_groups[gindex], gindex,
-                           [self.bnb.override(p) for p in params], eight_bit)
+        for i, (params, _, _) in enumerate(self._bnb_partitions()):
             out.update({self._bnb_param_name(p, f"partition {i} #{j}"): r
-                        for j, (p, r) in enumerate(zip(params, found))})
+                        for j, (p, r) in enumerate(zip(params, self.bnb_steps[i].param_routes))})
         return out
 
     def _bnb_log_routes(self) -> None:
@@ -100,10 +84,10 @@ class BnbPartitionsMixin:
         if dist.get_rank(group=self.dp_process_group) == 0:
             logger.info(describe_routes(type(self.optimizer).__name__, self.bnb_routes))
 
-    def _bnb_log_reroute(self, partition_no, segments, old, new) -> None:
+    def _bnb_log_reroute(self, partition_no, old, new) -> None:
         params = self._bnb_partitions()[partition_no][0]
-        changed = {self._bnb_param_name(params[s.slot], f"partition {partition_no} #{s.slot}"): r
-                   for s, was, r in zip(segments, old, new) if was != r}
+        changed = {self._bnb_param_name(p, f"partition {partition_no} #{j}"): r
+                   for j, (p, was, r) in enumerate(zip(params, old, new)) if was != r}
         self.bnb_routes.update(changed)
         logger.info(f"rank {dist.get_rank(group=self.dp_process_group)}: the config changed; "
                     + describe_routes(type(self.optimizer).__name__, changed))
@@ -118,6 +102,19 @@ class BnbPartitionsMixin:
         if fused == len(self.bnb_routes):
             return kernel
         return f"{kernel} for {fused} of {len(self.bnb_routes)} parameters, bnb's own update for the rest"
+
+    def bnb_partition_numel(self) -> int:
+        """Model-parameter elements this rank updates (its segments; alignment padding excluded)."""
+        return sum(seg.numel for segments in self.bnb_segments for seg in segments)
+
+    def load_state_dict(self, *args, **kwargs):
+        # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for these classes
+        # (runtime/checkpointing.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing
+        # over DeepSpeed's in-memory list (every rank's whole file, element-wise) is refused rather than half
+        # supported.
+        raise NotImplementedError(f"deepspeed_bnb: {type(self).__name__} loads its checkpoints through "
+                                  f"engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
+                                  f"ZeRO states is not an entry point. Call engine.load_checkpoint instead.")
 
     def bnb_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds, measured from the tensors (shared maps counted once)."""

@@ -23,7 +23,6 @@ DeepSpeed's. Configurations whose code paths bypass these overrides are refused 
 """
 
 import contextlib
-import functools
 import inspect
 from typing import Dict, Iterable, List, Optional
 
@@ -37,7 +36,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
-from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
+from deepspeed_bnb.optim import fused_route
+from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.overrides import swapped
@@ -87,7 +87,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     def __init__(self, module, init_optimizer, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
-        check_steppable(init_optimizer)
+        self._bnb_refuse_unsupported(init_optimizer)
         _refuse_unsupported(init_optimizer, kwargs)
         # Before DeepSpeed replaces each group's params: precision and config overrides per model parameter.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
@@ -95,9 +95,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
         super().__init__(module, init_optimizer, *args, **kwargs)
         compat.name_stage3_params(self, module)  # DeepSpeed < 0.18.0 keeps no parameter names
-        if compat.autocast_gradscaler(self) is not None:
-            raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
-                                      "DeepSpeed's own fp16/bf16 config sections.")
+        self._bnb_refuse_built()
         self.bnb_layouts: List[ShardedLayout] = []  # per sub-group: the slices of its parameters on every rank
         self.bnb_eight_bit: List[List[bool]] = []  # per sub-group, per parameter: 8-bit state?
         self.bnb_segments = []  # per sub-group: this rank's segment table (state_layout.Segment)
@@ -110,7 +108,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         group_eight_bit = {g: [self.bnb.eight_bit(p) for j in subs for p in self.fp16_groups[j]]
                            for g, subs in self.bnb_sub_groups.items()}
         device = self._bnb_device()
-        self.bnb_kernel_reason: Optional[str] = self._bnb_kernel_reason(bnb_fused_kernel, device)
+        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device)
         for i, params in enumerate(self.fp16_groups):
             gindex = self.sub_group_to_group_id[i]
             layout = self._bnb_check_layout(i)
@@ -124,9 +122,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
-            step = PartitionStep(self.bnb, gindex, segments, [self.bnb.override(params[s.slot]) for s in segments],
-                                 partition.device, self.bnb_kernel_reason,
-                                 on_reroute=functools.partial(self._bnb_log_reroute, i))
+            step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
             with self._bnb_holding(i):
                 self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments, layout.partition_size,
                                                                     group_eight_bit[gindex], partition.device)
@@ -308,10 +304,6 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     # ---- accounting ---------------------------------------------------------------------------------------------
 
-    def bnb_partition_numel(self) -> int:
-        """Model-parameter elements this rank updates (its segments; padding excluded)."""
-        return sum(seg.numel for segments in self.bnb_segments for seg in segments)
-
     def _bnb_groups(self):
         """Per bnb param group with trainable parameters, in order: (index, parameters, layout, precisions)."""
         dp = dist.get_world_size(group=self.dp_process_group)
@@ -404,13 +396,6 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
                                                         dist.get_rank(group=self.dp_process_group), records,
                                                         master_entry=C.FP32_FLAT_GROUPS_KEY)
         return state_dict
-
-    def load_state_dict(self, *args, **kwargs):
-        # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for this class
-        # (runtime/checkpointing.py) by bnb_load_checkpoint.
-        raise NotImplementedError("deepspeed_bnb: BnbZeroStage3Optimizer loads its checkpoints through "
-                                  "engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
-                                  "ZeRO states is not an entry point. Call engine.load_checkpoint instead.")
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size and stage (sources.py)."""

@@ -18,7 +18,6 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
-import functools
 from typing import Iterable, List, Optional
 
 import torch
@@ -30,10 +29,11 @@ from deepspeed_bnb.checkpoint.format.constants import PARAM_ALIGNMENT_PADDINGS
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
-from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
+from deepspeed_bnb.optim import fused_route
+from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
-from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, autocast_gradscaler, padding_mode, \
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, \
     require_reduced_grad_accum, wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
@@ -47,7 +47,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
-        check_steppable(init_optimizer)
+        self._bnb_refuse_unsupported(init_optimizer)
         # how the block-aligned layout is placed in DeepSpeed's flat groups (compat.py)
         self.bnb_padding_mode = padding_mode()
         if self.bnb_padding_mode == PADDING_TENSORS:
@@ -58,9 +58,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         super().__init__(init_optimizer, param_names, *args, **kwargs)
         # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
-        if autocast_gradscaler(self) is not None:
-            raise NotImplementedError("deepspeed_bnb: torch autocast with fp16 GradScaler is not supported; use "
-                                      "DeepSpeed's own fp16/bf16 config sections.")
+        self._bnb_refuse_built()
         self.bnb_layouts: List[GroupLayout] = []  # per param group: block-aligned layout of the flat buffer
         self.bnb_eight_bit: List[List[bool]] = []  # per group, per parameter in flat order: 8-bit state?
         self.bnb_segments = []  # per group: this rank's segment table (state_layout.Segment)
@@ -68,7 +66,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
         device = self.single_partition_of_fp32_groups[0].device
         # why no parameter may be fused here (None: the contract decides per parameter)
-        self.bnb_kernel_reason: Optional[str] = self._bnb_kernel_reason(bnb_fused_kernel, device)
+        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device)
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -86,9 +84,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
-            step = PartitionStep(self.bnb, i, segments, [self.bnb.override(params[s.slot]) for s in segments],
-                                 partition.device, self.bnb_kernel_reason,
-                                 on_reroute=functools.partial(self._bnb_log_reroute, i))
+            step = self._bnb_step_of(i, params, i, eight_bit, segments, partition.device)
             step.route(group)  # known before the first step, for the log below and for inspection
             self.bnb_steps.append(step)
         self._bnb_log_routes()  # self.bnb_routes: parameter name -> FUSED or why bnb's update steps it
@@ -223,10 +219,6 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     # ---- accounting ---------------------------------------------------------------------------------------------
 
-    def bnb_partition_numel(self) -> int:
-        """Model-parameter elements this rank updates (its segments; alignment padding excluded)."""
-        return sum(seg.numel for segments in self.bnb_segments for seg in segments)
-
     def bnb_description(self) -> dict:
         """What a checkpoint manifest records about the run that wrote it."""
         return describe(self._bnb_optimizer_class(), 2 if self.partition_gradients else 1,
@@ -259,15 +251,6 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records)
         return state_dict
-
-    def load_state_dict(self, state_dict_list, *args, **kwargs):
-        # DeepSpeed calls this from its _load_zero_checkpoint only, which deepspeed_bnb replaces for this class
-        # (runtime/checkpointing.py) by bnb_load_checkpoint over the files each new rank needs. Anything else handing
-        # over DeepSpeed's in-memory list (every rank's whole file, element-wise) is refused rather than half
-        # supported.
-        raise NotImplementedError("deepspeed_bnb: BnbZeroOptimizer loads its checkpoints through "
-                                  "engine.load_checkpoint(dir) (any data-parallel size); DeepSpeed's list of per-rank "
-                                  "ZeRO states is not an entry point. Call engine.load_checkpoint instead.")
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size (sources.py)."""

@@ -1,0 +1,81 @@
+"""Which code steps a parameter, the fused kernel or bitsandbytes' own update: the one place that decides.
+
+Two questions, asked in this order:
+1. `kernel_reason`, once per optimizer and device: may the fused kernel step anything here at all? No when the user
+   said `bnb_fused_kernel: false`, when the optimizer's update has no kernel or a subclass overrides it
+   (fused_contract.optimizer_reason), on a device without kernels, on a GPU unless opted in (the CUDA kernels are
+   unproven there: never the silent default), when the compiled kernels cannot be loaded, or when they fail their
+   first-use check against the reference (ops/self_check.py). `true` turns every such reason but the contract's into
+   an error; a kernel that should run and cannot warns once and leaves the step to bnb.
+2. `route`, per parameter and at every step (configs change during training): FUSED where the kernel computes that
+   parameter's own bnb update (fused_contract.param_reason), else why bnb's `update_step` steps it; where bnb has no
+   update of its own (own_update.py), the kernel's fp32 path for 32-bit state (fused_contract.fp32_param_reason).
+partition_step.py asks `route` through `route_table`; the ZeRO optimizers of every stage ask `kernel_reason`.
+"""
+
+import warnings
+from typing import List, Optional, Sequence
+
+from deepspeed_bnb.ops import loader, self_check
+from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, fp32_param_reason, optimizer_reason, param_reason
+
+FUSED = None  # the route of a parameter the kernel steps (any other route is the reason bnb steps it)
+
+
+def kernel_reason(setting, optimizer, device) -> Optional[str]:
+    """Why bnb's own update steps every parameter of the bnb `optimizer` on `device` (None: `route` decides per
+    parameter). `setting`: zero_optimization.bnb_fused_kernel ("auto", True or False)."""
+    if setting is False:
+        return "zero_optimization.bnb_fused_kernel is false"
+    reason = optimizer_reason(optimizer)
+    if reason is None and device.type not in KERNEL_DEVICES:
+        reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
+    if reason is None and device.type == "cuda" and setting == "auto":
+        # the CUDA kernels are compiled and checked at first use, but have not yet been run and benchmarked on a GPU
+        # by this project: an unproven path is never the silent default
+        return ("the fused CUDA kernels are opt-in until validated on GPUs (zero_optimization.bnb_fused_kernel: "
+                "true uses them, after the first-use check)")
+    if reason is None and not loader.load():
+        reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
+        _fall_back(setting, reason)
+    if reason is None:
+        problem = self_check.disagreement(optimizer.optimizer_name, device)
+        if problem:
+            reason = (f"the compiled '{optimizer.optimizer_name}' kernel failed its first-use check on {device} "
+                      f"against its pure-torch reference ({problem})")
+            _fall_back(setting, reason + "; please report it with your CPU/GPU model and torch/CUDA versions")
+    if reason is not None and setting is True:
+        raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {reason}. Use \"auto\" (the kernel where it "
+                         f"models bnb's update, bnb's own update elsewhere) or false.")
+    return reason
+
+
+def _fall_back(setting, reason: str) -> None:
+    if setting is not True:  # `true` raises instead (kernel_reason)
+        warnings.warn(f"deepspeed_bnb: {reason}. bitsandbytes' own update steps this run instead (same optimizer, "
+                      f"bnb's speed); zero_optimization.bnb_fused_kernel: false silences this.", RuntimeWarning,
+                      stacklevel=5)
+
+
+def route(optimizer, kernel_reason: Optional[str], config: dict, eight_bit: bool,
+          no_own_update: Optional[str]) -> Optional[str]:
+    """FUSED, or why bnb's own update steps a parameter of `optimizer` whose bnb config is `config` (8-bit state or
+    not). `kernel_reason`: the optimizer-wide answer above; `no_own_update`: why bnb has no update of its own on the
+    partition's device (own_update.missing), or None."""
+    reason = kernel_reason or optimizer_reason(optimizer) or param_reason(optimizer.optimizer_name, config, eight_bit)
+    if reason is not FUSED and no_own_update and not eight_bit and not kernel_reason \
+            and not optimizer_reason(optimizer):
+        # bnb's own 32-bit update does not exist here: the kernel's fp32 path is the only one
+        return fp32_param_reason(optimizer.optimizer_name, config)
+    return reason
+
+
+def route_table(optimizer, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
+                eight_bit: Sequence[bool], no_own_update: Optional[str] = None) -> List[Optional[str]]:
+    """`route` per parameter, given its config variant among `configs` and its precision (computed once per
+    distinct pair)."""
+    memo = {}  # (variant, precision) -> route
+    for key in zip(variant, eight_bit):
+        if key not in memo:
+            memo[key] = route(optimizer, kernel_reason, configs[key[0]], key[1], no_own_update)
+    return [memo[key] for key in zip(variant, eight_bit)]
