@@ -33,9 +33,9 @@ from deepspeed_bnb.optim import fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
-from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, \
-    require_reduced_grad_accum, wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
+    wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
