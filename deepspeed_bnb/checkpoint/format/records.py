@@ -244,18 +244,19 @@ def _slot_maps(parts: Sequence[SavedPart], live: GroupRecord, where: str) -> Lis
     return maps
 
 
-def _group_plan(parts: Sequence[SavedPart], live: GroupRecord, rank: int, where: str, master: bool = False
-                ) -> Tuple[Run, ...]:
-    """The runs filling `rank`'s partition of `live` from the saved parts, with each run's src_rank the file index."""
+def _group_plans(parts: Sequence[SavedPart], live: GroupRecord, rank: int, where: str
+                 ) -> Tuple[Tuple[Run, ...], Tuple[Run, ...]]:
+    """The runs filling `rank`'s partition of `live` from the saved parts, of the state and of the fp32 master
+    weights, with each run's src_rank the file index."""
     if live.expert is None:
-        old = parts[0].master_layout if master else parts[0].layout
-        return plan(old, live.layout, live.eight_bit, rank)
-    runs = []
+        return tuple(plan(old, live.layout, live.eight_bit, rank)
+                     for old in (parts[0].layout, parts[0].master_layout))
+    state, master = [], []
     for part, slots in zip(parts, _slot_maps(parts, live, where)):
-        old = part.master_layout if master else part.layout
-        runs += [dataclasses.replace(run, src_rank=part.files[run.src_rank])
-                 for run in plan(old, live.layout, live.eight_bit, live.expert.edp_rank, slots, part.eight_bit)]
-    return tuple(runs)
+        for runs, old in ((state, part.layout), (master, part.master_layout)):
+            runs += [dataclasses.replace(run, src_rank=part.files[run.src_rank])
+                     for run in plan(old, live.layout, live.eight_bit, live.expert.edp_rank, slots, part.eight_bit)]
+    return tuple(state), tuple(master)
 
 
 def _check_expert_group(saved: dict, live: GroupRecord, where: str) -> None:
@@ -306,10 +307,9 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
             _expect(part.layout.dp == len(part.files),
                     f"{where}: written for {part.layout.dp} ranks, but the checkpoint has {len(part.files)} rank "
                     f"files{'' if part.ep_rank is None else f' for expert-parallel rank {part.ep_rank}'}.")
-    runs = [_group_plan(p, live, new_rank, f"{source.name(0)}, param group {g}")
-            for g, (p, live) in enumerate(zip(parts, groups))]
-    master_runs = [_group_plan(p, live, new_rank, f"{source.name(0)}, param group {g}", master=True)
-                   for g, (p, live) in enumerate(zip(parts, groups))]
+    plans = [_group_plans(p, live, new_rank, f"{source.name(0)}, param group {g}")
+             for g, (p, live) in enumerate(zip(parts, groups))]
+    runs, master_runs = [state for state, _ in plans], [master for _, master in plans]
     master_layouts = [p[0].master_layout for p in parts]  # ZeRO-3 (no expert groups) finds a group's by those before
     masters = {}
 

@@ -11,6 +11,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import groups
 
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, global_expert_names, local_expert_counts
+from deepspeed_bnb.runtime.zero.compat import all_gather_object
 
 
 def expert_placements(optimizer) -> List[Optional[ExpertPlacement]]:
@@ -22,7 +23,7 @@ def expert_placements(optimizer) -> List[Optional[ExpertPlacement]]:
     mine = {i: (groups._get_expert_parallel_rank(name), dist.get_rank(group=optimizer.real_dp_process_group[i]))
             for i, name in enumerate(names) if name}
     everyone = [None] * dist.get_world_size(group=optimizer.dp_process_group)
-    dist.all_gather_object(everyone, mine, group=optimizer.dp_process_group)
+    all_gather_object(everyone, mine, group=optimizer.dp_process_group)
     placements = []
     for i, name in enumerate(names):
         if not name:
