@@ -74,6 +74,20 @@ class Segment:
         return num_blocks(self.numel)
 
 
+def split_segment(segment: Segment, max_numel: int) -> Tuple[Segment, ...]:
+    """`segment` cut into consecutive pieces of at most `max_numel` elements (a multiple of the block size), each
+    starting on a block boundary: a block-wise update of the pieces one after the other is the update of the whole."""
+    if max_numel <= 0 or max_numel % BLOCK_SIZE:
+        raise ValueError(f"split_segment: max_numel={max_numel} must be a positive multiple of {BLOCK_SIZE}")
+    if segment.numel <= max_numel:
+        return (segment,)
+    return tuple(Segment(slot=segment.slot, param_start=segment.param_start + start,
+                         numel=min(max_numel, segment.numel - start), offset=segment.offset + start,
+                         eight_bit=segment.eight_bit,
+                         fp32_offset=segment.fp32_offset + start if segment.fp32_offset >= 0 else -1)
+                 for start in range(0, segment.numel, max_numel))
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """One param group flattened with every parameter on a block boundary and split into `dp` equal partitions."""

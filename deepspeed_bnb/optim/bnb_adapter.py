@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, StateClassError, classify, \
     zeros_like_partitioned
-from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, uses_8bit_state
+from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment, uses_8bit_state
 
 if TYPE_CHECKING:
     from bitsandbytes.optim.optimizer import Optimizer8bit
@@ -71,6 +72,19 @@ def _refuse_whole_tensor_options(optimizer, config: dict, gindex: int, pindex: i
                 f"removed the option).")
 
 
+def _refuse_split_trust_ratio(optimizer, param, name: str, eight_bit: bool, max_unorm: float) -> None:
+    """bnb's update is called on pieces of at most own_update.MAX_UPDATE_NUMEL elements; a per-tensor trust ratio
+    (max_unorm > 0 on 32-bit state) would be computed per piece, i.e. not bnb's."""
+    numel = model_numel(param)
+    if not eight_bit and max_unorm > 0 and numel > own_update.MAX_UPDATE_NUMEL:
+        raise NotImplementedError(
+            f"deepspeed_bnb: parameter {name} has {numel:,} elements, 32-bit state and a per-tensor trust ratio "
+            f"(max_unorm={max_unorm}) under {type(optimizer).__name__}; bitsandbytes' update counts elements in 32 "
+            f"bits, so deepspeed_bnb steps tensors of more than {own_update.MAX_UPDATE_NUMEL:,} elements in pieces, "
+            f"and a trust ratio needs the whole tensor in one call. Give it 8-bit state (optim_bits=8 and a "
+            f"min_8bit_size below its size) or max_unorm=0.")
+
+
 class BnbAdapter:
     """Per-parameter precision and config of one bnb optimizer, and its update run segment by segment."""
 
@@ -105,6 +119,7 @@ class BnbAdapter:
                 name = _param_name(p, f"#{pindex} of param group {gindex}")
                 self._described.setdefault(gindex, []).append((self._overrides[id(p)], self._eight_bit[id(p)], name))
                 _refuse_whole_tensor_options(optimizer, config, gindex, pindex, self._eight_bit[id(p)])
+                _refuse_split_trust_ratio(optimizer, p, name, self._eight_bit[id(p)], self._max_unorm[id(p)])
         optimizer.initialized = True  # bnb's step() would re-run check_overrides/to_gpu; it is never called now
         optimizer.mng = _NoOverrides()
         self._bnb_get_config = optimizer.get_config
@@ -221,18 +236,20 @@ class BnbAdapter:
         step = state["step"]
         bnb_state = self.optimizer.state
         scalars = {"step": step + 1}  # what bnb's update_step leaves; also right for a partition of pure padding
-        for segment, override in zip(segments, overrides):
-            p = params.narrow(0, segment.offset, segment.numel)
-            p.grad = grads.narrow(0, segment.offset, segment.numel)
-            views = bnb_state[p] = self._segment_state(state, segment, step)
-            self._current_override = override
-            try:
-                self.optimizer.update_step(group, p, gindex, 0)
-            finally:
-                self._current_override = {}
-                del bnb_state[p]
-            # every segment starts from the partition's scalars and applies the same update to them
-            scalars = {k.stored_as: views[k.name] for k in self._specs[segment.eight_bit] if k.cls == StateClass.SCALAR}
+        for whole, override in zip(segments, overrides):
+            for segment in split_segment(whole, own_update.MAX_UPDATE_NUMEL):  # bnb counts elements in 32 bits
+                p = params.narrow(0, segment.offset, segment.numel)
+                p.grad = grads.narrow(0, segment.offset, segment.numel)
+                views = bnb_state[p] = self._segment_state(state, segment, step)
+                self._current_override = override
+                try:
+                    self.optimizer.update_step(group, p, gindex, 0)
+                finally:
+                    self._current_override = {}
+                    del bnb_state[p]
+                # every segment starts from the partition's scalars and applies the same update to them
+                scalars = {k.stored_as: views[k.name] for k in self._specs[segment.eight_bit]
+                           if k.cls == StateClass.SCALAR}
         state.update(scalars)
 
 
