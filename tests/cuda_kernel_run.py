@@ -36,19 +36,11 @@ sys.path.insert(0, ROOT)
 def bundle(folder: str, cuda: str) -> None:
     """Copies the installed bitsandbytes into folder/site without the native libraries of other CUDA versions, ROCm
     and XPU (pure Python plus one CUDA and the CPU library: small enough to carry to the GPU machine)."""
-    import shutil
-
+    sys.path.append(os.path.join(TESTS, "gpu"))
     import bitsandbytes
-    source = os.path.dirname(bitsandbytes.__file__)
-    target = os.path.join(folder, "site", "bitsandbytes")
-    keep = {f"libbitsandbytes_cuda{cuda}.so", "libbitsandbytes_cpu.so"}
-    if not os.path.isfile(os.path.join(source, f"libbitsandbytes_cuda{cuda}.so")):
-        sys.exit(f"--bundle: {source} has no libbitsandbytes_cuda{cuda}.so; pick --cuda from the ones it has")
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(source, target, ignore=lambda d, names: [n for n in names if n == "__pycache__" or (
-        n.startswith("libbitsandbytes_") and n not in keep)])
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(target) for f in files)
-    print(f"bitsandbytes {bitsandbytes.__version__} -> {target} ({size / 1e6:.1f} MB)")
+    from proof_bundle import SITE, trimmed_bitsandbytes
+    size = trimmed_bitsandbytes(folder, cuda)
+    print(f"bitsandbytes {bitsandbytes.__version__} -> {os.path.join(folder, SITE)} ({size / 1e6:.1f} MB)")
 
 
 def install_stand_ins(force: list) -> list:

@@ -1,0 +1,265 @@
+"""GPU proof, parts b and c: a DeepSpeed engine on the one device with bnb AdamW8bit and deepspeed_bnb imported.
+
+b. ZeRO-1, 2 and 3, fp32 and bf16, default `bnb_fused_kernel: "auto"` (on a GPU: bitsandbytes' own CUDA update):
+   after every step, every parameter's fp32 weights and its whole state (codes, absmax, maps, step) equal plain bnb
+   AdamW8bit without DeepSpeed on the same model and data, bit for bit. The plain reference of a bf16 engine is
+   mixed precision written out by hand: a bf16 copy of the model computes the gradients, bnb steps fp32 master
+   weights (made of the bf16 weights, as DeepSpeed makes them) with them (cast to fp32), and the bf16 copy takes the
+   rounded masters; which is what ZeRO does at DP 1.
+   Control: the weights moved (two untrained models would pass the comparison).
+c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the same run, ZeRO-2, fp32 and bf16:
+   before each step the fused engine takes the default engine's weights and state, both take the step, and the
+   fused one's codes are within one quantization step of the default's (the relation tests/test_fused_contract.py
+   holds the kernel to on the CPU), its weights within 1% of the step; over the run, the largest update per element
+   of the parameters the kernel steps (|update| / lr, the statistic of benchmarks/compare_adam.py) stays within the
+   default path's on the same parameters (5% slack), with no update beyond 10 x lr where the default has none. Control: the fused engine's 8-bit parameters are stepped by
+   the kernel, the default's by bnb.
+"""
+
+import proof_common as common
+
+STAGES = (1, 2, 3)
+PRECISIONS = ("fp32", "bf16")
+STEPS = 4  # b: steps compared one by one
+RELATION_STEPS = 12  # c
+LR = 1e-3
+UPDATE_SLACK = 1.05  # c: the fused path's largest update may exceed the default's by this factor
+BIG_UPDATE = 10.0  # c: an element moving more than this many times its lr in one step is a spike
+
+
+def batch(step: int, device: str):
+    from toy import global_batch
+    tokens, targets = global_batch(step)
+    return tokens.to(device), targets.to(device)
+
+
+def default_setting(device: str):
+    """What stands for `bnb_fused_kernel: "auto"` on a GPU (bnb's own update) on this device: "auto" itself on a GPU;
+    false on the CPU, where "auto" gives the fused kernel."""
+    return "auto" if device == "cuda" else False
+
+
+def engine_of(stage: int, bf16: bool, device: str, fused=None):
+    """A one-rank engine of the toy model (fp32 weights at construction; DeepSpeed casts them for bf16); `fused`:
+    bnb_fused_kernel (None: the GPU default's stand-in)."""
+    import bitsandbytes as bnb
+    import deepspeed
+
+    from toy import ds_config, make_model, param_groups
+    model = make_model(0).to(device)
+    optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=LR))
+    config = ds_config(1, stage=stage, bf16=bf16,
+                       bnb_fused_kernel=default_setting(device) if fused is None else fused)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+class PlainBnb:
+    """plain bnb AdamW8bit on fp32 weights (the masters); with bf16, a bf16 copy of the model computes the gradients."""
+
+    def __init__(self, device: str, bf16: bool):
+        import bitsandbytes as bnb
+        import torch
+
+        from toy import clone, make_model, param_groups
+        self.master = make_model(0).to(device)
+        self.compute = clone(self.master).to(torch.bfloat16) if bf16 else self.master
+        with torch.no_grad():  # DeepSpeed casts the model first, then makes its fp32 masters of the bf16 weights
+            for master, compute in zip(self.master.parameters(), self.compute.parameters()):
+                master.copy_(compute.float())
+        self.optimizer = bnb.optim.AdamW8bit(param_groups(self.master, lr=LR))
+
+    def step(self, tokens, targets) -> float:
+        from toy import loss_fn
+        loss = loss_fn(self.compute, tokens, targets)
+        loss.backward()
+        if self.compute is not self.master:
+            for master, compute in zip(self.master.parameters(), self.compute.parameters()):
+                master.grad = compute.grad.float()
+                compute.grad = None
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.compute is not self.master:
+            for master, compute in zip(self.master.parameters(), self.compute.parameters()):
+                compute.data.copy_(master.data)
+        return loss.item()
+
+    def states(self) -> dict:
+        from bnb_state import flat_bnb_state
+        return {name: flat_bnb_state(self.optimizer.state[p], p.numel()) for name, p in self.master.named_parameters()}
+
+
+def engine_weights(engine) -> dict:
+    """name -> the engine's full fp32 (master) weights, from DeepSpeed's own API (gathers at ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {name: safe_get_full_fp32_param(p).detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def engine_states(engine) -> dict:
+    """name -> that parameter's bnb-shaped state, from the optimizer's records (DP 1: one rank holds all of it)."""
+    from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
+    out = {}
+    for record in engine.optimizer._bnb_group_records():
+        out.update(zip(record.param_names, gather_param_states(record.layout, record.eight_bit, record.key_classes,
+                                                               [record.state])))
+    return out
+
+
+def state_differences(mine: dict, theirs: dict) -> list:
+    """Keys of one parameter's state that differ in keys, dtype or any bit."""
+    import torch
+    if mine.keys() != theirs.keys():
+        return [f"keys {sorted(mine)} vs {sorted(theirs)}"]
+    out = []
+    for key in mine:
+        a, b = mine[key], theirs[key]
+        same = (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.to(a.device))) \
+            if torch.is_tensor(a) else a == b
+        if not same:
+            out.append(key)
+    return out
+
+
+def equals_plain(args, result, stage: int, precision: str) -> list:
+    """Part b for one configuration; returns the table row."""
+    from toy import make_model
+    bf16 = precision == "bf16"
+    engine = engine_of(stage, bf16, args.device)
+    plain = PlainBnb(args.device, bf16)
+    first_bad, worst, bad_states = None, 0.0, set()
+    for step in range(STEPS):
+        tokens, targets = batch(step, args.device)
+        from toy import loss_fn
+        loss = loss_fn(engine, tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        plain.step(tokens, targets)
+        mine, theirs = engine_weights(engine), dict(plain.master.named_parameters())
+        states, plain_states = engine_states(engine), plain.states()
+        diff = max(common.max_abs(mine[n], theirs[n]) for n in theirs)
+        bad = {f"{n}.{k}" for n in theirs for k in state_differences(states[n], plain_states[n])}
+        worst, bad_states = max(worst, diff), bad_states | bad
+        if (diff or bad) and first_bad is None:
+            first_bad = step + 1
+    start = dict(make_model(0).named_parameters())
+    moved = max(common.max_abs(mine[n], start[n]) for n in start)
+    label = f"ZeRO-{stage} {precision}"
+    summary = engine.optimizer.bnb_update_summary()
+    result.check(f"b: {label}, bnb_fused_kernel {default_setting(args.device)!r} steps every parameter with bnb's own "
+                 f"update", summary == "bnb's own update", summary, "bnb's own update")
+    result.check(f"b: {label}, weights and state == plain bnb AdamW8bit after each of {STEPS} steps",
+                 first_bad is None and moved > 0,
+                 "bit for bit" if first_bad is None else
+                 f"first difference after step {first_bad}: weights up to {worst:.3g}, state keys {sorted(bad_states)[:6]}",
+                 "bit for bit; weights moved (control)", note=f"weights moved up to {moved:.3g} from their start")
+    row = [label, summary, "equal" if first_bad is None else f"step {first_bad}",
+           f"{worst:.3g}", len(bad_states), f"{moved:.3g}"]
+    del engine
+    return row
+
+
+def copy_run_state(source, target) -> None:
+    """target (a ZeRO-2 engine of the same model and config) takes source's weights and optimizer state."""
+    import torch
+    src, dst = source.optimizer, target.optimizer
+    for i in range(len(src.bit16_groups_flat)):
+        dst.bit16_groups_flat[i].data.copy_(src.bit16_groups_flat[i].data)
+        dst.single_partition_of_fp32_groups[i].data.copy_(src.single_partition_of_fp32_groups[i].data)
+        theirs = src.optimizer.state[src.single_partition_of_fp32_groups[i]]
+        mine = dst.optimizer.state[dst.single_partition_of_fp32_groups[i]]
+        for key, value in theirs.items():
+            if torch.is_tensor(value):
+                mine[key].copy_(value)
+            else:
+                mine[key] = value
+
+
+def update_sizes(after: dict, before: dict, lrs: dict):
+    """(largest |update| / lr over all elements, elements beyond BIG_UPDATE * lr) of one step."""
+    largest, spikes = 0.0, 0
+    for name, lr in lrs.items():
+        moved = (after[name] - before[name]).abs() / lr
+        largest = max(largest, float(moved.max()))
+        spikes += int((moved > BIG_UPDATE).sum())
+    return largest, spikes
+
+
+def fused_against_default(args, result, precision: str) -> list:
+    """Part c for one precision; returns the table row."""
+    from deepspeed_bnb.optim.fused_route import FUSED
+    from test_fused_contract import relation_breaks
+    from toy import loss_fn, make_model, param_groups
+    bf16 = precision == "bf16"
+    default, fused = engine_of(2, bf16, args.device), engine_of(2, bf16, args.device, fused=True)
+    model = make_model(0)
+    groups = param_groups(model, lr=LR)
+    names = {id(p): n for n, p in model.named_parameters()}
+    lrs = {}
+    for group in groups:  # names of the fresh model's parameters -> their group's lr
+        for p in group["params"]:
+            lrs[names[id(p)]] = group["lr"]
+    breaks, checked = [], 0
+    sizes = {"default": [], "fused": []}
+    for step in range(RELATION_STEPS):
+        copy_run_state(default, fused)
+        before = engine_weights(default)
+        tokens, targets = batch(step, args.device)
+        for engine in (default, fused):
+            engine.backward(loss_fn(engine, tokens, targets))
+            engine.step()
+        after = {"default": engine_weights(default), "fused": engine_weights(fused)}
+        states = {"default": engine_states(default), "fused": engine_states(fused)}
+        kernel_steps = {n: lrs[n] for n, r in fused.optimizer.bnb_routes.items() if r is FUSED}
+        for key in sizes:  # over the parameters where the two paths differ (elsewhere both are bnb's update)
+            sizes[key].append(update_sizes(after[key], before, kernel_steps))
+        for name, route in fused.optimizer.bnb_routes.items():
+            if route is not FUSED:
+                continue
+            checked += 1
+            mine = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in states["fused"][name].items()}
+            bnbs = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in states["default"][name].items()}
+            for problem in relation_breaks(mine, bnbs, after["fused"][name].cpu(), after["default"][name].cpu(),
+                                           before[name].cpu()):
+                breaks.append(f"step {step + 1} {name}: {problem}")
+    routes = fused.optimizer.bnb_routes
+    kernel_params = sorted(n for n, r in routes.items() if r is FUSED)
+    default_fused = sorted(n for n, r in default.optimizer.bnb_routes.items() if r is FUSED)
+    label = f"ZeRO-2 {precision}"
+    result.check(f"c: {label}, the fused engine's kernel steps the 8-bit parameters, the default's bnb (control)",
+                 bool(kernel_params) and not default_fused,
+                 f"kernel: {', '.join(kernel_params) or 'none'}; default engine: "
+                 f"{default.optimizer.bnb_update_summary()}", "kernel steps >= 1 parameter, default none")
+    result.check(f"c: {label}, fused step from the default path's state: codes within one quantization step, absmax "
+                 f"within fp32 noise, weights within 1% of the step", not breaks and checked > 0,
+                 f"{checked} parameter-steps checked, {len(breaks)} breaks" + (f": {breaks[:4]}" if breaks else ""),
+                 "no break")
+    largest = {key: max(s[0] for s in values) for key, values in sizes.items()}
+    spikes = {key: sum(s[1] for s in values) for key, values in sizes.items()}
+    result.check(f"c: {label}, the fused path's updates stay in bnb's own range (largest |update| / lr of the "
+                 f"parameters it steps, over {RELATION_STEPS} steps; spikes > {BIG_UPDATE:g} x lr)",
+                 largest["fused"] <= largest["default"] * UPDATE_SLACK and spikes["fused"] <= spikes["default"],
+                 f"fused {largest['fused']:.3f} ({spikes['fused']} spikes), default {largest['default']:.3f} "
+                 f"({spikes['default']} spikes)", f"fused <= {UPDATE_SLACK} x default; spikes <= default's")
+    result.table(f"c: largest |update| / lr per step, {label} (both from the same state)",
+                 ["step", "default (bnb)", "fused kernel"],
+                 [[i + 1, f"{d[0]:.3f}", f"{f[0]:.3f}"] for i, (d, f) in enumerate(zip(sizes["default"],
+                                                                                    sizes["fused"]))])
+    return [label, f"{largest['default']:.3f}", f"{largest['fused']:.3f}", spikes["default"], spikes["fused"],
+            checked, len(breaks)]
+
+
+def body(args, result):
+    common.deterministic(args.device)
+    common.one_rank(args.device)
+    import deepspeed_bnb  # noqa: F401  (before any engine: the import installs the integration)
+    rows = [equals_plain(args, result, stage, precision) for stage in STAGES for precision in PRECISIONS]
+    result.table("b: the engine against plain bnb AdamW8bit (default path)",
+                 ["config", "update", "first difference", "max |weight diff|", "state keys differing",
+                  "weights moved"], rows)
+    rows = [fused_against_default(args, result, precision) for precision in PRECISIONS]
+    result.table("c: bnb_fused_kernel true against the default path, same state before each step",
+                 ["config", "largest update / lr, default", "fused", "spikes default", "spikes fused",
+                  "parameter-steps checked", "relation breaks"], rows)
+
+
+if __name__ == "__main__":
+    common.run_part("b+c", "engines on the device: bnb's update and the fused kernel against plain bnb", body)

@@ -1,0 +1,188 @@
+"""The GPU proof: one command that shows, on a lent GPU, what users of deepspeed_bnb get there; rehearsed on the CPU.
+
+On a lent GPU machine (the `device` tool; prepare .device/ here first, then, from the repository root):
+    run(command="python3 tests/gpu/proof.py --out $OUT", carry=[".device"], timeout_s=560)
+It installs DeepSpeed and the trimmed bitsandbytes from .device/ (proof_bundle.py), runs each part below in a child
+process of its own under one deadline (default 480 s: the parts are ordered by what they prove, and one that no
+longer fits is reported as not run), and writes into $OUT: report.md and report.json (every check with what it
+measured and its bar), proof.log (every child's output) and gpu_checkpoint.tar (part d's checkpoint, which
+tests/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under benchmarks/results/gpu/).
+
+Here:
+    .venv/bin/python tests/gpu/proof.py --prepare                    # build .device/ (needs the network; ~1 min)
+    .venv/bin/python tests/gpu/proof.py --dry-run --out /tmp/proof   # the rehearsal on the CPU: make test runs it
+    VENV/bin/python tests/gpu/proof.py --dry-run --install --out /tmp/proof   # also the install, in a venv like
+                                          # the machine's (Python 3.12, torch 2.11, no DeepSpeed or bitsandbytes)
+
+Parts (each a script beside this one; its docstring says what it proves and against what):
+    env  part_environment.py   the machine, the versions, the packages import
+    a    part_kernels.py       fused kernels == pure-torch reference on the device; first-use check
+    b+c  part_engines.py       ZeRO-1/2/3 x fp32/bf16 == plain bnb AdamW8bit; the fused kernel against bnb's update
+    d    part_checkpoints.py   a CPU checkpoint continues on the device; the device's checkpoint comes back
+    e    part_large.py         a parameter of 2^31 + 4096 elements steps correctly on both paths
+    f    part_speed.py         step time, engine.step(), peak memory, bytes/param, kernel bandwidth (125M, 1B)
+The rehearsal (--dry-run) runs the same parts on the CPU with gloo; its stand-ins are named in each part's docstring
+(bnb_fused_kernel false for the GPU's "auto", small sizes for e and f).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import proof_common as common
+import proof_report
+
+TIME_FORMAT = "%Y-%m-%d %H:%M UTC"
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # the report's label
+    script: str  # beside this file
+    budget: float  # seconds it may take on one H100, JIT builds included (the deadline may leave it less)
+
+
+PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 300), Part("b+c", "part_engines.py", 180),
+         Part("d", "part_checkpoints.py", 120), Part("e", "part_large.py", 300), Part("f", "part_speed.py", 300))
+MIN_START = 20  # seconds of the deadline a part needs left to be started
+RESERVE = 10  # seconds kept for writing the report
+DEEPSPEED_FUSED_ADAM = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
+
+
+def child_env(pythonpath, extensions: str) -> dict:
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, common.ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    if extensions:
+        env["TORCH_EXTENSIONS_DIR"] = extensions  # a fresh JIT cache: no lock left by another run can hang us
+    return env
+
+
+def run_child(cmd, env: dict, timeout: float, log) -> int:
+    """Run `cmd` in a session of its own, its output into `log`; on timeout kill the whole session (its children,
+    ninja and nvcc included). Returns its exit code, or None when it timed out."""
+    log.flush()
+    child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             cwd=common.ROOT)
+    try:
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return None
+
+
+def part_result(part: Part, path: str, code, seconds: float, log_path: str) -> dict:
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    with open(log_path, errors="replace") as f:
+        tail = f.read()[-3000:]
+    why = "timed out" if code is None else f"exit code {code}"
+    return {"part": part.name, "title": part.script, "ok": False, "checks": [], "tables": [], "notes": [],
+            "seconds": round(seconds, 1), "error": f"the part wrote no result ({why}); the end of proof.log:\n{tail}"}
+
+
+def save(report: dict, out: str) -> None:
+    common.write_json(os.path.join(out, "report.json"), report)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(proof_report.render(report))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", action="store_true", help="build the bundle (.device/) here and stop")
+    parser.add_argument("--dry-run", action="store_true", help="the rehearsal: the CPU, the venv's packages")
+    parser.add_argument("--install", action="store_true",
+                        help="with --dry-run: install DeepSpeed and bitsandbytes from the bundle as on the GPU machine "
+                             "(rehearses the install in a venv without them, e.g. Python 3.12 with torch 2.11)")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="where the report goes (default: $OUT)")
+    parser.add_argument("--work", help="scratch folder (default: a new temporary one)")
+    parser.add_argument("--bundle", default=os.path.join(common.ROOT, ".device"))
+    parser.add_argument("--deadline", type=float, default=480, help="seconds for the whole proof")
+    parser.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated part names")
+    args = parser.parse_args()
+    if args.prepare:
+        import proof_bundle
+        print(json.dumps(proof_bundle.prepare(args.bundle), indent=1))
+        return
+    start = time.monotonic()
+    if not args.out:
+        sys.exit("proof.py: say where the report goes (--out DIR, or $OUT on the GPU machine)")
+    os.makedirs(args.out, exist_ok=True)
+    work = args.work or tempfile.mkdtemp(prefix="dsbnb_gpu_proof_")
+    os.makedirs(work, exist_ok=True)
+    device = "cpu" if args.dry_run else "cuda"
+    report = {"device": "CPU rehearsal (stand-ins for the GPU)" if args.dry_run else "GPU (named in part env)",
+              "mode": "dry run" if args.dry_run else "GPU", "command": " ".join(sys.argv),
+              "started": datetime.datetime.now(datetime.timezone.utc).strftime(TIME_FORMAT),
+              "deadline": args.deadline, "seconds": 0.0, "install": None, "parts": []}
+    log_path = os.path.join(args.out, "proof.log")
+    bundle, pythonpath, extensions = args.bundle, [], None
+    with open(log_path, "a") as log:
+        if not args.dry_run or args.install:
+            import proof_bundle
+            try:
+                report["install"] = proof_bundle.install(bundle, os.path.join(work, "site"))
+                pythonpath = report["install"]["pythonpath"]
+            except Exception as exc:
+                report["install"] = {"error": f"{type(exc).__name__}: {exc}"}
+                report["parts"].append({"part": "install", "title": "install the bundle", "ok": False, "checks": [],
+                                        "tables": [], "notes": [], "seconds": None, "error": str(exc)})
+                save(report, args.out)
+                sys.exit(f"proof.py: the bundle could not be installed: {exc}")
+            extensions = os.path.join(work, "torch_extensions")
+        env = child_env(pythonpath, extensions)
+        if args.dry_run and not os.path.isdir(os.path.join(bundle, "cpu_checkpoint")):
+            import proof_bundle
+            bundle = os.path.join(work, "bundle")
+            proof_bundle.cpu_checkpoint(bundle, env=env)
+        # DeepSpeed's FusedAdam (part f) JIT-builds in the background while the other parts run
+        prebuild = subprocess.Popen([sys.executable, "-c", DEEPSPEED_FUSED_ADAM], env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True, cwd=common.ROOT)
+        try:
+            for part in (p for p in PARTS if p.name in args.parts.split(",")):
+                left = args.deadline - (time.monotonic() - start) - RESERVE
+                if left < MIN_START:
+                    report["parts"].append({"part": part.name, "title": part.script, "ok": False, "checks": [],
+                                            "tables": [], "notes": [], "seconds": None, "error": None,
+                                            "skipped": f"{left:.0f} s of the deadline left"})
+                    continue
+                result = os.path.join(work, f"{part.name}.json")
+                cmd = [sys.executable, os.path.join(common.GPU, part.script), "--device", device, "--result", result,
+                       "--work", work, "--bundle", bundle, "--out", args.out]
+                print(f"--- part {part.name} ({part.script}), at most {min(part.budget, left):.0f} s", file=log,
+                      flush=True)
+                began = time.monotonic()
+                code = run_child(cmd, env, min(part.budget, left), log)
+                found = part_result(part, result, code, time.monotonic() - began, log_path)
+                report["parts"].append(found)
+                report["seconds"] = time.monotonic() - start
+                save(report, args.out)
+                failed = [c["name"] for c in found["checks"] if not c["ok"]]
+                print(f"part {part.name}: {proof_report.verdict(found)} in {found.get('seconds')} s"
+                      + "".join(f"\n    FAIL {name}" for name in failed)
+                      + (f"\n    error: {found['error'].strip().splitlines()[-1]}" if found["error"] else ""),
+                      flush=True)
+        finally:
+            if prebuild.poll() is None:
+                os.killpg(prebuild.pid, signal.SIGKILL)
+    report["seconds"] = time.monotonic() - start
+    save(report, args.out)
+    ok = all(p["ok"] for p in report["parts"])
+    print(f"GPU proof ({report['mode']}): {'every part holds' if ok else 'NOT every part holds'}; "
+          f"{report['seconds']:.0f} s; report in {os.path.join(args.out, 'report.md')}", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
