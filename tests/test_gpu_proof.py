@@ -1,0 +1,192 @@
+"""The GPU proof (tests/gpu/proof.py) rehearsed on the CPU, so that it cannot rot between lent GPUs, and the checkpoint a
+GPU wrote loaded at DP 2 on CPU ranks.
+
+- The rehearsal (`--dry-run`) runs every part of the proof on the CPU: each check inside it compares with an
+  independent reference (plain bnb, the kernels' pure-torch reference, the CPU's continuation); here it must hold in
+  full and write the report and the checkpoint the GPU run would bring back.
+- Controls, so that the proof cannot pass vacuously: its engine check catches a reference stepped with another
+  learning rate, its large-parameter check catches bnb's update pieces placed one block off, its continuation bars
+  refuse a continuation off by twice the weight bar.
+- A device's checkpoint (gpu_checkpoint.tar: the tag and the device's own continuation) loads at DP 2 on CPU ranks and
+  continues within the bars: the rehearsal's always; each one committed under benchmarks/results/gpu/ by a run on a
+  lent GPU, or a skip saying none has been committed yet.
+- Installing on the machine: which carried wheels are installed (proof_bundle.plan).
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import types
+import zipfile
+
+import pytest
+
+import deepspeed_bnb  # noqa: F401  (the in-process controls build engines with the bnb_* keys)
+from conftest import TESTS, launch_env, torchrun
+
+sys.path.append(os.path.join(TESTS, "gpu"))
+
+import cross_device  # noqa: E402
+import part_checkpoints  # noqa: E402
+import proof_bundle  # noqa: E402
+import proof_common  # noqa: E402
+import proof_report  # noqa: E402
+
+ROOT = os.path.dirname(TESTS)
+PROOF = os.path.join(TESTS, "gpu", "proof.py")
+GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
+PARTS = ("env", "a", "b+c", "d", "e", "f")
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """The dry run's exit code, output, report and output folder."""
+    out, work = tmp_path_factory.mktemp("proof_out"), tmp_path_factory.mktemp("proof_work")
+    done = subprocess.run([sys.executable, PROOF, "--dry-run", "--out", str(out), "--work", str(work)],
+                          env=launch_env(), capture_output=True, text=True, timeout=1200, check=False)
+    path = out / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else None
+    return done, report, out
+
+
+def test_rehearsal_every_part_holds(rehearsal):
+    done, report, out = rehearsal
+    log = (out / "proof.log").read_text(errors="replace")[-4000:] if (out / "proof.log").is_file() else ""
+    assert report is not None, f"no report:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    failing = {p["part"]: [c["name"] for c in p["checks"] if not c["ok"]] or p.get("error") or p.get("skipped")
+               for p in report["parts"] if not p["ok"]}
+    assert not failing, f"{failing}\n{done.stdout[-2000:]}\n{log}"
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert tuple(p["part"] for p in report["parts"]) == PARTS
+    assert all(len(p["checks"]) >= 1 for p in report["parts"])
+    markdown = (out / "report.md").read_text()
+    for part in report["parts"]:
+        assert f"## {part['part']}: {part['title']} (holds)" in markdown
+    assert sorted(os.listdir(out)) == ["gpu_checkpoint.tar", "proof.log", "report.json", "report.md"]
+
+
+def test_report_shows_a_failing_check():
+    report = {"device": "x", "mode": "GPU", "command": "c", "started": "now", "deadline": 1.0, "seconds": 1.0,
+              "install": None, "parts": [
+                  {"part": "a", "title": "t", "ok": False, "seconds": 1, "tables": [], "notes": ["n"], "error": "boom",
+                   "checks": [{"name": "kernel == reference", "ok": False, "measured": "3 codes", "bar": "0"}]},
+                  {"part": "b", "title": "u", "ok": False, "seconds": None, "tables": [], "notes": [], "error": None,
+                   "checks": [], "skipped": "5 s of the deadline left"}]}
+    markdown = proof_report.render(report)
+    assert "| a | t | FAILS (1 of 1 checks, and an error) | 1 |" in markdown
+    assert "| **FAIL** | kernel == reference | 3 codes | 0 |" in markdown and "boom" in markdown
+    assert "not run: 5 s of the deadline left" in markdown
+
+
+def test_control_the_engine_check_catches_another_update(one_rank, monkeypatch):
+    import part_engines
+
+    class Off(part_engines.PlainBnb):
+        def __init__(self, device, bf16):
+            super().__init__(device, bf16)
+            for group in self.optimizer.param_groups:
+                group["lr"] *= 1.001
+    monkeypatch.setattr(part_engines, "PlainBnb", Off)
+    result = proof_common.Result("b", "control", "cpu")
+    part_engines.equals_plain(types.SimpleNamespace(device="cpu"), result, 2, "fp32")
+    routed, equal = result.data["checks"]
+    assert routed["ok"] and not equal["ok"] and "first difference after step 1" in equal["measured"]
+
+
+def test_control_the_large_parameter_check_catches_misplaced_pieces(one_rank, monkeypatch):
+    import part_large
+
+    from deepspeed_bnb.optim import bnb_adapter, own_update
+    from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
+
+    def shifted(segment, max_numel):  # every piece after the first starts one block early
+        return tuple(p if p.offset == segment.offset else Segment(
+            slot=p.slot, param_start=p.param_start - BLOCK_SIZE, numel=p.numel, offset=p.offset - BLOCK_SIZE,
+            eight_bit=p.eight_bit, fp32_offset=p.fp32_offset) for p in split_segment(segment, max_numel))
+    monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", own_update.MAX_UPDATE_NUMEL)  # restored after the test
+    monkeypatch.setattr(bnb_adapter, "split_segment", shifted)
+    result = proof_common.Result("e", "control", "cpu")
+    part_large.run_path(types.SimpleNamespace(device="cpu"), result, fused=False)
+    windows = next(c for c in result.data["checks"] if "every window" in c["name"])
+    assert not windows["ok"] and "weights" in windows["measured"]
+
+
+def test_continuation_bars_refuse_a_continuation_off_by_twice_the_weight_bar():
+    import torch
+    weights = {"w": torch.zeros(4)}
+    expected = {"losses": [1.0, 0.5], "weights": weights}
+    same = {"losses": [1.0, 0.5], "weights": {"w": torch.zeros(4)}}
+    off = {"losses": [1.0, 0.5], "weights": {"w": torch.tensor([0.0, 2 * cross_device.WEIGHT_TOLERANCE, 0.0, 0.0])}}
+    assert cross_device.compare(expected, same)["exact"]
+    assert not cross_device.compare(expected, off)["within"]
+    assert not cross_device.compare(expected, {**same, "losses": [1.0, 0.5 + 2 * cross_device.LOSS_TOLERANCE]})["within"]
+
+
+def device_checkpoints():
+    found = sorted(glob.glob(os.path.join(GPU_RESULTS, "*", part_checkpoints.TAR)))
+    return [pytest.param(path, id=os.path.basename(os.path.dirname(path))) for path in found] or \
+        [pytest.param(None, id="gpu")]
+
+
+def resume_at_dp2(tar: str, folder) -> dict:
+    with tarfile.open(tar) as archive:
+        archive.extractall(folder, filter="data")
+    save = os.path.join(folder, part_checkpoints.GPU_SAVE)
+    result = os.path.join(folder, "resumed.json")
+    torchrun(os.path.join("gpu", "cross_device.py"), 2, "resume", "--dir", save, "--tag", cross_device.GPU_TAG,
+             "--expect", os.path.join(save, part_checkpoints.GPU_CONTINUATION), "--result", result)
+    with open(result) as f:
+        return json.load(f)
+
+
+def test_rehearsal_checkpoint_loads_at_dp2_on_cpu(rehearsal, tmp_path):
+    _, _, out = rehearsal
+    found = resume_at_dp2(str(out / part_checkpoints.TAR), tmp_path)
+    assert found["within"], found
+    assert found["to"] == "cpu at DP 2" and found["from"] == "cpu at DP 1"
+
+
+@pytest.mark.parametrize("tar", device_checkpoints())
+def test_gpu_checkpoint_loads_at_dp2_on_cpu(tar, tmp_path):
+    if tar is None:
+        pytest.skip(f"no GPU has run the proof yet: {GPU_RESULTS} holds no */{part_checkpoints.TAR} (run "
+                    f"tests/gpu/proof.py on a lent GPU and commit its $OUT there: DEVELOPERS.md)")
+    found = resume_at_dp2(tar, tmp_path)
+    assert found["within"], found
+    assert found["to"] == "cpu at DP 2" and found["from"].startswith("cuda")
+
+
+def fake_wheel(folder, name: str, version: str, requires=()) -> str:
+    path = os.path.join(folder, f"{name}-{version}-py3-none-any.whl")
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}"
+                         .format(name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)))
+    return path
+
+
+def test_install_plan_installs_what_the_machine_lacks_or_has_too_old(tmp_path):
+    wheels = [fake_wheel(tmp_path, "deepspeed", "0.19.8", ["hjson", "pydantic>=2.0.0", "docutils<0.18; extra == 'dev'"]),
+              fake_wheel(tmp_path, "hjson", "3.1.0"),
+              fake_wheel(tmp_path, "pydantic", "2.14.4", ["typing-extensions>=4.14.1"]),
+              fake_wheel(tmp_path, "typing_extensions", "4.16.0"),
+              fake_wheel(tmp_path, "docutils", "0.17")]
+    machine = {"deepspeed": "0.18.0", "pydantic": "2.14.4", "typing-extensions": "4.10.0", "docutils": "0.21"}
+    chosen = {proof_bundle.wheel_name(p)[0]: why for p, why in
+              proof_bundle.plan(wheels, lambda name: machine.get(name)).items()}
+    assert sorted(chosen) == ["deepspeed", "hjson", "typing-extensions"]
+    assert "the release under test" in chosen["deepspeed"] and "not installed there" in chosen["hjson"]
+    assert "4.10.0 is installed, but pydantic needs typing-extensions>=4.14.1" in chosen["typing-extensions"]
+    machine["typing-extensions"] = "4.15.0"  # control: new enough, the machine's own serves
+    assert "typing-extensions" not in {proof_bundle.wheel_name(p)[0] for p in
+                                       proof_bundle.plan(wheels, lambda name: machine.get(name))}
+
+
+def test_proof_docstring_runs_the_parts_it_lists():
+    import proof
+    for part in proof.PARTS:
+        assert f"{part.name:<4} {part.script}" in proof.__doc__, part
+        assert os.path.isfile(os.path.join(TESTS, "gpu", part.script))
+    assert tuple(p.name for p in proof.PARTS) == PARTS
