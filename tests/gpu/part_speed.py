@@ -122,14 +122,9 @@ def measure(label, maker, zero_extra, bf16, model_args, device):
 
 def timed(run, device: str) -> float:
     """Seconds of one call of `run` (CUDA events on a GPU: the work is asynchronous)."""
-    import torch
     if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        from bench_cuda_step import event_time
+        return event_time(run)
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0

@@ -1,9 +1,9 @@
 """The GPU proof: one command that shows, on a lent GPU, what users of deepspeed_bnb get there; rehearsed on the CPU.
 
 On a lent GPU machine (the `device` tool; prepare .device/ here first, then, from the repository root):
-    run(command="python3 tests/gpu/proof.py --out $OUT", carry=[".device"], timeout_s=560)
+    run(command="python3 tests/gpu/proof.py --out $OUT", carry=[".device"], timeout_s=540)
 It installs DeepSpeed and the trimmed bitsandbytes from .device/ (proof_bundle.py), runs each part below in a child
-process of its own under one deadline (default 480 s: the parts are ordered by what they prove, and one that no
+process of its own under one deadline (default 450 s: the parts are ordered by what they prove, and one that no
 longer fits is reported as not run), and writes into $OUT: report.md and report.json (every check with what it
 measured and its bar), proof.log (every child's output) and gpu_checkpoint.tar (part d's checkpoint, which
 tests/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under benchmarks/results/gpu/).
@@ -108,7 +108,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT"), help="where the report goes (default: $OUT)")
     parser.add_argument("--work", help="scratch folder (default: a new temporary one)")
     parser.add_argument("--bundle", default=os.path.join(common.ROOT, ".device"))
-    parser.add_argument("--deadline", type=float, default=480, help="seconds for the whole proof")
+    parser.add_argument("--deadline", type=float, default=450, help="seconds for the whole proof")
     parser.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated part names")
     args = parser.parse_args()
     if args.prepare:
