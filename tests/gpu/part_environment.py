@@ -30,6 +30,7 @@ def body(args, result):
                             f"compute capability {props.major}.{props.minor}"],
                  ["driver", command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])],
                  ["nvcc", command_output(["nvcc", "--version"]).splitlines()[-1]],
+                 ["CUDA_HOME", os.environ.get("CUDA_HOME", "(unset: torch's guess from nvcc)")],
                  ["NCCL", ".".join(map(str, torch.cuda.nccl.version()))]]
     for name in ("deepspeed", "bitsandbytes", "pydantic", "deepspeed_bnb"):
         try:

@@ -8,7 +8,8 @@ parameter (the start, each piece boundary, the 2^31 boundary, the end): plain bn
 the device (for bnb's path; a block-wise update makes a window's result independent of the rest), the fused
 kernel's pure-torch reference on the CPU (for the kernel); weights and 8-bit state bit for bit after each step.
 Control: every window moved. On the CPU rehearsal the sizes are stand-ins (MAX_UPDATE_NUMEL 2^14, the parameter
-2 * 2^14 + 4096 elements): the same pieces and windows, small. Each path runs in a process of its own (9 GB each).
+2 * 2^14 + 4096 elements, ZeRO's buckets 2^13 elements): the same pieces, windows and ZeRO path for a parameter larger
+than a bucket, small. Each path runs in a process of its own (about 40 GB each on the GPU).
 """
 
 import json
@@ -94,6 +95,9 @@ def run_path(args, result, fused: bool):
     optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.01)
     config = ds_config(1, stage=2, bnb_fused_kernel=setting)
     config["train_micro_batch_size_per_gpu"] = 1
+    if args.device != "cuda":  # as DeepSpeed's default buckets (5e8) are to 2^30: the parameter takes ZeRO-2's path
+        config["zero_optimization"].update(reduce_bucket_size=limit // 2, allgather_bucket_size=limit // 2)
+
     engine = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
     zero = engine.optimizer
     master = zero.single_partition_of_fp32_groups[0]  # DP 1, one parameter: partition offset == element index

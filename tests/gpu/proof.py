@@ -27,8 +27,10 @@ The rehearsal (--dry-run) runs the same parts on the CPU with gloo; its stand-in
 
 import argparse
 import datetime
+import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,8 +58,22 @@ RESERVE = 10  # seconds kept for writing the report
 DEEPSPEED_FUSED_ADAM = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
 
 
+def cuda_home():
+    """Where the CUDA headers are, when torch's own guess (the folder above the `nvcc` on PATH) has none: nvcc may be
+    a wrapper in /usr/local/bin (as on this project's CPU machines), and torch then looks in /usr/local/include."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return None
+    nvcc = shutil.which("nvcc")
+    if nvcc and os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(nvcc)), "include", "cuda_runtime.h")):
+        return None
+    found = sorted(glob.glob("/usr/local/cuda*/include/cuda_runtime.h"))
+    return os.path.dirname(os.path.dirname(found[-1])) if found else None
+
+
 def child_env(pythonpath, extensions: str) -> dict:
     env = dict(os.environ)
+    if cuda_home():
+        env["CUDA_HOME"] = cuda_home()
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, common.ROOT, *filter(None, [env.get("PYTHONPATH")])])
