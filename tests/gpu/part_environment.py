@@ -16,6 +16,12 @@ def command_output(cmd) -> str:
     return (done.stdout + done.stderr).strip()
 
 
+def nccl_version() -> str:
+    import torch
+    version = torch.cuda.nccl.version()  # a tuple in torch 2.x, an int in older releases
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def body(args, result):
     import torch
     rows = [["python", platform.python_version()], ["torch", f"{torch.__version__} (CUDA {torch.version.cuda})"],
@@ -31,7 +37,7 @@ def body(args, result):
                  ["driver", command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])],
                  ["nvcc", command_output(["nvcc", "--version"]).splitlines()[-1]],
                  ["CUDA_HOME", os.environ.get("CUDA_HOME", "(unset: torch's guess from nvcc)")],
-                 ["NCCL", ".".join(map(str, torch.cuda.nccl.version()))]]
+                 ["NCCL", nccl_version()]]
     for name in ("deepspeed", "bitsandbytes", "pydantic", "deepspeed_bnb"):
         try:
             module = __import__(name)
