@@ -23,8 +23,8 @@ MODELS = {"cuda": {"125M": dict(context=512, width=768, depth=18, heads=12),
           "cpu": {"stand-in 0.1M": dict(context=64, width=64, depth=2, heads=4),
                   "stand-in 0.4M": dict(context=64, width=128, depth=2, heads=4)}}
 MICRO_BATCH = {"cuda": 8, "cpu": 2}
-WARMUP = {"cuda": 3, "cpu": 1}
-TIMED = {"cuda": 10, "cpu": 3}
+WARMUP = {"cuda": 2, "cpu": 1}
+TIMED = {"cuda": 8, "cpu": 3}
 KERNEL_ELEMENTS = {"cuda": 256 << 20, "cpu": 1 << 20}
 KERNEL_ROUNDS = {"cuda": 20, "cpu": 3}
 LR = 3e-4
