@@ -1,9 +1,11 @@
-"""Plain bitsandbytes' state as the tests compare it: shaped like the state gathered from a ZeRO partition,
-dequantized by bitsandbytes itself, and how far values came back from a set, in quantization steps of bnb's maps."""
+"""Plain bitsandbytes' state as the tests compare it: shaped like the state gathered from a ZeRO partition (and that
+gathered state of a one-rank engine), dequantized by bitsandbytes itself, and how far values came back from a set, in
+quantization steps of bnb's maps."""
 
 import bitsandbytes as bnb
 import torch
 
+from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.ops.reference import code_gap
 
 ROUNDING = 2.0 ** -22  # fp32 slack, relative to the value: the scaled value v * (1 / absmax) and qmap[c] * absmax are
@@ -20,6 +22,16 @@ def flat_bnb_state(state, numel):
             value = value.reshape(-1, numel)  # AdEMAMix keeps two rows (fast and slow EMA)
             value = value[0] if value.shape[0] == 1 else value
         out[key] = value
+    return out
+
+
+def engine_param_states(engine) -> dict:
+    """name -> bnb-shaped state of the parameter, from a deepspeed_bnb ZeRO optimizer's records (any stage; DP=1: one
+    rank holds all of it)."""
+    out = {}
+    for record in engine.optimizer._bnb_group_records():
+        per_param = gather_param_states(record.layout, record.eight_bit, record.key_classes, [record.state])
+        out.update(zip(record.param_names, per_param))
     return out
 
 

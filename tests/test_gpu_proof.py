@@ -1,5 +1,5 @@
-"""The GPU proof (tests/gpu/proof.py) rehearsed on the CPU, so that it cannot rot between lent GPUs, and the checkpoint a
-GPU wrote loaded at DP 2 on CPU ranks.
+"""The GPU proof (tests/gpu/proof.py) rehearsed on the CPU, so that it cannot rot between lent GPUs, and the checkpoint
+a GPU wrote loaded at DP 2 on CPU ranks.
 
 - The rehearsal (`--dry-run`) runs every part of the proof on the CPU: each check inside it compares with an
   independent reference (plain bnb, the kernels' pure-torch reference, the CPU's continuation); here it must hold in
@@ -100,14 +100,9 @@ def test_control_the_large_parameter_check_catches_misplaced_pieces(one_rank, mo
     import part_large
 
     from deepspeed_bnb.optim import bnb_adapter, own_update
-    from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
-
-    def shifted(segment, max_numel):  # every piece after the first starts one block early
-        return tuple(p if p.offset == segment.offset else Segment(
-            slot=p.slot, param_start=p.param_start - BLOCK_SIZE, numel=p.numel, offset=p.offset - BLOCK_SIZE,
-            eight_bit=p.eight_bit, fp32_offset=p.fp32_offset) for p in split_segment(segment, max_numel))
+    from test_update_pieces import split_one_block_early
     monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", own_update.MAX_UPDATE_NUMEL)  # restored after the test
-    monkeypatch.setattr(bnb_adapter, "split_segment", shifted)
+    monkeypatch.setattr(bnb_adapter, "split_segment", split_one_block_early)
     result = proof_common.Result("e", "control", "cpu")
     part_large.run_path(types.SimpleNamespace(device="cpu"), result, fused=False)
     windows = next(c for c in result.data["checks"] if "every window" in c["name"])
@@ -122,7 +117,8 @@ def test_continuation_bars_refuse_a_continuation_off_by_twice_the_weight_bar():
     off = {"losses": [1.0, 0.5], "weights": {"w": torch.tensor([0.0, 2 * cross_device.WEIGHT_TOLERANCE, 0.0, 0.0])}}
     assert cross_device.compare(expected, same)["exact"]
     assert not cross_device.compare(expected, off)["within"]
-    assert not cross_device.compare(expected, {**same, "losses": [1.0, 0.5 + 2 * cross_device.LOSS_TOLERANCE]})["within"]
+    late = {**same, "losses": [1.0, 0.5 + 2 * cross_device.LOSS_TOLERANCE]}
+    assert not cross_device.compare(expected, late)["within"]
 
 
 def device_checkpoints():
@@ -168,7 +164,8 @@ def fake_wheel(folder, name: str, version: str, requires=()) -> str:
 
 
 def test_install_plan_installs_what_the_machine_lacks_or_has_too_old(tmp_path):
-    wheels = [fake_wheel(tmp_path, "deepspeed", "0.19.8", ["hjson", "pydantic>=2.0.0", "docutils<0.18; extra == 'dev'"]),
+    deepspeed_needs = ["hjson", "pydantic>=2.0.0", "docutils<0.18; extra == 'dev'"]
+    wheels = [fake_wheel(tmp_path, "deepspeed", "0.19.8", deepspeed_needs),
               fake_wheel(tmp_path, "hjson", "3.1.0"),
               fake_wheel(tmp_path, "pydantic", "2.14.4", ["typing-extensions>=4.14.1"]),
               fake_wheel(tmp_path, "typing_extensions", "4.16.0"),

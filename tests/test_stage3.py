@@ -15,9 +15,8 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
-from bnb_state import flat_bnb_state
+from bnb_state import engine_param_states as states, flat_bnb_state
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed_bnb import overrides
 from deepspeed_bnb.runtime.engine import stock_deepspeed
@@ -39,15 +38,6 @@ def weights(engine):
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params) if engine.zero_optimization_stage() == 3 else nullcontext():
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-
-def states(engine):
-    """name -> bnb-style state of the parameter, from the optimizer's records (DP=1: one rank holds all of it)."""
-    out = {}
-    for record in engine.optimizer._bnb_group_records():
-        per_param = gather_param_states(record.layout, record.eight_bit, record.key_classes, [record.state])
-        out.update(zip(record.param_names, per_param))
-    return out
 
 
 def assert_same(mine: dict, theirs: dict, label: str):

@@ -67,21 +67,20 @@ def test_update_in_pieces_equals_plain_bnb(one_rank, monkeypatch, name):
     assert max(calls) <= SMALL_LIMIT and len(calls) > 3 * params  # control: it was cut, into many pieces
 
 
-def test_control_a_misplaced_split_differs_from_plain_bnb(one_rank, monkeypatch):
-    """Pieces shifted by one block (the first block stepped twice, the last never) do not match plain bnb."""
-    from deepspeed_bnb.optim import bnb_adapter
+def split_one_block_early(segment: Segment, max_numel: int):
+    """A planted bug for the controls: split_segment's pieces, each after the first starting one block early (blocks
+    at the piece boundaries stepped twice, the segment's last block never)."""
+    return tuple(p if p.offset == segment.offset else Segment(
+        slot=p.slot, param_start=p.param_start - BLOCK_SIZE, numel=p.numel, offset=p.offset - BLOCK_SIZE,
+        eight_bit=p.eight_bit, fp32_offset=p.fp32_offset - BLOCK_SIZE if p.fp32_offset >= 0 else -1)
+        for p in split_segment(segment, max_numel))
 
-    def shifted(segment, max_numel):
-        pieces = split_segment(segment, max_numel)
-        if len(pieces) == 1:
-            return pieces
-        second = pieces[1]
-        return (pieces[0], Segment(slot=second.slot, param_start=second.param_start - BLOCK_SIZE,
-                                   numel=second.numel, offset=second.offset - BLOCK_SIZE, eight_bit=second.eight_bit,
-                                   fp32_offset=second.fp32_offset - BLOCK_SIZE if second.fp32_offset >= 0 else -1),
-                *pieces[2:])
+
+def test_control_a_misplaced_split_differs_from_plain_bnb(one_rank, monkeypatch):
+    """Pieces shifted by one block do not match plain bnb."""
+    from deepspeed_bnb.optim import bnb_adapter
     monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
-    monkeypatch.setattr(bnb_adapter, "split_segment", shifted)
+    monkeypatch.setattr(bnb_adapter, "split_segment", split_one_block_early)
     model = make_model(0)
     reference = clone(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model)),

@@ -12,11 +12,12 @@ c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the s
    fused one's codes are within one quantization step of the default's (the relation tests/test_fused_contract.py
    holds the kernel to on the CPU), its weights within 1% of the step; over the run, the largest update per element
    of the parameters the kernel steps (|update| / lr, the statistic of benchmarks/compare_adam.py) stays within the
-   default path's on the same parameters (5% slack), with no update beyond 10 x lr where the default has none. Control: the fused engine's 8-bit parameters are stepped by
-   the kernel, the default's by bnb.
+   default path's on the same parameters (5% slack), with no update beyond 10 x lr where the default has none.
+   Control: the fused engine's 8-bit parameters are stepped by the kernel, the default's by bnb.
 """
 
-import proof_common as common
+import proof_common as common  # first: it puts tests/ on the path
+from bnb_state import engine_param_states, flat_bnb_state  # name -> bnb-shaped state of an engine / of plain bnb
 
 STAGES = (1, 2, 3)
 PRECISIONS = ("fp32", "bf16")
@@ -84,7 +85,6 @@ class PlainBnb:
         return loss.item()
 
     def states(self) -> dict:
-        from bnb_state import flat_bnb_state
         return {name: flat_bnb_state(self.optimizer.state[p], p.numel()) for name, p in self.master.named_parameters()}
 
 
@@ -92,16 +92,6 @@ def engine_weights(engine) -> dict:
     """name -> the engine's full fp32 (master) weights, from DeepSpeed's own API (gathers at ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param
     return {name: safe_get_full_fp32_param(p).detach().clone() for name, p in engine.module.named_parameters()}
-
-
-def engine_states(engine) -> dict:
-    """name -> that parameter's bnb-shaped state, from the optimizer's records (DP 1: one rank holds all of it)."""
-    from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
-    out = {}
-    for record in engine.optimizer._bnb_group_records():
-        out.update(zip(record.param_names, gather_param_states(record.layout, record.eight_bit, record.key_classes,
-                                                               [record.state])))
-    return out
 
 
 def state_differences(mine: dict, theirs: dict) -> list:
@@ -134,7 +124,7 @@ def equals_plain(args, result, stage: int, precision: str) -> list:
         engine.step()
         plain.step(tokens, targets)
         mine, theirs = engine_weights(engine), dict(plain.master.named_parameters())
-        states, plain_states = engine_states(engine), plain.states()
+        states, plain_states = engine_param_states(engine), plain.states()
         diff = max(common.max_abs(mine[n], theirs[n]) for n in theirs)
         bad = {f"{n}.{k}" for n in theirs for k in state_differences(states[n], plain_states[n])}
         worst, bad_states = max(worst, diff), bad_states | bad
@@ -149,7 +139,8 @@ def equals_plain(args, result, stage: int, precision: str) -> list:
     result.check(f"b: {label}, weights and state == plain bnb AdamW8bit after each of {STEPS} steps",
                  first_bad is None and moved > 0,
                  "bit for bit" if first_bad is None else
-                 f"first difference after step {first_bad}: weights up to {worst:.3g}, state keys {sorted(bad_states)[:6]}",
+                 f"first difference after step {first_bad}: weights up to {worst:.3g}, state keys "
+                 f"{sorted(bad_states)[:6]}",
                  "bit for bit; weights moved (control)", note=f"weights moved up to {moved:.3g} from their start")
     row = [label, summary, "equal" if first_bad is None else f"step {first_bad}",
            f"{worst:.3g}", len(bad_states), f"{moved:.3g}"]
@@ -207,7 +198,7 @@ def fused_against_default(args, result, precision: str) -> list:
             engine.backward(loss_fn(engine, tokens, targets))
             engine.step()
         after = {"default": engine_weights(default), "fused": engine_weights(fused)}
-        states = {"default": engine_states(default), "fused": engine_states(fused)}
+        states = {"default": engine_param_states(default), "fused": engine_param_states(fused)}
         kernel_steps = {n: lrs[n] for n, r in fused.optimizer.bnb_routes.items() if r is FUSED}
         for key in sizes:  # over the parameters where the two paths differ (elsewhere both are bnb's update)
             sizes[key].append(update_sizes(after[key], before, kernel_steps))

@@ -39,7 +39,8 @@ def body(args, result):
     built = time.monotonic() - start
     cuda_in_build = torch.version.cuda is not None and torch.cuda.is_available()
     result.check("the fused kernels build and load", loaded,
-                 f"{loader.source() or 'not loaded'} in {built:.0f} s (CUDA sources {'in' if cuda_in_build else 'not in'} "
+                 f"{loader.source() or 'not loaded'} in {built:.0f} s (CUDA sources "
+                 f"{'in' if cuda_in_build else 'not in'} "
                  f"the build)" + ("" if loaded else f": {loader.error()}"), "loaded")
     if not loaded:
         return

@@ -54,24 +54,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bytes_of(tensors) -> int:
-    import torch
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-
-
-def master_and_state_bytes(engine):
-    """(bytes of the fp32/bf16 master partitions, bytes of the optimizer state) of a ZeRO-1/2 engine."""
-    zero = engine.optimizer
-    state = [v for per_param in zero.optimizer.state.values() for v in per_param.values()]
-    return bytes_of(zero.single_partition_of_fp32_groups), bytes_of(state)
-
-
 def measure(label, maker, zero_extra, bf16, model_args, device):
     """Train one configuration; its row (median step and engine.step() in ms, peak GiB, bytes per parameter)."""
     import deepspeed
     import torch
 
     from gpt import GPT, GPTConfig, decay_groups
+    from tensor_census import census
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -103,7 +92,8 @@ def measure(label, maker, zero_extra, bf16, model_args, device):
         if i >= WARMUP[device]:
             steps.append(t2 - t0)
             optimizer_steps.append(t2 - t1)
-    master, state = master_and_state_bytes(engine)
+    held = census(engine)  # bytes per role, every storage counted once (benchmarks/tensor_census.py)
+    master, state = held["master"], held["state"]
     summary = engine.optimizer.bnb_update_summary() if hasattr(engine.optimizer, "bnb_update_summary") else \
         type(engine.optimizer.optimizer).__name__
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None

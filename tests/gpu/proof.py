@@ -71,11 +71,10 @@ def cuda_home():
 
 
 def child_env(pythonpath, extensions: str) -> dict:
-    env = dict(os.environ)
-    if cuda_home():
-        env["CUDA_HOME"] = cuda_home()
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = common.without_launch_vars()
+    home = cuda_home()
+    if home:
+        env["CUDA_HOME"] = home
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, common.ROOT, *filter(None, [env.get("PYTHONPATH")])])
     env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if extensions:

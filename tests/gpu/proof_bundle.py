@@ -141,8 +141,9 @@ def wheels_for_there(folder: str) -> List[str]:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", f"deepspeed=={installed_version('deepspeed')}",
-                    "-w", out], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    f"deepspeed=={installed_version('deepspeed')}", "-w", out],
+                   check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_THERE,
                     "--implementation", "cp", *platforms, "-d", out,

@@ -9,7 +9,6 @@ on a machine without a GPU (the same code, gloo instead of NCCL, stand-ins where
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -21,6 +20,7 @@ ROOT = os.path.dirname(TESTS)
 for folder in (ROOT, TESTS, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")):
     if folder not in sys.path:
         sys.path.append(folder)  # after site-packages: a test helper must not shadow an installed package
+from conftest import free_port, without_launch_vars  # noqa: E402,F401  (the suite's own, re-exported for the parts)
 
 
 def parse_args(description: str, extra: Optional[Callable] = None) -> argparse.Namespace:
@@ -81,12 +81,6 @@ def write_json(path: str, data) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_rank(device: str):
