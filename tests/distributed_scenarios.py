@@ -37,7 +37,7 @@ from deepspeed import comm as dist  # noqa: E402
 from deepspeed_bnb.runtime.engine import stock_deepspeed  # noqa: E402
 # deepspeed.comm has all_gather_object from 0.17.0 on: compat's falls back to torch.distributed's
 from deepspeed_bnb.optim import own_update  # noqa: E402
-from deepspeed_bnb.optim.partition_step import NoOwnUpdateError  # noqa: E402
+from deepspeed_bnb.optim.fused.partition_step import NoOwnUpdateError  # noqa: E402
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object, checkpoint_mp_rank, \
     flattens_with_autograd  # noqa: E402
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states  # noqa: E402

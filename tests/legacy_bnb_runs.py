@@ -129,7 +129,7 @@ def run(phase: str, out: str, scenarios) -> None:
                 loaded = tensors(engine)
                 results["scenarios"][scenario] = {
                     "loaded": loaded, "losses": train(engine, MORE_STEPS, world, rank), "final": tensors(engine),
-                    "routes": engine.optimizer.bnb_routes}
+                    "routes": {n: r.reason for n, r in engine.optimizer.bnb_routes.items()}}
     if rank == 0:
         torch.save(results, os.path.join(out, f"{phase}.pt"))
     dist.barrier()

@@ -31,9 +31,10 @@ import torch
 
 from conftest import TESTS, free_port, launch_env, run_or_fail
 from deepspeed_bnb.ops import loader
-from deepspeed_bnb.optim import fused_contract, own_update, partition_step
-from deepspeed_bnb.optim.fused_route import FUSED
-from deepspeed_bnb.optim.partition_step import NoOwnUpdateError
+from deepspeed_bnb.optim import own_update
+from deepspeed_bnb.optim.fused import contract as fused_contract, partition_step
+from deepspeed_bnb.optim.fused.route import FUSED
+from deepspeed_bnb.optim.fused.partition_step import NoOwnUpdateError
 from legacy_bnb import CPU_REFUSAL, legacy_python, simulate_049
 from legacy_bnb_runs import OPTIMIZERS, REFUSALS, refusals
 from toy import ds_config, make_model, param_groups, train_steps
@@ -289,7 +290,7 @@ def test_049_trains_saves_and_loads_at_another_dp_as_050(legacy_runs, scenario):
     theirs, ours, _ = legacy_runs
     assert theirs["load"]["bnb"] == LEGACY_VERSION and ours["load"]["bnb"] == bnb.__version__ != LEGACY_VERSION
     mine, other = theirs["load"]["scenarios"][scenario], ours["load"]["scenarios"][_ours(scenario)]
-    assert set(mine["routes"].values()) == {FUSED} == set(other["routes"].values())
+    assert set(mine["routes"].values()) == {FUSED.reason} == set(other["routes"].values())
     assert theirs["save"]["scenarios"][scenario]["losses"] == ours["save"]["scenarios"][_ours(scenario)]["losses"]
     assert mine["losses"] == other["losses"]
     assert _identical(mine["loaded"], other["loaded"]), "the loaded state differs"

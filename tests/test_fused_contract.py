@@ -1,5 +1,5 @@
 """The default path steps every parameter exactly as the user's bitsandbytes optimizer would, or within the fused
-kernel's documented relation to it where the contract (optim/fused_contract.py) lets the kernel step.
+kernel's documented relation to it where the contract (optim/fused/contract.py) lets the kernel step.
 
 For every bitsandbytes optimizer class, and for each field of bnb's get_config set to a non-neutral value (plus
 per-parameter overrides), a partition of two param groups (8-bit and fp32-state parameters side by side) is stepped
@@ -25,10 +25,11 @@ from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 
 from bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
-from deepspeed_bnb.optim import fused_contract, fused_route, partition_step
+from deepspeed_bnb.ops import rule_fields, rules
+from deepspeed_bnb.optim.fused import partition_step, route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused_route import FUSED
-from deepspeed_bnb.optim.partition_step import PartitionStep
+from deepspeed_bnb.optim.fused.route import FUSED, Route
+from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.state_layout import GroupLayout
 from kernel_harness import needs_kernel
 
@@ -149,7 +150,7 @@ class Partitions:
             (steps or self.steps)[i].step(self.optimizer.param_groups[i], (flat or self.flat)[i], flat_grad,
                                           (states or self.states)[i])
 
-    def routes(self) -> List[Optional[str]]:
+    def routes(self) -> List[Route]:
         return [route for step in self.steps for route in step.param_routes]
 
     def weights(self, flat=None) -> List[torch.Tensor]:
@@ -202,7 +203,7 @@ class BnbRefuses(Exception):
 class Outcome:
     """The default path and plain bnb after STEPS steps, and what the per-step relation check found."""
 
-    routes: List[Optional[str]]  # per parameter (DP=1: one segment each): FUSED or why bnb's update steps it
+    routes: List[Route]  # per parameter (DP=1: one segment each)
     eight_bit: List[bool]  # per parameter
     weights: List[torch.Tensor]  # the default path's
     states: List[dict]  # the default path's, per parameter, bnb-shaped
@@ -289,7 +290,7 @@ def test_default_path_is_bnbs_update(cls, variant):
     assert all(route is not FUSED for route, eight in zip(outcome.routes, outcome.eight_bit) if not eight), \
         "32-bit state is always bnb's own update"
     if variant.name == "defaults" and cls.__name__.endswith("8bit") and construct(
-            cls, initial_params()).optimizer_name in fused_contract.RULES:
+            cls, initial_params()).optimizer_name in rules.RULES:
         assert outcome.checked > 0, "the kernel steps the 8-bit parameters of a plain 8-bit optimizer"
 
 
@@ -302,22 +303,22 @@ def test_contract_routes_what_the_kernel_does_not_model():
     """Spot checks of the routes the matrix above relies on (8-bit parameters are #0 and #2)."""
     assert _routes(bnb.optim.AdamW8bit, "defaults")[0] is FUSED
     assert _routes(bnb.optim.AdamW8bit, "lr")[0] is FUSED
-    assert "skip_zeros=True" in _routes(bnb.optim.AdamW8bit, "skip_zeros")[0]
-    assert "betas" in _routes(bnb.optim.AdamW8bit, "betas+1")[0]
+    assert "skip_zeros=True" in _routes(bnb.optim.AdamW8bit, "skip_zeros")[0].reason
+    assert "betas" in _routes(bnb.optim.AdamW8bit, "betas+1")[0].reason
     assert _routes(bnb.optim.Lion8bit, "betas+1")[0] is FUSED  # Optimizer1State reads two betas only
-    assert "alpha=2.0" in _routes(bnb.optim.AdamW8bit, "alpha")[0]
+    assert "alpha=2.0" in _routes(bnb.optim.AdamW8bit, "alpha")[0].reason
     assert _routes(bnb.optim.AdamW8bit, "max_unorm")[0] is FUSED  # bnb's 8-bit update ignores it
     overridden = _routes(bnb.optim.AdamW8bit, "override unknown key")
-    assert overridden[0] is FUSED and "'my_scale'" in overridden[2]
-    assert "32-bit state" in _routes(bnb.optim.AdamW8bit, "override optim_bits")[2]
-    assert "no fused kernel" in _routes(bnb.optim.RMSprop8bit, "defaults")[0]
+    assert overridden[0] is FUSED and "'my_scale'" in overridden[2].reason
+    assert "32-bit state" in _routes(bnb.optim.AdamW8bit, "override optim_bits")[2].reason
+    assert "no fused kernel" in _routes(bnb.optim.RMSprop8bit, "defaults")[0].reason
 
 
 def test_fields_are_the_ones_bnb_reads():
     """The contract enumerates exactly the fields the installed bnb's get_config returns, for every class."""
     for cls in CLASSES:
         optimizer = construct(cls, initial_params())
-        assert set(optimizer.get_config(0, 0, optimizer.param_groups[0])) == set(fused_contract.FIELDS), cls
+        assert set(optimizer.get_config(0, 0, optimizer.param_groups[0])) == set(rule_fields.FIELDS), cls
 
 
 class CalledUpdate(bnb.optim.AdamW8bit):
@@ -332,7 +333,7 @@ class CalledUpdate(bnb.optim.AdamW8bit):
 def test_overridden_update_step_is_always_called():
     CalledUpdate.calls = 0
     outcome = run(CalledUpdate, VARIANTS[0])
-    assert all("overrides bnb's update_step" in route for route in outcome.routes)
+    assert all("overrides bnb's update_step" in route.reason for route in outcome.routes)
     assert not outcome.bnb_routed_mismatches("CalledUpdate")
     assert CalledUpdate.calls == 3 * STEPS * len(outcome.routes)  # ours, the teacher's and plain bnb's
 
@@ -349,7 +350,7 @@ def test_control_fusing_everything_differs_from_bnb(cls, name, monkeypatch):
     monkeypatch.setattr(fused_route, "optimizer_reason", lambda optimizer: None)
     outcome = run(cls, next(v for v in VARIANTS if v.name == name))
     assert routed and all(route is FUSED for route in outcome.routes)
-    outcome.routes = ["the real contract's" if j in routed else FUSED for j in range(len(outcome.weights))]
+    outcome.routes = [Route("the real contract's") if j in routed else FUSED for j in range(len(outcome.weights))]
     assert outcome.bnb_routed_mismatches(name)
 
 

@@ -23,7 +23,7 @@ from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
-from deepspeed_bnb.optim.fused_route import FUSED
+from deepspeed_bnb.optim.fused.route import FUSED
 from deepspeed_bnb.state_layout import GroupLayout
 from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_plain, train_steps
 

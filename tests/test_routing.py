@@ -17,8 +17,8 @@ from bitsandbytes.optim.optimizer import Optimizer2State
 
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.ops import loader, self_check
-from deepspeed_bnb.optim import fused_route
-from deepspeed_bnb.optim.fused_route import FUSED
+from deepspeed_bnb.optim.fused import route as fused_route
+from deepspeed_bnb.optim.fused.route import FUSED
 import deepspeed.runtime.engine as ds_engine
 from deepspeed_bnb import overrides
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
@@ -125,7 +125,7 @@ def test_a_config_change_reroutes_at_the_next_step(one_rank):
     assert engine.optimizer.bnb_routes["fc1.weight"] is FUSED
     engine.optimizer.optimizer.args.skip_zeros = True
     train_steps(engine, range(1, 2))
-    assert "skip_zeros=True" in engine.optimizer.bnb_routes["fc1.weight"]
+    assert "skip_zeros=True" in engine.optimizer.bnb_routes["fc1.weight"].reason
     assert all(step.fused is None for step in engine.optimizer.bnb_steps)
 
 

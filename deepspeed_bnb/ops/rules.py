@@ -1,10 +1,11 @@
 """The registry of bitsandbytes update rules with a fused 8-bit kernel, and the one entry point that runs a rule's step.
 
 Each rule (bnb's `optimizer_name`: "adam", "lion", "momentum") is one `UpdateRule` in RULES: how many moments it keeps,
-which compiled operator and which pure-torch reference compute it, and how its hyper-parameter rows are built from
-bnb's own per-parameter config. Everything else reads it from here: the loader (which operators a build must
-register), the shape-only implementations (ops/fake.py), the first-use check (ops/self_check.py), the ZeRO step
-(optim/fused_partition.py), `deepspeed-bnb kernels`, the benchmarks and the tests. `segment_table` and `hyper_table`
+which compiled operator and which pure-torch reference compute it, how its hyper-parameter rows are built from
+bnb's own per-parameter config, and which values of that config its kernel models (`fields`, ops/rule_fields.py).
+Everything else reads it from here: the loader (which operators a build must register), the shape-only
+implementations (ops/fake.py), the first-use check (ops/self_check.py), the fused path of the ZeRO step
+(optim/fused/: its contract, routes and partition step), `deepspeed-bnb kernels`, the benchmarks and the tests. `segment_table` and `hyper_table`
 pack the two small tensors every operator walks; `step_` runs a rule's step, compiled or reference.
 
 Every operator has the same argument layout, grouped by kind and numbered by moment (k = 1..moments):
@@ -14,14 +15,14 @@ Every operator has the same argument layout, grouped by kind and numbered by mom
 Adding a rule touches these files (tests/test_rules.py checks that they agree with each other):
 1. deepspeed_bnb/ops/reference.py: its semantics, a `<name>8bit_step` function with the argument layout above, and
    its hyper-row class (a frozen dataclass with FIELDS and row()).
-2. deepspeed_bnb/ops/rules.py (here): its UpdateRule in RULES, with the function building its row from get_config.
-3. deepspeed_bnb/optim/fused_contract.py: its FieldRule in RULES (which get_config values the kernel models).
-4. csrc/ops.cpp: its operator schema (one m.def).
-5. Its kernels: the per-element arithmetic and the row struct in csrc/include/dsbnb/adam8bit.h; csrc/cpu/<op>_cpu.cpp
+2. deepspeed_bnb/ops/rules.py (here): its UpdateRule in RULES, with the function building its row from get_config
+   and the checks of the get_config values its kernel models (from ops/rule_fields.py).
+3. csrc/ops.cpp: its operator schema (one m.def).
+4. Its kernels: the per-element arithmetic and the row struct in csrc/include/dsbnb/adam8bit.h; csrc/cpu/<op>_cpu.cpp
    (a Rule for fused_cpu.h's one-state walk, or a walk of its own); csrc/cuda/<op>.cu (a Rule for fused_device.cuh's
    one-state kernel, or a kernel of its own), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
-6. deepspeed_bnb/ops/build_flags.py: its sources.
-7. tests: its RuleCase in tests/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
+5. deepspeed_bnb/ops/build_flags.py: its sources.
+6. tests: its RuleCase in tests/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
    tests/test_fused_rules.py hold its kernel to the reference and the reference to bnb; what is its own alone (its
    semantics by hand) in a tests/test_fused_<name>.py listed in tests/kernel_tests.py (portable and GPU runs).
 The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
@@ -29,12 +30,12 @@ test need no change: they read this registry or build_flags. Optional: a row in 
 (CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/test_matches_bnb.py (HYPER_ROWS).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import loader, reference
+from deepspeed_bnb.ops import loader, reference, rule_fields
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
 from deepspeed_bnb.state_layout import Segment
 
@@ -45,12 +46,14 @@ SIGNED_MAPS = (True, False)  # bnb's map of moment 1 (m) is signed, of moment 2 
 class UpdateRule:
     """One bnb update rule with a fused 8-bit kernel."""
 
-    name: str  # bnb's rule name (Optimizer8bit.optimizer_name), the key of RULES and of fused_contract.RULES
+    name: str  # bnb's rule name (Optimizer8bit.optimizer_name), the key of RULES
     moments: int  # 2: m (codes1/absmax1/state1, signed qmap1) and v (codes2/..., unsigned qmap2); 1: m only
     operator: str  # the compiled operator, torch.ops.deepspeed_bnb.<operator> (schema: csrc/ops.cpp)
     reference: Callable  # its pure-torch oracle in ops/reference.py, same arguments as the operator
     hyper: type  # its hyper-table row class (reference.AdamHyper, LionHyper, MomentumHyper)
     row: Callable  # row(config, step): the hyper row of one bnb get_config dict at bnb's step (counted from 1)
+    fields: Dict[str, Callable] = field(compare=False)  # get_config field -> check(value): None (modelled, 8-bit
+    # state) or why not
 
     def kernel(self) -> Callable:
         """The compiled operator, loaded; a RuntimeError saying why when it cannot be (never the reference)."""
@@ -71,10 +74,23 @@ def _momentum_row(config: dict, step: int) -> MomentumHyper:
     return MomentumHyper.momentum(config["lr"], config["betas"][0], config["weight_decay"], step)
 
 
+_ONE_STATE_FIELDS = {
+    **rule_fields.COMMON,
+    # Optimizer1State.update_step hands 0.0 for beta3 and alpha whatever the config says, and bnb's "lion" and
+    # "momentum" rules do not read eps.
+    "betas": rule_fields.betas(2, exact=False), "eps": rule_fields.any_value, "alpha": rule_fields.any_value}
+
 RULES: Dict[str, UpdateRule] = {rule.name: rule for rule in (
-    UpdateRule("adam", 2, "adam8bit_step_", reference.adam8bit_step, AdamHyper, _adam_row),
-    UpdateRule("lion", 1, "lion8bit_step_", reference.lion8bit_step, LionHyper, _lion_row),
-    UpdateRule("momentum", 1, "momentum8bit_step_", reference.momentum8bit_step, MomentumHyper, _momentum_row),
+    UpdateRule("adam", 2, "adam8bit_step_", reference.adam8bit_step, AdamHyper, _adam_row,
+               # Optimizer2State.update_step hands betas[2] (beta3) and alpha to the 8-bit kernel: modelled only at
+               # bnb's neutral values, where bnb's "adam" rule ignores them.
+               {**rule_fields.COMMON, "betas": rule_fields.betas(2, exact=True), "eps": rule_fields.non_negative,
+                "alpha": rule_fields.equals(0.0)}),
+    # Lion: lr, betas[0], betas[1] and decoupled weight decay
+    UpdateRule("lion", 1, "lion8bit_step_", reference.lion8bit_step, LionHyper, _lion_row, _ONE_STATE_FIELDS),
+    # SGD with momentum: lr, betas[0] (bnb ignores the dampening in betas[1]) and coupled weight decay
+    UpdateRule("momentum", 1, "momentum8bit_step_", reference.momentum8bit_step, MomentumHyper, _momentum_row,
+               _ONE_STATE_FIELDS),
 )}
 OPERATORS = tuple(rule.operator for rule in RULES.values())  # every operator a build must register
 

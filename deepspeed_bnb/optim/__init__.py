@@ -1,1 +1,1 @@
-"""Glue to bitsandbytes optimizers: state classes and the segment-wise update driver."""
+"""Glue to bitsandbytes optimizers: state classes, the segment-wise update driver, and the fused path (fused/)."""

@@ -5,7 +5,7 @@ bitsandbytes before 0.50 (0.49.x, the release Axolotl pins) has no optimizer upd
 `functional.is_on_gpu(...)`, which raises "All input tensors need to be on the same GPU, but found some tensors to not
 be on a GPU" for CPU tensors (0.50 accepts CPU tensors there and registers CPU kernels for both). So on a CPU (a
 CPU-only machine, or the CPU partitions of ZeRO-Offload) such a release can step only what the fused kernel steps;
-partition_step.py routes accordingly and refuses, by name, what nothing here can step.
+fused/partition_step.py routes accordingly and refuses, by name, what nothing here can step.
 
 The check probes that very function with a CPU tensor instead of comparing version numbers: it is the cause, and it
 holds for any release that has it. GPUs are not probed: there bitsandbytes' CUDA kernels are its own update.

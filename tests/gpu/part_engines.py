@@ -176,7 +176,7 @@ def update_sizes(after: dict, before: dict, lrs: dict):
 
 def fused_against_default(args, result, precision: str) -> list:
     """Part c for one precision; returns the table row."""
-    from deepspeed_bnb.optim.fused_route import FUSED
+    from deepspeed_bnb.optim.fused.route import FUSED
     from test_fused_contract import relation_breaks
     from toy import loss_fn, make_model, param_groups
     bf16 = precision == "bf16"

@@ -3,12 +3,12 @@ entry points, accounting of the state.
 
 Stage 1/2 (stage_1_and_2.py) steps one flat partition per param group, stage 3 (stage3.py) one per sub-group; both
 describe each partition as (its model parameters, the bnb param group, their precisions) through `_bnb_partitions`,
-and the methods here work on that description only. Which code steps a parameter is optim/fused_route.py's decision.
+and the methods here work on that description only. Which code steps a parameter is optim/fused/route.py's decision.
 """
 
 import functools
 import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -16,9 +16,8 @@ from deepspeed.utils import logger
 
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records
 from deepspeed_bnb.optim.bnb_adapter import check_steppable
-from deepspeed_bnb.optim.fused_contract import describe_routes
-from deepspeed_bnb.optim.fused_route import FUSED
-from deepspeed_bnb.optim.partition_step import PartitionStep
+from deepspeed_bnb.optim.fused.partition_step import PartitionStep
+from deepspeed_bnb.optim.fused.route import Route, describe_routes
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.zero.compat import autocast_gradscaler
 
@@ -63,14 +62,14 @@ class BnbPartitionsMixin:
 
     def _bnb_step_of(self, i: int, params, gindex: int, eight_bit, segments, device) -> PartitionStep:
         """The step of partition i on this rank: its model parameters in flat order with their precisions, this rank's
-        segments of them; routed by fused_route.py under the optimizer-wide `self.bnb_kernel_reason`."""
+        segments of them; routed by optim/fused/route.py under the optimizer-wide `self.bnb_kernel_reason`."""
         return PartitionStep(self.bnb, gindex, segments, [self.bnb.override(p) for p in params], eight_bit, device,
                              self.bnb_kernel_reason, on_reroute=functools.partial(self._bnb_log_reroute, i))
 
     def _bnb_param_name(self, param, where: str) -> str:
         return self.param_names.get(param, where)
 
-    def _bnb_model_routes(self) -> Dict[str, Optional[str]]:
+    def _bnb_model_routes(self) -> Dict[str, Route]:
         """Every model parameter's route, as the partitions' steps decided it (rank-independent: it depends on the
         parameter and its config only)."""
         out = {}
@@ -80,7 +79,7 @@ class BnbPartitionsMixin:
         return out
 
     def _bnb_log_routes(self) -> None:
-        self.bnb_routes = self._bnb_model_routes()  # parameter name -> FUSED or why bnb's update steps it
+        self.bnb_routes = self._bnb_model_routes()  # parameter name -> its Route
         if dist.get_rank(group=self.dp_process_group) == 0:
             logger.info(describe_routes(type(self.optimizer).__name__, self.bnb_routes))
 
@@ -94,7 +93,7 @@ class BnbPartitionsMixin:
 
     def bnb_update_summary(self) -> str:
         """In words, which code steps the parameters (for logs and benchmark tables)."""
-        fused = sum(route is FUSED for route in self.bnb_routes.values())
+        fused = sum(route.fused for route in self.bnb_routes.values())
         if not fused:
             return "bnb's own update"
         where = self._bnb_device().type

@@ -36,9 +36,9 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
-from deepspeed_bnb.optim import fused_route
+from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.partition_step import PartitionStep
+from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.overrides import swapped
 from deepspeed_bnb.runtime.zero import compat

@@ -6,9 +6,9 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   release has it, else through zero padding tensors between the parameters (runtime/zero/padding_tensors.py, chosen
   in runtime/zero/compat.py);
 - `_optimizer_step`: per partition, the fused kernel steps the parameters whose bnb update it provably computes
-  (optim/fused_contract.py: 8-bit state, bnb's own update_step, every config field modelled; DeepSpeed's unscale/clip
+  (optim/fused/contract.py: 8-bit state, bnb's own update_step, every config field modelled; DeepSpeed's unscale/clip
   factor folded in through `unscale_and_clip_grads`), and bnb's own `update_step` steps the others, segment by
-  segment (optim/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and
+  segment (optim/fused/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and
   alignment padding is never updated, so it stays exactly zero;
 - `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
   dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
@@ -29,9 +29,9 @@ from deepspeed_bnb.checkpoint.format.constants import PARAM_ALIGNMENT_PADDINGS
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
-from deepspeed_bnb.optim import fused_route
+from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.partition_step import PartitionStep
+from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
@@ -87,7 +87,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             step = self._bnb_step_of(i, params, i, eight_bit, segments, partition.device)
             step.route(group)  # known before the first step, for the log below and for inspection
             self.bnb_steps.append(step)
-        self._bnb_log_routes()  # self.bnb_routes: parameter name -> FUSED or why bnb's update steps it
+        self._bnb_log_routes()  # self.bnb_routes: parameter name -> its Route
         # per param group: where an expert group's experts live (None: not an expert group), and the names its
         # record gives the parameters (global expert names)
         self.bnb_experts: List[Optional[ExpertPlacement]] = expert_placements(self)

@@ -3,23 +3,44 @@
 Two questions, asked in this order:
 1. `kernel_reason`, once per optimizer and device: may the fused kernel step anything here at all? No when the user
    said `bnb_fused_kernel: false`, when the optimizer's update has no kernel or a subclass overrides it
-   (fused_contract.optimizer_reason), on a device without kernels, on a GPU unless opted in (the CUDA kernels are
+   (contract.optimizer_reason), on a device without kernels, on a GPU unless opted in (the CUDA kernels are
    unproven there: never the silent default), when the compiled kernels cannot be loaded, or when they fail their
    first-use check against the reference (ops/self_check.py). `true` turns every such reason but the contract's into
    an error; a kernel that should run and cannot warns once and leaves the step to bnb.
-2. `route`, per parameter and at every step (configs change during training): FUSED where the kernel computes that
-   parameter's own bnb update (fused_contract.param_reason), else why bnb's `update_step` steps it; where bnb has no
-   update of its own (own_update.py), the kernel's fp32 path for 32-bit state (fused_contract.fp32_param_reason).
+2. `route`, per parameter and at every step (configs change during training): a `Route`, FUSED where the kernel
+   computes that parameter's own bnb update (contract.param_reason), else one naming why bnb's `update_step` steps
+   it; where bnb has no update of its own (own_update.py), the kernel's fp32 path for 32-bit state
+   (contract.fp32_param_reason).
 partition_step.py asks `route` through `route_table`; the ZeRO optimizers of every stage ask `kernel_reason`.
 """
 
 import warnings
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from deepspeed_bnb.ops import loader, self_check
-from deepspeed_bnb.optim.fused_contract import KERNEL_DEVICES, fp32_param_reason, optimizer_reason, param_reason
+from deepspeed_bnb.optim.fused.contract import KERNEL_DEVICES, fp32_param_reason, optimizer_reason, param_reason
 
-FUSED = None  # the route of a parameter the kernel steps (any other route is the reason bnb steps it)
+
+@dataclass(frozen=True)
+class Route:
+    """Which code steps one parameter."""
+
+    reason: Optional[str] = None  # None: the fused kernel; otherwise why bitsandbytes' own update_step steps it
+
+    @property
+    def fused(self) -> bool:
+        return self.reason is None
+
+    def __str__(self) -> str:
+        return "the fused kernel" if self.fused else f"bnb's own update ({self.reason})"
+
+
+FUSED = Route()  # the route of every parameter the kernel steps
+
+
+def _route(reason: Optional[str]) -> Route:
+    return FUSED if reason is None else Route(reason)
 
 
 def kernel_reason(setting, optimizer, device) -> Optional[str]:
@@ -58,20 +79,22 @@ def _fall_back(setting, reason: str) -> None:
 
 
 def route(optimizer, kernel_reason: Optional[str], config: dict, eight_bit: bool,
-          no_own_update: Optional[str]) -> Optional[str]:
-    """FUSED, or why bnb's own update steps a parameter of `optimizer` whose bnb config is `config` (8-bit state or
-    not). `kernel_reason`: the optimizer-wide answer above; `no_own_update`: why bnb has no update of its own on the
-    partition's device (own_update.missing), or None."""
-    reason = kernel_reason or optimizer_reason(optimizer) or param_reason(optimizer.optimizer_name, config, eight_bit)
-    if reason is not FUSED and no_own_update and not eight_bit and not kernel_reason \
-            and not optimizer_reason(optimizer):
+          no_own_update: Optional[str]) -> Route:
+    """The route of a parameter of `optimizer` whose bnb config is `config` (8-bit state or not). `kernel_reason`:
+    the optimizer-wide answer above; `no_own_update`: why bnb has no update of its own on the partition's device
+    (own_update.missing), or None."""
+    whole = kernel_reason or optimizer_reason(optimizer)
+    if whole:
+        return Route(whole)
+    reason = param_reason(optimizer.optimizer_name, config, eight_bit)
+    if reason is not None and no_own_update and not eight_bit:
         # bnb's own 32-bit update does not exist here: the kernel's fp32 path is the only one
-        return fp32_param_reason(optimizer.optimizer_name, config)
-    return reason
+        return _route(fp32_param_reason(optimizer.optimizer_name, config))
+    return _route(reason)
 
 
 def route_table(optimizer, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
-                eight_bit: Sequence[bool], no_own_update: Optional[str] = None) -> List[Optional[str]]:
+                eight_bit: Sequence[bool], no_own_update: Optional[str] = None) -> List[Route]:
     """`route` per parameter, given its config variant among `configs` and its precision (computed once per
     distinct pair)."""
     memo = {}  # (variant, precision) -> route
@@ -79,3 +102,16 @@ def route_table(optimizer, kernel_reason: Optional[str], configs: Sequence[dict]
         if key not in memo:
             memo[key] = route(optimizer, kernel_reason, configs[key[0]], key[1], no_own_update)
     return [memo[key] for key in zip(variant, eight_bit)]
+
+
+def describe_routes(optimizer: str, routes: Mapping[str, Route], shown: int = 8) -> str:
+    """One log line: how many parameters the kernel steps, and which ones bnb's own update steps, by reason."""
+    by_reason: Dict[Optional[str], list] = {}
+    for name, chosen in routes.items():
+        by_reason.setdefault(chosen.reason, []).append(name)
+    fused = by_reason.pop(None, [])
+    parts = [f"deepspeed_bnb: {optimizer}: the fused kernel steps {len(fused)} parameter(s)"]
+    for reason, names in by_reason.items():
+        more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+        parts.append(f"bnb's own update steps {len(names)} ({', '.join(names[:shown])}{more}): {reason}")
+    return "; ".join(parts)

@@ -1,6 +1,6 @@
 """One param group's optimizer step on one rank: the fused kernel where it is bnb's own arithmetic, bnb elsewhere.
 
-Which parameters the kernel may step is decided by fused_route.py (its only owner) from bnb's own config of each
+Which parameters the kernel may step is decided by route.py (its only owner) from bnb's own config of each
 parameter (get_config with its overrides), and decided again at every step, because configs change during training
 (a learning-rate schedule, a hand-edited param group): a parameter whose config leaves what the kernel models is
 stepped by bnb's `update_step` from that step on, and back. The routes are those of every parameter of the partition,
@@ -9,7 +9,7 @@ one flat state (bnb_adapter.py), so a parameter can change path at any step and 
 wrote them.
 
 Where bitsandbytes has no update of its own (own_update.py: bnb 0.49 on a CPU), the kernel is the only code that can
-step a parameter: it also steps 32-bit state there (its fp32 path, where fused_contract.fp32_param_reason allows), and
+step a parameter: it also steps 32-bit state there (its fp32 path, where contract.fp32_param_reason allows), and
 a parameter it cannot step is refused at the first route, naming it, instead of failing inside bnb.
 """
 
@@ -20,9 +20,9 @@ import torch
 
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused_contract import optimizer_reason
-from deepspeed_bnb.optim.fused_partition import FusedPartition
-from deepspeed_bnb.optim.fused_route import FUSED, route_table
+from deepspeed_bnb.optim.fused.contract import optimizer_reason
+from deepspeed_bnb.optim.fused.partition import FusedPartition
+from deepspeed_bnb.optim.fused.route import Route, route_table
 from deepspeed_bnb.state_layout import Segment
 
 
@@ -93,7 +93,7 @@ class PartitionStep:
         self.kernel_reason = kernel_reason  # why no parameter may be fused on this device (None: per parameter)
         self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
         self.on_reroute = on_reroute  # called with (old routes, new routes) per parameter when they change
-        self.param_routes: Optional[List[Optional[str]]] = None  # per parameter: FUSED or the reason bnb steps it
+        self.param_routes: Optional[List[Route]] = None  # per parameter: which code steps it
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
         self._fused_variants: List[int] = []  # variant of each hyper row of the kernel
         self._configs: List[dict] = []  # bnb's config of each variant, as of the last route()
@@ -107,15 +107,15 @@ class PartitionStep:
         if new == self.param_routes:
             return
         if self.no_own_update:
-            stuck, _ = distinct([(self.variants[v], eight_bit, route) for v, eight_bit, route
-                                 in zip(self.variant, self.eight_bit, new) if route is not FUSED])
+            stuck, _ = distinct([(self.variants[v], eight_bit, chosen.reason) for v, eight_bit, chosen
+                                 in zip(self.variant, self.eight_bit, new) if not chosen.fused])
             if stuck:
                 raise no_own_update_error(self.adapter, self.gindex, self.kernel_reason, self.no_own_update, stuck)
             if not all(self.eight_bit):
                 _warn_fp32_path(self.no_own_update)
         old, self.param_routes = self.param_routes, new
-        fused = [i for i, s in enumerate(self.segments) if new[s.slot] is FUSED]
-        self._bnb = [i for i, s in enumerate(self.segments) if new[s.slot] is not FUSED]
+        fused = [i for i, s in enumerate(self.segments) if new[s.slot].fused]
+        self._bnb = [i for i, s in enumerate(self.segments) if not new[s.slot].fused]
         self._fused_variants, rows = distinct([self.variant[self.segments[i].slot] for i in fused])
         self.fused = (FusedPartition(self.adapter.optimizer_name, [self.segments[i] for i in fused], rows, self.device)
                       if fused else None)

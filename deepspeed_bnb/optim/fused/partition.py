@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from deepspeed_bnb.ops import rules
-from deepspeed_bnb.optim.bnb_adapter import FP32_PREFIX
+from deepspeed_bnb.optim.state_classes import FP32_PREFIX
 from deepspeed_bnb.state_layout import Segment
 
 
