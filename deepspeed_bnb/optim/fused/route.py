@@ -43,12 +43,16 @@ def _route(reason: Optional[str]) -> Route:
     return FUSED if reason is None else Route(reason)
 
 
-def kernel_reason(setting, optimizer, device) -> Optional[str]:
+def kernel_reason(setting, optimizer, device, master: str = "fp32") -> Optional[str]:
     """Why bnb's own update steps every parameter of the bnb `optimizer` on `device` (None: `route` decides per
-    parameter). `setting`: zero_optimization.bnb_fused_kernel ("auto", True or False)."""
+    parameter). `setting`: zero_optimization.bnb_fused_kernel ("auto", True or False); `master`: the master weights'
+    mode (optim/master_weights.py)."""
     if setting is False:
         return "zero_optimization.bnb_fused_kernel is false"
     reason = optimizer_reason(optimizer)
+    if reason is None and master != "fp32":
+        reason = (f"the fused kernels step fp32 master weights only, and zero_optimization.bnb_master_weights is "
+                  f"{master!r}")
     if reason is None and device.type not in KERNEL_DEVICES:
         reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
     if reason is None and device.type == "cuda" and setting == "auto":

@@ -18,8 +18,13 @@ from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records
 from deepspeed_bnb.optim.bnb_adapter import check_steppable
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.fused.route import Route, describe_routes
+from deepspeed_bnb.optim.master_weights import MasterWeights, resolve
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.runtime.zero.compat import autocast_gradscaler
+from deepspeed_bnb.runtime.zero.compat import BF16_MASTER_VALIDATORS, autocast_gradscaler, require_bf16_master
+
+
+DS_BF16_MASTER = "bf16_master_weights_and_gradients"  # DeepSpeed's ZeRO keyword for bf16 master weights
+DS_BF16_STATES = "bf16_optimizer_states"  # DeepSpeed's ZeRO keyword for bf16 Adam moments
 
 
 class BnbPartitionsMixin:
@@ -48,6 +53,28 @@ class BnbPartitionsMixin:
     def bnb_partition_process_group(self, i: int):
         """The process group partition i is split over."""
         raise NotImplementedError
+
+    def _bnb_resolve_master(self, setting: str, optimizer, kwargs: dict, deepspeed_class: type) -> None:
+        """`self.bnb_master` from bnb_master_weights and DeepSpeed's bf16_master_weights_and_grads (in `kwargs`, the
+        keyword arguments of `deepspeed_class`, DeepSpeed's ZeRO optimizer: set to what was resolved, for its
+        __init__ to build)."""
+        dtype = next((p.dtype for g in optimizer.param_groups for p in g["params"]), torch.float32)
+        self.bnb_master: MasterWeights = resolve(setting, bool(kwargs.get(DS_BF16_MASTER, False)), dtype)
+        if self.bnb_master.dtype == torch.bfloat16:
+            require_bf16_master(deepspeed_class, self.bnb_master.mode)
+            kwargs[DS_BF16_MASTER] = True
+
+    def _configure_master_weights(self, **settings):
+        # DeepSpeed lets bf16 master weights through only with DeepSpeedCPUAdam on CPU offload, or with bf16 Adam
+        # moments (bf16_optimizer_states), because fp32 moments would cost more than bf16 master weights save. bnb's
+        # state is 8-bit and its update steps bf16 weights: the validator's reason does not hold (master_weights.py).
+        if settings.pop(DS_BF16_STATES, False):
+            logger.warning(f"deepspeed_bnb: bf16.bf16_optimizer_states is ignored for {type(self.optimizer).__name__}:"
+                           f" its state is 8-bit (fp32 only for parameters below its min_8bit_size), smaller than "
+                           f"bf16 moments. Remove the key to silence this.")
+        if self.bnb_master.dtype == torch.bfloat16:
+            settings.update({key: None for key in BF16_MASTER_VALIDATORS if key in settings})
+        return super()._configure_master_weights(**settings)
 
     @staticmethod
     def _bnb_refuse_unsupported(optimizer) -> None:

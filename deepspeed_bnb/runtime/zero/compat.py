@@ -26,6 +26,10 @@ release that added it; the functions below read them):
   0 of Split is a view and is being modified inplace"; stock DeepSpeedZeroOptimizer with torch.optim.AdamW fails the
   same way at DP=2). 0.19.0 went back to flattening copies. BnbZeroOptimizer flattens its groups without autograd on
   every release, which gives the leaf buffer the other releases have.
+- DeepSpeed 0.18.3 added bf16 master weights (`bf16.bf16_master_weights_and_grads`, the ZeRO optimizers' keyword
+  `bf16_master_weights_and_gradients` and `ZeROOptimizer._configure_master_weights`, whose bf16 check is the
+  keyword `bf16_fp32_offload_validator` until 0.19.0 and `bf16_offload_validator` from 0.19.1); earlier releases
+  cannot keep bf16 master weights, so deepspeed_bnb's bf16 modes are refused there.
 - Smaller additions, each with a fallback below: the checkpoint engine's `is_decoupled` (0.17.1), `all_gather_object`
   in deepspeed.comm (0.17.0), the ZeRO optimizers' `torch_autocast_gradscaler` (0.17.2), SuperOffload (0.18.0),
   ZeRO-3's `param_names` (0.18.0), per-sub-group and per-parameter partition groups (0.19.3), the engine's
@@ -63,6 +67,19 @@ def padding_mode(zero_optimizer_class=DeepSpeedZeroOptimizer) -> str:
                          f"per-parameter padding in ZeRO-1/2 flat groups (added in {PARAMETER_PADDING_SINCE}); "
                          f"unset it to use padding tensors.")
     return wanted
+
+
+BF16_MASTER_SINCE = "0.18.3"
+BF16_MASTER_VALIDATORS = ("bf16_fp32_offload_validator", "bf16_offload_validator")  # 0.18.3-0.19.0, 0.19.1 on
+
+
+def require_bf16_master(zero_optimizer_class, setting: str) -> None:
+    """Refuse bf16 master weights where this DeepSpeed release's ZeRO optimizer cannot keep them (before 0.18.3)."""
+    if "bf16_master_weights_and_gradients" not in inspect.signature(zero_optimizer_class.__init__).parameters:
+        raise NotImplementedError(
+            f"deepspeed_bnb: zero_optimization.bnb_master_weights {setting!r} keeps bf16 master weights, which "
+            f"DeepSpeed {deepspeed.__version__} cannot (bf16 master weights came with DeepSpeed {BF16_MASTER_SINCE}). "
+            f"Install DeepSpeed >= {BF16_MASTER_SINCE}, or use \"fp32\".")
 
 
 def flattens_with_autograd(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:

@@ -11,6 +11,7 @@ from typing import List, Union
 import deepspeed.runtime.zero.config as ds_zero_config
 from pydantic import Field, field_validator
 
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.state_layout import BLOCK_SIZE
 
 DEFAULT_KEEP_WHOLE = ("qmap1", "qmap2")
@@ -45,6 +46,22 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
     false: bnb's own update everywhere. Checkpoints load either way.
     """
 
+    bnb_master_weights: str = master_weights.AUTO
+    """
+    The master weights ZeRO keeps for a bnb optimizer: "fp32" (4 bytes per parameter), "bf16" (2 bytes; DeepSpeed's
+    bf16.bf16_master_weights_and_grads, which "auto" follows), or "bf16+8" (3 bytes: bf16 plus an 8-bit rounding error,
+    a 24-bit master weight). "bf16" and "bf16+8" need bf16 model weights. optim/master_weights.py.
+    """
+
+    @field_validator("bnb_master_weights", mode="before")
+    @classmethod
+    def _master_weights_is_a_mode(cls, value):
+        if value not in (master_weights.AUTO,) + master_weights.MODES:
+            raise ValueError(f"zero_optimization.bnb_master_weights must be one of "
+                             f"{', '.join(repr(m) for m in (master_weights.AUTO,) + master_weights.MODES)}; got "
+                             f"{value!r}")
+        return value
+
     @field_validator("bnb_fused_kernel", mode="before")
     @classmethod
     def _fused_is_auto_or_bool(cls, value):
@@ -75,4 +92,5 @@ def bnb_settings(zero_config) -> dict:
         "bnb_keep_whole": tuple(getattr(zero_config, "bnb_keep_whole", DEFAULT_KEEP_WHOLE)),
         "bnb_keep_whole_threshold": getattr(zero_config, "bnb_keep_whole_threshold", BLOCK_SIZE),
         "bnb_fused_kernel": getattr(zero_config, "bnb_fused_kernel", "auto"),
+        "bnb_master_weights": getattr(zero_config, "bnb_master_weights", master_weights.AUTO),
     }

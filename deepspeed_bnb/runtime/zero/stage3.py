@@ -38,6 +38,7 @@ from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.overrides import swapped
@@ -86,11 +87,13 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
     def __init__(self, module, init_optimizer, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
-                 bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
+                 bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto",
+                 bnb_master_weights: str = master_weights.AUTO, **kwargs):
         self._bnb_refuse_unsupported(init_optimizer)
         _refuse_unsupported(init_optimizer, kwargs)
         # Before DeepSpeed replaces each group's params: precision and config overrides per model parameter.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
+        self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer_Stage3)
         # Before DeepSpeed flattens this rank's slices: every slice whole blocks of its parameter.
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
         super().__init__(module, init_optimizer, *args, **kwargs)
@@ -108,7 +111,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         group_eight_bit = {g: [self.bnb.eight_bit(p) for j in subs for p in self.fp16_groups[j]]
                            for g, subs in self.bnb_sub_groups.items()}
         device = self._bnb_device()
-        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device)
+        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device,
+                                                                                  self.bnb_master.mode)
         for i, params in enumerate(self.fp16_groups):
             gindex = self.sub_group_to_group_id[i]
             layout = self._bnb_check_layout(i)
@@ -125,7 +129,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
             with self._bnb_holding(i):
                 self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments, layout.partition_size,
-                                                                    group_eight_bit[gindex], partition.device)
+                                                                    group_eight_bit[gindex], partition.device,
+                                                                    self.bnb_master.compensated)
                 step.route(group)
             self.bnb_steps.append(step)
         with self._bnb_holding():

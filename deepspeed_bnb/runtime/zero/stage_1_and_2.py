@@ -31,6 +31,7 @@ from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
@@ -46,7 +47,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
     def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
-                 bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto", **kwargs):
+                 bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto",
+                 bnb_master_weights: str = master_weights.AUTO, **kwargs):
         self._bnb_refuse_unsupported(init_optimizer)
         # how the block-aligned layout is placed in DeepSpeed's flat groups (compat.py)
         self.bnb_padding_mode = padding_mode()
@@ -55,6 +57,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
+        self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer)  # self.bnb_master
         super().__init__(init_optimizer, param_names, *args, **kwargs)
         # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
@@ -66,7 +69,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
         device = self.single_partition_of_fp32_groups[0].device
         # why no parameter may be fused here (None: the contract decides per parameter)
-        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device)
+        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device,
+                                                                                  self.bnb_master.mode)
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -80,7 +84,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             partition = self.single_partition_of_fp32_groups[i]
             group = self.optimizer.param_groups[i]
             self.optimizer.state[partition] = self.bnb.allocate(group, i, segments, layout.partition_size,
-                                                                eight_bit, partition.device)
+                                                                eight_bit, partition.device, self.bnb_master.compensated)
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)

@@ -1,0 +1,58 @@
+"""Which master weights a bnb ZeRO optimizer keeps: fp32, bf16, or bf16 with an 8-bit compensation term.
+
+DeepSpeed 0.19.8 keeps ZeRO's master partition in bf16 when `bf16.bf16_master_weights_and_grads` is true, but only
+with DeepSpeedCPUAdam on CPU offload, or with `bf16_optimizer_states` (bf16 Adam moments): its fp32 moments would
+otherwise cost more than the master weights save (the assertion in `ZeROOptimizer._configure_master_weights`,
+runtime/base_optimizer.py). bitsandbytes' state is 8-bit and its update steps bf16 parameters itself, so for a bnb
+optimizer that reason does not hold: DeepSpeed's key is honoured at every stage, with and without offload.
+
+`zero_optimization.bnb_master_weights` says it explicitly and adds the compensated mode:
+- "fp32": fp32 master weights (DeepSpeed's default);
+- "bf16": bf16 master weights, DeepSpeed's `bf16_master_weights_and_grads`: 2 bytes per parameter instead of 4, but
+  an update smaller than half a bf16 ulp of its weight (about 2^-8 of it) is lost;
+- "bf16+8": bf16 master weights plus one int8 per parameter holding the rounding error in 1/256 ulp steps (a 24-bit
+  master weight, 3 bytes): ops/compensated.py;
+- "auto" (default): "bf16" where DeepSpeed's key asks for it, else "fp32".
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+FP32, BF16, COMPENSATED = "fp32", "bf16", "bf16+8"
+MODES = (FP32, BF16, COMPENSATED)
+AUTO = "auto"
+KEY = "zero_optimization.bnb_master_weights"
+DS_KEY = "bf16.bf16_master_weights_and_grads"
+
+
+@dataclass(frozen=True)
+class MasterWeights:
+    """The master weights of one run."""
+
+    mode: str  # FP32, BF16 or COMPENSATED (what checkpoints record)
+    dtype: torch.dtype  # dtype of ZeRO's master partition (and of its gradient partition): fp32 or bf16
+
+    @property
+    def compensated(self) -> bool:
+        """Whether an int8 error term per element completes the bf16 partition."""
+        return self.mode == COMPENSATED
+
+    @property
+    def bytes_per_param(self) -> int:
+        return {FP32: 4, BF16: 2, COMPENSATED: 3}[self.mode]
+
+
+def resolve(setting: str, ds_bf16_master: bool, model_dtype: torch.dtype) -> MasterWeights:
+    """The master weights of a run from `bnb_master_weights` (`setting`), DeepSpeed's `bf16_master_weights_and_grads`
+    and the dtype of the model's weights; a ValueError naming the keys where they disagree."""
+    if setting not in MODES + (AUTO,):
+        raise ValueError(f"{KEY} must be one of {', '.join(map(repr, (AUTO,) + MODES))}; got {setting!r}")
+    mode = (BF16 if ds_bf16_master else FP32) if setting == AUTO else setting
+    if mode == FP32 and ds_bf16_master:
+        raise ValueError(f"{KEY}: \"fp32\" contradicts {DS_KEY}: true. Remove one of the two (\"bf16\" or \"bf16+8\" "
+                         f"keep bf16 master weights).")
+    if mode != FP32 and model_dtype != torch.bfloat16:
+        raise ValueError(f"{KEY}: {mode!r} keeps bf16 master weights, which needs bf16 model weights; the model's are "
+                         f"{model_dtype}. Enable bf16 (\"bf16\": {{\"enabled\": true}}) or use \"fp32\".")
+    return MasterWeights(mode=mode, dtype=torch.float32 if mode == FP32 else torch.bfloat16)
