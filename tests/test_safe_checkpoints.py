@@ -165,7 +165,7 @@ def test_manifest_lists_every_file_with_checksum(saves):
     on_disk = sorted(n for n in os.listdir(os.path.join(folder, "a")) if n != MANIFEST_NAME)
     assert sorted(manifest["files"]) == on_disk and len(on_disk) >= 2
     assert all(len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in manifest["files"].values())
-    assert manifest["deepspeed_bnb_format"] == FORMAT_VERSION == 2 and manifest["dp_world_size"] == 1
+    assert manifest["deepspeed_bnb_format"] == FORMAT_VERSION == 3 and manifest["dp_world_size"] == 1
     assert manifest["groups"][0]["param_names"][0] == "emb.weight"
     # version 2: every tensor's CRC-32, checked here against torch's own loader and zlib
     for name, entry in manifest["files"].items():

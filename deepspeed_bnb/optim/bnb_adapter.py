@@ -16,7 +16,7 @@ import torch
 
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import own_update
-from deepspeed_bnb.optim.state_classes import FP32_PREFIX, MASTER_ERROR, StateClass, StateClassError, classify, \
+from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, StateClassError, classify, \
     zeros_like_partitioned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment, uses_8bit_state
 
@@ -181,18 +181,14 @@ class BnbAdapter:
         return self._specs[eight_bit]
 
     def allocate(self, group: dict, gindex: int, segments: Sequence[Segment], partition_size: int,
-                 group_eight_bit: Sequence[bool], device, compensated_master: bool = False) -> dict:
+                 group_eight_bit: Sequence[bool], device) -> dict:
         """Zero-initialised flat state for one partition, as bnb's init_state would leave each of its parameters.
 
         Every rank gets the keys of every precision present in the group (even with no segment of it: zero-length
         or unused tensors), so all ranks hold the same keys and whole tensors exist on rank 0 for checkpoints.
-        `compensated_master`: the partition's master weights are bf16 with an int8 error term (MASTER_ERROR; zero:
-        DeepSpeed's bf16 master partition is the exact bf16 model weights it starts from).
         """
         self.device = torch.device(device)
         state = {"step": 0}  # a partition of pure padding still counts steps like its peers
-        if compensated_master:
-            state[MASTER_ERROR] = torch.zeros(partition_size, dtype=torch.int8, device=device)
         fp32_numel = sum(s.numel for s in segments if not s.eight_bit)
         for eight_bit, length in ((True, partition_size), (False, fp32_numel)):
             if eight_bit not in group_eight_bit:
@@ -212,8 +208,6 @@ class BnbAdapter:
     def stored_classes(self, state: dict) -> Dict[str, StateClass]:
         """Class of every key in a flat state (SCRATCH keys are never stored)."""
         classes = {"step": StateClass.SCALAR}
-        if MASTER_ERROR in state:
-            classes[MASTER_ERROR] = StateClass.ELEMENT
         for keys in self._specs.values():
             for key in keys:
                 if key.stored_as in state:
@@ -240,13 +234,13 @@ class BnbAdapter:
 
     @torch.no_grad()
     def step(self, group: dict, gindex: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-             segments: Sequence[Segment], overrides: Sequence[dict]) -> None:
+             segments: Sequence[Segment], overrides: Sequence[dict], error: Optional[torch.Tensor] = None) -> None:
         """One bnb update of every segment of a flat partition, in place (padding is never touched). The master
-        weights `params` are fp32 or bf16 (bnb steps either); with a MASTER_ERROR in `state`, bf16 plus that error
-        term, which each piece is widened to fp32 with for bnb's update and split back into after it."""
+        weights `params` are fp32 or bf16 (bnb steps either); with `error` (int8, compensated master weights:
+        ops/compensated.py), bf16 plus that error term, which each piece is widened to fp32 with for bnb's update and
+        split back into after it."""
         step = state["step"]
         bnb_state = self.optimizer.state
-        error = state.get(MASTER_ERROR)
         # bnb counts elements in 32 bits; compensated pieces are widened to fp32 scratch
         piece = own_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
         scalars = {"step": step + 1}  # what bnb's update_step leaves; also right for a partition of pure padding

@@ -21,6 +21,8 @@ import torch
 
 FP32, BF16, COMPENSATED = "fp32", "bf16", "bf16+8"
 MODES = (FP32, BF16, COMPENSATED)
+# what converting fp32 master weights to each mode loses (bf16: round to nearest even, half an ulp at most)
+LOSS = {FP32: "nothing", BF16: "up to 2^-9 of each weight", COMPENSATED: "up to 2^-16 of each weight"}
 AUTO = "auto"
 KEY = "zero_optimization.bnb_master_weights"
 DS_KEY = "bf16.bf16_master_weights_and_grads"

@@ -16,9 +16,6 @@ from deepspeed_bnb.state_layout import BLOCK_SIZE, num_blocks
 
 
 FP32_PREFIX = "fp32."  # flat-state keys of fp32-precision segments (their own compact element space)
-# flat-state key of the int8 rounding error of compensated bf16 master weights (ops/compensated.py): one value per
-# element of the partition, like 8-bit codes; deepspeed_bnb's own, never shown to bnb's update
-MASTER_ERROR = "master.error"
 
 
 class StateClass(str, enum.Enum):

@@ -236,10 +236,11 @@ def _where_damaged(path: str, entry: dict) -> str:
     return f": tensor data of {shown} changed since the save"
 
 
-def describe(optimizer_class: str, zero_stage: int, dp: int, groups) -> dict:
-    """The manifest's description of a run: `groups` yields (param_names, numels, eight_bit) per param group."""
+def describe(optimizer_class: str, zero_stage: int, dp: int, groups, master_mode: str = "fp32") -> dict:
+    """The manifest's description of a run: `groups` yields (param_names, numels, eight_bit) per param group;
+    `master_mode`: its master weights ("fp32", "bf16", "bf16+8")."""
     return {"deepspeed_bnb_format": FORMAT_VERSION, "optimizer_class": optimizer_class, "zero_stage": zero_stage,
-            "dp_world_size": dp,
+            "dp_world_size": dp, "master_weights": master_mode,
             "groups": [{"param_names": list(names), "numels": list(numels), "eight_bit": list(eight_bit)}
                        for names, numels, eight_bit in groups]}
 

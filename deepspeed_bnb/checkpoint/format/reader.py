@@ -18,7 +18,7 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, tag_files, verify
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, SavedPart, check_record, check_saved_records, \
-    empty_group_record, is_record, saved_master, saved_parts
+    empty_group_record, is_record, saved_master, saved_master_mode, saved_parts
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
 from deepspeed_bnb.checkpoint.format.sources import FileSource
 from deepspeed_bnb.optim.state_classes import StateClass
@@ -203,6 +203,11 @@ class SavedCheckpoint:
         return is_record(self.source.state(0).get(C.BASE_OPTIMIZER_STATE_KEY))
 
     @property
+    def master_mode(self) -> str:
+        """The master weights of the run that wrote it ("fp32", "bf16" or "bf16+8"; optim/master_weights.py)."""
+        return saved_master_mode(self.record(0))
+
+    @property
     def groups(self) -> List[dict]:
         return self.record(0)[C.GROUPS_KEY]
 
@@ -266,7 +271,8 @@ class SavedCheckpoint:
         return out
 
     def master_weights(self, g: int) -> List[torch.Tensor]:
-        """fp32 master weights of every parameter of group g (flattened), joined from every rank, part by part."""
+        """fp32 master weights of every parameter of group g (flattened), joined from every rank, part by part (bf16
+        master weights widened: exact)."""
         layouts = [layout_from_dict(saved.get(C.MASTER_LAYOUT_KEY, saved[C.LAYOUT_KEY])) for saved in self.groups]
         out = []
         for part in self.parts(g):
@@ -275,7 +281,7 @@ class SavedCheckpoint:
                 master = saved_master(self.optimizer_state(rank), self.record(rank), g, layouts)
                 for seg in part.master_layout.segments(k, part.eight_bit):
                     pieces.setdefault(seg.slot, []).append(master.narrow(0, seg.offset, seg.numel))
-            out += [torch.cat(pieces[slot]) for slot in range(len(part.names))]
+            out += [torch.cat(pieces[slot]).float() for slot in range(len(part.names))]
         return out
 
     def empty_group(self, g: int, dp: int, rank: int, stage: int = 2) -> GroupRecord:

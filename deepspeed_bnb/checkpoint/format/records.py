@@ -16,6 +16,8 @@ from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, placement_from_dict
 from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
+from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
 from deepspeed_bnb.state_layout import GroupLayout, layout_from_dict
 
@@ -30,7 +32,8 @@ class GroupRecord:
     eight_bit: List[bool]  # per parameter in flat order: 8-bit state (True) or fp32 state (False)
     key_classes: Dict[str, StateClass]  # flat-state key -> class (the same on every rank)
     state: dict  # the flat state of this rank's partition (live tensors, loaded in place)
-    master: Optional[torch.Tensor] = None  # this rank's fp32 master-weight partition (loaded in place)
+    master: Optional[torch.Tensor] = None  # this rank's master-weight partition, fp32 or bf16 (loaded in place)
+    master_error: Optional[torch.Tensor] = None  # its int8 error term where the master weights are "bf16+8"
     master_layout: Optional[object] = None  # layout of the master weights as saved, when not `layout` (ZeRO-3)
     expert: Optional[ExpertPlacement] = None  # an expert group's placement (DeepSpeed MoE); param_names are global
 
@@ -55,11 +58,14 @@ def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str
 
 
 def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups: Sequence[GroupRecord],
-                 master_entry: Optional[str] = None) -> dict:
+                 master_entry: Optional[str] = None, master_mode: str = master_weights.FP32) -> dict:
     """The record of one rank. Whole tensors (maps) are the same everywhere and stored once, by rank 0.
-    `master_entry`: the ZeRO state-dict entry holding the master weights when it is not DeepSpeed's stage-1/2 one."""
+    `master_entry`: the ZeRO state-dict entry holding the master weights when it is not DeepSpeed's stage-1/2 one;
+    `master_mode`: the run's master weights (optim/master_weights.py), which the saved master tensors follow
+    (`saved_master_dtype`)."""
     record = {
         C.FORMAT_KEY: C.FORMAT_VERSION,
+        C.MASTER_MODE_KEY: master_mode,
         C.OPTIMIZER_CLASS_KEY: optimizer_class,
         C.OPTIMIZER_NAME_KEY: optimizer_name,
         C.DP_RANK_KEY: dp_rank,
@@ -82,6 +88,17 @@ def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups
 
 def is_record(value) -> bool:
     return isinstance(value, dict) and C.FORMAT_KEY in value
+
+
+def saved_master_mode(record: dict) -> str:
+    """The master weights of the run that wrote a (checked) record: "fp32" before format 3."""
+    return record.get(C.MASTER_MODE_KEY, master_weights.FP32)
+
+
+def saved_master_dtype(record: dict) -> torch.dtype:
+    """The dtype of a record's saved master weights: bf16 for "bf16" runs, fp32 otherwise ("bf16+8" saves its weights
+    joined with their error terms, the fp32 values they stand for)."""
+    return torch.bfloat16 if saved_master_mode(record) == master_weights.BF16 else torch.float32
 
 
 def check_record(record, source: str, optimizer_class: Optional[str] = None) -> None:
@@ -113,6 +130,9 @@ def _check_structure(record: dict, source: str) -> None:
                       (C.GROUPS_KEY, list)):
         if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
             raise malformed(f"'{key}'", f"is {type(record.get(key)).__name__}, not {kind.__name__}")
+    if saved_master_mode(record) not in master_weights.MODES:
+        raise malformed(f"'{C.MASTER_MODE_KEY}'", f"is {saved_master_mode(record)!r}, not one of "
+                                                  f"{master_weights.MODES}")
     for g, group in enumerate(record[C.GROUPS_KEY]):
         where = f"param group {g}"
         if not isinstance(group, dict):
@@ -271,13 +291,15 @@ def _check_expert_group(saved: dict, live: GroupRecord, where: str) -> None:
 
 
 def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer_class: str,
-                 optimizer_states: bool, master_weights: bool, validate_only: bool = False) -> None:
+                 optimizer_states: bool, load_masters: bool, validate_only: bool = False) -> None:
     """Load this rank's share of a checkpoint written at DP size `source.dp` (any DP, stage 1, 2 or 3; same model
     and optimizer; an expert group at any expert-data-parallel size, and any expert-parallel size over the same
     experts).
 
-    `source` gives each old rank's optimizer_state_dict (sources.py); `master_weights`: also load the old ranks' fp32
-    master-weight partitions (False: keep the live ones). Nothing changes unless everything fits.
+    `source` gives each old rank's optimizer_state_dict (sources.py); `load_masters`: also load the old ranks'
+    master-weight partitions (False: keep the live ones), in any master mode: converted to the live one, exactly
+    where its bits allow (bf16 into fp32 or "bf16+8"; "bf16+8" into fp32), rounded otherwise (_load_master).
+    Nothing changes unless everything fits.
     """
     records = {}
 
@@ -318,7 +340,7 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
             masters[(rank, g)] = saved_master(source.state(rank), record(rank), g, master_layouts)
         return masters[(rank, g)]
 
-    needed = sorted({0} | {run.src_rank for group_runs in runs + (master_runs if master_weights else [])
+    needed = sorted({0} | {run.src_rank for group_runs in runs + (master_runs if load_masters else [])
                            for run in group_runs})
 
     # -- validate every input before changing anything --
@@ -337,10 +359,10 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
                     f"partitions; the checkpoint mixes files of different runs.")
             if optimizer_states:
                 _check_saved_state(saved[C.STATE_KEY], live, part, k, where, holds_whole=rank == 0)
-            if master_weights:
+            if load_masters:
                 m = part.master_layout
-                _check_tensor(master(rank, g), (m.partition_size - m.tail_padding(k),), live.master.dtype,
-                              f"{source.name(rank)}: fp32 master weights of param group {g}")
+                _check_tensor(master(rank, g), (m.partition_size - m.tail_padding(k),), saved_master_dtype(rec),
+                              f"{source.name(rank)}: master weights of param group {g}")
     if validate_only:
         return
 
@@ -348,9 +370,23 @@ def load_records(source, groups: Sequence[GroupRecord], new_rank: int, optimizer
     for g, (live, group_runs) in enumerate(zip(groups, runs)):
         if optimizer_states:
             _apply_group(g, live, group_runs, record)
-        if master_weights:
-            live.master.zero_()
-            copy_runs(live.master, lambda rank, g=g: master(rank, g), master_runs[g], StateClass.ELEMENT)
+        if load_masters:
+            _load_master(live, lambda rank, g=g: master(rank, g), master_runs[g])
+
+
+def _load_master(live: GroupRecord, fetch: Callable[[int], torch.Tensor], runs: Sequence[Run]) -> None:
+    """Fill a live master partition from the saved ones (fetch(rank)): copy_ widens bf16 exactly and rounds fp32 to
+    nearest-even bf16; compensated master weights are filled in fp32 on the host and split into bf16 and error."""
+    if live.master_error is None:
+        live.master.zero_()
+        copy_runs(live.master, fetch, runs, StateClass.ELEMENT)
+        return
+    wide = torch.zeros(live.master.shape, dtype=torch.float32)
+    copy_runs(wide, fetch, runs, StateClass.ELEMENT)
+    hi, lo = torch.empty_like(wide, dtype=torch.bfloat16), torch.empty_like(wide, dtype=torch.int8)
+    compensated.split_(wide, hi, lo)
+    live.master.copy_(hi)
+    live.master_error.copy_(lo)
 
 
 def _placed(saved: dict, dp: int, where: str) -> Tuple[int, int]:

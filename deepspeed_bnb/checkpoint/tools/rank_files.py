@@ -25,6 +25,7 @@ from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_stage
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.state_layout import ShardedLayout
 
 STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS,
@@ -36,9 +37,13 @@ def rank_file_name(rank: int, bf16: bool) -> str:
 
 
 def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, optimizer_class: str,
-                    optimizer_name: str, full_masters: Optional[Callable[[int], List]] = None) -> dict:
+                    optimizer_name: str, full_masters: Optional[Callable[[int], List]] = None,
+                    master_mode: str = master_weights.FP32) -> dict:
     """DeepSpeed's per-rank optimizer state for `groups` (filled GroupRecords of `rank`), other keys from `base`.
-    Stage 3 (ShardedLayout groups) needs `full_masters(g)`: every parameter's fp32 weights, for the stock slices."""
+    Stage 3 (ShardedLayout groups) needs `full_masters(g)`: every parameter's fp32 weights, for the stock slices.
+    `master_mode`: the source run's master weights, which decide the dtype the master weights are written in (bf16
+    for "bf16": the values came from bf16, so the cast is exact)."""
+    dtype = torch.bfloat16 if master_mode == master_weights.BF16 else torch.float32
     state = {k: v for k, v in base.items() if k not in STAGE_SPECIFIC}
     if groups and isinstance(groups[0].layout, ShardedLayout):
         state[C.ZERO_STAGE_KEY] = 3
@@ -49,25 +54,27 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
             pieces = []
             for j, master in enumerate(full_masters(g)):
                 size = group.master_layout.slice_numel(j)
-                piece = torch.zeros(size, dtype=torch.float32)
+                piece = torch.zeros(size, dtype=dtype)
                 real = master.reshape(-1)[rank * size:(rank + 1) * size]
                 piece[:real.numel()] = real
                 pieces.append(piece)
             state[C.FP32_FLAT_GROUPS_KEY].append(torch.cat(pieces))
         state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups,
-                                                         master_entry=C.FP32_FLAT_GROUPS_KEY)
+                                                         master_entry=C.FP32_FLAT_GROUPS_KEY, master_mode=master_mode)
         return state
     if state.get(C.ZERO_STAGE_KEY) == 3:  # from a stage-3 checkpoint: DeepSpeed's stage-1/2 keys
         state[C.ZERO_STAGE_KEY] = 2
     state[C.MASTER_WEIGHTS_KEY] = [
-        g.master.narrow(0, 0, g.layout.partition_size - g.layout.tail_padding(rank)).clone() for g in groups]
+        g.master.narrow(0, 0, g.layout.partition_size - g.layout.tail_padding(rank)).to(dtype, copy=True)
+        for g in groups]
     state[GROUP_PADDINGS] = [g.layout.tail_padding(rank) for g in groups]
     state[PARTITION_COUNT] = [dp] * len(groups)
     state[C.PARAM_ALIGNMENT_PADDINGS] = [[slot.padding for slot in g.layout.slots] for g in groups]
     state[PARAM_SLICE_MAPPINGS] = [
         OrderedDict((g.param_names[seg.slot], fragment_address(numel=seg.numel, start=seg.offset))
                     for seg in g.layout.segments(rank, g.eight_bit)) for g in groups]
-    state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups)
+    state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups,
+                                                     master_mode=master_mode)
     return state
 
 
@@ -103,6 +110,7 @@ class RanklessSource:
 
     bf16_names = False  # the optimizer files to write: DeepSpeed's fp32-mode names
     is_deepspeed_bnb = False
+    master_mode = master_weights.FP32  # such sources hold fp32 weights
 
     def other_files(self) -> List[str]:
         return []
@@ -124,6 +132,7 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
     """Stage and publish a new tag in `out_dir`: model states of `ckpt` (at DP `dp` and ZeRO `stage`, the source's by
     default) and one file per new rank with the groups `fill(rank)` returns. Returns the published tag directory."""
     stage = ckpt.zero_stage if stage is None else stage
+    mode = ckpt.master_mode if ckpt.is_deepspeed_bnb else master_weights.FP32  # a stock checkpoint's are written fp32
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     check_output(ckpt, out_dir)
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
@@ -147,10 +156,10 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
             groups = fill(rank)
             blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
             blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp,
-                                                         optimizer_class, optimizer_name, full_masters)
+                                                         optimizer_class, optimizer_name, full_masters, mode)
             torch.save(blob, os.path.join(staged, rank_file_name(rank, ckpt.bf16_names)))
             described = [(g.param_names, g.layout.numels, g.eight_bit) for g in groups]
-        return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described))
+        return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described, mode))
 
 
 MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files

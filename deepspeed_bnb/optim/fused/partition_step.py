@@ -123,9 +123,11 @@ class PartitionStep:
             self.on_reroute(old, new)
 
     @torch.no_grad()
-    def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict, inv_scale: float = 1.0):
+    def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict, inv_scale: float = 1.0,
+             master_error: Optional[torch.Tensor] = None):
         """One optimizer step of the partition in place. `inv_scale`: DeepSpeed's unscale/clip factor, not yet
-        applied to `grads` (the kernel folds it into its pass; bnb's segments get grads multiplied by it first)."""
+        applied to `grads` (the kernel folds it into its pass; bnb's segments get grads multiplied by it first).
+        `master_error`: the int8 error term of compensated bf16 master weights `params` (None: plain fp32 or bf16)."""
         self.route(group)
         step = state["step"] + 1  # bnb counts the step before using it
         if self.fused is not None:
@@ -136,4 +138,4 @@ class PartitionStep:
                 grads.narrow(0, segment.offset, segment.numel).mul_(inv_scale)
         # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once
         self.adapter.step(group, self.gindex, params, grads, state, bnb_segments,
-                          [self.variants[self.variant[s.slot]] for s in bnb_segments])
+                          [self.variants[self.variant[s.slot]] for s in bnb_segments], master_error)

@@ -8,13 +8,15 @@ and the methods here work on that description only. Which code steps a parameter
 
 import functools
 import zlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records, saved_master_mode
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.bnb_adapter import check_steppable
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.fused.route import Route, describe_routes
@@ -63,6 +65,31 @@ class BnbPartitionsMixin:
         if self.bnb_master.dtype == torch.bfloat16:
             require_bf16_master(deepspeed_class, self.bnb_master.mode)
             kwargs[DS_BF16_MASTER] = True
+
+    def _bnb_allocate_master_errors(self, partitions: Sequence[torch.Tensor]) -> None:
+        """`self.bnb_master_errors`: per partition, the int8 error term of compensated master weights (zero: DeepSpeed
+        builds the bf16 master partition from the bf16 model weights, exactly), or None."""
+        self.bnb_master_errors: List[Optional[torch.Tensor]] = [
+            torch.zeros(p.numel(), dtype=torch.int8, device=p.device) if self.bnb_master.compensated else None
+            for p in partitions]
+
+    def _restore_from_bit16_weights(self):
+        # DeepSpeed copies the model's bf16 weights into the master partitions (refresh_fp32_params, a load without
+        # fp32 weights): the compensated master weights are those weights exactly, with no error left
+        super()._restore_from_bit16_weights()
+        for error in getattr(self, "bnb_master_errors", ()):  # (not yet allocated while DeepSpeed's __init__ runs)
+            if error is not None:
+                error.zero_()
+
+    def _bnb_warn_master_change(self, source) -> None:
+        """Say what a load into other master weights than the checkpoint's rounds (load_records converts them)."""
+        saved = saved_master_mode(source.state(0)[C.BASE_OPTIMIZER_STATE_KEY])
+        live = self.bnb_master.mode
+        exact = saved == live or saved == master_weights.BF16 or live == master_weights.FP32
+        if not exact and dist.get_rank(group=self.dp_process_group) == 0:
+            logger.warning(f"deepspeed_bnb: the checkpoint holds {saved} master weights and this engine keeps {live} "
+                           f"(zero_optimization.bnb_master_weights): they were rounded to {live} on load "
+                           f"({master_weights.LOSS[live]}). Load into {saved} master weights to keep them exactly.")
 
     def _configure_master_weights(self, **settings):
         # DeepSpeed lets bf16 master weights through only with DeepSpeedCPUAdam on CPU offload, or with bf16 Adam

@@ -38,6 +38,7 @@ from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
@@ -99,6 +100,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         super().__init__(module, init_optimizer, *args, **kwargs)
         compat.name_stage3_params(self, module)  # DeepSpeed < 0.18.0 keeps no parameter names
         self._bnb_refuse_built()
+        self._bnb_allocate_master_errors(self.fp32_partitioned_groups_flat)  # self.bnb_master_errors
         self.bnb_layouts: List[ShardedLayout] = []  # per sub-group: the slices of its parameters on every rank
         self.bnb_eight_bit: List[List[bool]] = []  # per sub-group, per parameter: 8-bit state?
         self.bnb_segments = []  # per sub-group: this rank's segment table (state_layout.Segment)
@@ -129,8 +131,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
             with self._bnb_holding(i):
                 self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments, layout.partition_size,
-                                                                    group_eight_bit[gindex], partition.device,
-                                                                    self.bnb_master.compensated)
+                                                                    group_eight_bit[gindex], partition.device)
                 step.route(group)
             self.bnb_steps.append(step)
         with self._bnb_holding():
@@ -264,7 +265,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         partition = self.fp32_partitioned_groups_flat[sub_group_id]
         group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
         with self._bnb_holding(sub_group_id):
-            self.bnb_steps[sub_group_id].step(group, partition, partition.grad, self.optimizer.state[partition])
+            self.bnb_steps[sub_group_id].step(group, partition, partition.grad, self.optimizer.state[partition],
+                                              master_error=self.bnb_master_errors[sub_group_id])
 
     # ---- DeepSpeed's parameter-level API ------------------------------------------------------------------------
 
@@ -321,7 +323,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         """What a checkpoint manifest records about the run that wrote it."""
         return describe(self._bnb_optimizer_class(), STAGE, dist.get_world_size(group=self.dp_process_group),
                         [([self.param_names[p] for p in params], layout.numels, eight_bit)
-                         for _, params, layout, eight_bit in self._bnb_groups()])
+                         for _, params, layout, eight_bit in self._bnb_groups()], self.bnb_master.mode)
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------
 
@@ -335,9 +337,10 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             state = {key: _joined([s[key] for s in states]) if classes[key] in PARTITIONED else states[0][key]
                      for key in states[0] if key in classes}
             master = _joined([self.fp32_partitioned_groups_flat[i].data for i in subs])
+            error = _joined([self.bnb_master_errors[i] for i in subs]) if self.bnb_master.compensated else None
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[gindex], layout=layout,
                                        param_names=[self.param_names[p] for p in params], eight_bit=eight_bit,
-                                       key_classes=classes, state=state, master=master,
+                                       key_classes=classes, state=state, master=master, master_error=error,
                                        master_layout=ShardedLayout(layout.numels, layout.dp, block=1)))
         return records
 
@@ -365,22 +368,28 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
                         state[key].copy_(saved)
                 if record.master.data_ptr() != partition.data_ptr():  # several sub-groups: a joined copy
                     partition.data.copy_(record.master.narrow(0, offset, size))
+                    if record.master_error is not None:
+                        self.bnb_master_errors[i].copy_(record.master_error.narrow(0, offset, size))
                 offset += size
                 fp32_offset += fp32_size
 
     @torch.no_grad()
     def _bnb_stock_fp32_groups(self) -> List[torch.Tensor]:
-        """This rank's fp32 master weights in stock ZeRO-3 slices (ceil(numel / dp) per parameter), per sub-group:
-        DeepSpeed's zero_to_fp32 reads `fp32_flat_groups` that way. One all-gather per parameter."""
+        """This rank's master weights in stock ZeRO-3 slices (ceil(numel / dp) per parameter), per sub-group:
+        DeepSpeed's zero_to_fp32 reads `fp32_flat_groups` that way. One all-gather per parameter. fp32, or bf16 for
+        bf16 master weights (compensated ones are joined to the fp32 values they stand for)."""
         out = []
         for i, params in enumerate(self.fp16_groups):
             group = compat.sub_group_process_group(self, i)
             rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
             layout, partition = self.bnb_layouts[i], self.fp32_partitioned_groups_flat[i].detach()
+            error = self.bnb_master_errors[i]
             stock = ShardedLayout(layout.numels, dp, block=1)
             pieces = []
             for j in range(len(params)):
                 mine = partition.narrow(0, layout.offsets[j], layout.slice_numel(j)).contiguous()
+                if error is not None:  # the fp32 values the bf16 weights and their error terms stand for
+                    mine = compensated.join(mine, error.narrow(0, layout.offsets[j], layout.slice_numel(j)))
                 if dp == 1:
                     full = mine
                 else:
@@ -399,7 +408,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         state_dict[C.FP32_FLAT_GROUPS_KEY] = self._bnb_stock_fp32_groups()
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records,
-                                                        master_entry=C.FP32_FLAT_GROUPS_KEY)
+                                                        master_entry=C.FP32_FLAT_GROUPS_KEY,
+                                                        master_mode=self.bnb_master.mode)
         return state_dict
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
@@ -409,6 +419,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         load_records(source, records, rank, self._bnb_optimizer_class(), load_optimizer_states,
                      load_from_fp32_weights)
         self._bnb_split_records(records)
+        if load_from_fp32_weights:
+            self._bnb_warn_master_change(source)
         self._load_global_state_stage3(source.state(rank if rank < source.dp else 0))
         if not load_from_fp32_weights:
             self._restore_from_bit16_weights()

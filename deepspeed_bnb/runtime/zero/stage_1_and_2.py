@@ -25,12 +25,13 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, DS_VERSION
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from deepspeed_bnb.checkpoint.format.constants import PARAM_ALIGNMENT_PADDINGS
+from deepspeed_bnb.checkpoint.format.constants import MASTER_WEIGHTS_KEY, PARAM_ALIGNMENT_PADDINGS
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
@@ -62,6 +63,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
         self._bnb_refuse_built()
+        self._bnb_allocate_master_errors(self.single_partition_of_fp32_groups)  # self.bnb_master_errors
         self.bnb_layouts: List[GroupLayout] = []  # per param group: block-aligned layout of the flat buffer
         self.bnb_eight_bit: List[List[bool]] = []  # per group, per parameter in flat order: 8-bit state?
         self.bnb_segments = []  # per group: this rank's segment table (state_layout.Segment)
@@ -84,7 +86,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             partition = self.single_partition_of_fp32_groups[i]
             group = self.optimizer.param_groups[i]
             self.optimizer.state[partition] = self.bnb.allocate(group, i, segments, layout.partition_size,
-                                                                eight_bit, partition.device, self.bnb_master.compensated)
+                                                                eight_bit, partition.device)
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
@@ -218,7 +220,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
         self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
-                                      self.optimizer.state[partition], self._bnb_inv_scale.pop(group_no, 1.0))
+                                      self.optimizer.state[partition], self._bnb_inv_scale.pop(group_no, 1.0),
+                                      self.bnb_master_errors[group_no])
         self._lazy_init_hp_params_optimizer_state()
 
     # ---- accounting ---------------------------------------------------------------------------------------------
@@ -229,7 +232,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
                         dist.get_world_size(group=self.dp_process_group),
                         [(names, layout.numels, eight_bit)
                          for names, layout, eight_bit in zip(self.bnb_record_names, self.bnb_layouts,
-                                                             self.bnb_eight_bit)])
+                                                             self.bnb_eight_bit)], self.bnb_master.mode)
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------
 
@@ -241,7 +244,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[i], layout=self.bnb_layouts[i],
                                        param_names=self.bnb_record_names[i], eight_bit=self.bnb_eight_bit[i],
                                        key_classes=self.bnb.stored_classes(state), state=state,
-                                       master=partition.data, expert=self.bnb_experts[i]))
+                                       master=partition.data, master_error=self.bnb_master_errors[i],
+                                       expert=self.bnb_experts[i]))
         return records
 
     def state_dict(self):
@@ -253,7 +257,12 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # from the layout on every release and padding mode, so the files do not depend on either
         state_dict[PARAM_ALIGNMENT_PADDINGS] = [[slot.padding for slot in layout.slots] for layout in self.bnb_layouts]
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
-                                                        dist.get_rank(group=self.dp_process_group), records)
+                                                        dist.get_rank(group=self.dp_process_group), records,
+                                                        master_mode=self.bnb_master.mode)
+        if self.bnb_master.compensated:  # the fp32 values the bf16 weights and their error terms stand for
+            state_dict[MASTER_WEIGHTS_KEY] = [
+                compensated.join(saved.cpu(), error.narrow(0, 0, saved.numel()).cpu())
+                for saved, error in zip(state_dict[MASTER_WEIGHTS_KEY], self.bnb_master_errors)]
         return state_dict
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
@@ -262,6 +271,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
                      load_from_fp32_weights)
+        if load_from_fp32_weights:
+            self._bnb_warn_master_change(source)
         self._load_global_state(_with_version(source, rank if rank < source.dp else 0))
         if not load_from_fp32_weights:
             self._restore_from_bit16_weights()
