@@ -70,6 +70,12 @@ TRAIN_CONFIGS = {
                                   clip=0.05, micro_steps=2),
     "fp32_stage3_offload": dict(stage=3, offload=True, offload_param={"device": "cpu"}),
     "bf16_stage3_clip": dict(stage=3, bf16=True, clip=0.05),
+    # bf16 master weights (DeepSpeed's own key at ZeRO-1; bnb_master_weights elsewhere), with and without offload,
+    # and compensated ones (bf16 plus an int8 error term)
+    "bf16_stage1_master_bf16": dict(stage=1, bf16=True, bf16_master=True),
+    "bf16_stage2_offload_master_bf16": dict(stage=2, bf16=True, offload=True, bnb_master_weights="bf16"),
+    "bf16_stage2_master_compensated_clip": dict(stage=2, bf16=True, clip=0.05, bnb_master_weights="bf16+8"),
+    "bf16_stage3_offload_master_compensated": dict(stage=3, bf16=True, offload=True, bnb_master_weights="bf16+8"),
     "fp32_stage3_emb32": dict(stage=3, emb32=True),  # HF Trainer's 32-bit embedding override
     # reduce_scatter: false (DeepSpeed all-reduces each gradient bucket and cuts it per rank), parameters partitioned
     # at construction; its control keeps DeepSpeed's own cut (rank * ceil(numel / dp)) for the bnb engine
@@ -346,7 +352,11 @@ ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict
                  "fp32_stage3_frozen": dict(stage=3, frozen=True, stage3_gather_16bit_weights_on_model_save=True),
                  # MoE: experts over MOE_EP[N] expert-parallel ranks, so N -> M changes that size or the experts' DP
                  # (ZeRO-1 loads it at 4 ranks only: at 2, expert-parallel 2 -> 2 resumes bit-exact at the same stage)
-                 "fp32_moe_stage2": dict(stage=2, moe=True, loader_stages={2: 2})}
+                 "fp32_moe_stage2": dict(stage=2, moe=True, loader_stages={2: 2}),
+                 # compensated bf16 master weights: saved as the fp32 values they stand for, loaded back into bf16
+                 # weights and error terms at another stage for even M
+                 "bf16c_stage3": dict(stage=3, bf16=True, bnb_master_weights="bf16+8",
+                                      stage3_gather_16bit_weights_on_model_save=True)}
 # kind -> the ZeRO stage `deepspeed-bnb reshape` writes its DP=1 checkpoint for 3 ranks at (None: the same)
 RESHAPED_KINDS = {"fp32_stage1": 3, "bf16_stage2": None, "fp32_stage3": 2}
 LOADER_LR = 5e-2
@@ -376,7 +386,8 @@ def stage3_exports(engine, folder, reference):
     def saved(ref):  # a trained parameter's fp32 master weights, a frozen one's weights
         return ref["master"] if "master" in ref else ref["frozen"]
     return {"zero_to_fp32": all(torch.equal(fp32[n].flatten(), saved(ref)) for n, ref in reference.items()),
-            "gathered_16bit": all(torch.equal(gathered[n].flatten(), saved(ref)) for n, ref in reference.items())}
+            "gathered_16bit": all(torch.equal(gathered[n].flatten(), saved(ref).to(gathered[n].dtype))
+                                  for n, ref in reference.items())}
 
 
 def expert_offline_reads(folder, reference):
@@ -418,12 +429,21 @@ def _joined(g, by_dp) -> dict:
     return out
 
 
+def _master_values(record) -> torch.Tensor:
+    """A group record's master weights as the values they stand for (compensated ones joined with their errors)."""
+    master = record.master.detach().cpu()
+    if record.master_error is None:
+        return master.clone()
+    from deepspeed_bnb.ops.compensated import join
+    return join(master, record.master_error.cpu())
+
+
 def global_state(engine, world):
     """Every parameter's bnb state and fp32 master weights, gathered from all ranks (independent of the layout and of
     the ZeRO stage: the optimizer's checkpoint records, which describe their own layout). With pipeline or tensor
     parallelism, each model-parallel rank's parameters are joined over its data-parallel group, as "mp<r>/<name>"."""
     mine = [{"state": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in r.state.items()},
-             "master": r.master.detach().cpu().clone(), "names": r.param_names, "layout": r.layout,
+             "master": _master_values(r), "names": r.param_names, "layout": r.layout,
              "eight_bit": r.eight_bit, "key_classes": r.key_classes, "expert": r.expert}
             for r in engine.optimizer._bnb_group_records()]
     everyone = [None] * world

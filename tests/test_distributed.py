@@ -109,7 +109,9 @@ def test_offload_and_accumulation_match_their_baselines(results, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("config", ["bf16_stage2_clip", "bf16_stage1_fp32_accum", "bf16_stage3_clip"])
+@pytest.mark.parametrize("config", ["bf16_stage2_clip", "bf16_stage1_fp32_accum", "bf16_stage3_clip",
+                                    "bf16_stage1_master_bf16", "bf16_stage2_offload_master_bf16",
+                                    "bf16_stage2_master_compensated_clip", "bf16_stage3_offload_master_compensated"])
 def test_bf16_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]
     if "refused" in run:  # only where DeepSpeed would not average ZeRO-1's fp32 accumulator (0.19.7)

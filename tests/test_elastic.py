@@ -1,10 +1,11 @@
 """Checkpoints load at any data-parallel size: every (N, M) in {1,2,3,4}², lossless, and training continues.
 
-Five checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint on), bf16 with ZeRO-2 (off), fp32
+Six checkpoint kinds are saved at each N: fp32 with ZeRO-1 (elastic_checkpoint on), bf16 with ZeRO-2 (off), fp32
 with ZeRO-3, fp32 with ZeRO-3 and frozen parameters (whose weights ZeRO-3 saves as per-rank slices; saved once more
-with exclude_frozen_parameters), and fp32 ZeRO-2 with a DeepSpeed MoE layer whose 4 experts are spread over
+with exclude_frozen_parameters), fp32 ZeRO-2 with a DeepSpeed MoE layer whose 4 experts are spread over
 distributed_scenarios.MOE_EP[N] expert-parallel ranks (so N -> M changes the expert-parallel size, the experts'
-data-parallel size, or both). Each is loaded at each M, under another ZeRO stage for even M (1 -> 2 and 3,
+data-parallel size, or both), and bf16 ZeRO-3 with compensated master weights (bf16 plus an int8 error term, whose
+joined values are compared). Each is loaded at each M, under another ZeRO stage for even M (1 -> 2 and 3,
 2 -> 1, 3 -> 2 and 1: distributed_scenarios.LOADER_STAGES), by an engine built with a 50x larger lr and another seed.
 Checks: every parameter's codes, absmax, fp32 moments, step and fp32 master weights (frozen: its weights) equal what
 was saved, byte for byte; the saved lr is restored; 10 more
@@ -64,7 +65,7 @@ def test_load_at_any_dp(runs, kind, saved, loaded):
 def test_deepspeed_reads_the_zero3_weights(runs, saved):
     """DeepSpeed's zero_to_fp32 (stock ZeRO-3 slices in fp32_flat_groups) and stage3_gather_16bit_weights_on_model_save
     give exactly the saved fp32 master weights of every parameter."""
-    for kind in ("fp32_stage3", "fp32_stage3_frozen"):
+    for kind in ("fp32_stage3", "fp32_stage3_frozen", "bf16c_stage3"):  # compensated: the values they stand for
         assert runs[0][saved][kind]["exports"] == {"zero_to_fp32": True, "gathered_16bit": True}, kind
 
 

@@ -23,7 +23,7 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 import tampering
-from deepspeed_bnb.checkpoint.format.constants import FORMAT_KEY
+from deepspeed_bnb.checkpoint.format.constants import FORMAT_KEY, FORMAT_VERSION, MASTER_MODE_KEY
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV
@@ -183,12 +183,14 @@ def test_safe_path_loads_what_full_pickle_loads(two_ranks, monkeypatch):
 
 
 def as_format_1(folder):
-    """What a format-1 writer left: the same records with format 1, a version-1 manifest (no per-tensor checksums)."""
+    """What a format-1 writer left: the same records with format 1 (which named no master weights: fp32), a version-1
+    manifest (no per-tensor checksums)."""
     tag_dir = os.path.join(folder, TAG)
     for name in sorted(os.listdir(tag_dir)):
         if "optim_states" in name:
             blob = torch.load(os.path.join(tag_dir, name), weights_only=False)
             blob["optimizer_state_dict"]["base_optimizer_state"][FORMAT_KEY] = 1
+            del blob["optimizer_state_dict"]["base_optimizer_state"][MASTER_MODE_KEY]
             torch.save(blob, os.path.join(tag_dir, name))
     with open(os.path.join(tag_dir, MANIFEST_NAME)) as f:
         manifest = json.load(f)
@@ -213,6 +215,10 @@ def test_format_1_loads_and_migrates(two_ranks, tmp_path):
         manifest = json.load(f)
     assert manifest["manifest_version"] == 2 and all("tensors" in e for n, e in manifest["files"].items()
                                                      if n.endswith(".pt"))
+    assert manifest["deepspeed_bnb_format"] == FORMAT_VERSION and manifest["master_weights"] == "fp32"
+    record = torch.load(tmp_path / "v2" / TAG / next(n for n in manifest["files"] if "optim_states" in n),
+                        weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
+    assert record[FORMAT_KEY] == FORMAT_VERSION and record[MASTER_MODE_KEY] == "fp32"
     migrated = fresh_engine()
     migrated.load_checkpoint(str(tmp_path / "v2"))
     assert not differences(engine_state(migrated), saved)

@@ -82,7 +82,8 @@ def loss_fn(model_or_engine, tokens, targets):
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def ds_config(world: int, stage=2, micro_steps=1, bf16=False, clip=0.0, offload=False, elastic=False, **zero):
+def ds_config(world: int, stage=2, micro_steps=1, bf16=False, clip=0.0, offload=False, elastic=False, bf16_master=False,
+              **zero):
     config = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // micro_steps,
         "gradient_accumulation_steps": micro_steps,
@@ -97,6 +98,8 @@ def ds_config(world: int, stage=2, micro_steps=1, bf16=False, clip=0.0, offload=
         config["zero_optimization"].setdefault("memory_efficient_linear", False)
     if bf16:
         config["bf16"] = {"enabled": True}
+        if bf16_master:  # DeepSpeed's own key for bf16 master weights (and gradients)
+            config["bf16"]["bf16_master_weights_and_grads"] = True
     if offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False

@@ -4,7 +4,9 @@ What: a master weight w is kept as `hi`, w rounded to nearest-even bf16 (so `hi`
 DeepSpeed copies out after each step), and `lo`, the rounding error w - hi in units of 1/256 of hi's bf16 ulp, an
 int8: w = hi + lo * 2^(E - 16), where hi = m * 2^E with 0.5 <= |m| < 1 (torch.frexp). That is a 24-bit master weight
 (16 significant bits) in 3 bytes: an update is lost only when it is below 2^-17 to 2^-16 of its weight (half a
-step), where plain bf16 master weights lose every update below 2^-9 to 2^-8 of it (half an ulp).
+step), where plain bf16 master weights lose every update below 2^-9 to 2^-8 of it (half an ulp). Each update is
+rounded to whole steps, so an update of a few steps is off by up to half a step (13.1 steps move 13: tests/
+test_master_weights.py); stochastic rounding would remove that bias at the price of bit-exact reruns.
 Why: bf16 master weights drop every update smaller than half a bf16 ulp of the weight, which at a small learning rate
 is most of them; fp32 master weights cost 4 bytes per parameter. The same idea as FlashOptim's 24-bit master weights
 (bf16 plus 8 bits of error); this is its pure-torch definition, which every path that steps compensated weights uses.

@@ -5,7 +5,14 @@ from typing import List
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.optim import master_weights
 
+MASTER_SAVED = {  # what each master-weights mode keeps, and how its checkpoint holds them
+    master_weights.FP32: "fp32 master weights",
+    master_weights.BF16: "bf16 master weights, saved in bf16",
+    master_weights.COMPENSATED: "bf16 master weights with an 8-bit error term (24 bits), saved as the fp32 values "
+                                "they stand for",
+}
 
 def _size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -35,6 +42,7 @@ def summary(path: str, verify_checksums: bool = False) -> str:
         f"written by  ZeRO stage {int(first_state.get('zero_stage', 0))}, {ckpt.dp} data-parallel ranks, "
         f"DeepSpeed {first_state.get('ds_version', ckpt.source.blob(0).get('ds_version', '?'))}",
         f"optimizer   {record[C.OPTIMIZER_CLASS_KEY]} (bnb update rule '{record[C.OPTIMIZER_NAME_KEY]}')",
+        f"master      {ckpt.master_mode}: {MASTER_SAVED[ckpt.master_mode]}",
     ]
     shapes = ckpt.param_shapes()
     for g, group in enumerate(ckpt.groups):
