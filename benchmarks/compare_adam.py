@@ -7,6 +7,13 @@ schedule and hyper-parameters:
   bnb8_fallback  bnb.optim.AdamW8bit via deepspeed_bnb, bnb's own update        (bnb_fused_kernel: false)
   torch_adamw    torch.optim.AdamW, fp32 state, stock ZeRO-2 (deepspeed_bnb leaves it alone)
   ds_adamw       DeepSpeed's own Adam from the config's "optimizer" section (the class that ran is reported)
+With --bf16 the model trains in bf16 and the configurations are the master weights a memory-bound user can pick:
+  torch_adamw              torch AdamW, DeepSpeed's fp32 master weights and fp32 states (the reference)
+  ds_bf16_states           torch AdamW with DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states
+  bnb8_fused               bnb.optim.AdamW8bit via deepspeed_bnb, fp32 master weights (the default path)
+  bnb8_master_bf16         ... bnb_master_weights: "bf16"
+  bnb8_master_compensated  ... bnb_master_weights: "bf16+8" (bf16 + an 8-bit error term)
+and the tables add bytes per parameter of master weights, state and (peak) gradients, from the live tensors.
 Writes compare_adam.md (tables), compare_adam.json (everything measured), loss.png and memory.png.
 
     python benchmarks/compare_adam.py            # demo model, 200 steps per optimizer (a few minutes on 2 cores)
@@ -14,6 +21,8 @@ Writes compare_adam.md (tables), compare_adam.json (everything measured), loss.p
     python benchmarks/compare_adam.py --stage 3  # the same under ZeRO-3 (results in benchmarks/results/stage3)
     python benchmarks/compare_adam.py --stage 3 --offload   # optimizer state in host memory (DeepSpeedCPUAdam for
                                                  # DeepSpeed's Adam); results in benchmarks/results/stage3_offload
+    python benchmarks/compare_adam.py --bf16     # master weights of a bf16 model (results/bf16); --lr 3e-4: a low
+                                                 # learning rate (results/bf16_lr3e-4)
 """
 
 import argparse
@@ -25,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare_adam_configs import CONFIGS
+from compare_adam_configs import BF16_ONLY, CONFIGS, DEFAULT, DEFAULT_BF16
 from compare_adam_report import environment, write_report
 from launch import torchrun
 
@@ -39,7 +48,10 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model and few steps (CI smoke test)")
     p.add_argument("--out", help="output folder (default benchmarks/results, quick: benchmarks/results/quick)")
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, help=f"default: {' '.join(DEFAULT)}; with --bf16: "
+                   f"{' '.join(DEFAULT_BF16)}")
+    p.add_argument("--bf16", action="store_true", help="train a bf16 model (DeepSpeed's bf16 section)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--steps", type=int, help="override the preset's steps per optimizer")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel CPU ranks (default 2)")
     p.add_argument("--seed", type=int, default=0)
@@ -49,7 +61,14 @@ def parse_args():
     args.preset = dict(QUICK if args.quick else FULL)
     if args.steps:
         args.preset["steps"] = args.steps
-    variant = "_".join(filter(None, ["stage3" if args.stage == 3 else "", "offload" if args.offload else ""]))
+    if args.lr:
+        args.preset["lr"] = args.lr
+    args.configs = args.configs or list(DEFAULT_BF16 if args.bf16 else DEFAULT)
+    if not args.bf16 and set(args.configs) & set(BF16_ONLY):
+        p.error(f"{', '.join(sorted(set(args.configs) & set(BF16_ONLY)))} keep bf16 master weights: add --bf16")
+    variant = "_".join(filter(None, ["stage3" if args.stage == 3 else "", "offload" if args.offload else "",
+                                     "bf16" if args.bf16 else "", f"lr{args.lr:g}" if args.lr else "",
+                                     f"{args.steps}steps" if args.steps and not args.quick else ""]))
     args.out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "", variant)
     return args
 
@@ -60,7 +79,8 @@ def run_config(config: str, args) -> dict:
         flags = [f"--{k}={v}" for k, v in args.preset.items()]
         wall = torchrun(os.path.join(HERE, "compare_adam_worker.py"), args.nproc,
                         ["--config", config, "--result", result, "--ckpt_dir", os.path.join(tmp, "ckpt"),
-                         "--seed", args.seed, "--stage", args.stage, "--offload", int(args.offload), *flags])
+                         "--seed", args.seed, "--stage", args.stage, "--offload", int(args.offload),
+                         "--bf16", int(args.bf16), *flags])
         with open(result) as f:
             return json.load(f) | {"job_wall_s": wall}
 
@@ -76,7 +96,7 @@ def main():
         r = results[config]
         print(f"{config:14s} {r['job_wall_s']:5.1f} s  {r['update_path']}", flush=True)
     meta = {"preset": args.preset, "quick": args.quick, "nproc": args.nproc, "seed": args.seed, "stage": args.stage,
-            "offload": args.offload,
+            "offload": args.offload, "bf16": args.bf16,
             "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
             "total_wall_s": time.perf_counter() - started, "environment": environment()}
     with open(os.path.join(args.out, "compare_adam.json"), "w") as f:

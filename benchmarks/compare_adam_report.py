@@ -78,8 +78,9 @@ def tables(results: dict, meta: dict) -> str:
                                              else "")
     lines = [
         (f"Model: GPT width {p['width']}, depth {p['depth']}, context {p['context']} ({any_r['n_params']:,} "
-        f"parameters); {zero}, fp32, {meta['nproc']} CPU ranks, micro-batch {p['batch']} per rank, {p['steps']} "
-        f"steps, WarmupLR to 3e-3 over {p['warmup_lr_steps']} steps, betas (0.9, 0.95), weight decay 0.1 "
+        f"parameters); {zero}, {'bf16' if meta.get('bf16') else 'fp32'}, {meta['nproc']} CPU ranks, micro-batch "
+        f"{p['batch']} per rank, {p['steps']} steps, WarmupLR to {p.get('lr', 3e-3):g} over {p['warmup_lr_steps']} "
+        f"steps, betas (0.9, 0.95), weight decay 0.1 "
         f"(matrices), clipping 1.0, seed {meta['seed']}. Step time: median after {p['timing_skip']} warm-up "
         f"steps. Final loss: mean of the last {tail} steps (averaged over ranks). Validation: {p['valid_batches']} "
         f"fixed held-out batches per rank."),
@@ -121,6 +122,8 @@ def tables(results: dict, meta: dict) -> str:
                          f"{_ratio(x['step_ms'], ref['step_ms'])} | {_ratio(x['engine_step_ms'], ref['engine_step_ms'])} | "
                          f"{_pct(x['final_loss'], ref['final_loss'])} | "
                          f"{_pct(x['valid_loss'], ref['valid_loss'])} |")
+    if all("census_peak" in r["per_rank"][0] for r in results.values()):
+        lines += ["", *master_table(results, s)]
     lines += ["", ("Update size: the largest |w_new - w_old| / lr of any master weight in one step (Adam moves an "
                    "element by about lr at most; far more is a spike), its median over the steps, and how many steps "
                    "moved some element beyond 10 x lr:"), "",
@@ -138,6 +141,37 @@ def tables(results: dict, meta: dict) -> str:
             lines.append(f"| {LABELS[name]} | {rank} | {x['master_numel']:,} | {x['state_bytes']:,} | "
                          f"{x['state_bytes'] / x['master_numel']:.3f} | {keys} |")
     return "\n".join(lines) + "\n"
+
+
+LEAST = "ds_bf16_states"  # DeepSpeed's own least-memory setting, which the master-weight table compares with
+
+
+def master_table(results: dict, s: dict) -> list:
+    """Bytes per parameter by role (all ranks' bytes over the model's parameters; gradients at their sampled peak)
+    from the live tensors (tensor_census.py), with loss and step time, against fp32 master weights and states."""
+    def per_param(r, role):
+        return sum(x["census_peak"][role] for x in r["per_rank"]) / r["n_params"]
+
+    rows = {name: {"master": per_param(r, "master"), "state": per_param(r, "state"),
+                   "gradients": per_param(r, "gradients")} for name, r in results.items()}
+    ref = s.get(REFERENCE)
+    lines = [("Bytes per parameter, all ranks together (tensor_census.py: the live tensors, gradients at their sampled "
+              "peak), with the loss each configuration reached:"), "",
+             ("| configuration | master weights | master B/param | state B/param | master + state | vs DeepSpeed bf16 "
+              "states | gradients B/param (peak) | peak RSS / rank | engine.step() | final train loss | valid loss | "
+              "valid vs fp32 AdamW |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    least = rows.get(LEAST)
+    for name, r in results.items():
+        x, row = s[name], rows[name]
+        both = row["master"] + row["state"]
+        lines.append(
+            f"| {LABELS[name]} | {r.get('master_weights', '?')} | {row['master']:.2f} | {row['state']:.2f} | "
+            f"{both:.2f} | {_ratio(both, least['master'] + least['state']) if least else 'n/a'} | "
+            f"{row['gradients']:.2f} | {x['rss_peak'] / MB:.0f} MB | {x['engine_step_ms']:.1f} ms | "
+            f"{x['final_loss']:.4f} | {x['valid_loss']:.4f} | "
+            f"{_pct(x['valid_loss'], ref['valid_loss']) if ref else 'n/a'} |")
+    return lines
 
 
 def plot_loss(results: dict, path: str, stage: int = 2) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as tdist
 
 import deepspeed_bnb  # noqa: F401  (routes bnb optimizers to BnbZeroOptimizer; leaves the others to DeepSpeed)
+from deepspeed_bnb.ops import compensated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
@@ -24,7 +25,7 @@ sys.path.insert(0, HERE)
 from compare_adam_configs import CONFIGS
 from gpt import GPT, GPTConfig, decay_groups
 from stdlib_text import ByteBatches, stdlib_bytes
-from tensor_census import state_bytes_by_key
+from tensor_census import PeakSampler, state_bytes_by_key
 from teardown import finish
 
 
@@ -46,6 +47,9 @@ def parse_args():
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage")
     p.add_argument("--offload", type=int, choices=(0, 1), default=0, help="1: offload_optimizer to the CPU (host "
                    "memory); DeepSpeed's own Adam is then DeepSpeedCPUAdam")
+    p.add_argument("--bf16", type=int, choices=(0, 1), default=0, help="1: a bf16 model (DeepSpeed's bf16 section)")
+    p.add_argument("--census_steps", type=int, default=2, help="steps after validation during which the bytes of "
+                   "master weights, state and gradients are sampled (tensor_census.PeakSampler)")
     p.add_argument("--local_rank", type=int, default=0)
     return p.parse_args()
 
@@ -53,8 +57,10 @@ def parse_args():
 def ds_config(args) -> dict:
     """The same training setup for every optimizer; only the optimizer and its deepspeed_bnb keys differ."""
     zero = {"stage": args.stage}
-    if args.config.startswith("bnb8"):
+    if args.config in ("bnb8_fused", "bnb8_fallback"):
         zero["bnb_fused_kernel"] = args.config == "bnb8_fused"
+    if args.config.startswith("bnb8_master"):  # the fused kernels step fp32 master weights: bnb's own update
+        zero["bnb_master_weights"] = "bf16" if args.config == "bnb8_master_bf16" else "bf16+8"
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -64,6 +70,10 @@ def ds_config(args) -> dict:
                                                      "warmup_num_steps": args.warmup_lr_steps}},
         "steps_per_print": 10 ** 9,
     }
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
+    if args.config == "ds_bf16_states":  # DeepSpeed 0.19.8's least-memory setting for its own Adams
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if args.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         cfg["zero_force_ds_cpu_optimizer"] = False  # keep the client optimizers (DeepSpeed would refuse them)
@@ -77,7 +87,7 @@ def ds_config(args) -> dict:
 def client_optimizer(args, groups):
     if args.config.startswith("bnb8"):
         return bnb.optim.AdamW8bit(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if args.config == "torch_adamw":
+    if args.config in ("torch_adamw", "ds_bf16_states"):
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     return None
 
@@ -112,8 +122,17 @@ MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")  # DeepSpe
 
 
 def master_partitions(zero) -> list:
-    """This rank's fp32 master-weight tensors (ZeRO-1/2 or ZeRO-3 attribute)."""
+    """This rank's master-weight tensors (ZeRO-1/2 or ZeRO-3 attribute): fp32, or bf16 where the run keeps bf16 master
+    weights."""
     return getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+
+
+def master_values(zero) -> list:
+    """This rank's master weights as the fp32 values they stand for (compensated ones joined with their error terms:
+    the bf16 part alone moves by whole bf16 ulps, which would read as spikes)."""
+    errors = getattr(zero, "bnb_master_errors", None) or [None] * len(master_partitions(zero))
+    return [t.detach().to(torch.float32, copy=True) if e is None else compensated.join(t.detach(), e)
+            for t, e in zip(master_partitions(zero), errors)]
 
 
 BIG_UPDATE = 10.0  # an element moving more than this many times the lr in one step is counted as a spike
@@ -162,21 +181,20 @@ def main():
     phases["init_s"], clock = time.perf_counter() - clock, time.perf_counter()
 
     losses, step_times, update_times, update_sizes = [], [], [], []
-    masters = master_partitions(engine.optimizer)
     for _ in range(args.steps):
         x, y = batches.sample("train", args.batch, generator)
         started = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
         lr = engine.get_lr()[0]  # the lr this step uses (the scheduler moves it after the step)
-        weights = [t.detach().clone() for t in masters]
+        weights = master_values(engine.optimizer)
         before_step = time.perf_counter()
         engine.step()  # ZeRO reduced the gradients during backward; this is clip, update (and ZeRO-2's all-gather)
         done = time.perf_counter()
         step_times.append(done - started)
         update_times.append(done - before_step)
         losses.append(loss.item())
-        update_sizes.append(update_size(masters, weights, lr))
+        update_sizes.append(update_size(master_values(engine.optimizer), weights, lr))
     rss_peak_train = rss_bytes()
     phases["train_s"], clock = time.perf_counter() - clock, time.perf_counter()
 
@@ -187,6 +205,16 @@ def main():
                     for _ in range(args.valid_batches)) / args.valid_batches
     engine.train()
     phases["valid_s"], clock = time.perf_counter() - clock, time.perf_counter()
+
+    # bytes by role (master weights and their error terms, state, gradients at their peak), sampled over a few more
+    # steps: the sampler walks every tensor at each gradient hook, too slow for the timed steps above
+    sampler = PeakSampler(engine)
+    for _ in range(args.census_steps):
+        x, y = batches.sample("train", args.batch, generator)
+        engine.backward(engine(x, y))
+        engine.step()
+    sampler.close()
+    phases["census_s"], clock = time.perf_counter() - clock, time.perf_counter()
 
     zero = engine.optimizer
     by_key = state_bytes_by_key(zero.optimizer)
@@ -199,6 +227,7 @@ def main():
         "master_numel": sum(t.numel() for t in master_partitions(zero)),
         "rss_at_start": rss_at_start,
         "rss_peak_train": rss_peak_train,
+        "census_peak": sampler.peak,  # role -> the largest bytes seen on this rank (tensor_census.ROLES)
     }
     per_rank = [None] * world
     tdist.all_gather_object(per_rank, mine)
@@ -219,6 +248,9 @@ def main():
             "world": world,
             "stage": args.stage,
             "offload": bool(args.offload),
+            "bf16": bool(args.bf16),
+            "master_weights": getattr(getattr(zero, "bnb_master", None), "mode", None) or str(
+                getattr(zero, "master_weights_and_grads_dtype", torch.float32)).replace("torch.", ""),
             "n_params": n_params,
             "model": {"width": args.width, "depth": args.depth, "context": args.context, "vocab": cfg.vocab},
             "steps": args.steps,

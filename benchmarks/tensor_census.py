@@ -3,7 +3,8 @@
 Roles, in the order a storage is claimed (a storage reachable from two roles counts for the first):
 - weights: the model's parameters and the flat buffers ZeRO packs them into (replicated on every rank at stages 1/2;
   at stage 3 this rank's partitions `ds_tensor` in `lp_param_buffer`, plus the persistent parameters kept whole);
-- master: ZeRO's fp32 master partition (`single_partition_of_fp32_groups`; stage 3: `fp32_partitioned_groups_flat`);
+- master: ZeRO's master partition (`single_partition_of_fp32_groups`; stage 3: `fp32_partitioned_groups_flat`), fp32
+  or bf16, and deepspeed_bnb's error terms of compensated master weights (`bnb_master_errors`);
 - state: the base optimizer's `state` tensors (exp_avg/exp_avg_sq, or bnb's codes, absmax and maps);
 - buckets: the buffers of ZeRO's gradient-reduction buckets (`ipg_buckets`), a fixed size set by
   `reduce_bucket_size` (gradients waiting in a bucket live in this buffer, so they count here);
@@ -71,6 +72,7 @@ def role_tensors(engine) -> dict[str, list]:
     zero, params = engine.optimizer, list(engine.module.parameters())
     masters = list(getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat)
     grads = [t for p in params + masters for t in (p.grad, getattr(p, "grad_accum", None)) if t is not None]
+    masters += [e for e in getattr(zero, "bnb_master_errors", ()) if e is not None]
     grads += [t for name, value in vars(zero).items() if "grad" in name.lower() for t in walk(value)]
     partitions = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]  # ZeRO-3
     lp_buffer = [zero.lp_param_buffer] if torch.is_tensor(getattr(zero, "lp_param_buffer", None)) else []

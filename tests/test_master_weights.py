@@ -288,3 +288,24 @@ def test_refresh_from_the_model_clears_the_error_terms(one_rank):
     for g, group in enumerate(engine.optimizer.bnb_params):  # the master weights are the model's, exactly
         for slot, p in zip(engine.optimizer.bnb_layouts[g].slots, group):
             assert torch.equal(values[g].narrow(0, slot.offset, p.numel()), p.detach().reshape(-1).float())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_weight_api_gives_and_takes_the_values_compensated_weights_stand_for(one_rank, stage):
+    """DeepSpeed's safe_{get,set}_full_fp32_param: fp32, the bf16 weights joined with their error terms; a set is
+    split into both (a value with 16 significant bits comes back exactly). Control: the bf16 part alone differs."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+    model, engine = engine_of("bf16+8", stage=stage)
+    train_steps(engine, range(STEPS))
+    name, param = "fc1.weight", dict(model.named_parameters())["fc1.weight"]
+    full = safe_get_full_fp32_param(param)
+    assert full.dtype == torch.float32 and full.shape == (301, 40)
+    if stage == 2:
+        slot = next(s for s, p in zip(engine.optimizer.bnb_layouts[0].slots, engine.optimizer.bnb_params[0])
+                    if p is param)
+        assert torch.equal(full.reshape(-1), masters(engine)[0].narrow(0, slot.offset, param.numel()))
+    hi, lo = _split(full)
+    assert (lo != 0).any() and not torch.equal(hi.float(), full)  # control: more than the bf16 part
+    wanted = compensated.join(*_split(torch.randn(301, 40)))  # representable exactly
+    safe_set_full_fp32_param(param, wanted)
+    assert torch.equal(safe_get_full_fp32_param(param), wanted), name

@@ -38,6 +38,7 @@ def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return torch.where(lo != 0, wide + lo.float() * _unit(hi), wide)  # -0.0 + 0.0 would lose the sign of a zero
 
 
+@torch.no_grad()  # hi may be ZeRO's master partition, a leaf that requires grad
 def split_(w: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """Store fp32 `w` into bf16 `hi` and int8 `lo` (same shape), in place."""
     rounded = w.to(torch.bfloat16)

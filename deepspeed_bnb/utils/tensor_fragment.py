@@ -40,6 +40,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils.tensor_fragment import tensor_fragment
 
+from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.ops.reference import dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim.bnb_adapter import StateKey
 from deepspeed_bnb.optim.state_classes import REGISTRY, StateClass
@@ -277,18 +278,44 @@ class BnbTensorFragment(tensor_fragment):
         return self.param_state.keys()
 
 
+def _master_error(param) -> Optional[torch.Tensor]:
+    """The int8 error term of the parameter's fragment of compensated master weights (None: fp32 or bf16 ones, or no
+    fragment on this rank)."""
+    state = getattr(param, PARAM_STATE_ATTR)
+    errors = state._optimizer().bnb_master_errors
+    address = param._hp_mapping.hp_fragment_address if param._hp_mapping is not None else None
+    if errors[state.group] is None or address is None:
+        return None
+    return errors[state.group].narrow(0, address.start, address.numel)
+
+
 def get_full_hp_param(self, optim_state_key=None):
-    """`param.get_full_hp_param` of DeepSpeed, with optimizer-state keys answered from bnb state."""
-    if optim_state_key is None:
-        return ds_tensor_fragment.get_full_hp_param(self)
-    return getattr(self, PARAM_STATE_ATTR).get_full(self, optim_state_key)
+    """`param.get_full_hp_param` of DeepSpeed, with optimizer-state keys answered from bnb state; the weights fp32,
+    compensated master weights joined with their error terms (DeepSpeed's would give their bf16 part)."""
+    if optim_state_key is not None:
+        return getattr(self, PARAM_STATE_ATTR).get_full(self, optim_state_key)
+    error = _master_error(self)
+    if error is None:
+        return ds_tensor_fragment.get_full_hp_param(self)  # fp32 (bf16 master weights widened)
+    reduce_buffer = torch.zeros_like(self, dtype=torch.float32).flatten()
+    address = self._hp_mapping.lp_fragment_address
+    reduce_buffer.narrow(0, address.start, address.numel).copy_(
+        compensated.join(self._hp_mapping.get_hp_fragment(), error))
+    dist.all_reduce(reduce_buffer, group=self._dp_group)  # every rank's fragment, as DeepSpeed's
+    return reduce_buffer.reshape_as(self)
 
 
 def set_full_hp_param(self, value, optim_state_key=None):
-    """`param.set_full_hp_param` of DeepSpeed, with optimizer-state keys written into bnb state."""
-    if optim_state_key is None:
+    """`param.set_full_hp_param` of DeepSpeed, with optimizer-state keys written into bnb state; compensated master
+    weights take the value split into bf16 and error term."""
+    if optim_state_key is not None:
+        return getattr(self, PARAM_STATE_ATTR).set_full(self, optim_state_key, value)
+    error = _master_error(self)
+    if error is None:
         return ds_tensor_fragment.set_full_hp_param(self, value)
-    return getattr(self, PARAM_STATE_ATTR).set_full(self, optim_state_key, value)
+    address = self._hp_mapping.lp_fragment_address
+    compensated.split_(value.flatten().narrow(0, address.start, address.numel).float(),
+                       self._hp_mapping.get_hp_fragment(), error)
 
 
 def link_param_states(zero) -> None:

@@ -279,23 +279,65 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     def _bnb_param_state(self, param) -> ParamOptimizerState:
         return getattr(param, PARAM_STATE_ATTR)
 
+    # Without a key: the weights. bf16 master weights are widened to fp32 (DeepSpeed hands out the partition's dtype);
+    # compensated ones are joined with their error terms on get and split into both on set.
+
+    def _bnb_master_slice(self, param):
+        """(this rank's slice of the parameter's master weights, of their error terms); DeepSpeed's placement."""
+        group, offset, numel = self.grad_position[self.get_param_id(param)][:3]
+        return (self.fp32_partitioned_groups_flat[group].narrow(0, offset, numel),
+                self.bnb_master_errors[group].narrow(0, offset, numel))
+
+    @torch.no_grad()
+    def _bnb_local_master(self, param) -> torch.Tensor:
+        master, error = self._bnb_master_slice(param)
+        return compensated.join(master, error)
+
+    @torch.no_grad()
+    def _bnb_full_master(self, param) -> torch.Tensor:
+        """The parameter's compensated master weights, fp32, from every rank's slice (DeepSpeed's
+        _fp32_state_allgather gathers in the master dtype, bf16 here)."""
+        group = self._get_param_partition_group(param)
+        local = self._bnb_local_master(param).to(param.device)
+        full = torch.empty(local.numel() * dist.get_world_size(group=group), dtype=torch.float32, device=param.device)
+        dist.allgather_fn(full, local, group=group)
+        return full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+
     def get_full_hp_param(self, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
-            return super().get_full_hp_param(param, optim_state_key)
+            if self.bnb_master.compensated and param.requires_grad:
+                return self._bnb_full_master(param)
+            full = super().get_full_hp_param(param, optim_state_key)
+            return full if full is None else full.float()
         return self._bnb_param_state(param).get_full(param, optim_state_key)
 
     def set_full_hp_param(self, value, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
+            if self.bnb_master.compensated and param.requires_grad:
+                master, error = self._bnb_master_slice(param)
+                start = master.numel() * self._get_param_partition_rank(param)
+                mine = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)  # padding stays 0
+                real = max(0, min(master.numel(), param.ds_numel - start))  # block-aligned slices end in padding
+                mine[:real] = value.flatten().narrow(0, start, real)
+                compensated.split_(mine, master, error)
+                return None
             return super().set_full_hp_param(value, param, optim_state_key)
         return self._bnb_param_state(param).set_full(param, optim_state_key, value)
 
     def get_local_fp32_param(self, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
-            return super().get_local_fp32_param(param, optim_state_key)
+            if self.bnb_master.compensated and param.requires_grad:
+                return self._bnb_local_master(param)
+            local = super().get_local_fp32_param(param, optim_state_key)
+            return local if local is None else local.float()
         return self._bnb_param_state(param).get_local(optim_state_key, device=param.ds_tensor.device)
 
     def set_local_hp_param(self, value, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
+            if self.bnb_master.compensated and param.requires_grad:
+                master, error = self._bnb_master_slice(param)
+                compensated.split_(value.flatten().float(), master, error)
+                return None
             return super().set_local_hp_param(value, param, optim_state_key)
         return self._bnb_param_state(param).set_local(optim_state_key, value)
 
