@@ -67,6 +67,7 @@ FRAGMENT = "deepspeed.utils.tensor_fragment"
 ENGINE_PY, ZERO12_PY, ZERO3_PY = ("deepspeed_bnb.runtime.engine", "deepspeed_bnb.runtime.zero.stage_1_and_2",
                                   "deepspeed_bnb.runtime.zero.stage3")
 CHECKPOINTING_PY = "deepspeed_bnb.runtime.checkpointing"
+MIXIN_PY = "deepspeed_bnb.runtime.zero.bnb_partitions"  # what the ZeRO subclasses of every stage share
 PADDING_PY = "deepspeed_bnb.runtime.zero.padding_tensors"
 
 
@@ -151,7 +152,15 @@ OVERRIDES: Tuple[Override, ...] = (
              "model get_zero_config builds"),
     # ---- ZeRO-1/2: DeepSpeedZeroOptimizer, overridden by BnbZeroOptimizer -------------------------------------
     _subclass(ZERO12, ZERO12_PY, "__init__", "resolves per-parameter precision before DeepSpeed replaces the "
-              "groups' params with flat partitions", ("self", "init_optimizer", "param_names")),
+              "groups' params with flat partitions; asks for bf16 master weights where bnb_master_weights does",
+              ("self", "init_optimizer", "param_names"),
+              params_since={"bf16_master_weights_and_gradients": "0.18.3"}),
+    _subclass(ZERO12, MIXIN_PY, "_configure_master_weights", "bf16 master weights without DeepSpeedCPUAdam: its "
+              "check guards fp32 moments, which 8-bit state is not; bf16_optimizer_states is ignored with a warning",
+              ("self", "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients",
+               "bf16_optimizer_states"), since="0.18.3"),
+    _subclass(ZERO12, MIXIN_PY, "_restore_from_bit16_weights", "the master weights become the model's bf16 weights: "
+              "compensated ones lose their error terms", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "flatten_dense_tensors_aligned", "chooses the block-aligned layout when __init__ "
               "flattens a group: rewrites the per-parameter padding, or places padding tensors; flattens without "
               "autograd (0.18.7-0.18.9 flatten the parameters themselves: a buffer requiring grad)",
@@ -168,7 +177,6 @@ OVERRIDES: Tuple[Override, ...] = (
               ("self", "state_dict_list")),
     Override(ZERO12, "_load_global_state", CALL, CALL_SCOPE, "", "loss scaler, clip and version from a rank's state",
              ("self", "sd")),
-    Override(ZERO12, "_restore_from_bit16_weights", CALL, CALL_SCOPE, "", "load_from_fp32_weights=False", ("self",)),
     Override(ZERO12, "update_lp_params", CALL, CALL_SCOPE, "", "model weights follow the loaded master weights",
              ("self",)),
     Override(ZERO12, "_lazy_init_hp_params_optimizer_state", CALL, CALL_SCOPE, "", "after each step, as DeepSpeed's "
@@ -196,7 +204,13 @@ OVERRIDES: Tuple[Override, ...] = (
              ("lp_param_list", "flat_hp_partition")),
     # ---- ZeRO-3: DeepSpeedZeroOptimizer_Stage3, overridden by BnbZeroStage3Optimizer --------------------------
     _subclass(ZERO3, ZERO3_PY, "__init__", "marks the bnb parameters for block-aligned partitions before DeepSpeed "
-              "partitions them", ("self", "module", "init_optimizer"), params_since={"param_names": "0.18.0"}),
+              "partitions them; asks for bf16 master weights where bnb_master_weights does",
+              ("self", "module", "init_optimizer"),
+              params_since={"param_names": "0.18.0", "bf16_master_weights_and_gradients": "0.18.3"}),
+    _subclass(ZERO3, MIXIN_PY, "_configure_master_weights", "as at stages 1/2",
+              ("self", "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients",
+               "bf16_optimizer_states"), since="0.18.3"),
+    _subclass(ZERO3, MIXIN_PY, "_restore_from_bit16_weights", "as at stages 1/2", ("self",)),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "
               "gradient by ceil(numel / dp): marked parameters' gradients are padded to their partitions first",
               ("self", "params_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
@@ -206,14 +220,21 @@ OVERRIDES: Tuple[Override, ...] = (
               ("self", "buffer_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
               ("self", "sub_group_id")),
-    _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized",
-              ("self", "param", "optim_state_key")),
-    _subclass(ZERO3, ZERO3_PY, "set_full_hp_param", "state keys written into bnb state, requantized",
-              ("self", "value", "param", "optim_state_key")),
-    _subclass(ZERO3, ZERO3_PY, "get_local_fp32_param", "state keys answered from bnb state, dequantized",
-              ("self", "param", "optim_state_key")),
-    _subclass(ZERO3, ZERO3_PY, "set_local_hp_param", "state keys written into bnb state, requantized",
-              ("self", "value", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized; weights fp32 "
+              "(compensated ones joined with their error terms)", ("self", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "set_full_hp_param", "state keys written into bnb state, requantized; compensated "
+              "weights split into bf16 and error term", ("self", "value", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "get_local_fp32_param", "state keys answered from bnb state, dequantized; weights as "
+              "get_full_hp_param", ("self", "param", "optim_state_key")),
+    _subclass(ZERO3, ZERO3_PY, "set_local_hp_param", "state keys written into bnb state, requantized; weights as "
+              "set_full_hp_param", ("self", "value", "param", "optim_state_key")),
+    Override(ZERO3, "grad_position", CALL, OBJECT_SCOPE, "", "where each parameter's slice lies in its sub-group's "
+             "master partition (for the error terms of compensated master weights)"),
+    Override(ZERO3, "get_param_id", CALL, CALL_SCOPE, "", "a parameter's key in grad_position", ("self", "param")),
+    Override(ZERO3, "_get_param_partition_group", CALL, CALL_SCOPE, "", "the group a parameter's slices are "
+             "gathered over", ("self", "param")),
+    Override(ZERO3, "_get_param_partition_rank", CALL, CALL_SCOPE, "", "this rank's slice of a parameter",
+             ("self", "param")),
     _subclass(ZERO3, ZERO3_PY, "_get_fp32_opt_state_partition", "refuses state keys (bnb state is not one fp32 "
               "value per element)", ("self", "param", "optim_state_key"),
               params_since={"release_swap_buffers": "0.16.9"}),
@@ -227,7 +248,6 @@ OVERRIDES: Tuple[Override, ...] = (
              ("self", "sd")),
     Override(ZERO3, "_reassign_or_swap_out_partitioned_parameters", CALL, CALL_SCOPE, "", "low-precision slices "
              "follow the loaded master weights", ("self", "sub_group_id")),
-    Override(ZERO3, "_restore_from_bit16_weights", CALL, CALL_SCOPE, "", "load_from_fp32_weights=False", ("self",)),
     Override(ZERO3, "_get_sub_group_process_group", CALL, CALL_SCOPE, "", "a sub-group's partition group (before "
              "it, every sub-group is partitioned over the DP group)", ("self", "sub_group_id"), since="0.19.3"),
     Override(ZERO3, "param_names", CALL, OBJECT_SCOPE, "", "names of the parameters (before it, built from the "
