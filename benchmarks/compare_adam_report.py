@@ -144,6 +144,7 @@ def tables(results: dict, meta: dict) -> str:
 
 
 LEAST = "ds_bf16_states"  # DeepSpeed's own least-memory setting, which the master-weight table compares with
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}  # DeepSpeed's master dtype, named as deepspeed_bnb's modes
 
 
 def master_table(results: dict, s: dict) -> list:
@@ -166,7 +167,8 @@ def master_table(results: dict, s: dict) -> list:
         x, row = s[name], rows[name]
         both = row["master"] + row["state"]
         lines.append(
-            f"| {LABELS[name]} | {r.get('master_weights', '?')} | {row['master']:.2f} | {row['state']:.2f} | "
+            f"| {LABELS[name]} | {DTYPE_NAMES.get(r.get('master_weights'), r.get('master_weights'))} | "
+            f"{row['master']:.2f} | {row['state']:.2f} | "
             f"{both:.2f} | {_ratio(both, least['master'] + least['state']) if least else 'n/a'} | "
             f"{row['gradients']:.2f} | {x['rss_peak'] / MB:.0f} MB | {x['engine_step_ms']:.1f} ms | "
             f"{x['final_loss']:.4f} | {x['valid_loss']:.4f} | "

@@ -309,3 +309,16 @@ def test_weight_api_gives_and_takes_the_values_compensated_weights_stand_for(one
     wanted = compensated.join(*_split(torch.randn(301, 40)))  # representable exactly
     safe_set_full_fp32_param(param, wanted)
     assert torch.equal(safe_get_full_fp32_param(param), wanted), name
+
+
+def test_the_shipped_config_keeps_compensated_master_weights(one_rank):
+    import json
+    import os
+    from conftest import TESTS
+    with open(os.path.join(os.path.dirname(TESTS), "configs", "zero2_adamw8bit_bf16_compensated.json")) as f:
+        config = json.load(f)
+    config.pop("scheduler")
+    config["train_micro_batch_size_per_gpu"] = 12
+    model = make_model(0)
+    engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)), config=config)[0]
+    assert engine.optimizer.bnb_master.mode == "bf16+8" and engine.optimizer.bnb_master_errors[0] is not None
