@@ -92,9 +92,9 @@ def _recorded_steps(monkeypatch):
     calls = []
     real = partition_step.PartitionStep.step
 
-    def step(self, group, params, grads, state, inv_scale=1.0):
+    def step(self, group, params, grads, state, inv_scale=1.0, master_error=None):
         before = (params.detach().clone(), grads.detach().clone(), _copy_state(state))
-        real(self, group, params, grads, state, inv_scale)
+        real(self, group, params, grads, state, inv_scale, master_error)
         calls.append(dict(step=self, group=dict(group), before=before, inv_scale=inv_scale,
                           params=params.detach().clone(), state=_copy_state(state),
                           configs=[self._configs[v] for v in self._fused_variants]))
