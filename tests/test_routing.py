@@ -90,7 +90,7 @@ def test_control_without_the_contract_the_default_differs(one_rank, factory, mon
     """What the contract prevents: fusing every parameter regardless changes the result (and skips the override)."""
     monkeypatch.setattr(fused_route, "optimizer_reason", lambda optimizer: None)
     monkeypatch.setattr(fused_route, "param_reason", lambda rule, config, eight_bit: None)
-    monkeypatch.setattr(fused_route, "kernel_reason", lambda setting, optimizer, device: None)
+    monkeypatch.setattr(fused_route, "kernel_reason", lambda setting, optimizer, device, master="fp32": None)
     CountingAdamW8bit.calls = 0
     forced, _ = trained(factory)
     if factory is _counting:
