@@ -78,9 +78,10 @@ def run_config(config: str, args) -> dict:
         result = os.path.join(tmp, "result.json")
         flags = [f"--{k}={v}" for k, v in args.preset.items()]
         wall = torchrun(os.path.join(HERE, "compare_adam_worker.py"), args.nproc,
-                        ["--config", config, "--result", result, "--ckpt_dir", os.path.join(tmp, "ckpt"),
-                         "--seed", args.seed, "--stage", args.stage, "--offload", int(args.offload),
-                         "--bf16", int(args.bf16), *flags])
+                        timeout=max(900, 3 * args.preset["steps"]),  # a long run on a busy machine: 3 s per step
+                        args=["--config", config, "--result", result, "--ckpt_dir", os.path.join(tmp, "ckpt"),
+                              "--seed", args.seed, "--stage", args.stage, "--offload", int(args.offload),
+                              "--bf16", int(args.bf16), *flags])
         with open(result) as f:
             return json.load(f) | {"job_wall_s": wall}
 

@@ -68,6 +68,12 @@ def state_bytes_by_key(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     return by_key
 
 
+def _buffers(bucket) -> list:
+    """A reduction bucket's buffers: a list at ZeRO-1/2, one flat tensor at ZeRO-3 (iterated, it would be split into
+    one tensor per element)."""
+    return list(bucket.buffer) if isinstance(bucket.buffer, (list, tuple)) else [bucket.buffer]
+
+
 def role_tensors(engine) -> dict[str, list]:
     zero, params = engine.optimizer, list(engine.module.parameters())
     masters = list(getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat)
@@ -80,7 +86,7 @@ def role_tensors(engine) -> dict[str, list]:
         "weights": params + list(getattr(zero, "bit16_groups_flat", [])) + partitions + lp_buffer,
         "master": masters,
         "state": [v for s in zero.optimizer.state.values() for v in s.values()],
-        "buckets": [t for bucket in getattr(zero, "ipg_buckets", {}).values() for t in bucket.buffer],
+        "buckets": [t for bucket in getattr(zero, "ipg_buckets", {}).values() for t in _buffers(bucket)],
         "gradients": grads,
     }
 
