@@ -5,7 +5,10 @@ b. ZeRO-1, 2 and 3, fp32 and bf16, default `bnb_fused_kernel: "auto"` (on a GPU:
    AdamW8bit without DeepSpeed on the same model and data, bit for bit. The plain reference of a bf16 engine is
    mixed precision written out by hand: a bf16 copy of the model computes the gradients, bnb steps fp32 master
    weights (made of the bf16 weights, as DeepSpeed makes them) with them (cast to fp32), and the bf16 copy takes the
-   rounded masters; which is what ZeRO does at DP 1.
+   rounded masters; which is what ZeRO does at DP 1. With bf16 master weights (ZeRO-2 and 3, `bnb_master_weights`
+   "bf16"), plain bnb steps the bf16 model itself; with compensated ones ("bf16+8"), the fp32 masters are split into
+   bf16 and error term and joined again after every step (ops/compensated.py); the engine's weights are DeepSpeed's
+   fp32 API's (the joined values).
    Control: the weights moved (two untrained models would pass the comparison).
 c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the same run, ZeRO-2, fp32 and bf16:
    before each step the fused engine takes the default engine's weights and state, both take the step, and the
@@ -21,6 +24,8 @@ from bnb_state import engine_param_states, flat_bnb_state  # name -> bnb-shaped 
 
 STAGES = (1, 2, 3)
 PRECISIONS = ("fp32", "bf16")
+MASTER_MODES = ("bf16", "bf16+8")  # b: bf16 models with bf16 / compensated master weights, at MASTER_STAGES
+MASTER_STAGES = (2, 3)
 STEPS = 4  # b: steps compared one by one
 RELATION_STEPS = 12  # c
 LR = 1e-3
@@ -40,30 +45,34 @@ def default_setting(device: str):
     return "auto" if device == "cuda" else False
 
 
-def engine_of(stage: int, bf16: bool, device: str, fused=None):
+def engine_of(stage: int, bf16: bool, device: str, fused=None, master="auto"):
     """A one-rank engine of the toy model (fp32 weights at construction; DeepSpeed casts them for bf16); `fused`:
-    bnb_fused_kernel (None: the GPU default's stand-in)."""
+    bnb_fused_kernel (None: the GPU default's stand-in); `master`: bnb_master_weights."""
     import bitsandbytes as bnb
     import deepspeed
 
     from toy import ds_config, make_model, param_groups
     model = make_model(0).to(device)
     optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=LR))
-    config = ds_config(1, stage=stage, bf16=bf16,
+    config = ds_config(1, stage=stage, bf16=bf16, bnb_master_weights=master,
                        bnb_fused_kernel=default_setting(device) if fused is None else fused)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
 class PlainBnb:
-    """plain bnb AdamW8bit on fp32 weights (the masters); with bf16, a bf16 copy of the model computes the gradients."""
+    """plain bnb AdamW8bit on fp32 weights (the masters); with bf16, a bf16 copy of the model computes the gradients.
+    `master` "bf16": bnb steps the bf16 model itself; "bf16+8": the masters are split and joined after every step."""
 
-    def __init__(self, device: str, bf16: bool):
+    def __init__(self, device: str, bf16: bool, master: str = "fp32"):
         import bitsandbytes as bnb
         import torch
 
         from toy import clone, make_model, param_groups
+        self.compensated = master == "bf16+8"
         self.master = make_model(0).to(device)
-        self.compute = clone(self.master).to(torch.bfloat16) if bf16 else self.master
+        if master == "bf16":
+            self.master = self.master.to(torch.bfloat16)
+        self.compute = clone(self.master).to(torch.bfloat16) if bf16 and master != "bf16" else self.master
         with torch.no_grad():  # DeepSpeed casts the model first, then makes its fp32 masters of the bf16 weights
             for master, compute in zip(self.master.parameters(), self.compute.parameters()):
                 master.copy_(compute.float())
@@ -79,6 +88,14 @@ class PlainBnb:
                 compute.grad = None
         self.optimizer.step()
         self.optimizer.zero_grad()
+        if self.compensated:
+            import torch
+
+            from deepspeed_bnb.ops import compensated
+            for master in self.master.parameters():
+                hi, lo = torch.empty_like(master, dtype=torch.bfloat16), torch.empty_like(master, dtype=torch.int8)
+                compensated.split_(master.data, hi, lo)
+                master.data.copy_(compensated.join(hi, lo))
         if self.compute is not self.master:
             for master, compute in zip(self.master.parameters(), self.compute.parameters()):
                 compute.data.copy_(master.data)
@@ -109,12 +126,12 @@ def state_differences(mine: dict, theirs: dict) -> list:
     return out
 
 
-def equals_plain(args, result, stage: int, precision: str) -> list:
-    """Part b for one configuration; returns the table row."""
+def equals_plain(args, result, stage: int, precision: str, master: str = "fp32") -> list:
+    """Part b for one configuration (`master`: bnb_master_weights of a bf16 one); returns the table row."""
     from toy import make_model
     bf16 = precision == "bf16"
-    engine = engine_of(stage, bf16, args.device)
-    plain = PlainBnb(args.device, bf16)
+    engine = engine_of(stage, bf16, args.device, master="auto" if master == "fp32" else master)
+    plain = PlainBnb(args.device, bf16, master)
     first_bad, worst, bad_states = None, 0.0, set()
     for step in range(STEPS):
         tokens, targets = batch(step, args.device)
@@ -132,7 +149,7 @@ def equals_plain(args, result, stage: int, precision: str) -> list:
             first_bad = step + 1
     start = dict(make_model(0).named_parameters())
     moved = max(common.max_abs(mine[n], start[n]) for n in start)
-    label = f"ZeRO-{stage} {precision}"
+    label = f"ZeRO-{stage} {precision}" + ("" if master == "fp32" else f", {master} master weights")
     summary = engine.optimizer.bnb_update_summary()
     result.check(f"b: {label}, bnb_fused_kernel {default_setting(args.device)!r} steps every parameter with bnb's own "
                  f"update", summary == "bnb's own update", summary, "bnb's own update")
@@ -243,6 +260,7 @@ def body(args, result):
     common.one_rank(args.device)
     import deepspeed_bnb  # noqa: F401  (before any engine: the import installs the integration)
     rows = [equals_plain(args, result, stage, precision) for stage in STAGES for precision in PRECISIONS]
+    rows += [equals_plain(args, result, stage, "bf16", master) for stage in MASTER_STAGES for master in MASTER_MODES]
     result.table("b: the engine against plain bnb AdamW8bit (default path)",
                  ["config", "update", "first difference", "max |weight diff|", "state keys differing",
                   "weights moved"], rows)
