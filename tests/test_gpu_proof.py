@@ -81,17 +81,18 @@ def test_report_shows_a_failing_check():
     assert "not run: 5 s of the deadline left" in markdown
 
 
-def test_control_the_engine_check_catches_another_update(one_rank, monkeypatch):
+@pytest.mark.parametrize("precision, master", [("fp32", "fp32"), ("bf16", "bf16+8")])
+def test_control_the_engine_check_catches_another_update(one_rank, monkeypatch, precision, master):
     import part_engines
 
     class Off(part_engines.PlainBnb):
-        def __init__(self, device, bf16):
-            super().__init__(device, bf16)
+        def __init__(self, *args):
+            super().__init__(*args)
             for group in self.optimizer.param_groups:
                 group["lr"] *= 1.001
     monkeypatch.setattr(part_engines, "PlainBnb", Off)
     result = proof_common.Result("b", "control", "cpu")
-    part_engines.equals_plain(types.SimpleNamespace(device="cpu"), result, 2, "fp32")
+    part_engines.equals_plain(types.SimpleNamespace(device="cpu"), result, 2, precision, master)
     routed, equal = result.data["checks"]
     assert routed["ok"] and not equal["ok"] and "first difference after step 1" in equal["measured"]
 
