@@ -218,3 +218,51 @@ def test_scaling_measures_state_and_master_weights(scaling):
             assert x["measured"]["gradients"] * n >= 4 * partition  # at least this rank's gradient partition
             held = n * sum(x["measured"][role] for role in ("weights", "master", "state", "gradients"))
             assert x["unclaimed_max_bytes"] < 0.01 * held  # the census accounts for (nearly) every live tensor
+
+
+# ---- compare_adam.py --quick --bf16: the master-weight modes ------------------------------------------------------
+
+BF16_CONFIGS = ("torch_adamw", "ds_bf16_states", "bnb8_fused", "bnb8_master_bf16", "bnb8_master_compensated")
+# bytes per element of each configuration's master weights, and of its moments where they are not 8-bit
+MASTER_BYTES = {"torch_adamw": 4, "ds_bf16_states": 2, "bnb8_fused": 4, "bnb8_master_bf16": 2,
+                "bnb8_master_compensated": 3}
+MOMENT_BYTES = {"torch_adamw": 8, "ds_bf16_states": 4}
+
+
+@pytest.fixture(scope="module")
+def bf16_compare(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare_adam_bf16")
+    run_script(os.path.join(BENCH, "compare_adam.py"), "--quick", "--bf16", "--out", str(out))
+    with open(out / "compare_adam.json") as f:
+        return json.load(f)["results"]
+
+
+def _census(result, role) -> int:
+    return sum(rank["census_peak"][role] for rank in result["per_rank"])
+
+
+def test_bf16_master_and_state_bytes_follow_each_mode(bf16_compare):
+    """Master weights: 4, 2 or 3 bytes (bf16 + int8 error) per element of the ranks' partitions (the fused fp32
+    configuration's partition elements, which deepspeed_bnb's layout pads alike in every mode); the stock runs' per
+    element of DeepSpeed's own partitions; moments 8 or 4 bytes per element (bf16 states), 8-bit state the same in
+    every mode of ours. Control: the bf16 master weights are not the fp32 ones."""
+    assert sorted(bf16_compare) == sorted(BF16_CONFIGS)
+    ours = sum(rank["master_numel"] for rank in bf16_compare["bnb8_fused"]["per_rank"])
+    stock = sum(rank["master_numel"] for rank in bf16_compare["torch_adamw"]["per_rank"])
+    for config, result in bf16_compare.items():
+        elements = stock if config in MOMENT_BYTES else ours
+        assert _census(result, "master") == MASTER_BYTES[config] * elements, config
+        if config in MOMENT_BYTES:
+            assert MOMENT_BYTES[config] * elements <= _census(result, "state") <= MOMENT_BYTES[config] * elements + 64
+    states = {_census(bf16_compare[c], "state") for c in ("bnb8_fused", "bnb8_master_bf16", "bnb8_master_compensated")}
+    assert len(states) == 1 and states.pop() < _census(bf16_compare["ds_bf16_states"], "state") / 1.8
+    assert _census(bf16_compare["bnb8_master_bf16"], "master") != _census(bf16_compare["bnb8_fused"], "master")
+
+
+def test_bf16_modes_train_and_compensated_tracks_fp32(bf16_compare):
+    reference = bf16_compare["torch_adamw"]["valid_loss"]
+    for config, result in bf16_compare.items():
+        assert result["losses"][-1] < result["losses"][0], config
+    assert abs(bf16_compare["bnb8_master_compensated"]["valid_loss"] / reference - 1) < 0.02
+    assert bf16_compare["bnb8_master_compensated"]["master_weights"] == "bf16+8"
+    assert bf16_compare["ds_bf16_states"]["master_weights"] == "bfloat16"
