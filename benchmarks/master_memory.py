@@ -75,8 +75,8 @@ def _size(nbytes: float) -> str:
 def table(name: str, groups, dps=(8, 64), stages=(2, 3)) -> str:
     n = sum(map(sum, groups))
     lines = [f"{name} ({n:,} parameters): bytes per model parameter, all ranks together (each rank holds "
-             f"1/DP of them; padding included); \"vs DS bf16\": master + state against DeepSpeed's bf16 master + bf16 states (offloaded: "
-             f"DeepSpeedCPUAdam with bf16 states, the same bytes in host memory).", "",
+             f"1/DP of them; padding included); \"vs DS bf16\": master + state against DeepSpeed's bf16 master + "
+             f"bf16 states (offloaded: DeepSpeedCPUAdam with bf16 states, the same bytes in host memory).", "",
              "| ZeRO | DP | configuration | master | state | master + state | vs DS bf16 | "
              "master + state per rank (device; host with offload_optimizer) |",
              "|---:|---:|---|---:|---:|---:|---:|---:|"]

@@ -5,8 +5,9 @@ which compiled operator and which pure-torch reference compute it, how its hyper
 bnb's own per-parameter config, and which values of that config its kernel models (`fields`, ops/rule_fields.py).
 Everything else reads it from here: the loader (which operators a build must register), the shape-only
 implementations (ops/fake.py), the first-use check (ops/self_check.py), the fused path of the ZeRO step
-(optim/fused/: its contract, routes and partition step), `deepspeed-bnb kernels`, the benchmarks and the tests. `segment_table` and `hyper_table`
-pack the two small tensors every operator walks; `step_` runs a rule's step, compiled or reference.
+(optim/fused/: its contract, routes and partition step), `deepspeed-bnb kernels`, the benchmarks and the tests.
+`segment_table` and `hyper_table` pack the two small tensors every operator walks; `step_` runs a rule's step,
+compiled or reference.
 
 Every operator has the same argument layout, grouped by kind and numbered by moment (k = 1..moments):
     params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale
