@@ -58,10 +58,7 @@ def _weights(n=200_000, seed=0):
     return w
 
 
-def _split(w):
-    hi, lo = torch.empty(w.shape, dtype=torch.bfloat16), torch.empty(w.shape, dtype=torch.int8)
-    compensated.split_(w, hi, lo)
-    return hi, lo
+_split = compensated.split
 
 
 def test_split_rounds_to_the_model_weight_and_keeps_the_error_to_one_step():
@@ -102,7 +99,7 @@ def test_small_updates_survive_compensation_and_vanish_in_bf16():
     assert ((moved - (fp32 - 0.4)).abs() < 0.01 * (fp32 - 0.4)).all()  # within 1% of the 0.1 it moved
 
 
-# ---- configuration ----------------------------------------------------------------------------------------------------
+# ---- configuration --------------------------------------------------------------------------------------------------
 
 def test_modes_resolve_from_both_keys():
     bf16 = torch.bfloat16

@@ -38,6 +38,13 @@ def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return torch.where(lo != 0, wide + lo.float() * _unit(hi), wide)  # -0.0 + 0.0 would lose the sign of a zero
 
 
+def split(w: torch.Tensor):
+    """(hi, lo): fp32 `w` split into new bf16 weights and int8 error terms (split_ into fresh tensors)."""
+    hi, lo = torch.empty_like(w, dtype=torch.bfloat16), torch.empty_like(w, dtype=torch.int8)
+    split_(w, hi, lo)
+    return hi, lo
+
+
 @torch.no_grad()  # hi may be ZeRO's master partition, a leaf that requires grad
 def split_(w: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """Store fp32 `w` into bf16 `hi` and int8 `lo` (same shape), in place."""

@@ -40,10 +40,6 @@ class MasterWeights:
         """Whether an int8 error term per element completes the bf16 partition."""
         return self.mode == COMPENSATED
 
-    @property
-    def bytes_per_param(self) -> int:
-        return {FP32: 4, BF16: 2, COMPENSATED: 3}[self.mode]
-
 
 def resolve(setting: str, ds_bf16_master: bool, model_dtype: torch.dtype) -> MasterWeights:
     """The master weights of a run from `bnb_master_weights` (`setting`), DeepSpeed's `bf16_master_weights_and_grads`

@@ -89,13 +89,9 @@ class PlainBnb:
         self.optimizer.step()
         self.optimizer.zero_grad()
         if self.compensated:
-            import torch
-
             from deepspeed_bnb.ops import compensated
             for master in self.master.parameters():
-                hi, lo = torch.empty_like(master, dtype=torch.bfloat16), torch.empty_like(master, dtype=torch.int8)
-                compensated.split_(master.data, hi, lo)
-                master.data.copy_(compensated.join(hi, lo))
+                master.data.copy_(compensated.join(*compensated.split(master.data)))
         if self.compute is not self.master:
             for master, compute in zip(self.master.parameters(), self.compute.parameters()):
                 compute.data.copy_(master.data)

@@ -383,8 +383,7 @@ def _load_master(live: GroupRecord, fetch: Callable[[int], torch.Tensor], runs: 
         return
     wide = torch.zeros(live.master.shape, dtype=torch.float32)
     copy_runs(wide, fetch, runs, StateClass.ELEMENT)
-    hi, lo = torch.empty_like(wide, dtype=torch.bfloat16), torch.empty_like(wide, dtype=torch.int8)
-    compensated.split_(wide, hi, lo)
+    hi, lo = compensated.split(wide)
     live.master.copy_(hi)
     live.master_error.copy_(lo)
 

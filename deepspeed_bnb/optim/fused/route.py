@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from deepspeed_bnb.ops import loader, self_check
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.contract import KERNEL_DEVICES, fp32_param_reason, optimizer_reason, param_reason
 
 
@@ -43,14 +44,14 @@ def _route(reason: Optional[str]) -> Route:
     return FUSED if reason is None else Route(reason)
 
 
-def kernel_reason(setting, optimizer, device, master: str = "fp32") -> Optional[str]:
+def kernel_reason(setting, optimizer, device, master: str = master_weights.FP32) -> Optional[str]:
     """Why bnb's own update steps every parameter of the bnb `optimizer` on `device` (None: `route` decides per
     parameter). `setting`: zero_optimization.bnb_fused_kernel ("auto", True or False); `master`: the master weights'
     mode (optim/master_weights.py)."""
     if setting is False:
         return "zero_optimization.bnb_fused_kernel is false"
     reason = optimizer_reason(optimizer)
-    if reason is None and master != "fp32":
+    if reason is None and master != master_weights.FP32:
         reason = (f"the fused kernels step fp32 master weights only, and zero_optimization.bnb_master_weights is "
                   f"{master!r}")
     if reason is None and device.type not in KERNEL_DEVICES:
