@@ -120,6 +120,10 @@ def test_continuation_bars_refuse_a_continuation_off_by_twice_the_weight_bar():
     assert not cross_device.compare(expected, off)["within"]
     late = {**same, "losses": [1.0, 0.5 + 2 * cross_device.LOSS_TOLERANCE]}
     assert not cross_device.compare(expected, late)["within"]
+    # across devices the loss bar is the wider one, and it still refuses twice itself
+    assert cross_device.compare({**expected, "device": "cpu"}, {**late, "device": "cuda"})["within"]
+    later = {**same, "device": "cuda", "losses": [1.0, 0.5 + 2 * cross_device.CROSS_DEVICE_LOSS_TOLERANCE]}
+    assert not cross_device.compare({**expected, "device": "cpu"}, later)["within"]
 
 
 def device_checkpoints():

@@ -14,6 +14,9 @@ WEIGHT_TOLERANCE. Weights get a bar of their own because a rounding difference a
 another DP size's gradient sums) can move an 8-bit moment by one code, and one code of a moment moves Adam's update by
 up to about 1% of lr: measured on the CPU, the same tag continued at DP 1 and DP 2 ends 1.2e-5 apart after 3 steps at
 lr 1e-3 with losses 5e-7 apart. A load that lost the state moves weights by about lr per step (the control).
+Across devices the losses get CROSS_DEVICE_LOSS_TOLERANCE: the weights may then differ by up to their bar, and the
+losses follow the weights (measured: an H200 continuing the CPU's tag ended 1.7e-5 apart in loss and 2.9e-5 in the
+weights after 3 steps, against 0.22 and 8.7e-3 for the control that loaded nothing).
 Every launch ends with teardown.finish().
 """
 
@@ -27,6 +30,7 @@ SAVE_STEP = 3  # steps before the CPU checkpoint
 CONTINUE_STEPS = 3  # steps each continuation takes
 LR = 1e-3
 LOSS_TOLERANCE = 1e-5
+CROSS_DEVICE_LOSS_TOLERANCE = 1e-4  # still 2000x under the control's distance
 WEIGHT_TOLERANCE = 0.02 * LR * CONTINUE_STEPS  # 2% of the distance Adam can move an element in the continuation
 CPU_TAG, GPU_TAG = "cpu", "gpu"
 CONTINUATION = "continuation.pt"  # the reference continuation of tag "cpu", in the save folder
@@ -73,9 +77,11 @@ def compare(expected: dict, found: dict) -> dict:
     loss_diff = max(abs(a - b) for a, b in zip(found["losses"], expected["losses"]))
     weight_diff = max(float((found["weights"][n] - w).abs().max()) for n, w in expected["weights"].items())
     same_length = len(found["losses"]) == len(expected["losses"])
+    devices = {expected.get("device"), found.get("device")}
+    loss_bar = LOSS_TOLERANCE if len(devices) == 1 else CROSS_DEVICE_LOSS_TOLERANCE
     return {"loss_diff": loss_diff, "weight_diff": weight_diff, "steps": len(found["losses"]),
             "exact": same_length and loss_diff == 0 and weight_diff == 0,
-            "within": same_length and loss_diff <= LOSS_TOLERANCE and weight_diff <= WEIGHT_TOLERANCE,
+            "within": same_length and loss_diff <= loss_bar and weight_diff <= WEIGHT_TOLERANCE, "loss_bar": loss_bar,
             "from": f"{expected.get('device')} at DP {expected.get('world')}",
             "to": f"{found.get('device')} at DP {found.get('world')}"}
 

@@ -1,7 +1,7 @@
 """GPU proof, part d: checkpoints cross devices.
 
 A checkpoint made by 2 CPU ranks (carried in the bundle: cross_device.py) loads on the device at DP 1 and its
-continuation equals the CPU's continuation of the same tag at DP 1 (losses within 1e-5, weights within 2% of what
+continuation equals the CPU's continuation of the same tag at DP 1 (losses within 1e-4, weights within 2% of what
 Adam can move them; cross_device.py says why two bars). Control: the same steps without the checkpoint are far
 outside both bars. The device then saves its own checkpoint, which a same-size resume on the device continues bit for
 bit, and which comes back (gpu_checkpoint.tar, with the device's continuation) for tests/test_gpu_proof.py to load at
@@ -30,7 +30,7 @@ def body(args, result):
     engine = cd.loaded(source, cd.CPU_TAG, args.device, at_step=cd.SAVE_STEP)
     found = cd.continue_run(engine, args.device)
     verdict = cd.compare(expected, found)
-    bars = f"losses <= {cd.LOSS_TOLERANCE:g}, weights <= {cd.WEIGHT_TOLERANCE:g}"
+    bars = f"losses <= {verdict['loss_bar']:g}, weights <= {cd.WEIGHT_TOLERANCE:g}"
     result.check(f"d: the 2-rank CPU checkpoint loads at DP 1 on {args.device}; its continuation == the CPU's at DP 1",
                  verdict["within"], f"losses {verdict['loss_diff']:.3g} apart, weights {verdict['weight_diff']:.3g}"
                  f"{' (bit for bit)' if verdict['exact'] else ''} over {verdict['steps']} steps", bars)

@@ -37,6 +37,7 @@ def body(args, result):
                  ["driver", command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])],
                  ["nvcc", command_output(["nvcc", "--version"]).splitlines()[-1]],
                  ["CUDA_HOME", os.environ.get("CUDA_HOME", "(unset: torch's guess from nvcc)")],
+                 ["TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST", "(unset: the visible devices')")],
                  ["NCCL", nccl_version()]]
     for name in ("deepspeed", "bitsandbytes", "pydantic", "deepspeed_bnb"):
         try:

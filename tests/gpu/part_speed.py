@@ -1,7 +1,8 @@
 """GPU proof, part f: speed and memory, side by side in one process (measurements, not claims: no bar on a time).
 
 A bf16 GPT (examples/gpt.py) of about 125M and 1B parameters trains under ZeRO-2 on the one device with each of:
-bnb AdamW8bit through deepspeed_bnb with bnb's own update and with the fused kernel, torch AdamW(fused=True), DeepSpeed
+bnb AdamW8bit through deepspeed_bnb with bnb's own update, with the fused kernel, and with bf16 and compensated bf16+8
+master weights (bnb's own update), torch AdamW(fused=True), DeepSpeed
 FusedAdam (fp32 master weights and moments), and DeepSpeed's own bf16 master weights + bf16 optimizer states (its
 FusedAdam). Per configuration: the median whole training step and `engine.step()` alone, peak
 torch.cuda.max_memory_allocated, and the bytes of master weights and optimizer state per parameter. Then one optimizer
@@ -12,8 +13,10 @@ of a few hundred thousand elements (the numbers mean nothing there; the code pat
 """
 
 import gc
+import os
 import statistics
 import time
+import traceback
 
 import proof_common as common
 
@@ -37,11 +40,17 @@ def configurations():
     import bitsandbytes as bnb
     import torch
     from deepspeed.ops.adam import FusedAdam
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # before FusedAdam's JIT build (the proof prebuilds it the same way)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     bf16 = {"enabled": True}
     ds_bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     return {
         "bnb AdamW8bit, bnb's update": (lambda g: bnb.optim.AdamW8bit(g, lr=LR), {"bnb_fused_kernel": False}, bf16),
         "bnb AdamW8bit, fused kernel": (lambda g: bnb.optim.AdamW8bit(g, lr=LR), {"bnb_fused_kernel": True}, bf16),
+        "bnb AdamW8bit, bf16 master weights": (lambda g: bnb.optim.AdamW8bit(g, lr=LR),
+                                               {"bnb_master_weights": "bf16"}, bf16),
+        "bnb AdamW8bit, compensated bf16+8 master weights": (lambda g: bnb.optim.AdamW8bit(g, lr=LR),
+                                                             {"bnb_master_weights": "bf16+8"}, bf16),
         "torch AdamW(fused=True)": (lambda g: torch.optim.AdamW(g, lr=LR, fused=True), {}, bf16),
         "DeepSpeed FusedAdam": (lambda g: FusedAdam(g, lr=LR, adam_w_mode=True), {}, bf16),
         "DeepSpeed bf16 master + bf16 states": (lambda g: FusedAdam(g, lr=LR, adam_w_mode=True), {}, ds_bf16),
@@ -175,6 +184,7 @@ def body(args, result):
             try:
                 rows.append(measure(label, maker, zero_extra, bf16, model_args, args.device))
             except Exception as exc:  # one configuration failing must not hide the others
+                traceback.print_exc()  # into proof.log
                 rows.append({"config": label, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             if args.device == "cuda":
                 torch.cuda.empty_cache()

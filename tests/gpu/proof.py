@@ -162,7 +162,10 @@ def main():
             bundle = os.path.join(work, "bundle")
             proof_bundle.cpu_checkpoint(bundle, env=env)
         # DeepSpeed's FusedAdam (part f) JIT-builds in the background while the other parts run
-        prebuild = subprocess.Popen([sys.executable, "-c", DEEPSPEED_FUSED_ADAM], env=env, stdout=subprocess.DEVNULL,
+        ds_env = dict(env)
+        if env.get("TORCH_CUDA_ARCH_LIST"):
+            ds_env["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
+        prebuild = subprocess.Popen([sys.executable, "-c", DEEPSPEED_FUSED_ADAM], env=ds_env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, start_new_session=True, cwd=common.ROOT)
         try:
             for part in (p for p in PARTS if p.name in args.parts.split(",")):

@@ -9,6 +9,7 @@ on a machine without a GPU (the same code, gloo instead of NCCL, stand-ins where
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -74,6 +75,15 @@ def run_part(part: str, title: str, body: Callable[[argparse.Namespace, Result],
     write_json(args.result, result.data)
     sys.stdout.flush()
     os._exit(0 if result.data["ok"] else 1)  # no interpreter teardown: NCCL/gloo groups can abort there
+
+
+def deepspeed_arch_list(value: Optional[str]) -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder can read it. DeepSpeed 0.19.8 parses each entry's minor version
+    as an integer, so an arch-specific entry such as "9.0a" (which torch's builder accepts, and which GPU images set
+    for Hopper) fails with "invalid literal for int() with base 10: '0a'": drop the suffix, keep "+PTX"."""
+    if not value:
+        return value
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
 
 
 def write_json(path: str, data) -> None:

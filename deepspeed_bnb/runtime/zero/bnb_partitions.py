@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from deepspeed_bnb.checkpoint.format import constants as C
@@ -189,11 +190,13 @@ class BnbPartitionsMixin:
         if not keys:
             return
         mine = torch.tensor([zlib.crc32(records[g].state[key].detach().cpu().contiguous().view(torch.uint8)
-                                        .numpy().tobytes()) for g, key in keys], dtype=torch.int64)
+                                        .numpy().tobytes()) for g, key in keys], dtype=torch.int64,
+                            device=get_accelerator().current_device_name())  # NCCL reduces device tensors only
         lowest, highest = mine.clone(), mine.clone()
         dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.dp_process_group)
         dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.dp_process_group)
-        differing = [f"{key!r} (param group {g})" for (g, key), lo, hi in zip(keys, lowest, highest) if lo != hi]
+        differing = [f"{key!r} (param group {g})" for (g, key), lo, hi in zip(keys, lowest.tolist(), highest.tolist())
+                     if lo != hi]
         if differing:
             raise RuntimeError(f"deepspeed_bnb: whole (replicated) optimizer state {', '.join(differing)} differs "
                                f"between ranks, so it cannot be saved once for all of them. If it is per-rank state, "

@@ -30,6 +30,7 @@ import deepspeed.runtime.zero.stage3 as ds_stage3
 import torch
 import torch.nn.functional as F
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -434,10 +435,11 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
                     mine = compensated.join(mine, error.narrow(0, layout.offsets[j], layout.slice_numel(j)))
                 if dp == 1:
                     full = mine
-                else:
+                else:  # on the accelerator: with offload the partition is in host memory, which NCCL cannot send
+                    mine = mine.to(get_accelerator().current_device_name())
                     full = torch.empty(mine.numel() * dp, dtype=mine.dtype, device=mine.device)
                     dist.allgather_fn(full, mine, group=group)  # all_gather_into_tensor, or a list on gloo
-                pieces.append(full.narrow(0, rank * stock.slice_numel(j), stock.slice_numel(j)).clone())
+                pieces.append(full.narrow(0, rank * stock.slice_numel(j), stock.slice_numel(j)).to(partition.device))
             out.append(torch.cat(pieces))
         return out
 
