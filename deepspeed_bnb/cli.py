@@ -90,9 +90,11 @@ def _kernels(args):
     failures = 0
     for device in devices:
         for rule in rules.RULES:
-            problem = self_check.disagreement(rule, device)
-            failures += problem is not None
-            print(f"  {device} {rule}: " + ("same bits as the reference" if problem is None else f"FAILS: {problem}"))
+            for master in self_check.MASTERS:
+                problem = self_check.disagreement(rule, device, master)
+                failures += problem is not None
+                print(f"  {device} {rule}, {master} master weights: "
+                      + ("same bits as the reference" if problem is None else f"FAILS: {problem}"))
     return 1 if failures else 0
 
 

@@ -15,7 +15,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from deepspeed_bnb.ops import loader, rules
+from deepspeed_bnb.ops import compensated, loader, rules
 from deepspeed_bnb.ops.self_check import bits
 from deepspeed_bnb.state_layout import GroupLayout
 
@@ -39,12 +39,14 @@ class Partition:
     """A random partition of RULE: several parameters (8-bit and fp32 segments, tails that are not a multiple of 256)
     of rank 1 of 3, three hyper rows (subclasses give `hyper`), state from zero, or random_start: random codes, block
     scales and fp32 state (non-negative for a moment with an unsigned map). shuffled: unsorted maps; corrupt: state
-    already NaN/Inf (as bnb's path lets NaN in)."""
+    already NaN/Inf (as bnb's path lets NaN in). master: "bf16" (bf16 params) or "bf16+8" (bf16 params and their int8
+    error terms, `error`, split from the same random fp32 weights), else fp32 params."""
 
     RULE = ""
+    error = None  # int8 error terms of compensated master weights
 
     def __init__(self, seed: int, device="cpu", dp=3, rank=1, grad_dtype=torch.float32, shuffled=False, corrupt=False,
-                 random_start=False):
+                 random_start=False, master=None):
         g = torch.Generator().manual_seed(seed)
         count = int(torch.randint(2, 7, (1,), generator=g))
         numels = tuple(int(n) for n in torch.randint(1, 5000, (count,), generator=g))
@@ -54,6 +56,12 @@ class Partition:
         self.segments = layout.segments(rank, eight_bit)
         self.rows = [int(r) for r in torch.randint(0, 3, (len(self.segments),), generator=g)]
         self.params = torch.randn(layout.partition_size, generator=g).to(device)
+        if master == "bf16":
+            self.params = self.params.to(torch.bfloat16)
+        elif master == "bf16+8":
+            self.params, self.error = compensated.split(self.params)
+        elif master is not None:
+            raise ValueError(f"master: 'bf16', 'bf16+8' or None, got {master!r}")
         self.generator, self.device, self.grad_dtype = g, device, grad_dtype
         self.table = rules.segment_table(self.segments, self.rows).to(device)
         self._zero_state(layout.partition_size, layout.fp32_numel(rank, eight_bit), maps(self.RULE, shuffled))
@@ -84,7 +92,8 @@ class Partition:
     @property
     def names(self) -> tuple:
         """What a step updates, in the operator's order."""
-        return ("params", *(f"{kind}{k}" for kind, k in itertools.product(KINDS, self.moments)))
+        error = ("error",) if self.error is not None else ()
+        return ("params", *error, *(f"{kind}{k}" for kind, k in itertools.product(KINDS, self.moments)))
 
     def hyper(self, step: int) -> torch.Tensor:
         raise NotImplementedError
@@ -113,7 +122,7 @@ class Partition:
     def step(self, step: int, grads: torch.Tensor, use_kernel: bool, inv_scale: float = 1.0):
         state = ([getattr(self, f"{kind}{k}") for k in self.moments] for kind in KINDS)
         rules.step_(self.RULE, self.params, grads, *state, self.qmaps, self.table, self.hyper(step), inv_scale,
-                    use_kernel=use_kernel)
+                    use_kernel=use_kernel, error=self.error)
 
 
 class Whole(Partition):

@@ -24,7 +24,7 @@ import inspect
 import pytest
 import torch
 
-from deepspeed_bnb.ops import reference, rules
+from deepspeed_bnb.ops import compensated, reference, rules
 from deepspeed_bnb.ops.self_check import bits
 from kernel_harness import QMAP1, UNUSED, Whole, assert_bit_identical, maps, needs_cuda, needs_kernel, run_both
 from rule_cases import CASES
@@ -125,6 +125,15 @@ def test_kernel_low_precision_gradients(rule, grad_dtype, device):
 
 
 @on_each_device
+@pytest.mark.parametrize("master", ["bf16", "bf16+8"])
+@pytest.mark.parametrize("seed", range(3))
+@for_every_rule
+def test_kernel_bf16_and_compensated_master_weights(rule, seed, master, device):
+    # seed 2 also starts from non-finite state (NaN moments reach the weights)
+    check_kernel(rule, device, seed, master=master, **({"corrupt": True} if seed == 2 else {}))
+
+
+@on_each_device
 @pytest.mark.parametrize("seed", NON_FINITE_SEEDS)
 @for_every_rule
 def test_kernel_non_finite_state_and_unsorted_map(rule, seed, device):
@@ -184,3 +193,39 @@ def test_zero_gradient_elements_never_move(rule):
         assert (qmap[getattr(ours, f"codes{k}")[unused].long()] == 0).all(), f"moment {k} is stored as exactly 0"
     assert not torch.equal(ours.params[~unused], start[~unused]), "the others move"
     assert not torch.equal(theirs[unused], start[unused]), "control: bnb 0.50's CPU path moves them"
+
+
+@for_every_rule
+@pytest.mark.parametrize("master", ["bf16", "bf16+8"])
+def test_reference_master_weights_within_one_rounding_of_bnb(rule, master):
+    """One step from the same weights: bnb's own update of bf16 parameters (bf16), or of the joined fp32 weights split
+    again (bf16+8: what the unfused path steps), against the reference's. The fp32 results differ only by the fp32
+    arithmetic (codes within one step above), so the stored weights are equal or one rounding apart: one bf16 ulp,
+    or one error step of the compensated weight. Control: the weights moved, by far more than that rounding."""
+    case = CASES[rule]
+    g = torch.Generator().manual_seed(7)
+    start, grad = torch.randn(8192, generator=g), torch.randn(8192, generator=g)  # lr 0.05: steps of many ulps
+    hi, lo = compensated.split(start)
+    if master == "bf16":
+        param = torch.nn.Parameter(hi.clone())
+    else:
+        param = torch.nn.Parameter(compensated.join(hi, lo))
+    plain = case.bnb([param], weight_decay=0.01, min_8bit_size=0)
+    plain.param_groups[0]["lr"] = 0.05
+    config = plain.get_config(0, 0, plain.param_groups[0])
+    param.grad = grad.to(param.dtype)  # bnb takes the gradient in its parameter's dtype: so do we, here
+    plain.step()
+    ours = Whole(rule, hi.clone(), lambda t: rules.get(rule).row(config, t))
+    ours.error = lo.clone() if master == "bf16+8" else None
+    ours.step(1, param.grad, False)
+    if master == "bf16":
+        theirs, mine, unit = param.detach().float(), ours.params.float(), ours.params.float().abs() * 2.0 ** -7
+    else:
+        mine = compensated.join(ours.params, ours.error)
+        theirs = compensated.join(*compensated.split(param.detach()))
+        unit = compensated._unit(ours.params)
+    apart = (mine - theirs).abs()
+    assert (apart <= unit * 1.0001).all(), f"largest difference {apart.max():.3g} in units {(apart / unit).max():.3g}"
+    assert (apart == 0).float().mean() > 0.95, f"equal in {(apart == 0).float().mean():.1%} of the elements"
+    before = hi.float() if master == "bf16" else compensated.join(hi, lo)
+    assert ((mine - before).abs() > 4 * unit).float().mean() > 0.5, "control: most weights moved by several roundings"

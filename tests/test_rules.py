@@ -38,7 +38,7 @@ def _schemas() -> dict:
     for literals in re.findall(r"m\.def\(((?:\s*\"[^\"]*\")+)\s*\)", _source("csrc/ops.cpp")):
         schema = "".join(re.findall(r'"([^"]*)"', literals))
         name, arguments = re.fullmatch(r"(\w+)\((.*)\)\s*->.*", schema).groups()
-        schemas[name] = tuple(argument.split()[-1] for argument in arguments.split(","))
+        schemas[name] = tuple(argument.split()[-1].split("=")[0] for argument in arguments.split(","))  # no default
     return schemas
 
 

@@ -31,7 +31,8 @@ def _one_code_off(rule):
 
 def _ignores_unscale(rule):
     def kernel(*args):
-        _reference(rule)(*args[:-1], 1.0)  # inv_scale is every operator's last argument
+        position = rules.argument_names(rule).index("inv_scale")
+        _reference(rule)(*args[:position], 1.0, *args[position + 1:])
     return kernel
 
 
@@ -57,6 +58,26 @@ def _raises(rule):
     return kernel
 
 
+def _drops_error_terms(rule):
+    """A kernel that steps compensated weights as plain bf16 ones (the error terms neither read nor written)."""
+    def kernel(*args):
+        _reference(rule)(*args[:-1], None)  # error: every operator's last argument
+    return kernel
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("master", ["bf16", "bf16+8"])
+def test_master_weight_kinds_are_checked(rule, master):
+    """The check runs bf16 and compensated partitions (every master-weight mode the engine has); the reference passes
+    them, a kernel that drops the error terms does not (control)."""
+    from deepspeed_bnb.optim import master_weights
+    assert self_check.MASTERS == master_weights.MODES
+    assert self_check.compare(rule, torch.device("cpu"), _reference(rule), master) is None
+    if master == "bf16+8":
+        problem = self_check.compare(rule, torch.device("cpu"), _drops_error_terms(rule), master)
+        assert problem is not None and ("error differs" in problem or "params differs" in problem), problem
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_control_reference_agrees_with_itself(rule):
     """The harness is not rigged: the reference as the "kernel" passes (so a failure below is the mutation's)."""
@@ -74,7 +95,8 @@ def test_wrong_kernels_are_caught(rule, mutant, says):
 
 def _passes_on(device):
     for rule in RULES:
-        assert self_check.disagreement(rule, device) is None
+        for master in self_check.MASTERS:
+            assert self_check.disagreement(rule, device, master) is None, (rule, master)
 
 
 @pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
@@ -95,11 +117,12 @@ def test_cli_reports_the_check(capsys, monkeypatch):
     assert cli.main(["kernels", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "fused kernels: " in out and "build, CPU " in out
-    assert all(f"cpu {rule}: same bits as the reference" in out for rule in RULES), out
+    assert all(f"cpu {rule}, {master} master weights: same bits as the reference" in out
+               for rule in RULES for master in self_check.MASTERS), out
     monkeypatch.setattr(self_check, "disagreement",
-                        lambda rule, device: "codes1 differs (planted)" if rule == "lion" else None)
+                        lambda rule, device, master: "codes1 differs (planted)" if rule == "lion" else None)
     assert cli.main(["kernels", "--device", "cpu"]) == 1
-    assert "cpu lion: FAILS: codes1 differs (planted)" in capsys.readouterr().out
+    assert "cpu lion, bf16+8 master weights: FAILS: codes1 differs (planted)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("device, says", [("foo", "not a device name"), ("cuda:99", "CUDA GPU(s); use cpu"),

@@ -2,7 +2,8 @@
 // whole ZeRO partition, walking its segment table, parallel over 256-element blocks (ATen's thread pool).
 //
 // Per block, in one pass: gradient unscale/clip factor, dequantize (qmap[code] * absmax), moments, decoupled weight
-// decay and parameter update (fp32 master), then per-block absmax and requantization to the nearest code.
+// decay and parameter update (fp32 master weights, or bf16 / compensated ones widened per block: fused_cpu.h), then
+// per-block absmax and requantization to the nearest code.
 // Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/test_fused_rules.py); the arithmetic itself lives in
 // csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the partition walk, checks, dispatch and quantizer
 // helpers in fused_cpu.h, shared with the Lion kernel (lion8bit_cpu.cpp).
@@ -102,9 +103,9 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
 void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor codes2,
                        at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                        const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
-                       const at::Tensor& hyper, double inv_scale) {
+                       const at::Tensor& hyper, double inv_scale, const std::optional<at::Tensor>& error) {
     const dsbnb::cpu::Checker check("adam8bit_step_");
-    check.expect(params, "params", at::kFloat);
+    const dsbnb::Master master = dsbnb::cpu::master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);
     check.expect(codes2, "codes2", at::kByte);
     check.expect(absmax1, "absmax1", at::kFloat);
@@ -122,7 +123,6 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
     const MapTables& t2 = dsbnb::cpu::tables_for(qmap2);
     const float inv = static_cast<float>(inv_scale);
     const auto* h = reinterpret_cast<const Hyper*>(hyper.data_ptr<float>());
-    float* p = params.data_ptr<float>();
     uint8_t *c1 = codes1.data_ptr<uint8_t>(), *c2 = codes2.data_ptr<uint8_t>();
     float *a1 = absmax1.data_ptr<float>(), *a2 = absmax2.data_ptr<float>();
     float *s1 = state1.data_ptr<float>(), *s2 = state2.data_ptr<float>();
@@ -132,14 +132,16 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
         constexpr bool kScale = decltype(scale)::value;
         dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
                                                        int64_t base) {
-            if (s.eight_bit) {
-                const int64_t block = base / kBlock;
-                block_8bit<G, kScale>(h[s.hyper_row], len, p + base, g + base, c1 + base, c2 + base, a1 + block,
-                                      a2 + block, q1, q2, t1, t2, inv);
-            } else {
-                block_fp32<G, kScale>(h[s.hyper_row], len, p + base, g + base, s1 + s.fp32_offset + start,
-                                      s2 + s.fp32_offset + start, inv);
-            }
+            dsbnb::cpu::with_fp32_master(master, base, len, [&](float* p) {
+                if (s.eight_bit) {
+                    const int64_t block = base / kBlock;
+                    block_8bit<G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, c2 + base, a1 + block,
+                                          a2 + block, q1, q2, t1, t2, inv);
+                } else {
+                    block_fp32<G, kScale>(h[s.hyper_row], len, p, g + base, s1 + s.fp32_offset + start,
+                                          s2 + s.fp32_offset + start, inv);
+                }
+            });
         });
     });
 }

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -24,6 +25,7 @@
 
 #include "adam8bit_avx512.h"
 #include "dsbnb/adam8bit.h"
+#include "dsbnb/master_weights.h"
 #include "quantize_keys.h"
 
 namespace dsbnb {
@@ -246,6 +248,36 @@ inline std::vector<Work> plan_blocks(const Checker& check, const at::Tensor& seg
     return work;
 }
 
+// The master weights of an operator's `params` and `error` (fp32; bf16; bf16 with int8 error terms), checked.
+inline Master master_of(const Checker& check, const at::Tensor& params, const std::optional<at::Tensor>& error) {
+    check(params.device().is_cpu() && params.is_contiguous(), "params must be a contiguous CPU tensor");
+    if (params.scalar_type() == at::kFloat) {
+        check(!error.has_value(), "error (the int8 error terms of compensated master weights) goes with bfloat16 "
+                                  "params, got float32 params");
+        return {MasterKind::kFloat32, params.data_ptr<float>(), nullptr};
+    }
+    check(params.scalar_type() == at::kBFloat16,
+          std::string("params must be float32 or bfloat16, got ") + c10::toString(params.scalar_type()));
+    if (!error.has_value()) return {MasterKind::kBFloat16, params.data_ptr(), nullptr};
+    check.expect(*error, "error", at::kChar);
+    check(error->numel() == params.numel(), "error and params differ in size");
+    return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
+}
+
+// Runs step(p) with p the fp32 master weights of the block base..base+len: the partition's own when they are fp32;
+// else a widened copy, stored back after (every element: an unchanged one goes back to the same bits, NaN aside).
+template <typename Step>
+inline void with_fp32_master(const Master& master, int64_t base, int64_t len, Step&& step) {
+    if (master.kind == MasterKind::kFloat32) {
+        step(static_cast<float*>(master.values) + base);
+        return;
+    }
+    alignas(64) float p[kBlock];
+    for (int64_t j = 0; j < len; ++j) p[j] = load_master(master, base + j);
+    step(p);
+    for (int64_t j = 0; j < len; ++j) store_master(master, base + j, p[j]);
+}
+
 // Calls f(grad pointer, std::integral_constant<bool, scale>) with the typed gradient pointer: one instantiation per
 // gradient dtype (fp32, bf16, fp16) and scaling.
 template <typename F>
@@ -341,9 +373,9 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
 template <typename Rule>
 void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                     at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper,
-                    double inv_scale) {
+                    double inv_scale, const std::optional<at::Tensor>& error) {
     const Checker check(op);
-    check.expect(params, "params", at::kFloat);
+    const Master master = master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);
     check.expect(absmax1, "absmax1", at::kFloat);
     check.expect(state1, "state1", at::kFloat);
@@ -354,7 +386,6 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
     const MapTables& t1 = tables_for(qmap1);
     const float inv = static_cast<float>(inv_scale);
     const auto* h = reinterpret_cast<const typename Rule::Row*>(hyper.data_ptr<float>());
-    float* p = params.data_ptr<float>();
     uint8_t* c1 = codes1.data_ptr<uint8_t>();
     float* a1 = absmax1.data_ptr<float>();
     float* s1 = state1.data_ptr<float>();
@@ -363,13 +394,15 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         constexpr bool kScale = decltype(scale)::value;
         for_each_block(segments, work, [&](const Segment& s, int64_t start, int64_t len, int64_t base) {
-            if (s.eight_bit) {
-                one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p + base, g + base, c1 + base,
-                                                 a1 + base / kBlock, q1, t1, inv);
-            } else {
-                float* m = s1 + s.fp32_offset + start;
-                one_state_update<Rule, G, kScale>(h[s.hyper_row], len, p + base, g + base, m, inv, m);
-            }
+            with_fp32_master(master, base, len, [&](float* p) {
+                if (s.eight_bit) {
+                    one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, a1 + base / kBlock,
+                                                     q1, t1, inv);
+                } else {
+                    float* m = s1 + s.fp32_offset + start;
+                    one_state_update<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, m, inv, m);
+                }
+            });
         });
     });
 }

@@ -42,9 +42,10 @@ struct LionRule {
 };
 
 void lion8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
-    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper, double inv_scale) {
+    at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper, double inv_scale,
+    const std::optional<at::Tensor>& error) {
     dsbnb::cpu::one_state_step<LionRule>("lion8bit_step_", params, grads, codes1, absmax1, state1, qmap1, segments,
-                                         hyper, inv_scale);
+                                         hyper, inv_scale, error);
 }
 
 }  // namespace

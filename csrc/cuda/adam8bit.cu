@@ -1,6 +1,7 @@
 // adam8bit.cu — the CUDA kernel of deepspeed_bnb::adam8bit_step_: one fused 8-bit AdamW step over a whole ZeRO
 // partition. One warp per 256-element block (8 elements per lane, coalesced), grid-stride over the blocks of all
-// segments, maps and midpoints in shared memory, NaN-propagating absmax by warp shuffles, 64-bit indexing.
+// segments, maps and midpoints in shared memory, NaN-propagating absmax by warp shuffles, 64-bit indexing; fp32, bf16
+// or compensated master weights (dsbnb/master_weights.h).
 //
 // Semantics: deepspeed_bnb/ops/reference.py, bit for bit; the per-element arithmetic is shared with the CPU kernel
 // through csrc/include/dsbnb/adam8bit.h, the launch shape and device helpers with the Lion kernel (lion8bit.cu)
@@ -26,7 +27,7 @@ using device::warp_nan_max;
 
 __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const int64_t* __restrict__ block_starts,
                                      int64_t num_segments, int64_t total_blocks, const Hyper* __restrict__ hyper,
-                                     float* __restrict__ params, const void* __restrict__ grads, GradType grad_type,
+                                     Master params, const void* __restrict__ grads, GradType grad_type,
                                      uint8_t* __restrict__ codes1, uint8_t* __restrict__ codes2,
                                      float* __restrict__ absmax1, float* __restrict__ absmax2,
                                      float* __restrict__ state1, float* __restrict__ state2,
@@ -69,13 +70,15 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                     if (scale) g = g * inv_scale;
                     const float m_old = q1[codes1[i]] * a1;
                     const float v_old = q2[codes2[i]] * a2;
+                    float p = load_master(params, i);
                     if (isfinite(g)) {
                         adam_moments(m_old, v_old, g, h, m[k], v[k]);
-                        params[i] = adam_param(params[i], m[k], v[k], h);
+                        p = adam_param(p, m[k], v[k], h);
                     } else {
                         m[k] = m_old;
                         v[k] = v_old;
                     }
+                    store_master(params, i, p);  // unchanged: the same bits (a NaN bf16 weight canonical)
                     max1 = nan_max(max1, fabsf(m[k]));
                     max2 = nan_max(max2, fabsf(v[k]));
                 }
@@ -105,13 +108,15 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                 const int64_t f = s.fp32_offset + start + j;
                 float g = load_grad(grads, grad_type, i);
                 if (scale) g = g * inv_scale;
+                float p = load_master(params, i);
                 if (isfinite(g)) {
                     float mm, vv;
                     adam_moments(state1[f], state2[f], g, h, mm, vv);
-                    params[i] = adam_param(params[i], mm, vv, h);
+                    p = adam_param(p, mm, vv, h);
                     state1[f] = mm;
                     state2[f] = vv;
                 }
+                store_master(params, i, p);
             }
         }
     }
@@ -120,7 +125,7 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
 }  // namespace
 
 int launch_adam8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
-                         int64_t total_blocks, const Hyper* hyper, float* params, const void* grads, GradType grad_type,
+                         int64_t total_blocks, const Hyper* hyper, Master params, const void* grads, GradType grad_type,
                          uint8_t* codes1, uint8_t* codes2, float* absmax1, float* absmax2, float* state1,
                          float* state2, const float* qmap1, const float* qmap2, DeviceTables tables1,
                          DeviceTables tables2, bool scale, float inv_scale, void* stream) {

@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -145,7 +146,7 @@ inline const SegmentBlocks& check_and_plan(const Checker& check, const at::Tenso
     bool ok = segments.scalar_type() == at::kLong;
     for (const at::Tensor* t : floats) ok &= t->scalar_type() == at::kFloat;
     for (const at::Tensor* t : codes) ok &= t->scalar_type() == at::kByte;
-    check(ok, "dtypes: params, hyper, absmax, fp32 state and maps float32; segments int64; codes uint8");
+    check(ok, "dtypes: hyper, absmax, fp32 state and maps float32; segments int64; codes uint8");
     check(segments.dim() == 2 && segments.size(1) == kSegmentFields, "segments must be int64 [S, 5]");
     check(hyper.dim() == 2 && hyper.size(1) == hyper_fields,
           "hyper must be float32 [H, " + std::to_string(hyper_fields) + "]");
@@ -155,6 +156,21 @@ inline const SegmentBlocks& check_and_plan(const Checker& check, const at::Tenso
         check(problem == nullptr, "segment " + std::to_string(i) + ": " + (problem ? problem : ""));
     }
     return blocks;
+}
+
+// The master weights of an operator's `params` and `error` (fp32; bf16; bf16 with int8 error terms), checked.
+inline Master master_of(const Checker& check, const at::Tensor& params, const std::optional<at::Tensor>& error) {
+    if (params.scalar_type() == at::kFloat) {
+        check(!error.has_value(), "error (the int8 error terms of compensated master weights) goes with bfloat16 "
+                                  "params, got float32 params");
+        return {MasterKind::kFloat32, params.data_ptr<float>(), nullptr};
+    }
+    check(params.scalar_type() == at::kBFloat16, "params must be float32 or bfloat16");
+    if (!error.has_value()) return {MasterKind::kBFloat16, params.data_ptr(), nullptr};
+    check(error->scalar_type() == at::kChar && error->numel() == params.numel() && error->is_contiguous() &&
+              error->is_cuda() && error->get_device() == params.get_device(),
+          "error must be a contiguous int8 tensor of params' size on params' device");
+    return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
 }
 
 inline GradType grad_type(const Checker& check, const at::Tensor& grads) {

@@ -2,7 +2,7 @@
 // lion8bit.cu for Lion, momentum8bit.cu for SGD with momentum): the launch shape (one warp per 256-element block, 8
 // elements per lane, a persistent grid striding over the blocks of all segments), the segment lookup of a block,
 // gradient loads (fp32/bf16/fp16 widened exactly), the NaN-propagating warp max, and the whole kernel of the
-// one-state rules (one_state_step_kernel). Like the kernels, free of torch headers (compiled by nvcc alone, see
+// one-state rules (one_state_step_kernel); master weights are read and written through dsbnb/master_weights.h. Like the kernels, free of torch headers (compiled by nvcc alone, see
 // adam8bit.cu).
 // Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_rules.py
 // (every rule of the registry) runs it where a GPU is present.
@@ -69,7 +69,7 @@ template <typename Rule>
 __global__ void one_state_step_kernel(const Segment* __restrict__ segments, const int64_t* __restrict__ block_starts,
                                       int64_t num_segments, int64_t total_blocks,
                                       const typename Rule::Row* __restrict__ hyper,
-                                      float* __restrict__ params, const void* __restrict__ grads, GradType grad_type,
+                                      Master params, const void* __restrict__ grads, GradType grad_type,
                                       uint8_t* __restrict__ codes1, float* __restrict__ absmax1,
                                       float* __restrict__ state1, const float* __restrict__ qmap1, DeviceTables t1,
                                       bool scale, float inv_scale) {
@@ -105,11 +105,13 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                     float g = load_grad(grads, grad_type, i);
                     if (scale) g = g * inv_scale;
                     const float m_old = q1[codes1[i]] * a1;
+                    float p = load_master(params, i);
                     if (isfinite(g)) {
-                        Rule::apply(params[i], m_old, g, h, m[k]);
+                        Rule::apply(p, m_old, g, h, m[k]);
                     } else {
                         m[k] = m_old;
                     }
+                    store_master(params, i, p);  // unchanged: the same bits (a NaN bf16 weight canonical)
                     max1 = nan_max(max1, fabsf(m[k]));
                 }
             }
@@ -131,11 +133,13 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                 const int64_t f = s.fp32_offset + start + j;
                 float g = load_grad(grads, grad_type, i);
                 if (scale) g = g * inv_scale;
+                float p = load_master(params, i);
                 if (isfinite(g)) {
                     float m_new;
-                    Rule::apply(params[i], state1[f], g, h, m_new);
+                    Rule::apply(p, state1[f], g, h, m_new);
                     state1[f] = m_new;
                 }
+                store_master(params, i, p);
             }
         }
     }
@@ -144,7 +148,7 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
 // Launch of a one-state kernel on `stream` (persistent grid, grid-stride); returns the CUDA error code (0: none).
 template <typename Rule>
 int launch_one_state_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
-                          int64_t total_blocks, const typename Rule::Row* hyper, float* params, const void* grads,
+                          int64_t total_blocks, const typename Rule::Row* hyper, Master params, const void* grads,
                           GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
                           DeviceTables tables1, bool scale, float inv_scale, void* stream) {
     if (total_blocks == 0) return 0;

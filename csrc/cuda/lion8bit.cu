@@ -32,7 +32,7 @@ struct LionRule {
 }  // namespace
 
 int launch_lion8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
-    int64_t total_blocks, const LionHyper* hyper, float* params, const void* grads, GradType grad_type,
+    int64_t total_blocks, const LionHyper* hyper, Master params, const void* grads, GradType grad_type,
     uint8_t* codes1, float* absmax1, float* state1, const float* qmap1, DeviceTables tables1, bool scale,
     float inv_scale, void* stream) {
     return device::launch_one_state_step<LionRule>(segments, block_starts, num_segments, total_blocks, hyper,

@@ -14,20 +14,22 @@ namespace binding = dsbnb::binding;
 
 void momentum8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                             at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments,
-                            const at::Tensor& hyper, double inv_scale) {
+                            const at::Tensor& hyper, double inv_scale,
+                            const std::optional<at::Tensor>& error) {
     const binding::Checker check("momentum8bit_step_");
     const dsbnb::StateSizes states[1] = {{codes1.numel(), absmax1.numel(), state1.numel()}};
     const c10::cuda::CUDAGuard guard(params.device());
     const binding::SegmentBlocks& blocks = binding::check_and_plan(
         check, params, {&params, &grads, &codes1, &absmax1, &state1, &qmap1, &segments, &hyper},
-        {&params, &hyper, &absmax1, &state1, &qmap1}, {&codes1}, segments, hyper, dsbnb::kMomentumHyperFields, states,
+        {&hyper, &absmax1, &state1, &qmap1}, {&codes1}, segments, hyper, dsbnb::kMomentumHyperFields, states,
         1);
     check(qmap1.numel() == 256, "qmap1 must hold 256 entries");
     const dsbnb::GradType grad_type = binding::grad_type(check, grads);
     const int status = dsbnb::launch_momentum8bit_step(
         reinterpret_cast<const dsbnb::Segment*>(segments.data_ptr<int64_t>()), blocks.starts.data_ptr<int64_t>(),
         segments.size(0), blocks.total, reinterpret_cast<const dsbnb::MomentumHyper*>(hyper.data_ptr<float>()),
-        params.data_ptr<float>(), grads.data_ptr(), grad_type, codes1.data_ptr<uint8_t>(), absmax1.data_ptr<float>(),
+        binding::master_of(check, params, error), grads.data_ptr(), grad_type, codes1.data_ptr<uint8_t>(),
+        absmax1.data_ptr<float>(),
         state1.data_ptr<float>(), qmap1.data_ptr<float>(), binding::tables_for(qmap1), inv_scale != 1.0,
         static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
     check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));

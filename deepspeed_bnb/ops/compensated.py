@@ -14,7 +14,7 @@ Exactness: `join` is exact in fp32 (hi has 8 significant bits, lo adds 8 more be
 nearest-even bf16 and the error to nearest-even 1/256 ulp, clamped to +-127 steps (an error within half a step of
 half an ulp, which would round to the tie at 128 steps, keeps 127: off by at most one step); so split(join(hi, lo))
 == (hi, lo) for every pair split produced. Below bf16's normal range the unit stays that of the smallest normals.
-Test: tests/test_compensated.py.
+Test: tests/test_master_weights.py (the compensation and the engine), tests/test_fused_rules.py (the kernels).
 """
 
 import torch
@@ -45,10 +45,23 @@ def split(w: torch.Tensor):
     return hi, lo
 
 
+def to_bf16(w: torch.Tensor) -> torch.Tensor:
+    """fp32 `w` rounded to nearest-even bf16, every NaN the quiet NaN 0x7FC0 (torch's scalar conversion writes that,
+    its vectorized one 0xFFFF: the fused kernels, csrc/include/dsbnb/master_weights.h, write 0x7FC0)."""
+    rounded = w.to(torch.bfloat16)
+    nan = w.isnan()
+    if bool(nan.any()):
+        rounded = torch.where(nan, _QUIET_NAN.to(w.device), rounded)
+    return rounded
+
+
+_QUIET_NAN = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
+
+
 @torch.no_grad()  # hi may be ZeRO's master partition, a leaf that requires grad
 def split_(w: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """Store fp32 `w` into bf16 `hi` and int8 `lo` (same shape), in place."""
-    rounded = w.to(torch.bfloat16)
+    rounded = to_bf16(w)
     steps = torch.round((w - rounded.float()) / _unit(rounded))
     steps = torch.where(torch.isfinite(steps), steps, torch.zeros_like(steps))  # inf/nan weights: no error term
     hi.copy_(rounded)

@@ -47,6 +47,9 @@ kernels round, skip non-finite gradients and apply weight decay differently, as 
   4.5 x lr where bnb's own update moved no element more than 1.4 x lr). bnb's CUDA kernel rounds the same way (and
   shares the spike); bnb's CPU path never stores 0 for a positive value (its look-up rounds small values up).
 - fp32 state segments keep their state in fp32 arrays packed in segment order.
+- Master weights (`params`): fp32; or bf16, widened exactly and the updated value rounded to nearest even (bnb's own
+  update of a bf16 parameter rounds its fp32 result once, the same way); or compensated bf16 + int8 error terms
+  (`error`, ops/compensated.py), joined to fp32 and split again. Every stored NaN is bf16's quiet NaN 0x7FC0.
 - The sign and payload of a NaN are unspecified (x86 vector units and torch produce different ones).
 - Alignment padding (elements in no segment) is never read or written.
 References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_blockwise_cpu`), `csrc/kernels.cu`
@@ -60,10 +63,11 @@ rule's own.
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import torch
 
+from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.state_layout import BLOCK_SIZE  # pure math: importable without DeepSpeed and bitsandbytes
 
 SEGMENT_FIELDS = 5  # columns of the segment table: offset, numel, eight_bit, fp32_offset, hyper_row
@@ -288,26 +292,46 @@ class _State:
             self.fp32.copy_(value)
 
 
-def _walk(params, grads, segments, hyper, inv_scale: float, update) -> None:
-    """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's parameter view,
-    g: its scaled fp32 gradient, finite: isfinite(g), h: its hyper row)."""
+def _master_kind(params: torch.Tensor, error: Optional[torch.Tensor]) -> None:
+    if error is None and params.dtype in (torch.float32, torch.bfloat16):
+        return
+    if error is not None and params.dtype == torch.bfloat16 and error.dtype == torch.int8 and \
+            error.numel() == params.numel():
+        return
+    raise ValueError(f"params must be fp32 or bf16, and error (compensated master weights) int8 beside bf16 params "
+                     f"of the same size; got params {params.dtype}"
+                     + ("" if error is None else f", error {error.dtype} [{error.numel()}] for [{params.numel()}]"))
+
+
+def _walk(params, grads, segments, hyper, inv_scale: float, update, error=None) -> None:
+    """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's fp32 master weights,
+    a view of params, or for bf16 and compensated ones a widened copy stored back after; g: its scaled fp32 gradient,
+    finite: isfinite(g), h: its hyper row)."""
+    _master_kind(params, error)
     hyper = hyper.float()
     for offset, numel, eight_bit, fp32_offset, row in segments.tolist():
         p = params.narrow(0, offset, numel)
+        lo = None if error is None else error.narrow(0, offset, numel)
+        wide = p if p.dtype == torch.float32 else (p.float() if lo is None else compensated.join(p, lo))
         g = grads.narrow(0, offset, numel).float()
         if inv_scale != 1.0:
             g = g * _f32(inv_scale)
-        update(_Segment(offset, numel, bool(eight_bit), fp32_offset), p, g, torch.isfinite(g), hyper[row])
+        update(_Segment(offset, numel, bool(eight_bit), fp32_offset), wide, g, torch.isfinite(g), hyper[row])
+        if lo is not None:
+            compensated.split_(wide, p, lo)
+        elif wide is not p:
+            p.copy_(compensated.to_bf16(wide))
 
 
 @torch.no_grad()
 def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, codes2: torch.Tensor,
                   absmax1: torch.Tensor, absmax2: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
                   qmap1: torch.Tensor, qmap2: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                  inv_scale: float) -> None:
+                  inv_scale: float, error: Optional[torch.Tensor] = None) -> None:
     """In place: one AdamW step of every segment of a flat partition (see the module docstring for semantics).
 
-    params fp32 [P]; grads fp32/bf16/fp16 [P]; codes1/codes2 uint8 [P] and absmax1/absmax2 fp32 [P/256] (8-bit
+    params fp32 or bf16 [P] (master weights; error: int8 [P], their error terms when compensated); grads
+    fp32/bf16/fp16 [P]; codes1/codes2 uint8 [P] and absmax1/absmax2 fp32 [P/256] (8-bit
     segments, indexed by partition offset); state1/state2 fp32 [F] (fp32 segments, by fp32 offset); qmap1/qmap2 fp32
     [256]; segments int64 [S, 5]; hyper fp32 [H, 7].
     """
@@ -320,13 +344,13 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         p.copy_(torch.where(finite, _param_update(p, m, v, h), p))
         first.store(m)
         second.store(v)
-    _walk(params, grads, segments, hyper, inv_scale, update)
+    _walk(params, grads, segments, hyper, inv_scale, update, error)
 
 
 @torch.no_grad()
 def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                   state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                  inv_scale: float) -> None:
+                  inv_scale: float, error: Optional[torch.Tensor] = None) -> None:
     """In place: one Lion step of every segment of a flat partition (see the module docstring for semantics).
 
     As adam8bit_step with one state (the momentum): codes1 uint8 [P] and absmax1 fp32 [P/256] for 8-bit segments,
@@ -338,13 +362,13 @@ def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         new_p, m = _lion_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, update)
+    _walk(params, grads, segments, hyper, inv_scale, update, error)
 
 
 @torch.no_grad()
 def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                       state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                      inv_scale: float) -> None:
+                      inv_scale: float, error: Optional[torch.Tensor] = None) -> None:
     """In place: one SGD-with-momentum step of every segment of a flat partition (see the module docstring).
 
     Arguments as lion8bit_step (one state, the momentum); hyper fp32 [H, 4] (MomentumHyper rows).
@@ -355,4 +379,4 @@ def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.T
         new_p, m = _momentum_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, update)
+    _walk(params, grads, segments, hyper, inv_scale, update, error)

@@ -10,7 +10,8 @@ implementations (ops/fake.py), the first-use check (ops/self_check.py), the fuse
 compiled or reference.
 
 Every operator has the same argument layout, grouped by kind and numbered by moment (k = 1..moments):
-    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale
+    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale, error
+(params: fp32 or bf16 master weights; error: None, or the int8 error terms of compensated ones)
 (`argument_names`); moment 1 (m) uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
 
 Adding a rule touches these files (tests/test_rules.py checks that they agree with each other):
@@ -124,28 +125,31 @@ def argument_names(rule) -> Tuple[str, ...]:
     """The operator's (and the reference's) arguments in order, by name."""
     numbers = range(1, get(rule).moments + 1)
     per_moment = [f"{kind}{k}" for kind in ("codes", "absmax", "state", "qmap") for k in numbers]
-    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale")
+    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale", "error")
 
 
 def arguments(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
               absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
-              segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0) -> tuple:
+              segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0,
+              error: Optional[torch.Tensor] = None) -> tuple:
     """The operator's positional arguments: codes, absmax, fp32 state and qmaps hold one tensor per moment of the
-    rule (moment 1 first); a ValueError when a count differs."""
+    rule (moment 1 first); a ValueError when a count differs. `params`: fp32 or bf16 master weights, `error` the int8
+    error terms of compensated ones (None otherwise)."""
     rule = get(rule)
     for kind, tensors in (("codes", codes), ("absmax", absmax), ("state", state), ("qmaps", qmaps)):
         if len(tensors) != rule.moments:
             raise ValueError(f"bnb's {rule.name!r} rule keeps {rule.moments} moment(s): {kind} needs "
                              f"{rule.moments} tensor(s), got {len(tensors)}")
-    return (params, grads, *codes, *absmax, *state, *qmaps, segments, hyper, float(inv_scale))
+    return (params, grads, *codes, *absmax, *state, *qmaps, segments, hyper, float(inv_scale), error)
 
 
 def step_(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
           absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
-          segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0, use_kernel: bool = True) -> None:
+          segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0, error: Optional[torch.Tensor] = None,
+          *, use_kernel: bool = True) -> None:
     """One fused step of `rule` over a flat partition, in place (arguments: `arguments`; their meaning:
     reference.adam8bit_step). use_kernel: the compiled operator, which raises when it is not loaded (no silent
     fallback); False: the pure-torch reference (tests, benchmarks)."""
     rule = get(rule)
-    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale)
+    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale, error)
     (rule.kernel() if use_kernel else rule.reference)(*args)

@@ -6,7 +6,8 @@ where it was not: a GPU generation or CUDA toolkit the kernels never ran on, a c
 despite -ffp-contract=off, a prebuilt extension without code for this GPU ("no kernel image is available"). Wrong
 optimizer state is silent for weeks; so before its first real step the kernel runs a small partition that touches
 every path (8-bit and fp32 segments, a block tail, an all-zero block, NaN/Inf/huge/tiny gradients, two hyper rows, an
-unscale factor) and is compared with the reference run on the CPU (the oracle the test suite holds the CPU kernels
+unscale factor; fp32, bf16 or compensated master weights, whichever the run steps) and is compared with the reference
+run on the CPU (the oracle the test suite holds the CPU kernels
 to); a kernel that raises or differs by one bit is not used. Every rule of the registry (ops/rules.py) is checked the
 same way: its partition, hyper rows and argument list follow from its moment count and its row builder.
 Cost: a few milliseconds, once per rule and device per process. It uses bnb's default maps: a custom map's own
@@ -17,7 +18,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import reference, rules
+from deepspeed_bnb.ops import compensated, reference, rules
 from deepspeed_bnb.state_layout import GroupLayout
 
 STEPS = 3  # steps compared: state starts at zero, so the first step alone would not dequantize anything
@@ -28,15 +29,16 @@ HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
 # dampening); the first decays, the second does not
 CONFIGS = ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
            {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0})
-_verdicts: Dict[Tuple[str, str], Optional[str]] = {}  # (rule, device) -> disagreement or None
+MASTERS = ("fp32", "bf16", "bf16+8")  # the master weights a kernel steps (optim/master_weights.py's modes)
+_verdicts: Dict[Tuple[str, str, str], Optional[str]] = {}  # (rule, device, master) -> disagreement or None
 
 
-def disagreement(rule: str, device) -> Optional[str]:
-    """Why the compiled kernel of `rule` must not be used on `device` (it raised, or differs from the reference), or
-    None; checked once per rule and device. The caller has loaded the kernels."""
-    key = (rule, str(torch.device(device)))
+def disagreement(rule: str, device, master: str = "fp32") -> Optional[str]:
+    """Why the compiled kernel of `rule` must not be used on `device` for `master` weights (it raised, or differs
+    from the reference), or None; checked once per rule, device and master. The caller has loaded the kernels."""
+    key = (rule, str(torch.device(device)), master)
     if key not in _verdicts:
-        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel())
+        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel(), master)
     return _verdicts[key]
 
 
@@ -54,13 +56,19 @@ def _gradients(size: int, step: int, generator: torch.Generator) -> torch.Tensor
     return grads
 
 
-def _partition(rule: str, device: torch.device) -> dict:
+def _partition(rule: str, device: torch.device, master: str = "fp32") -> dict:
     """Zero state and random parameters of one partition: the tensors of the operator's signature by name (codes1,
-    absmax1, state1, qmap1 and so on for each moment)."""
+    absmax1, state1, qmap1 and so on for each moment; `error` for compensated master weights)."""
+    if master not in MASTERS:
+        raise ValueError(f"master: one of {MASTERS}, got {master!r}")
     layout = GroupLayout(NUMELS, 1)
     size, fp32 = layout.partition_size, layout.fp32_numel(0, EIGHT_BIT)
-    tensors = {"params": torch.randn(size, generator=torch.Generator().manual_seed(0)),
-               "segments": rules.segment_table(layout.segments(0, EIGHT_BIT), HYPER_ROWS)}
+    params = torch.randn(size, generator=torch.Generator().manual_seed(0))
+    tensors = {"params": params, "segments": rules.segment_table(layout.segments(0, EIGHT_BIT), HYPER_ROWS)}
+    if master == "bf16":
+        tensors["params"] = params.to(torch.bfloat16)
+    elif master == "bf16+8":
+        tensors["params"], tensors["error"] = compensated.split(params)
     for k, signed in zip(range(1, rules.get(rule).moments + 1), rules.SIGNED_MAPS):
         # the code of 0.0: 127 in bnb's signed map, 0 in the unsigned one
         tensors.update({f"codes{k}": torch.full((size,), 127 if signed else 0, dtype=torch.uint8),
@@ -73,7 +81,7 @@ def _arguments(rule: str, t: dict, grads: torch.Tensor, hyper: torch.Tensor, inv
     moments = range(1, rules.get(rule).moments + 1)
     return rules.arguments(rule, t["params"], grads, *([t[f"{kind}{k}"] for k in moments]
                                                         for kind in ("codes", "absmax", "state", "qmap")),
-                           t["segments"], hyper, inv_scale)
+                           t["segments"], hyper, inv_scale, t.get("error"))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -84,12 +92,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.element_size() == 2 else t
 
 
-def compare(rule: str, device: torch.device, kernel: Callable) -> Optional[str]:
+def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp32") -> Optional[str]:
     """Run `kernel` on `device` and the reference of `rule` on the CPU (the oracle the CPU kernels are held to, bit
-    for bit, by the tests) for STEPS steps of one small partition; describe the first difference (or the kernel's
-    exception), or return None when every tensor agrees bit for bit after every step."""
-    ours = _partition(rule, device)
-    theirs = _partition(rule, torch.device("cpu"))
+    for bit, by the tests) for STEPS steps of one small partition of `master` weights; describe the first difference
+    (or the kernel's exception), or return None when every tensor agrees bit for bit after every step."""
+    ours = _partition(rule, device, master)
+    theirs = _partition(rule, torch.device("cpu"), master)
     generator = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
         grads, hyper = _gradients(ours["params"].numel(), step, generator), _hyper(rule, step)

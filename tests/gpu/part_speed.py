@@ -2,7 +2,7 @@
 
 A bf16 GPT (examples/gpt.py) of about 125M and 1B parameters trains under ZeRO-2 on the one device with each of:
 bnb AdamW8bit through deepspeed_bnb with bnb's own update, with the fused kernel, and with bf16 and compensated bf16+8
-master weights (bnb's own update), torch AdamW(fused=True), DeepSpeed
+master weights (bnb's own update; compensated also the fused kernel), torch AdamW(fused=True), DeepSpeed
 FusedAdam (fp32 master weights and moments), and DeepSpeed's own bf16 master weights + bf16 optimizer states (its
 FusedAdam). Per configuration: the median whole training step and `engine.step()` alone, peak
 torch.cuda.max_memory_allocated, and the bytes of master weights and optimizer state per parameter. Then one optimizer
@@ -51,6 +51,9 @@ def configurations():
                                                {"bnb_master_weights": "bf16"}, bf16),
         "bnb AdamW8bit, compensated bf16+8 master weights": (lambda g: bnb.optim.AdamW8bit(g, lr=LR),
                                                              {"bnb_master_weights": "bf16+8"}, bf16),
+        "bnb AdamW8bit, compensated bf16+8, fused kernel": (lambda g: bnb.optim.AdamW8bit(g, lr=LR),
+                                                            {"bnb_master_weights": "bf16+8", "bnb_fused_kernel": True},
+                                                            bf16),
         "torch AdamW(fused=True)": (lambda g: torch.optim.AdamW(g, lr=LR, fused=True), {}, bf16),
         "DeepSpeed FusedAdam": (lambda g: FusedAdam(g, lr=LR, adam_w_mode=True), {}, bf16),
         "DeepSpeed bf16 master + bf16 states": (lambda g: FusedAdam(g, lr=LR, adam_w_mode=True), {}, ds_bf16),

@@ -9,7 +9,7 @@ both (partition_step.py decides which segment goes where). Lion and SGD-momentum
 reaches bnb.
 """
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,9 +33,9 @@ class FusedPartition:
 
     @torch.no_grad()
     def step(self, configs: Sequence[dict], step: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-             inv_scale: float = 1.0) -> None:
+             inv_scale: float = 1.0, error: Optional[torch.Tensor] = None) -> None:
         """Update the segments in place at bnb step `step`, hyper row i from configs[i]; state["step"] is the
-        caller's."""
+        caller's. `params`: fp32 or bf16 master weights, `error` the int8 error terms of compensated ones."""
         if not self.table.numel():
             return
         update = self.update_rule
@@ -46,5 +46,5 @@ class FusedPartition:
         rules.step_(update, params, grads, [state.get(f"state{k}", self._empty_codes) for k in moments],
                     [state.get(f"absmax{k}", self._empty) for k in moments],
                     [state.get(f"{FP32_PREFIX}state{k}", self._empty) for k in moments],
-                    [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale,
+                    [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale, error,
                     use_kernel=self.use_kernel)

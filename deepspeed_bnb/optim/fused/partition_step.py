@@ -131,7 +131,8 @@ class PartitionStep:
         self.route(group)
         step = state["step"] + 1  # bnb counts the step before using it
         if self.fused is not None:
-            self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale)
+            self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale,
+                            master_error)
         bnb_segments = [self.segments[i] for i in self._bnb]
         if inv_scale != 1.0:
             for segment in bnb_segments:  # what DeepSpeed's grad.mul_(1 / combined_scale) does, segment by segment

@@ -1,0 +1,113 @@
+// dsbnb/master_weights.h — how the fused kernels read and write master weights that are not fp32, shared by the CPU
+// (csrc/cpu/fused_cpu.h) and CUDA (csrc/cuda/fused_device.cuh) kernels: bf16 master weights, widened exactly and
+// rounded to nearest even after the update (as bitsandbytes rounds a bf16 parameter after its fp32 update), and
+// compensated ones, a bf16 weight plus an int8 rounding error (deepspeed_bnb/ops/compensated.py: `join` and `split`,
+// bit for bit, which the pure-torch reference uses).
+//
+// Every kernel updates an fp32 value w = load(i) and stores it back with store(i, w): so one update rule serves the
+// three kinds, and a kind costs the kernel nothing but its loads and stores. A NaN stored as bf16 is the quiet NaN
+// 0x7FC0 (torch's scalar conversion; its vectorized one writes 0xFFFF: the reference canonicalizes the same way).
+// References: torch's c10::BFloat16 round_to_nearest_even; FlashOptim's 24-bit master weights (bf16 + 8 error bits).
+// Build: header only, included by the kernels (see csrc/cpu/adam8bit_cpu.cpp and csrc/cuda/adam8bit.cu).
+// Test: pytest tests/test_fused_rules.py -k "master_weights or rounding" (kernel == reference, bit for bit, per rule
+// and kind; the reference within one rounding of bnb), tests/test_master_weights.py (the engine).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dsbnb/adam8bit.h"
+
+namespace dsbnb {
+
+// What a partition's master weights are (the values of deepspeed_bnb.optim.master_weights' modes).
+enum class MasterKind : int { kFloat32 = 0, kBFloat16 = 1, kCompensated = 2 };
+
+// A partition's master weights as raw pointers: fp32 values, or bf16 bits and (compensated) their int8 error terms.
+struct Master {
+    MasterKind kind;  // which of the three
+    void* values;     // float* (kFloat32) or uint16_t* bf16 bits
+    int8_t* error;    // int8 error terms in 1/256 of the bf16 ulp (kCompensated), else null
+};
+
+constexpr int kErrorShift = 16;       // compensated.py _STEP_SHIFT: one error step is 2^(E - 16), |hi| = m * 2^E
+constexpr int kMinExponent = -125;    // compensated.py _MIN_EXPONENT
+constexpr float kMaxErrorSteps = 127.0f;  // compensated.py _MAX_STEPS
+constexpr uint16_t kBf16QuietNaN = 0x7FC0;
+
+DSBNB_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+DSBNB_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+#endif
+}
+
+DSBNB_HD float bf16_value(uint16_t bits) { return bits_to_float(static_cast<uint32_t>(bits) << 16); }
+
+// Round to nearest even; NaN becomes the quiet NaN 0x7FC0.
+DSBNB_HD uint16_t bf16_round(float x) {
+    if (x != x) return kBf16QuietNaN;
+    const uint32_t u = float_to_bits(x);
+    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One error step of a bf16 weight: 2^(E - 16), E its frexp exponent, at least kMinExponent (0 included).
+DSBNB_HD float error_unit(float hi) {
+    int exponent = kMinExponent;
+    if (hi != 0.0f) {
+        (void)frexpf(hi, &exponent);
+        exponent = exponent < kMinExponent ? kMinExponent : exponent;
+    }
+    return ldexpf(1.0f, exponent - kErrorShift);
+}
+
+// compensated.join: the fp32 weight of bf16 bits `hi` and error steps `lo`.
+DSBNB_HD float join(uint16_t hi, int8_t lo) {
+    const float wide = bf16_value(hi);
+    return lo == 0 ? wide : wide + static_cast<float>(lo) * error_unit(wide);
+}
+
+// compensated.split: bf16 bits and error steps of fp32 `w` (the error rounded half to even, a non-finite one 0,
+// clamped to +-127 steps).
+DSBNB_HD void split(float w, uint16_t& hi, int8_t& lo) {
+    hi = bf16_round(w);
+    const float rounded = bf16_value(hi);
+    float steps = rintf((w - rounded) / error_unit(rounded));
+    if (!(fabsf(steps) <= 3.40282347e+38f)) steps = 0.0f;
+    steps = steps < -kMaxErrorSteps ? -kMaxErrorSteps : (steps > kMaxErrorSteps ? kMaxErrorSteps : steps);
+    lo = static_cast<int8_t>(steps);
+}
+
+// The fp32 master weight of element i.
+DSBNB_HD float load_master(const Master& m, int64_t i) {
+    switch (m.kind) {
+        case MasterKind::kBFloat16: return bf16_value(static_cast<const uint16_t*>(m.values)[i]);
+        case MasterKind::kCompensated: return join(static_cast<const uint16_t*>(m.values)[i], m.error[i]);
+        default: return static_cast<const float*>(m.values)[i];
+    }
+}
+
+// Stores the updated fp32 master weight w of element i.
+DSBNB_HD void store_master(const Master& m, int64_t i, float w) {
+    switch (m.kind) {
+        case MasterKind::kBFloat16: static_cast<uint16_t*>(m.values)[i] = bf16_round(w); break;
+        case MasterKind::kCompensated: split(w, static_cast<uint16_t*>(m.values)[i], m.error[i]); break;
+        default: static_cast<float*>(m.values)[i] = w;
+    }
+}
+
+}  // namespace dsbnb
