@@ -48,14 +48,17 @@ def _convert(args):
                                args.stage or 2, progress=not args.quiet, optimizer_key=args.optimizer_key,
                                model_key=args.model_key, allow_large_dp=args.allow_large_dp))
         return
-    if args.to is None:
-        raise ValueError("convert needs --to 8bit or --to 32bit (or --from-bnb)")
     if args.weights or args.param_names:
         raise ValueError("convert: --weights and --param-names go with --from-bnb")
-    from deepspeed_bnb.checkpoint.tools.convert import convert
+    if args.to is None and args.master_weights is None:
+        raise ValueError("convert needs --to 8bit or --to 32bit, --master-weights fp32|bf16|bf16+8, or --from-bnb")
+    from deepspeed_bnb.checkpoint.tools.convert import convert, switch_master_weights
+    if args.to is None:
+        print(switch_master_weights(args.checkpoint, args.out, args.master_weights, progress=not args.quiet))
+        return
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage,
-                     allow_large_dp=args.allow_large_dp)
+                     allow_large_dp=args.allow_large_dp, master_mode=args.master_weights)
     print(report)
 
 
@@ -153,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     kernels.set_defaults(func=_kernels)
     convert = commands.choices["convert"]
     convert.add_argument("--to", choices=("8bit", "32bit"), default=None, help="state precision to write")
+    convert.add_argument("--master-weights", default=None, metavar="MODE",
+                         help="master weights to write: fp32, bf16 or bf16+8 (compensated); alone it keeps the "
+                              "optimizer state as it is, and reports how many weights the switch rounded")
     convert.add_argument("--from-bnb", action="store_true",
                          help="CHECKPOINT is a torch file with a plain bitsandbytes optimizer.state_dict() (either "
                               "layout: bitsandbytes < 0.49.2 or >= 0.49.2), bare or under 'optimizer'; written as a "

@@ -298,6 +298,57 @@ def test_bf16_checkpoint_is_bf16_and_fp32_loads_into_compensated(one_rank, tmp_p
         assert 0 < (mine - theirs).abs().max() <= theirs.abs().max() * 2.0 ** -15  # 24 bits of the 32 kept
 
 
+@pytest.mark.parametrize("source, target", [("fp32", "bf16"), ("fp32", "bf16+8"), ("bf16", "fp32"),
+                                            ("bf16+8", "fp32"), ("bf16", "bf16+8")])
+def test_convert_switches_the_master_weights_offline(one_rank, tmp_path, source, target, caplog):
+    """`deepspeed-bnb convert --master-weights` writes the checkpoint for another mode: the record and `inspect` name
+    it, an engine of that mode loads it without rounding anything (no warning), its weights are the source's as the
+    target holds them (torch's bf16 rounding; the compensated split), exactly where the target holds them all, and
+    the optimizer state is the source's, bit for bit. Control: the weights differ from the source's exactly where
+    the target cannot hold them."""
+    from deepspeed_bnb import cli
+    _, engine = engine_of(source)
+    train_steps(engine, range(STEPS))
+    engine.save_checkpoint(str(tmp_path / "in"), tag="t")
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(tmp_path / "in" / "t"), str(out), "--master-weights", target, "--quiet"]) == 0
+    assert f"master      {target}" in summary(str(out / "t")), summary(str(out / "t"))
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(caplog.handler)
+    try:
+        _, loaded = engine_of(target, seed=1)
+        loaded.load_checkpoint(str(out), tag="t")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "rounded" not in caplog.text, caplog.text
+    for mine, theirs in zip(masters(loaded), masters(engine)):
+        want = (theirs.to(torch.bfloat16).float() if target == "bf16" else
+                compensated.join(*_split(theirs)) if target == "bf16+8" else theirs)
+        assert torch.equal(mine, want)
+        lossless = source == "bf16" or target == "fp32"
+        assert torch.equal(mine, theirs) == lossless, (source, target)
+    for p, q in zip(loaded.optimizer.single_partition_of_fp32_groups, engine.optimizer.single_partition_of_fp32_groups):
+        theirs, mine = engine.optimizer.optimizer.state[q], loaded.optimizer.optimizer.state[p]
+        assert all(torch.equal(mine[k], v) if torch.is_tensor(v) else mine[k] == v for k, v in theirs.items())
+
+
+def test_convert_master_weights_report_and_refusal(one_rank, tmp_path, capsys):
+    _, engine = engine_of("fp32")
+    train_steps(engine, range(STEPS))
+    engine.save_checkpoint(str(tmp_path / "in"), tag="t")
+    from deepspeed_bnb import cli
+    assert cli.main(["convert", str(tmp_path / "in" / "t"), str(tmp_path / "a"), "--master-weights", "bf16",
+                     "--quiet"]) == 0
+    assert "master weights fp32 -> bf16; " in capsys.readouterr().out
+    assert cli.main(["convert", str(tmp_path / "a" / "t"), str(tmp_path / "b"), "--master-weights", "fp32",
+                     "--quiet"]) == 0
+    assert "0 of " in capsys.readouterr().out  # bf16 -> fp32 rounds nothing
+    assert cli.main(["convert", str(tmp_path / "in" / "t"), str(tmp_path / "c"), "--master-weights", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert "convert --master-weights must be one of 'fp32', 'bf16', 'bf16+8'; got 'fp16'" in err, err
+    assert not (tmp_path / "c").exists()
+
+
 def test_refresh_from_the_model_clears_the_error_terms(one_rank):
     model, engine = engine_of("bf16+8")
     train_steps(engine, range(STEPS))

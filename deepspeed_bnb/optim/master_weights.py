@@ -28,6 +28,24 @@ KEY = "zero_optimization.bnb_master_weights"
 DS_KEY = "bf16.bf16_master_weights_and_grads"
 
 
+def check_mode(mode: str, where: str) -> str:
+    """`mode` if it is one of MODES; else a ValueError naming `where` (the key or option) and the choices."""
+    if mode not in MODES:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, MODES))}; got {mode!r}")
+    return mode
+
+
+def representable(weights: torch.Tensor, mode: str) -> torch.Tensor:
+    """fp32 `weights` as master weights of `mode` hold them, widened to fp32 again: unchanged for fp32, rounded to
+    nearest-even bf16 for bf16, to the nearest 1/256-ulp step for bf16+8 (exact for values that came from that mode)."""
+    from deepspeed_bnb.ops import compensated  # pure torch; imported here to keep this module's imports light
+    if mode == BF16:
+        return compensated.to_bf16(weights.float()).float()
+    if mode == COMPENSATED:
+        return compensated.join(*compensated.split(weights.float()))
+    return weights.float()
+
+
 @dataclass(frozen=True)
 class MasterWeights:
     """The master weights of one run."""

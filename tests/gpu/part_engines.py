@@ -18,6 +18,8 @@ c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the s
    step; over the run, the largest update per element
    of the parameters the kernel steps (|update| / lr, the statistic of benchmarks/compare_adam.py) stays within the
    default path's on the same parameters (5% slack), with no update beyond 10 x lr where the default has none.
+   Also with compensated master weights ("bf16+8", bf16 model): the weights then within 1% of the step and one
+   error step (1/256 of a bf16 ulp) of the default's, the error terms copied with the state.
    Control: the fused engine's 8-bit parameters are stepped by the kernel, the default's by bnb.
 """
 
@@ -172,6 +174,8 @@ def copy_run_state(source, target) -> None:
     for i in range(len(src.bit16_groups_flat)):
         dst.bit16_groups_flat[i].data.copy_(src.bit16_groups_flat[i].data)
         dst.single_partition_of_fp32_groups[i].data.copy_(src.single_partition_of_fp32_groups[i].data)
+        if src.bnb_master_errors[i] is not None:  # compensated master weights: their error terms too
+            dst.bnb_master_errors[i].copy_(src.bnb_master_errors[i])
         theirs = src.optimizer.state[src.single_partition_of_fp32_groups[i]]
         mine = dst.optimizer.state[dst.single_partition_of_fp32_groups[i]]
         for key, value in theirs.items():
@@ -215,13 +219,14 @@ def partition_states(engine) -> list:
              for k, v in opt.optimizer.state[p].items()} for p in opt.single_partition_of_fp32_groups]
 
 
-def fused_against_default(args, result, precision: str) -> list:
-    """Part c for one precision; returns the table row."""
+def fused_against_default(args, result, precision: str, master: str = "auto") -> list:
+    """Part c for one precision (and master weights); returns the table row."""
     from deepspeed_bnb.optim.fused.route import FUSED
     from test_fused_contract import relation_breaks
     from toy import loss_fn, make_model, param_groups
     bf16 = precision == "bf16"
-    default, fused = engine_of(2, bf16, args.device), engine_of(2, bf16, args.device, fused=True)
+    default, fused = engine_of(2, bf16, args.device, master=master), engine_of(2, bf16, args.device, fused=True,
+                                                                               master=master)
     model = make_model(0)
     groups = param_groups(model, lr=LR)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -254,8 +259,11 @@ def fused_against_default(args, result, precision: str) -> list:
             checked += 1
             mine = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in states["fused"][name].items()}
             bnbs = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in states["default"][name].items()}
+            # compensated weights are stored to 1/256 of a bf16 ulp: at most 2^-15 of the weight
+            rounding = after["default"][name].cpu().abs() * 2.0 ** -15 if master == "bf16+8" else 0.0
             problems = relation_breaks(mine, bnbs, after["fused"][name].cpu(), after["default"][name].cpu(),
-                                       before[name].cpu(), cuda_betas=betas[name] if args.device == "cuda" else None)
+                                       before[name].cpu(), cuda_betas=betas[name] if args.device == "cuda" else None,
+                                       w_rounding=rounding)
             breaks += [f"step {step + 1} {name}: {problem}" for problem in problems]
             if problems and evidence is None:  # the first break's inputs and both outcomes, to replay offline
                 evidence = {"step": step + 1, "parameter": name, "given": {k: list(v) for k, v in given.items()},
@@ -265,11 +273,12 @@ def fused_against_default(args, result, precision: str) -> list:
                             "layouts": [repr(layout) for layout in getattr(fused.optimizer, "bnb_layouts", [])]}
     if evidence is not None and args.out:
         import torch
-        torch.save(evidence, os.path.join(args.out, f"c_evidence_{precision}.pt"))
+        suffix = "_compensated" if master != "auto" else ""
+        torch.save(evidence, os.path.join(args.out, f"c_evidence_{precision}{suffix}.pt"))
     routes = fused.optimizer.bnb_routes
     kernel_params = sorted(n for n, r in routes.items() if r is FUSED)
     default_fused = sorted(n for n, r in default.optimizer.bnb_routes.items() if r is FUSED)
-    label = f"ZeRO-2 {precision}"
+    label = f"ZeRO-2 {precision}" + (f", {master} master weights" if master != "auto" else "")
     result.check(f"c: {label}, the fused engine's kernel steps the 8-bit parameters, the default's bnb (control)",
                  bool(kernel_params) and not default_fused,
                  f"kernel: {', '.join(kernel_params) or 'none'}; default engine: "
@@ -304,6 +313,7 @@ def body(args, result):
                  ["config", "update", "first difference", "max |weight diff|", "state keys differing",
                   "weights moved"], rows)
     rows = [fused_against_default(args, result, precision) for precision in PRECISIONS]
+    rows.append(fused_against_default(args, result, "bf16", "bf16+8"))
     result.table("c: bnb_fused_kernel true against the default path, same state before each step",
                  ["config", "largest update / lr, default", "fused", "spikes default", "spikes fused",
                   "parameter-steps checked", "relation breaks"], rows)

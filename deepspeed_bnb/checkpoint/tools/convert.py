@@ -7,6 +7,8 @@ bnb optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-
 (ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot hold 0), fp32
 parameters keep the moments exactly. The report gives the round-trip error of the quantized moments against the gap
 between the two codes around each value (one quantization step): at most 0.5 by construction.
+`--master-weights` switches the master weights between fp32, bf16 and compensated bf16+8 (switch_master_weights
+alone, or with --to), exactly where the target holds the values and rounded as that mode rounds otherwise.
 """
 
 import importlib
@@ -24,9 +26,11 @@ from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
-from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, write_rank_files
+from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, source_master_mode, write_rank_files
+from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
+from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
@@ -139,12 +143,39 @@ def step_ratio(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, 
     return float(ratio.max()) if ratio.numel() else 0.0
 
 
+def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = True) -> str:
+    """Write deepspeed_bnb checkpoint `path` into `out_dir` with master weights `mode` ("fp32", "bf16" or "bf16+8"),
+    everything else unchanged (same DP size, stage and optimizer state); returns a report line saying how many
+    weights the switch rounded (none from bf16 to either other mode, or from bf16+8 to fp32)."""
+    master_weights.check_mode(mode, "convert --master-weights")
+    ckpt = SavedCheckpoint(path, verify_checksums=True)
+    if not ckpt.is_deepspeed_bnb:
+        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint: convert it with --to 8bit "
+                                      f"(and --master-weights {mode}) first.")
+    source = source_master_mode(ckpt)
+    rounded, total, largest = 0, 0, 0.0
+    for g in range(len(ckpt.groups)):
+        for w in ckpt.master_weights(g):
+            w = w.detach().float()
+            held = master_weights.representable(w, mode)
+            changed = held != w
+            rounded, total = rounded + int(changed.sum()), total + w.numel()
+            if bool(changed.any()):
+                relative = ((held - w).abs() / w.abs())[changed & (w != 0)]
+                largest = max(largest, float(relative.max()) if relative.numel() else 0.0)
+    written = reshape(path, out_dir, ckpt.dp, progress, ckpt.zero_stage, allow_large_dp=True, master_mode=mode)
+    return (f"wrote {written}: master weights {source} -> {mode}; {rounded:,} of {total:,} weights rounded"
+            + (f" (largest relative change {largest:.3g})" if rounded else " (exact)"))
+
+
 def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = None, min_8bit_size: int = 4096,
             progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None,
-            allow_large_dp: bool = False) -> str:
+            allow_large_dp: bool = False, master_mode: Optional[str] = None) -> str:
     """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
     files to write for a universal checkpoint (which has neither; default 1 and 2); other inputs keep theirs (reshape
-    changes them)."""
+    changes them). `master_mode`: the master weights to write (default: the source's; fp32 for stock sources)."""
+    if master_mode is not None:
+        master_weights.check_mode(master_mode, "convert --master-weights")
     if to not in DEFAULT_CLASS:
         raise ValueError(f"convert: --to must be one of {sorted(DEFAULT_CLASS)}, got {to!r}")
     if min_8bit_size < 0:
@@ -223,7 +254,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
 
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
 
-    written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress)
+    written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress,
+                               master_mode=master_mode)
     return (f"wrote {written}: {report['params']} parameters for {target} ({report['8bit']} with 8-bit state, "
             f"{report['fp32']} fp32); round-trip error of the quantized moments: max {report['worst_abs_error']:.3g}"
             f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")

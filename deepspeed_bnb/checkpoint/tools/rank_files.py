@@ -41,8 +41,8 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
                     master_mode: str = master_weights.FP32) -> dict:
     """DeepSpeed's per-rank optimizer state for `groups` (filled GroupRecords of `rank`), other keys from `base`.
     Stage 3 (ShardedLayout groups) needs `full_masters(g)`: every parameter's fp32 weights, for the stock slices.
-    `master_mode`: the source run's master weights, which decide the dtype the master weights are written in (bf16
-    for "bf16": the values came from bf16, so the cast is exact)."""
+    `master_mode`: the master weights the files are for, which decide the dtype the master weights are written in
+    (bf16 for "bf16"); the writer has made the values representable in it (write_rank_files)."""
     dtype = torch.bfloat16 if master_mode == master_weights.BF16 else torch.float32
     state = {k: v for k, v in base.items() if k not in STAGE_SPECIFIC}
     if groups and isinstance(groups[0].layout, ShardedLayout):
@@ -126,13 +126,21 @@ class RanklessSource:
                 "ds_config": self.model_states.get("ds_config")}
 
 
+def source_master_mode(ckpt) -> str:
+    """The master weights `ckpt` was saved with (a stock or rankless source's are fp32)."""
+    return ckpt.master_mode if ckpt.is_deepspeed_bnb else master_weights.FP32
+
+
 def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callable[[int], List[GroupRecord]],
                      optimizer_class: str, optimizer_name: str, progress: bool = True,
-                     stage: Optional[int] = None) -> str:
+                     stage: Optional[int] = None, master_mode: Optional[str] = None) -> str:
     """Stage and publish a new tag in `out_dir`: model states of `ckpt` (at DP `dp` and ZeRO `stage`, the source's by
-    default) and one file per new rank with the groups `fill(rank)` returns. Returns the published tag directory."""
+    default) and one file per new rank with the groups `fill(rank)` returns, for master weights `master_mode` (the
+    source's by default; another mode rounds the weights as that mode holds them: master_weights.representable).
+    Returns the published tag directory."""
     stage = ckpt.zero_stage if stage is None else stage
-    mode = ckpt.master_mode if ckpt.is_deepspeed_bnb else master_weights.FP32  # a stock checkpoint's are written fp32
+    mode = source_master_mode(ckpt) if master_mode is None else master_weights.check_mode(master_mode,
+                                                                                         "--master-weights")
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     check_output(ckpt, out_dir)
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
@@ -148,12 +156,14 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
 
         def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
             if g not in masters:
-                masters[g] = ckpt.master_weights(g)
+                masters[g] = [master_weights.representable(w, mode) for w in ckpt.master_weights(g)]
             return masters[g]
 
         described = None
         for rank in tqdm(range(dp), desc="rank files", disable=not progress):
             groups = fill(rank)
+            for group in groups:  # the values the written mode holds (a no-op for the source's own mode)
+                group.master.copy_(master_weights.representable(group.master, mode))
             blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
             blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp,
                                                          optimizer_class, optimizer_name, full_masters, mode)

@@ -15,9 +15,10 @@ from deepspeed_bnb.checkpoint.format.records import load_records
 from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, write_rank_files
 
 def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Optional[int] = None,
-            allow_large_dp: bool = False) -> str:
+            allow_large_dp: bool = False, master_mode: Optional[str] = None) -> str:
     """Write checkpoint `path` (a checkpoint or tag directory) into `out_dir` for `dp` data-parallel ranks at ZeRO
-    `stage` (1, 2 or 3; default: the checkpoint's own). Every input file is checked against its SHA-256 first."""
+    `stage` (1, 2 or 3; default: the checkpoint's own) and master weights `master_mode` ("fp32", "bf16" or "bf16+8";
+    default: the checkpoint's own). Every input file is checked against its SHA-256 first."""
     check_dp("reshape", dp, allow_large_dp)
     if stage is not None and stage not in (1, 2, 3):
         raise ValueError(f"reshape: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
@@ -36,7 +37,7 @@ def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Opti
         return groups
 
     return write_rank_files(ckpt, out_dir, dp, fill, first[C.OPTIMIZER_CLASS_KEY], first[C.OPTIMIZER_NAME_KEY],
-                            progress, stage)
+                            progress, stage, master_mode)
 
 
 def migrate(path: str, out_dir: str, progress: bool = True) -> str:
