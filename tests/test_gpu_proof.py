@@ -52,6 +52,16 @@ def rehearsal(tmp_path_factory):
     return done, report, out
 
 
+def test_rehearsal_leaves_no_build_lock_behind(rehearsal):
+    """The rehearsal shares this run's JIT folder: no build of it may be left holding torch's build lock (a later
+    build of the same extension would wait on it forever). Control: the folder was used."""
+    from torch.utils.cpp_extension import get_default_build_root
+    folder = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    assert os.path.isdir(folder) and os.listdir(folder), folder
+    locks = glob.glob(os.path.join(folder, "**", "lock"), recursive=True)
+    assert not locks, locks
+
+
 def test_rehearsal_every_part_holds(rehearsal):
     done, report, out = rehearsal
     log = (out / "proof.log").read_text(errors="replace")[-4000:] if (out / "proof.log").is_file() else ""

@@ -161,12 +161,17 @@ def main():
             import proof_bundle
             bundle = os.path.join(work, "bundle")
             proof_bundle.cpu_checkpoint(bundle, env=env)
-        # DeepSpeed's FusedAdam (part f) JIT-builds in the background while the other parts run
-        ds_env = dict(env)
-        if env.get("TORCH_CUDA_ARCH_LIST"):
-            ds_env["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
-        prebuild = subprocess.Popen([sys.executable, "-c", DEEPSPEED_FUSED_ADAM], env=ds_env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True, cwd=common.ROOT)
+        # DeepSpeed's FusedAdam (part f) JIT-builds in the background while the other parts run; only into the run's
+        # own extensions folder: killed mid-build at the end, it leaves torch's build lock behind, and in a shared
+        # folder (the rehearsal's) every later build of FusedAdam would wait on that lock forever
+        prebuild = None
+        if extensions is not None:
+            ds_env = dict(env)
+            if env.get("TORCH_CUDA_ARCH_LIST"):
+                ds_env["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
+            prebuild = subprocess.Popen([sys.executable, "-c", DEEPSPEED_FUSED_ADAM], env=ds_env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                        cwd=common.ROOT)
         try:
             for part in (p for p in PARTS if p.name in args.parts.split(",")):
                 left = args.deadline - (time.monotonic() - start) - RESERVE
@@ -192,7 +197,7 @@ def main():
                       + (f"\n    error: {found['error'].strip().splitlines()[-1]}" if found["error"] else ""),
                       flush=True)
         finally:
-            if prebuild.poll() is None:
+            if prebuild is not None and prebuild.poll() is None:
                 os.killpg(prebuild.pid, signal.SIGKILL)
     report["seconds"] = time.monotonic() - start
     save(report, args.out)
