@@ -6,14 +6,26 @@ per kind of CPU (its name carries a tag of the target -march=native resolves to 
 prebuilt extension compiled for instruction sets this CPU lacks is refused (it would die with SIGILL), with a warning.
 Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), load() says so and
 the ZeRO optimizer steps with bitsandbytes' own update instead, after one warning.
+
+A killed build never hangs the next one: torch's builder marks a build in progress with a `lock` file in the build
+folder and every other process waits for it to go, forever if its owner was killed (elastic training kills ranks by
+design; a cluster's home folder is shared). Our builds take an flock beside that folder first, which the kernel
+releases when its holder dies; whoever holds it knows that a `lock` left inside is a dead build's, removes it with a
+warning naming it, and builds (_build_lock).
 """
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import threading
 import warnings
-from typing import FrozenSet, Optional
+from typing import FrozenSet, Iterator, Optional
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: torch's own lock alone
+    fcntl = None
 
 import torch
 
@@ -52,6 +64,32 @@ def _prebuilt_refusal() -> Optional[str]:
             f"or for any AVX2 CPU with DEEPSPEED_BNB_BUILD_EXT=1 DEEPSPEED_BNB_PORTABLE=1")
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
+    """Holds an flock on `<build_dir>.lock` (beside the folder torch's builder owns) for the whole build and load;
+    under it, a torch `lock` file inside the folder was left by a build that died, and is removed. Without flock (some
+    network file systems), a `lock` found there is named in a warning instead, with what to do."""
+    stale = os.path.join(build_dir, "lock")
+    with open(build_dir + ".lock", "a") as held:
+        exclusive = fcntl is not None
+        try:
+            if exclusive:
+                fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # waits for a live build; a dead one's is gone
+        except OSError:
+            exclusive = False
+        if os.path.exists(stale):
+            if exclusive:
+                os.remove(stale)
+                warnings.warn(f"deepspeed_bnb: removed {stale}, the build lock of a kernel build that was killed "
+                              f"(torch's builder would have waited on it forever); building again.", RuntimeWarning,
+                              stacklevel=5)
+            else:
+                warnings.warn(f"deepspeed_bnb: {stale} marks a kernel build in progress, and this file system gives "
+                              f"no flock to tell whether its owner is alive; if no build is running, remove that "
+                              f"file, or this process waits on it.", RuntimeWarning, stacklevel=5)
+        yield
+
+
 def _build(verbose: bool) -> str:
     refused = _prebuilt_refusal()
     if refused is None:
@@ -71,10 +109,13 @@ def _build(verbose: bool) -> str:
     # one cached build per kind of CPU: a shared TORCH_EXTENSIONS_DIR must not hand this CPU another CPU's build
     macros = cpu_features.compiler_macros(CPU_FLAGS)
     tag = cpu_features.build_tag(macros)
-    load(name=f"{NAME}{'_cuda' if cuda else ''}_{tag}", sources=sources(cuda),
-         extra_include_paths=[os.path.join(CSRC, "include")],
-         extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
-         verbose=verbose)
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own choice of folder (and its creation)
+    name = f"{NAME}{'_cuda' if cuda else ''}_{tag}"
+    build_dir = _get_build_directory(name, verbose)
+    with _build_lock(build_dir):
+        load(name=name, sources=sources(cuda), extra_include_paths=[os.path.join(CSRC, "include")],
+             extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
+             build_directory=build_dir, verbose=verbose)
     _state["needs"] = cpu_features.needs_of(macros)
     if refused:
         warnings.warn(f"deepspeed_bnb: {refused}. JIT-compiled the kernels for this CPU instead.", RuntimeWarning,
