@@ -11,7 +11,7 @@ STAMP := $(VENV)/.deepspeed_bnb-installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test bootstrap clean
+.PHONY: demo test test-quick bootstrap clean
 
 bootstrap: $(STAMP)
 
@@ -28,6 +28,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-quick: $(STAMP)  # what launches no ranks and builds nothing: under 2 minutes on 2 cores
+	$(BIN)/python -m pytest -q -m "not multi_rank and not slow" tests
 
 clean:
 	rm -rf $(VENV) checkpoints build *.egg-info

@@ -98,10 +98,38 @@ class Launch:
                 f"{self.ranks}):\n{self.output[-tail:]}")
 
 
+PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+PORT_ARG = re.compile(r"^--master[_-]port=(\d+)$")
+PORT_TRIES = 3
+
+
+def unused_port() -> int:
+    """A port the OS reports free now (another process can still take it before the launch binds it: run_ranks
+    retries then)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ranks(cmd, ranks: int, env: Optional[dict] = None, timeout: Optional[float] = None, cwd=None,
               log_path: Optional[str] = None) -> Launch:
     """Run a launch of `ranks` ranks that end with finish(); its output is captured, or written to `log_path`
-    (and read back). `.ok` applies the rule above; nothing here raises for a failed launch."""
+    (and read back). `.ok` applies the rule above; nothing here raises for a failed launch. A launch with a
+    `--master_port=N` argument that failed because the port was taken meanwhile (EADDRINUSE: a port picked free is
+    not reserved) runs again on another port, PORT_TRIES times in all."""
+    cmd = list(cmd)
+    for attempt in range(PORT_TRIES):
+        launch = _run_ranks_once(cmd, ranks, env, timeout, cwd, log_path)
+        ports = [i for i, arg in enumerate(cmd) if PORT_ARG.match(str(arg))]
+        if launch.ok or not ports or not PORT_TAKEN.search(launch.output) or attempt == PORT_TRIES - 1:
+            return launch
+        cmd[ports[0]] = f"{str(cmd[ports[0]]).split('=')[0]}={unused_port()}"
+    return launch
+
+
+def _run_ranks_once(cmd, ranks: int, env: Optional[dict], timeout: Optional[float], cwd,
+                    log_path: Optional[str]) -> Launch:
     env = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="ranks_done_") as folder:
         env[DONE_DIR_VAR] = folder

@@ -1,7 +1,6 @@
 """Shared fixtures: a one-rank gloo process group for in-process engines, and torchrun launches for multi-rank runs."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -9,24 +8,72 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
-from teardown import run_ranks  # noqa: E402  (the rule every multi-rank launch here is judged by)
+
+
+def extensions_dir(python: str) -> str:
+    """The JIT cache of the venv `python` belongs to (VENV/bin/python -> VENV/torch_extensions)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "torch_extensions")
+
+
+# A JIT cache of the suite's own venv unless the user chose one: DeepSpeed gives its CPU comm op one name in every
+# release, so a venv of another DeepSpeed sharing ~/.cache/torch_extensions would load the other's build.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(sys.executable))
+# the rule every multi-rank launch here is judged by, and its retry on a port taken meanwhile
+from teardown import PORT_TAKEN, PORT_TRIES, run_ranks, unused_port  # noqa: E402
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now; launches through run_ranks retry on another when it was taken before they bound it."""
+    return unused_port()
+
+
+# Markers (pytest.ini): `make test-quick` runs what is neither multi_rank nor slow, `make test` everything.
+MULTI_RANK_MODULES = {"test_bnb_049", "test_clients", "test_cross_release", "test_distributed", "test_elastic",
+                      "test_elastic_training", "test_gpu_proof", "test_model_parallel", "test_rank_failures",
+                      "test_teardown", "test_trl"}  # modules that launch ranks (torchrun, deepspeed, accelerate)
+SLOW_MODULES = {"test_build", "test_cuda_build", "test_jit_build_lock", "test_compare_adam"}  # builds, benchmarks
+
+
+TEST_EXTRA = ("accelerate", "transformers", "trl", "datasets", "matplotlib")  # setup.py's "test" extra, by module
+
+
+def pytest_sessionstart(session):
+    """The suite needs the `test` extra (the client tests, and the multi-rank scenarios' models import transformers):
+    without it, say so once, by name, instead of failing inside a rank."""
+    import importlib.util
+    missing = [name for name in TEST_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pytest.UsageError(f"the test suite needs {', '.join(missing)} (setup.py's `test` extra): run "
+                                f"`pip install -e .[test]`, or `make test`, which sets up a venv with it")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if module in MULTI_RANK_MODULES or "scenario_results" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multi_rank)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if any(mark.name == "skipif" and "CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers()):
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(scope="session")
 def one_rank():
-    """deepspeed.comm initialised as rank 0 of 1 (gloo, CPU), once per test session."""
+    """deepspeed.comm initialised as rank 0 of 1 (gloo, CPU), once per test session; on another port when the one
+    picked was taken before the store bound it (a busy machine)."""
     import deepspeed
     from deepspeed import comm as dist
-    if not dist.is_initialized():
+    for attempt in range(PORT_TRIES):
+        if dist.is_initialized():
+            break
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        try:
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        except Exception as exc:  # the TCP store's bind: DistNetworkError / RuntimeError naming EADDRINUSE
+            if not PORT_TAKEN.search(str(exc)) or attempt == PORT_TRIES - 1:
+                raise
     return dist
 
 
@@ -37,11 +84,6 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", 
 def without_launch_vars() -> dict:
     """This process's environment minus the rank variables, for a child that starts its own process group."""
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-
-
-def extensions_dir(python: str) -> str:
-    """The JIT cache of the venv `python` belongs to (VENV/bin/python -> VENV/torch_extensions)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "torch_extensions")
 
 
 def launch_env(python: str = sys.executable) -> dict:

@@ -95,3 +95,25 @@ def test_a_launch_that_asked_for_no_markers_marks_nothing(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     mark_done(0)
     assert os.listdir(tmp_path) == []
+
+
+BINDS_ITS_PORT = ("import socket, sys; port = int(sys.argv[1].split('=')[1]); s = socket.socket(); "
+                  "s.bind(('127.0.0.1', port)); print('bound', port)")
+
+
+def test_a_launch_whose_port_was_taken_meanwhile_runs_again_on_another():
+    """A port picked free is not reserved: when another process takes it first, the launch fails with EADDRINUSE and
+    run_ranks runs it again on a fresh port. Control: the same command without a --master_port argument is not
+    retried, and fails."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        launch = run_ranks([sys.executable, "-c", BINDS_ITS_PORT, f"--master_port={port}"], 0, timeout=120)
+        assert launch.ok, launch.failure()
+        assert "bound" in launch.stdout and f"bound {port}" not in launch.stdout
+        assert launch.cmd[-1] != f"--master_port={port}"
+        plain = run_ranks([sys.executable, "-c", BINDS_ITS_PORT.replace("sys.argv[1].split('=')[1]", "sys.argv[1]"),
+                           str(port)], 0, timeout=120)
+        assert not plain.ok and "Address already in use" in plain.output
