@@ -85,7 +85,7 @@ def _kernels(args):
     devices = [_checkable_device(d) for d in args.device] if args.device else \
         ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if not loader.load():
-        print(f"fused kernels: not built ({loader.error()}); training steps with the pure-torch reference")
+        print(f"fused kernels: not built ({loader.error()}); training steps with bitsandbytes' own update")
         return 1
     needs = loader.compiled_for()
     print(f"fused kernels: {loader.source()} build, CPU "

@@ -134,3 +134,16 @@ def test_cli_refuses_devices_it_cannot_check(device, says, capsys):
     assert cli.main(["kernels", "--device", device]) == 2
     err = capsys.readouterr().err
     assert f"--device '{device}'" in err and says in err, err
+
+
+def test_cli_without_a_build_says_what_steps_instead(capsys, monkeypatch):
+    """Without a build, `deepspeed-bnb kernels` says why and what the ZeRO optimizer does then: bitsandbytes' own
+    update (routes.kernel_reason), never the pure-torch reference (exit 1)."""
+    from deepspeed_bnb import cli
+    from deepspeed_bnb.ops import loader
+    monkeypatch.setattr(loader, "load", lambda: False)
+    monkeypatch.setitem(loader._state, "error", "RuntimeError: no compiler (planted)")
+    assert cli.main(["kernels", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "not built (RuntimeError: no compiler (planted)); training steps with bitsandbytes' own update" in out
+    assert "reference" not in out
