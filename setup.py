@@ -15,10 +15,24 @@ Environment variables:
 
 import importlib.util
 import os
+import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithKernelSources(build_py):
+    """Copies csrc/ into the built package as deepspeed_bnb/csrc, so that a wheel (pip install ., pip wheel ., a
+    release) carries the kernels' sources and the loader JIT-builds them on first use, as DeepSpeed ships its own
+    ops' sources inside its package. An editable install reads csrc/ from the checkout instead."""
+
+    def run(self):
+        super().run()
+        if not getattr(self, "editable_mode", False):
+            shutil.copytree(os.path.join(HERE, "csrc"), os.path.join(self.build_lib, "deepspeed_bnb", "csrc"),
+                            dirs_exist_ok=True)
 
 
 def _ops_module(name):
@@ -59,6 +73,7 @@ def extensions():
 
 
 ext_modules, cmdclass = extensions()
+cmdclass["build_py"] = BuildPyWithKernelSources
 
 setup(
     name="deepspeed_bnb",

@@ -31,7 +31,8 @@ def free_port() -> int:
 MULTI_RANK_MODULES = {"test_bnb_049", "test_clients", "test_cross_release", "test_distributed", "test_elastic",
                       "test_elastic_training", "test_gpu_proof", "test_model_parallel", "test_rank_failures",
                       "test_teardown", "test_trl"}  # modules that launch ranks (torchrun, deepspeed, accelerate)
-SLOW_MODULES = {"test_build", "test_cuda_build", "test_jit_build_lock", "test_compare_adam"}  # builds, benchmarks
+# modules that build an extension or a wheel, or run a benchmark
+SLOW_MODULES = {"test_build", "test_cuda_build", "test_jit_build_lock", "test_compare_adam", "test_wheel"}
 
 
 TEST_EXTRA = ("accelerate", "transformers", "trl", "datasets", "matplotlib")  # setup.py's "test" extra, by module

@@ -4,8 +4,9 @@ The JIT build compiles csrc/ops.cpp and the CPU kernels (plus the CUDA kernels w
 torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change and
 per kind of CPU (its name carries a tag of the target -march=native resolves to here: see cpu_features.py). A
 prebuilt extension compiled for instruction sets this CPU lacks is refused (it would die with SIGILL), with a warning.
-Without a compiler, ninja or the sources (a wheel installed without the prebuilt extension), load() says so and
-the ZeRO optimizer steps with bitsandbytes' own update instead, after one warning.
+The sources are the checkout's csrc/ for an editable install, the package's own copy (deepspeed_bnb/csrc, put there by
+setup.py) for one from a wheel. Without a compiler, ninja or the sources, load() says so and the ZeRO optimizer steps
+with bitsandbytes' own update instead, after one warning.
 
 A killed build never hangs the next one: torch's builder marks a build in progress with a `lock` file in the build
 folder and every other process waits for it to go, forever if its owner was killed (elastic training kills ranks by
@@ -32,7 +33,10 @@ import torch
 from deepspeed_bnb.ops import cpu_features
 from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the folder holding csrc/: the package itself when installed from a wheel (setup.py copies the sources in), the
+# checkout for an editable install
+_ROOT = _PACKAGE if os.path.isfile(os.path.join(_PACKAGE, "csrc", "ops.cpp")) else os.path.dirname(_PACKAGE)
 CSRC = os.path.join(_ROOT, "csrc")
 NAME = "deepspeed_bnb_ops"
 
@@ -101,8 +105,9 @@ def _build(verbose: bool) -> str:
             pass
     if not os.path.isfile(os.path.join(CSRC, "ops.cpp")):
         raise FileNotFoundError((refused + "; and " if refused else "") +
-                                f"the C++ sources are not at {CSRC} (installed without them and without a usable "
-                                f"prebuilt extension); reinstall with DEEPSPEED_BNB_BUILD_EXT=1")
+                                f"the C++ sources are neither in the package ({os.path.join(_PACKAGE, 'csrc')}, "
+                                f"where a wheel of deepspeed_bnb puts them) nor in a checkout beside it ({CSRC}); "
+                                f"reinstall the package (pip install deepspeed_bnb, or . from a checkout)")
     from torch.utils.cpp_extension import load, verify_ninja_availability
     verify_ninja_availability()
     cuda = torch.version.cuda is not None and torch.cuda.is_available()
