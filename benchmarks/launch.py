@@ -5,22 +5,15 @@ every rank had finished counts as finished, any other failure raises.
 """
 
 import os
-import socket
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from teardown import run_ranks  # noqa: E402
+from teardown import run_ranks, unused_port as free_port  # noqa: E402,F401  (checkpoint_cost imports it here)
 
 # Set by an enclosing launcher (or by an in-process one-rank group in tests); a fresh job must pick its own.
 INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(threads_per_rank: int = 1) -> dict:

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,15 +37,9 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from teardown import run_ranks  # noqa: E402
+from teardown import run_ranks, unused_port  # noqa: E402
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict:
@@ -169,7 +162,7 @@ def run(args) -> dict:
         noise = (other, steps_by_number(read_events(noise_events)))
 
     # 2. the elastic run
-    port, events = free_port(), os.path.join(args.workdir, "elastic.jsonl")
+    port, events = unused_port(), os.path.join(args.workdir, "elastic.jsonl")
     save_dir = os.path.join(args.workdir, "elastic")
     # The holds (train.py --hold_at) tie every change of size to a step. 0@nproc: a first round that formed before
     # the second agent joined (rendezvous' last call is a timeout) waits at step 0, untrained, for the full one.
