@@ -33,8 +33,8 @@ void adam8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor c
         segments.size(0), blocks.total, reinterpret_cast<const dsbnb::Hyper*>(hyper.data_ptr<float>()),
         binding::master_of(check, params, error), grads.data_ptr(), grad_type, codes1.data_ptr<uint8_t>(),
         codes2.data_ptr<uint8_t>(), absmax1.data_ptr<float>(), absmax2.data_ptr<float>(), state1.data_ptr<float>(),
-        state2.data_ptr<float>(),
-        qmap1.data_ptr<float>(), qmap2.data_ptr<float>(), binding::tables_for(qmap1), binding::tables_for(qmap2),
+        state2.data_ptr<float>(), qmap1.data_ptr<float>(), qmap2.data_ptr<float>(), binding::tables_for(qmap1),
+        binding::tables_for(qmap2),
         inv_scale != 1.0, static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
     check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));
 }

@@ -2,8 +2,8 @@
 // lion8bit.cu for Lion, momentum8bit.cu for SGD with momentum): the launch shape (one warp per 256-element block, 8
 // elements per lane, a persistent grid striding over the blocks of all segments), the segment lookup of a block,
 // gradient loads (fp32/bf16/fp16 widened exactly), the NaN-propagating warp max, and the whole kernel of the
-// one-state rules (one_state_step_kernel); master weights are read and written through dsbnb/master_weights.h. Like the kernels, free of torch headers (compiled by nvcc alone, see
-// adam8bit.cu).
+// one-state rules (one_state_step_kernel); master weights are read and written through dsbnb/master_weights.h. Like
+// the kernels, free of torch headers (compiled by nvcc alone, see adam8bit.cu).
 // Semantics: deepspeed_bnb/ops/reference.py. Test: tests/test_cuda_build.py compiles it; tests/test_fused_rules.py
 // (every rule of the registry) runs it where a GPU is present.
 #pragma once

@@ -29,9 +29,8 @@ void momentum8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tens
         reinterpret_cast<const dsbnb::Segment*>(segments.data_ptr<int64_t>()), blocks.starts.data_ptr<int64_t>(),
         segments.size(0), blocks.total, reinterpret_cast<const dsbnb::MomentumHyper*>(hyper.data_ptr<float>()),
         binding::master_of(check, params, error), grads.data_ptr(), grad_type, codes1.data_ptr<uint8_t>(),
-        absmax1.data_ptr<float>(),
-        state1.data_ptr<float>(), qmap1.data_ptr<float>(), binding::tables_for(qmap1), inv_scale != 1.0,
-        static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
+        absmax1.data_ptr<float>(), state1.data_ptr<float>(), qmap1.data_ptr<float>(), binding::tables_for(qmap1),
+        inv_scale != 1.0, static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
     check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));
 }
 

@@ -45,17 +45,14 @@ def split(w: torch.Tensor):
     return hi, lo
 
 
+_QUIET_NAN = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
+
+
 def to_bf16(w: torch.Tensor) -> torch.Tensor:
     """fp32 `w` rounded to nearest-even bf16, every NaN the quiet NaN 0x7FC0 (torch's scalar conversion writes that,
-    its vectorized one 0xFFFF: the fused kernels, csrc/include/dsbnb/master_weights.h, write 0x7FC0)."""
-    rounded = w.to(torch.bfloat16)
-    nan = w.isnan()
-    if bool(nan.any()):
-        rounded = torch.where(nan, _QUIET_NAN.to(w.device), rounded)
-    return rounded
-
-
-_QUIET_NAN = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
+    its vectorized one 0xFFFF: the fused kernels, csrc/include/dsbnb/master_weights.h, write 0x7FC0). No test of
+    whether any NaN is there: on a GPU that would wait for the device at every piece bnb's update steps."""
+    return torch.where(w.isnan(), _QUIET_NAN.to(w.device), w.to(torch.bfloat16))
 
 
 @torch.no_grad()  # hi may be ZeRO's master partition, a leaf that requires grad

@@ -141,6 +141,7 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
     stage = ckpt.zero_stage if stage is None else stage
     mode = source_master_mode(ckpt) if master_mode is None else master_weights.check_mode(master_mode,
                                                                                          "--master-weights")
+    switched = mode != source_master_mode(ckpt)  # the source's own values are what their mode holds already
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     check_output(ckpt, out_dir)
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
@@ -156,13 +157,13 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
 
         def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
             if g not in masters:
-                masters[g] = [master_weights.representable(w, mode) for w in ckpt.master_weights(g)]
+                masters[g] = [master_weights.representable(w, mode) if switched else w for w in ckpt.master_weights(g)]
             return masters[g]
 
         described = None
         for rank in tqdm(range(dp), desc="rank files", disable=not progress):
             groups = fill(rank)
-            for group in groups:  # the values the written mode holds (a no-op for the source's own mode)
+            for group in groups if switched else ():  # the values the written mode holds
                 group.master.copy_(master_weights.representable(group.master, mode))
             blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
             blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp,
