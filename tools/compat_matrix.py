@@ -1,8 +1,14 @@
-"""Compatibility matrix: this repository's core correctness tests against DeepSpeed x bitsandbytes releases.
+"""Compatibility matrix: this repository's core correctness tests against DeepSpeed x bitsandbytes x torch x Python.
+
+A cell is one DeepSpeed release (or DeepSpeed's development head, "master"), one bitsandbytes release, one torch
+release and one Python. The default cells: every DeepSpeed release with the current bitsandbytes on torch 2.13.0
+(the local CPU build) and Python 3.11; the previous bitsandbytes releases; and the torch releases the frameworks
+people train with pin (TORCH_CELLS: PyPI's CUDA builds of torch, run on the CPU, as a GPU user has them).
 
 Environments are kept and reused between cells and runs (under ~/.cache/deepspeed_bnb/compat_matrix/envs):
-- one base venv per bitsandbytes release, holding the local CPU build of torch (`torch==2.13.0`, never an unpinned
-  torch, never reinstalled), that bitsandbytes and what DeepSpeed and the tests need, but no DeepSpeed;
+- one base venv per Python, torch and bitsandbytes release, holding that torch (pinned, never reinstalled; a
+  constraints file keeps every later install from swapping it), that bitsandbytes and what DeepSpeed and the tests
+  need, but no DeepSpeed;
 - one venv per cell, holding only DeepSpeed, installed without dependencies from a wheel built once from its sdist
   (`DS_BUILD_OPS=0`, no CUDA; wheels cached beside the envs); a `.pth` file puts the base venv's packages behind it.
 A cell then costs its tests: the repository's tests run once per cell (one pytest, so the multi-rank launches that
@@ -18,6 +24,9 @@ rendered as the table in tools/compat_matrix.md, with a failure excerpt per fail
   tools/compat_matrix.sh                                           # every default cell
   tools/compat_matrix.sh --only deepspeed==0.18.4                  # the cells with that release
   tools/compat_matrix.sh --only "deepspeed==0.19.8 bitsandbytes==0.49.1"  # one cell (also one outside the defaults)
+  tools/compat_matrix.sh --only torch==2.6.0                       # the cells on that torch
+  tools/compat_matrix.sh --only deepspeed==master --deepspeed-master ~/src/DeepSpeed  # DeepSpeed's head, from a
+                                                                   # checkout (default: a clone from GitHub)
   tools/compat_matrix.sh --resume                                  # skip cells already in the results
   tools/compat_matrix.sh --list                                    # the selected cells, without running them
 """
@@ -33,7 +42,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 import xml.etree.ElementTree as ElementTree
 
@@ -44,7 +52,7 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "deepspeed_bnb", "compat
 LOG_DIR, ENVS, WHEELS = (os.path.join(CACHE, part) for part in ("logs", "envs", "wheels"))
 ALLOW_UNTESTED_ENV = "DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS"  # deepspeed_bnb/_versions.py (not importable here)
 
-TORCH = "torch==2.13.0"  # the CPU build pip finds on this machine's disk; an unpinned torch pulls a CUDA build
+TORCH, PYTHON = "2.13.0", "3.11"  # the default cells': the CPU build pip finds on this machine's disk, for 3.11
 # DeepSpeed's own requirements (the same from 0.16.4 to 0.19.8), setup.py's besides torch, deepspeed and
 # bitsandbytes, and what the tests need; DeepSpeed itself goes into each cell's venv
 BASE_PACKAGES = ("einops", "hjson", "msgpack", "ninja", "numpy", "packaging>=20.0", "psutil", "py-cpuinfo",
@@ -53,7 +61,24 @@ BUILD_PACKAGES = ("setuptools", "wheel")  # DeepSpeed's sdist is built without i
 
 FIRST, LAST = (0, 16, 4), (0, 19, 8)  # the DeepSpeed releases of the default cells, every one in between
 BNB_CURRENT, BNB_PREVIOUS = "0.50.2", ("0.49.1", "0.49.2")
-REFERENCE = ("0.19.8", BNB_CURRENT)  # the other side of the cross-release claim (its own: the oldest release)
+REFERENCE = ("0.19.8", BNB_CURRENT, TORCH, PYTHON)  # the other side of the cross-release claim (its own: the oldest)
+OLDEST = (".".join(map(str, FIRST)), BNB_CURRENT, TORCH, PYTHON)
+# (torch, Python, DeepSpeed releases, bitsandbytes): the pins of the frameworks DeepSpeed and bitsandbytes are used
+# through, and the newest torch releases; PyPI's torch wheels for Linux are CUDA builds (several GB with their
+# nvidia-* libraries), which run on the CPU
+TORCH_CELLS = (
+    ("2.6.0", "3.11", ("0.16.4", "0.18.4"), BNB_CURRENT),  # LLaMA-Factory's image (its DeepSpeed cap 0.18.4)
+    ("2.6.0", "3.10", ("0.16.4",), BNB_CURRENT),  # the oldest Python bitsandbytes 0.50 installs on
+    ("2.8.0", "3.11", ("0.19.5",), BNB_CURRENT),  # TRL's image; OpenRLHF pins DeepSpeed 0.19.5
+    ("2.11.0", "3.11", ("0.18.9",), "0.49.1"),  # Axolotl (torch 2.11-2.12.1, DeepSpeed 0.18.x, bnb 0.49.1)
+    ("2.12.1", "3.11", ("0.18.9",), "0.49.1"),
+    ("2.14.1", "3.11", ("0.19.8",), BNB_CURRENT),
+    ("2.15.0", "3.11", ("0.19.8",), BNB_CURRENT),
+    ("2.15.0", "3.12", ("0.19.8",), BNB_CURRENT),
+)
+MASTER = "master"  # DeepSpeed's development head, built from a checkout (--deepspeed-master); never accepted by the
+MASTER_URL = "https://github.com/deepspeedai/DeepSpeed"  # import guard without the opt-in (its number is the next
+# release's, with the commit as local label)
 
 SIZES = "1,2"  # tests/scenario_runs.py: the DP sizes the claims need
 
@@ -109,38 +134,60 @@ def index_releases(python: str, package: str):
 
 
 def default_cells(python: str):
-    """Every DeepSpeed release from FIRST to LAST with the current bitsandbytes; the previous bitsandbytes releases
-    with the newest DeepSpeed and with the newest 0.18 (Axolotl's pins)."""
+    """(deepspeed, bitsandbytes, torch, python) of every default cell: every DeepSpeed release from FIRST to LAST with
+    the current bitsandbytes; the previous bitsandbytes releases with the newest DeepSpeed and with the newest 0.18
+    (Axolotl's pins); TORCH_CELLS; DeepSpeed's head."""
     deepspeed = [v for v in index_releases(python, "deepspeed") if FIRST <= release(v) <= LAST]
     newest_018 = [v for v in deepspeed if release(v)[:2] == (0, 18)][-1:]
-    return [(v, BNB_CURRENT) for v in deepspeed] + [(d, b) for b in BNB_PREVIOUS for d in [deepspeed[-1]] + newest_018]
+    pairs = [(v, BNB_CURRENT) for v in deepspeed] + [(d, b) for b in BNB_PREVIOUS for d in [deepspeed[-1]] + newest_018]
+    return ([(d, b, TORCH, PYTHON) for d, b in pairs]
+            + [(d, bnb, torch, py) for torch, py, releases, bnb in TORCH_CELLS for d in releases]
+            + [(MASTER, BNB_CURRENT, TORCH, PYTHON)])
+
+
+AXES = ("deepspeed", "bitsandbytes", "torch", "python")  # a cell's key, in this order
 
 
 def parse_only(text: str) -> dict:
     """"deepspeed==0.19.7 bitsandbytes==0.49.2" -> {"deepspeed": "0.19.7", "bitsandbytes": "0.49.2"}."""
     wanted = {}
     for term in text.replace(",", " ").split():
-        package, sep, version = term.partition("==")
-        if not sep or package not in ("deepspeed", "bitsandbytes") or not release(version):
-            sys.exit(f"compat_matrix: --only {text!r}: {term!r} is not deepspeed==X.Y.Z or bitsandbytes==X.Y.Z")
-        wanted[package] = version
+        axis, sep, version = term.partition("==")
+        if not sep or axis not in AXES or not (release(version) or (axis == "deepspeed" and version == MASTER)):
+            sys.exit(f"compat_matrix: --only {text!r}: {term!r} is not one of deepspeed==X.Y.Z (or deepspeed=="
+                     f"{MASTER}), bitsandbytes==X.Y.Z, torch==X.Y.Z, python==X.Y")
+        wanted[axis] = version
     return wanted
 
 
 def select(cells, only):
-    """The cells matching any --only (all its terms); a --only naming both packages is a cell of its own."""
+    """The cells matching any --only (all its terms); a --only naming DeepSpeed and bitsandbytes (and optionally torch
+    and Python, else the defaults) is a cell of its own."""
     if not only:
         return cells
     chosen = []
     for wanted in map(parse_only, only):
-        matching = [(d, b) for d, b in cells if wanted.get("deepspeed", d) == d and wanted.get("bitsandbytes", b) == b]
-        if not matching and len(wanted) == 2:
-            matching = [(wanted["deepspeed"], wanted["bitsandbytes"])]
+        matching = [c for c in cells if all(wanted.get(axis, value) == value for axis, value in zip(AXES, c))]
+        if not matching and {"deepspeed", "bitsandbytes"} <= set(wanted):
+            matching = [(wanted["deepspeed"], wanted["bitsandbytes"], wanted.get("torch", TORCH),
+                         wanted.get("python", PYTHON))]
         if not matching:
             sys.exit(f"compat_matrix: --only {' '.join(f'{k}=={v}' for k, v in wanted.items())} matches no cell; "
-                     f"name both packages to run a cell outside the default list")
+                     f"name DeepSpeed and bitsandbytes (and torch, Python) to run a cell outside the default list")
         chosen += [c for c in matching if c not in chosen]
     return chosen
+
+
+def interpreter(version: str) -> str:
+    """The `python3.X` to make a cell's venvs with: on PATH, or one pyenv installed."""
+    found = shutil.which(f"python{version}")
+    candidates = [found] if found else []
+    candidates += sorted(glob.glob(os.path.join(os.path.expanduser("~"), ".pyenv", "versions", f"{version}.*", "bin",
+                                                f"python{version}")))
+    for candidate in candidates:
+        if subprocess.run([candidate, "-c", "import venv"], capture_output=True).returncode == 0:
+            return candidate
+    raise RuntimeError(f"no Python {version} found (python{version} on PATH, or pyenv install {version})")
 
 
 def clean_env(**extra) -> dict:
@@ -179,30 +226,68 @@ def ready(venv: str) -> bool:
     return os.path.exists(os.path.join(venv, ".ready"))
 
 
-def base_venv(bnb: str, args, log) -> str:
-    """The shared venv of a bitsandbytes release (torch, bitsandbytes, DeepSpeed's and the tests' needs); made once."""
-    venv = os.path.join(ENVS, f"base-py{sysconfig.get_python_version()}-bnb{bnb}")
+def base_venv(bnb: str, torch: str, python: str, args, log) -> str:
+    """The shared venv of a Python, torch and bitsandbytes release (and DeepSpeed's and the tests' needs); made once."""
+    venv = os.path.join(ENVS, f"base-py{python}-torch{torch}-bnb{bnb}")
     if ready(venv):
         return venv
     shutil.rmtree(venv, ignore_errors=True)
-    if logged([args.python, "-m", "venv", venv], log, clean_env()) != 0:
+    made_from = args.python if args.python and python == PYTHON else interpreter(python)
+    if logged([made_from, "-m", "venv", venv], log, clean_env()) != 0:
         raise RuntimeError("python -m venv failed")
-    pip = [python_of(venv), "-m", "pip", "install", "--progress-bar", "off"]
-    torch_index = ["--index-url", args.torch_index] if args.torch_index else []
-    if logged(pip + [TORCH, *BUILD_PACKAGES] + torch_index, log, clean_env()) != 0:
-        raise RuntimeError(f"pip install {TORCH} failed")
     constraints = os.path.join(venv, "constraints.txt")
     with open(constraints, "w") as f:
-        f.write(TORCH + "\n")  # nothing below may swap the local torch build for another
-    if logged(pip + ["-c", constraints, f"bitsandbytes=={bnb}", *BASE_PACKAGES], log, clean_env()) != 0:
+        f.write(f"torch=={torch}\n")  # nothing below may swap this torch for another
+    # PIP_CONSTRAINT, not -c: it replaces a constraint file from pip's configuration (one capping torch, say) instead of
+    # adding to it, so the cell gets the torch it names or fails saying so
+    env = clean_env(PIP_CONSTRAINT=constraints)
+    pip = [python_of(venv), "-m", "pip", "install", "--progress-bar", "off"]
+    torch_index = ["--index-url", args.torch_index] if args.torch_index and torch == TORCH else []
+    if logged(pip + [f"torch=={torch}", *BUILD_PACKAGES] + torch_index, log, env) != 0:
+        raise RuntimeError(f"pip install torch=={torch} failed (Python {python})")
+    if logged(pip + [f"bitsandbytes=={bnb}", *BASE_PACKAGES], log, env) != 0:
         raise RuntimeError(f"pip install bitsandbytes=={bnb} failed")
     open(os.path.join(venv, ".ready"), "w").close()
     return venv
 
 
-def deepspeed_wheel(deepspeed: str, base: str, log) -> str:
-    """DeepSpeed's wheel, built once from its sdist against the base venv's torch (no ops compiled ahead)."""
+def master_source(args, log) -> tuple:
+    """(a source tree of DeepSpeed's head, its short commit): --deepspeed-master (a checkout, or a bare git directory,
+    whose HEAD is exported), else a shallow clone of MASTER_URL into the cache."""
+    git_dir = args.deepspeed_master or os.path.join(CACHE, "deepspeed-master.git")
+    if not args.deepspeed_master:
+        shutil.rmtree(git_dir, ignore_errors=True)
+        if logged(["git", "clone", "--bare", "--depth", "1", MASTER_URL, git_dir], log, clean_env()) != 0:
+            raise RuntimeError(f"git clone {MASTER_URL} failed: pass a checkout with --deepspeed-master")
+    if os.path.isdir(os.path.join(git_dir, ".git")):
+        git_dir = os.path.join(git_dir, ".git")
+    commit = subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", "--short=9", "HEAD"], capture_output=True,
+                            text=True)
+    if commit.returncode != 0:
+        raise RuntimeError(f"--deepspeed-master {git_dir}: not a git repository ({commit.stderr.strip()})")
+    tree = os.path.join(CACHE, "deepspeed-master-src")
+    shutil.rmtree(tree, ignore_errors=True)
+    os.makedirs(tree)
+    export = f"git --git-dir='{git_dir}' archive HEAD | tar -x -C '{tree}'"
+    if logged(["bash", "-c", export], log, clean_env()) != 0:
+        raise RuntimeError(f"exporting {git_dir} failed")
+    return tree, git_dir, commit.stdout.strip()
+
+
+def deepspeed_wheel(deepspeed: str, base: str, args, log) -> str:
+    """DeepSpeed's wheel, built once from its sdist against the base venv's torch (no ops compiled ahead); for
+    MASTER, built from its source at every run, its version the next release's with the commit as local label."""
     os.makedirs(WHEELS, exist_ok=True)
+    if deepspeed == MASTER:
+        tree, git_dir, _ = master_source(args, log)
+        for old in glob.glob(os.path.join(WHEELS, "master", "*.whl")):
+            os.remove(old)
+        cmd = [python_of(base), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--progress-bar", "off",
+               "-w", os.path.join(WHEELS, "master"), tree]
+        # DeepSpeed's setup.py reads the commit with `git rev-parse`: GIT_DIR lets it see the exported tree's
+        if logged(cmd, log, clean_env(DS_BUILD_OPS="0", GIT_DIR=git_dir)) != 0:
+            raise RuntimeError("building DeepSpeed's head failed")
+        return glob.glob(os.path.join(WHEELS, "master", "deepspeed-*.whl"))[0]
     found = glob.glob(os.path.join(WHEELS, f"deepspeed-{deepspeed}-*.whl"))
     if not found:
         cmd = [python_of(base), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--progress-bar", "off",
@@ -213,15 +298,24 @@ def deepspeed_wheel(deepspeed: str, base: str, log) -> str:
     return found[0]
 
 
-def cell_venv(deepspeed: str, bnb: str, args, log) -> str:
-    """The cell's venv: DeepSpeed alone, the base venv's packages behind it; made once, reused afterwards."""
-    base = base_venv(bnb, args, log)  # first: the cell's venv reads its packages from there
-    venv = os.path.join(ENVS, f"deepspeed{deepspeed}-bnb{bnb}")
-    if ready(venv):
+def cell_name(deepspeed: str, bnb: str, torch: str, python: str) -> str:
+    """The cell's venv and log name; the default torch and Python leave it as it was before those axes."""
+    extra = "" if (torch, python) == (TORCH, PYTHON) else f"-torch{torch}-py{python}"
+    return f"deepspeed{deepspeed}-bnb{bnb}{extra}"
+
+
+def cell_venv(cell, args, log) -> str:
+    """The cell's venv: DeepSpeed alone, the base venv's packages behind it; made once, reused afterwards (DeepSpeed's
+    head: remade at every run)."""
+    deepspeed, bnb, torch, python = cell
+    base = base_venv(bnb, torch, python, args, log)  # first: the cell's venv reads its packages from there
+    venv = os.path.join(ENVS, cell_name(*cell))
+    if ready(venv) and deepspeed != MASTER:
         return venv
-    wheel = deepspeed_wheel(deepspeed, base, log)
+    wheel = deepspeed_wheel(deepspeed, base, args, log)
     shutil.rmtree(venv, ignore_errors=True)
-    if logged([args.python, "-m", "venv", "--without-pip", venv], log, clean_env()) != 0:
+    made_from = os.path.realpath(python_of(base))  # the base venv's interpreter: the same Python
+    if logged([made_from, "-m", "venv", "--without-pip", venv], log, clean_env()) != 0:
         raise RuntimeError("python -m venv failed")
     with open(os.path.join(site_packages(python_of(venv)), "zz_compat_matrix_base.pth"), "w") as f:
         f.write(site_packages(python_of(base)) + "\n")  # after the venv's own packages: its DeepSpeed wins
@@ -234,8 +328,9 @@ def cell_venv(deepspeed: str, bnb: str, args, log) -> str:
 
 
 def installed_versions(python: str) -> dict:
-    code = ("import json, importlib.metadata as m; "
-            "print(json.dumps({p: m.version(p) for p in ('deepspeed', 'bitsandbytes', 'torch')}))")
+    code = ("import json, platform, importlib.metadata as m; "
+            "print(json.dumps({**{p: m.version(p) for p in ('deepspeed', 'bitsandbytes', 'torch')}, "
+            "'python': platform.python_version()}))")
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, env=clean_env())
     return json.loads(done.stdout) if done.returncode == 0 else {}
 
@@ -311,14 +406,14 @@ def not_applicable(bnb: str):
     return (), ""
 
 
-def run_claims(deepspeed: str, bnb: str, python: str, reference: str, work: str, log) -> dict:
+def run_claims(cell, python: str, reference: str, work: str, log) -> dict:
     """Every claim of the cell: one pytest in the cell's venv, and the claims checked from the reference venv."""
+    deepspeed, bnb = cell[:2]
     excluded, why = not_applicable(bnb)
     here = {claim: [i for i in ids if not i.startswith(excluded)] for claim, ids in CLAIMS.items()}
     skipped = {claim for claim, ids in here.items() if not ids}
     here = {claim: ids for claim, ids in here.items() if ids}
-    other = reference if deepspeed != REFERENCE[0] else python_of(os.path.join(
-        ENVS, f"deepspeed{'.'.join(map(str, FIRST))}-bnb{BNB_CURRENT}"))
+    other = reference if cell != REFERENCE else python_of(os.path.join(ENVS, cell_name(*OLDEST)))
     cases, output, _ = pytest_run(python, sorted({i for ids in here.values() for i in ids}), work, log,
                                   TORCH_EXTENSIONS_DIR=extensions_dir(python), DEEPSPEED_BNB_OTHER_PYTHON=other)
     results = {claim: claim_result(ids, cases, output, seconds_of(cases, ids)) for claim, ids in here.items()}
@@ -345,18 +440,17 @@ def warm_up(python: str, log) -> None:
                                                 **{ALLOW_UNTESTED_ENV: "1"}), timeout=1800)
 
 
-def run_cell(deepspeed: str, bnb: str, work: str, args) -> dict:
+def run_cell(cell, work: str, args) -> dict:
     os.makedirs(LOG_DIR, exist_ok=True)
-    log_path = os.path.join(LOG_DIR, f"deepspeed-{deepspeed}_bitsandbytes-{bnb}.log")
-    record = {"deepspeed": deepspeed, "bitsandbytes": bnb, "date": datetime.date.today().isoformat(),
-              "commit": git_commit()}
+    log_path = os.path.join(LOG_DIR, cell_name(*cell) + ".log")
+    record = {**dict(zip(AXES, cell)), "date": datetime.date.today().isoformat(), "commit": git_commit()}
     started = time.monotonic()
     with open(log_path, "w") as log:
         try:
-            reference = python_of(cell_venv(*REFERENCE, args, log))
-            python = python_of(cell_venv(deepspeed, bnb, args, log))
-            if deepspeed == REFERENCE[0]:  # its cross-release partner (another DeepSpeed) is the oldest release
-                cell_venv(".".join(map(str, FIRST)), BNB_CURRENT, args, log)
+            reference = python_of(cell_venv(REFERENCE, args, log))
+            python = python_of(cell_venv(cell, args, log))
+            if cell == REFERENCE:  # its cross-release partner (another DeepSpeed) is the oldest release
+                cell_venv(OLDEST, args, log)
         except RuntimeError as exc:
             log.flush()
             with open(log_path) as f:
@@ -365,8 +459,10 @@ def run_cell(deepspeed: str, bnb: str, work: str, args) -> dict:
         else:
             record["install_seconds"] = round(time.monotonic() - started)
             record["installed"] = installed_versions(python)
+            if cell[0] == MASTER:
+                record["deepspeed_commit"] = record["installed"].get("deepspeed", "").partition("+")[2]
             warm_up(python, log)
-            record["claims"] = run_claims(deepspeed, bnb, python, reference, work, log)
+            record["claims"] = run_claims(cell, python, reference, work, log)
     record["seconds"] = round(time.monotonic() - started)
     record["log"] = os.path.basename(log_path)
     return record
@@ -383,17 +479,39 @@ def git_commit() -> str:
     return commit.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def load_results() -> dict:
+def key(cell: dict) -> tuple:
+    """A result's cell; results from before the torch and Python axes ran on the defaults."""
+    return cell["deepspeed"], cell["bitsandbytes"], cell.get("torch", TORCH), cell.get("python", PYTHON)
+
+
+def load_results() -> tuple:
+    """(cell key -> its result, the disk footprint last measured)."""
     if not os.path.exists(RESULTS_JSON):
-        return {}
+        return {}, None
     with open(RESULTS_JSON) as f:
-        return {(c["deepspeed"], c["bitsandbytes"]): c for c in json.load(f)["cells"]}
+        saved = json.load(f)
+    return {key(c): {**dict(zip(AXES, key(c))), **c} for c in saved["cells"]}, saved.get("disk")
 
 
 def write_atomically(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def disk_usage() -> dict:
+    """What the kept environments and wheels take on disk (the matrix's footprint), measured now."""
+    done = subprocess.run(["du", "-sb", ENVS, WHEELS], capture_output=True, text=True)
+    return {"bytes": sum(int(line.split()[0]) for line in done.stdout.splitlines() if line.split()),
+            "environments": len(glob.glob(os.path.join(ENVS, "*", ".ready"))),
+            "date": datetime.date.today().isoformat()}
+
+
+def disk_line(disk) -> list:
+    if not disk:
+        return []
+    return [f"Disk: {disk['bytes'] / 2 ** 30:.1f} GiB in {disk['environments']} environments and the DeepSpeed "
+            f"wheels (~/.cache/deepspeed_bnb/compat_matrix, {disk['date']})."]
 
 
 def minutes(seconds) -> str:
@@ -425,28 +543,42 @@ def claims_of(cells) -> list:
     return list(CLAIMS) + [c for c in FROM_REFERENCE if any(c in cell.get("claims", {}) for cell in cells)]
 
 
-def render(results: dict) -> str:
-    cells = [results[k] for k in sorted(results, key=lambda k: (release(k[1]) != release(BNB_CURRENT),
-                                                                  release(k[1]), release(k[0])))]
+def order(cell) -> tuple:
+    """Table order: the default torch and Python first, by bitsandbytes then DeepSpeed; then the other torch
+    releases; DeepSpeed's head last."""
+    deepspeed, bnb, torch, python = cell
+    return (deepspeed == MASTER, (torch, python) != (TORCH, PYTHON), release(torch), release(python),
+            release(bnb) != release(BNB_CURRENT), release(bnb), release(deepspeed) or ())
+
+
+def deepspeed_label(cell: dict) -> str:
+    return f"{MASTER} ({cell['deepspeed_commit']})" if cell.get("deepspeed_commit") else cell["deepspeed"]
+
+
+def render(results: dict, disk=None) -> str:
+    cells = [results[k] for k in sorted(results, key=order)]
     claims = claims_of(cells)
     total = sum(cell["seconds"] for cell in cells)
     lines = [
         "# Compatibility matrix",
         "",
-        "The core correctness tests of this repository against DeepSpeed and bitsandbytes releases (CPU: "
-        f"{TORCH}, gloo ranks), written by `tools/compat_matrix.sh` (one cell: `tools/compat_matrix.sh --only",
-        "deepspeed==X.Y.Z`). Each verdict gives the number of tests behind it; n/a: the claim cannot hold for that",
-        "release (why below). Time: the cell's tests (its environment is made once and reused).",
+        "The core correctness tests of this repository against DeepSpeed, bitsandbytes and torch releases and "
+        "Pythons (CPU,",
+        "gloo ranks), written by `tools/compat_matrix.sh` (one cell: `tools/compat_matrix.sh --only deepspeed==X.Y.Z`;",
+        f"one torch: `--only torch==X.Y.Z`). torch {TORCH} is the local CPU build; the other torch releases are PyPI's",
+        "CUDA builds, run on the CPU. Each verdict gives the number of tests behind it; n/a: the claim cannot hold for",
+        "that release (why below). Time: the cell's tests (its environment is made once and reused).",
         "",
-        "| DeepSpeed | bitsandbytes | " + " | ".join(claims) + " | time | commit |",
-        "|---|---|" + "---|" * len(claims) + "---:|---|",
+        "| DeepSpeed | bitsandbytes | torch | Python | " + " | ".join(claims) + " | time | commit |",
+        "|---|---|---|---|" + "---|" * len(claims) + "---:|---|",
     ]
     for cell in cells:
         tested = cell["seconds"] - cell.get("install_seconds", 0)
-        lines.append(f"| {cell['deepspeed']} | {cell['bitsandbytes']} | "
+        lines.append(f"| {deepspeed_label(cell)} | {cell['bitsandbytes']} | {cell['torch']} | {cell['python']} | "
                      + " | ".join(verdict(cell, c) for c in claims)
                      + f" | {minutes(tested)} | {cell.get('commit', '')} |")
-    lines += ["", f"Total: {minutes(total)} over {len(cells)} cells (environments made in that run included).", "",
+    lines += ["", f"Total: {minutes(total)} over {len(cells)} cells (environments made in that run included).",
+              *disk_line(disk), "",
               "Tests behind each claim:", ""]
     lines += [f"- {claim}: " + ", ".join(f"`{i}`" for i in ids) for claim, ids in CLAIMS.items()]
     lines += [f"- {claim} (run in DeepSpeed {REFERENCE[0]} / bitsandbytes {REFERENCE[1]}'s environment with {var} "
@@ -456,7 +588,8 @@ def render(results: dict) -> str:
               for prefix, (ids, why) in NOT_APPLICABLE.items()]
     failures = []
     for cell in cells:
-        name = f"DeepSpeed {cell['deepspeed']}, bitsandbytes {cell['bitsandbytes']}"
+        name = f"DeepSpeed {deepspeed_label(cell)}, bitsandbytes {cell['bitsandbytes']}, torch {cell['torch']}, " \
+               f"Python {cell['python']}"
         if cell.get("install_error"):
             failures += [f"### {name}: install", "", "```", cell["install_error"], "```", ""]
         for claim, record in cell.get("claims", {}).items():
@@ -475,21 +608,23 @@ def main():
     parser.add_argument("--resume", action="store_true", help="skip cells already in tools/compat_matrix.json")
     parser.add_argument("--list", action="store_true", help="print the selected cells and exit")
     parser.add_argument("--render", action="store_true", help="only rewrite tools/compat_matrix.md from the json")
-    parser.add_argument("--python", default=sys.executable, help="interpreter the venvs are made from "
-                        "(default: this one; the torch wheel must match its version)")
-    parser.add_argument("--torch-index", default="", help="a pip index holding the CPU build of torch, for machines "
-                        "without a local copy, e.g. https://download.pytorch.org/whl/cpu")
+    parser.add_argument("--python", default=None, help=f"interpreter the Python {PYTHON} venvs are made from (default: "
+                        f"python{PYTHON} on PATH or pyenv's; other Pythons are found the same way)")
+    parser.add_argument("--torch-index", default="", help=f"a pip index holding the CPU build of torch {TORCH}, for "
+                        "machines without a local copy, e.g. https://download.pytorch.org/whl/cpu")
+    parser.add_argument("--deepspeed-master", default="", metavar="DIR", help="a DeepSpeed checkout (or bare git "
+                        f"directory) whose HEAD the {MASTER} cell builds; default: a shallow clone of {MASTER_URL}")
     args = parser.parse_args()
 
-    results = load_results()
+    results, disk = load_results()
     if args.render:
-        write_atomically(RESULTS_MD, render(results))
+        write_atomically(RESULTS_MD, render(results, disk))
         return
-    cells = select(default_cells(args.python), args.only)
+    cells = select(default_cells(sys.executable), args.only)
     if args.resume:
         cells = [c for c in cells if c not in results]
     if args.list:
-        print("\n".join(f"deepspeed=={d} bitsandbytes=={b}" for d, b in cells))
+        print("\n".join(" ".join(f"{axis}=={value}" for axis, value in zip(AXES, cell)) for cell in cells))
         return
     print(f"compat_matrix: {len(cells)} cells; logs in {LOG_DIR}; {platform.python_version()} ({args.python})",
           flush=True)
@@ -501,17 +636,19 @@ def main():
     # it forever (torch's FileBaton): the matrix runs one cell at a time, so any lock there now is stale
     for lock in glob.glob(os.path.join(ENVS, "*", "torch_extensions", "**", "lock"), recursive=True):
         os.remove(lock)
-    for n, (deepspeed, bnb) in enumerate(cells, 1):
-        print(f"[{n}/{len(cells)}] deepspeed=={deepspeed} bitsandbytes=={bnb} ...", end=" ", flush=True)
-        cell = run_cell(deepspeed, bnb, work, args)
-        results[(deepspeed, bnb)] = cell
-        write_atomically(RESULTS_JSON, json.dumps({"cells": list(results.values())}, indent=1) + "\n")
-        write_atomically(RESULTS_MD, render(results))
+    for n, cell_key in enumerate(cells, 1):
+        print(f"[{n}/{len(cells)}]", " ".join(f"{axis}=={value}" for axis, value in zip(AXES, cell_key)), "...",
+              end=" ", flush=True)
+        cell = run_cell(cell_key, work, args)
+        results[cell_key] = cell
+        disk = disk_usage()
+        write_atomically(RESULTS_JSON, json.dumps({"cells": list(results.values()), "disk": disk}, indent=1) + "\n")
+        write_atomically(RESULTS_MD, render(results, disk))
         print(cell.get("install_error", "").split("\n")[0]
               or ", ".join(f"{k}: {verdict(cell, k)}" for k in cell["claims"]), f"[{minutes(cell['seconds'])}]",
               flush=True)
     print(f"compat_matrix: done in {minutes(time.monotonic() - started)}; table in {os.path.relpath(RESULTS_MD)}")
-    print(render(results).split("\n\nTests behind")[0].split("\n\n")[-1])
+    print(render(results, disk).split("\n\nTests behind")[0].split("\n\n")[-1])
 
 
 if __name__ == "__main__":
