@@ -450,7 +450,7 @@ def _releases(entry: Override) -> str:
 
 
 def table() -> str:
-    """The register as a markdown table (the README's list of every override)."""
+    """The register as a markdown table (docs/overrides.md lists every override with it)."""
     rows = ["| DeepSpeed / Accelerate symbol | what deepspeed_bnb does | scope | ours | why | releases |",
             "|---|---|---|---|---|---|"]
     for o in OVERRIDES:

@@ -5,9 +5,9 @@
 - every DeepSpeed method that deepspeed_bnb's ZeRO classes override is registered as such;
 - no module of the package assigns to a DeepSpeed or Accelerate module or class except through the register;
 - `stock_deepspeed()` takes back every replacement, `swapped()` restores what it swapped;
-- the README's table of overrides is the register's.
+- the table in docs/overrides.md is exactly the register's: the whole text between its markers, compared.
 The compatibility matrix runs this file against every supported DeepSpeed release. Controls: a made-up entry, a
-parameter that does not exist, and an unregistered override are reported.
+parameter that does not exist, an unregistered override, and a table section with one extra line are reported.
 """
 
 import ast
@@ -186,7 +186,38 @@ def test_swapped_restores_and_refuses_unregistered_swaps():
             pass
 
 
-def test_readme_lists_the_register():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    assert overrides.table() in readme, "README's override table is stale: paste overrides.table() in"
+DOC_BEGIN, DOC_END = "<!-- overrides: begin (tools/render_overrides.py) -->", "<!-- overrides: end -->"
+
+
+def table_section_problem(text: str, table: str) -> str:
+    """Why the text between the markers in `text` is not exactly `table` on lines of its own ("" when it is)."""
+    if text.count(DOC_BEGIN) != 1 or text.count(DOC_END) != 1:
+        return f"expected exactly one {DOC_BEGIN} and one {DOC_END} marker"
+    found = text.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]
+    expected = f"\n{table}\n"
+    if found == expected:
+        return ""
+    got, want = found.split("\n"), expected.split("\n")
+    line = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return (f"the section differs from the register's table at its line {line}: "
+            f"{(got[line] if line < len(got) else '<end>')!r} instead of "
+            f"{(want[line] if line < len(want) else '<end>')!r}")
+
+
+def test_docs_table_is_the_register():
+    with open(os.path.join(ROOT, "docs", "overrides.md")) as f:
+        text = f.read()
+    problem = table_section_problem(text, overrides.table())
+    assert problem == "", f"docs/overrides.md: {problem}; run `python tools/render_overrides.py`"
+
+
+def test_control_a_section_with_an_extra_line_is_reported():
+    table = overrides.table()
+    clean = f"intro\n{DOC_BEGIN}\n{table}\n{DOC_END}\nafter\n"
+    assert table_section_problem(clean, table) == ""
+    log = "[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU."
+    logged = clean.replace(f"{DOC_BEGIN}\n", f"{DOC_BEGIN}\n{log}\n")
+    assert table in logged  # a substring check would not see it
+    assert "at its line 1: '[WARNING]" in table_section_problem(logged, table)
+    assert "line" in table_section_problem(clean.replace(table, table + "\n| stale row |"), table)
+    assert "marker" in table_section_problem(clean.replace(DOC_END, ""), table)
