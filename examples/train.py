@@ -6,9 +6,9 @@
 On a CPU-only machine both launch CPU ranks (DeepSpeed's CPU accelerator, gloo). The only deepspeed_bnb-specific line
 is `import deepspeed_bnb`; the rest is a plain DeepSpeed training script.
 
-Elastic: under torchrun's elastic agent (`--nnodes 1:2 --rdzv-backend c10d --max-restarts K`, README "Elastic
-training") the workers are restarted at another world size when a node is lost or comes back; with `--resume auto`
-they load the latest complete checkpoint of `--save_dir` at the new size and go on. The global batch stays
+Elastic: under torchrun's elastic agent (`--nnodes 1:2 --rdzv-backend c10d --max-restarts K`, docs/elastic.md) the
+workers are restarted at another world size when a node is lost or comes back; with `--resume auto` they load the
+latest complete checkpoint of `--save_dir` at the new size and go on. The global batch stays
 `--global_batch` sequences (micro-batch and gradient accumulation follow the world size) and the data of each step is
 a function of the step alone, so the run trains what an uninterrupted one would.
 """

@@ -7,7 +7,7 @@ DP-only matrix (test_elastic.py): every (model-parallel rank, parameter)'s codes
 master weights byte-identical to what was saved, the module's weights the master weights, the saved lr restored (the
 loader was built with a 50x larger one), 10 more steps tracking the run that never stopped, bit-exact at the same
 size and stage. Control: loading without optimizer state diverges. A change of the pipeline or tensor-parallel size
-itself is not covered (see README).
+itself is not covered (refused: docs/limitations.md).
 """
 
 import pytest

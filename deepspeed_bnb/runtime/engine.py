@@ -51,7 +51,7 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
             f"{ours.__name__}: this DeepSpeed no longer builds its stage-{stage} optimizer through "
             f"DeepSpeedEngine._configure_zero_optimizer and the module-level name deepspeed.runtime.{swap}, which is "
             f"where deepspeed_bnb hooks in. Stock ZeRO would shard bnb's quantization state element-wise. Use a "
-            f"DeepSpeed version deepspeed_bnb supports (see its README).")
+            f"DeepSpeed version deepspeed_bnb supports (listed in its docs/versions.md).")
 
 
 def _configure_zero_optimizer(self, optimizer):
