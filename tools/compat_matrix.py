@@ -56,7 +56,9 @@ TORCH, PYTHON = "2.13.0", "3.11"  # the default cells': the CPU build pip finds 
 # DeepSpeed's own requirements (the same from 0.16.4 to 0.19.8), setup.py's besides torch, deepspeed and
 # bitsandbytes, and what the tests need; DeepSpeed itself goes into each cell's venv
 BASE_PACKAGES = ("einops", "hjson", "msgpack", "ninja", "numpy", "packaging>=20.0", "psutil", "py-cpuinfo",
-                 "pydantic>=2.0.0", "tqdm", "safetensors", "pytest", "accelerate")  # Accelerate: its override entry
+                 "pydantic>=2.0.0", "tqdm", "safetensors",
+                 # setup.py's `test` extra: the suite refuses to start without it
+                 "pytest", "accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets", "matplotlib")
 BUILD_PACKAGES = ("setuptools", "wheel")  # DeepSpeed's sdist is built without isolation, against the pinned torch
 
 FIRST, LAST = (0, 16, 4), (0, 19, 8)  # the DeepSpeed releases of the default cells, every one in between
@@ -229,25 +231,33 @@ def ready(venv: str) -> bool:
 def base_venv(bnb: str, torch: str, python: str, args, log) -> str:
     """The shared venv of a Python, torch and bitsandbytes release (and DeepSpeed's and the tests' needs); made once."""
     venv = os.path.join(ENVS, f"base-py{python}-torch{torch}-bnb{bnb}")
+    constraints = os.path.join(venv, "constraints.txt")
+    # PIP_CONSTRAINT, not -c: it replaces a constraint file from pip's configuration (one capping torch, say) instead of
+    # adding to it, so the cell gets the torch it names or fails saying so
+    env = clean_env(PIP_CONSTRAINT=constraints)
+    pip = [python_of(venv), "-m", "pip", "install", "--progress-bar", "off"]
+    wanted = " ".join((f"bitsandbytes=={bnb}",) + BASE_PACKAGES)
     if ready(venv):
+        with open(os.path.join(venv, ".ready")) as f:
+            if f.read() != wanted:  # made when BASE_PACKAGES held less: add the rest, torch stays
+                if logged(pip + wanted.split(), log, env) != 0:
+                    raise RuntimeError(f"pip install {wanted} failed")
+        with open(os.path.join(venv, ".ready"), "w") as f:
+            f.write(wanted)
         return venv
     shutil.rmtree(venv, ignore_errors=True)
     made_from = args.python if args.python and python == PYTHON else interpreter(python)
     if logged([made_from, "-m", "venv", venv], log, clean_env()) != 0:
         raise RuntimeError("python -m venv failed")
-    constraints = os.path.join(venv, "constraints.txt")
     with open(constraints, "w") as f:
         f.write(f"torch=={torch}\n")  # nothing below may swap this torch for another
-    # PIP_CONSTRAINT, not -c: it replaces a constraint file from pip's configuration (one capping torch, say) instead of
-    # adding to it, so the cell gets the torch it names or fails saying so
-    env = clean_env(PIP_CONSTRAINT=constraints)
-    pip = [python_of(venv), "-m", "pip", "install", "--progress-bar", "off"]
     torch_index = ["--index-url", args.torch_index] if args.torch_index and torch == TORCH else []
     if logged(pip + [f"torch=={torch}", *BUILD_PACKAGES] + torch_index, log, env) != 0:
         raise RuntimeError(f"pip install torch=={torch} failed (Python {python})")
-    if logged(pip + [f"bitsandbytes=={bnb}", *BASE_PACKAGES], log, env) != 0:
-        raise RuntimeError(f"pip install bitsandbytes=={bnb} failed")
-    open(os.path.join(venv, ".ready"), "w").close()
+    if logged(pip + wanted.split(), log, env) != 0:
+        raise RuntimeError(f"pip install bitsandbytes=={bnb} and the tests' packages failed")
+    with open(os.path.join(venv, ".ready"), "w") as f:
+        f.write(wanted)
     return venv
 
 
