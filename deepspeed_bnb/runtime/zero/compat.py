@@ -48,6 +48,24 @@ PADDING_ENV = "DEEPSPEED_BNB_ZERO_PADDING"
 PARAM_PADDING, PADDING_TENSORS = "param_padding", "tensors"  # how the block-aligned ZeRO-1/2 layout is placed
 
 
+def by_name(deepspeed_init, args: tuple, kwargs: dict) -> dict:
+    """The arguments DeepSpeed's engine passed to its ZeRO optimizer, every one by its parameter name in this
+    release's own `__init__` signature. Releases insert parameters in the middle (`gradient_average`, before
+    `gradient_accumulation_steps`): a subclass that read or passed positions would hand each later value to the wrong
+    parameter, silently; bound by name, nothing shifts, and a subclass reads one setting whether it came by position
+    or by keyword."""
+    # bind_partial: a missing argument is left for DeepSpeed's own __init__ to name; None: the unbound `self`
+    bound = inspect.signature(deepspeed_init).bind_partial(None, *args, **kwargs).arguments
+    named = {}
+    for name, value in list(bound.items())[1:]:
+        kind = inspect.signature(deepspeed_init).parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError(f"deepspeed_bnb: {deepspeed_init.__qualname__} takes *{name}: its arguments cannot be "
+                            f"passed on by name")
+        named.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return named
+
+
 def has_parameter_padding(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:
     return "param_padding" in inspect.signature(zero_optimizer_class.flatten_dense_tensors_aligned).parameters
 

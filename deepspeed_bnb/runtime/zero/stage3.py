@@ -88,9 +88,12 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
 class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
-    def __init__(self, module, init_optimizer, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
+    def __init__(self, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto",
                  bnb_master_weights: str = master_weights.AUTO, **kwargs):
+        # DeepSpeed's arguments, by name: read and passed on as this release's signature names them (compat.py)
+        kwargs = compat.by_name(DeepSpeedZeroOptimizer_Stage3.__init__, args, kwargs)
+        module, init_optimizer = kwargs["module"], kwargs["init_optimizer"]
         self._bnb_refuse_unsupported(init_optimizer)
         _refuse_unsupported(init_optimizer, kwargs)
         # Before DeepSpeed replaces each group's params: precision and config overrides per model parameter.
@@ -98,7 +101,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer_Stage3)
         # Before DeepSpeed flattens this rank's slices: every slice whole blocks of its parameter.
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
-        super().__init__(module, init_optimizer, *args, **kwargs)
+        super().__init__(**kwargs)
         compat.name_stage3_params(self, module)  # DeepSpeed < 0.18.0 keeps no parameter names
         self._bnb_refuse_built()
         self._bnb_allocate_master_errors(self.fp32_partitioned_groups_flat)  # self.bnb_master_errors

@@ -36,7 +36,7 @@ from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
-from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, by_name, padding_mode, require_reduced_grad_accum, \
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
@@ -47,9 +47,12 @@ from deepspeed_bnb.utils.tensor_fragment import link_param_states
 class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
-    def __init__(self, init_optimizer, param_names, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
+    def __init__(self, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
                  bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto",
                  bnb_master_weights: str = master_weights.AUTO, **kwargs):
+        # DeepSpeed's arguments, by name: read and passed on as this release's signature names them (compat.py)
+        kwargs = by_name(DeepSpeedZeroOptimizer.__init__, args, kwargs)
+        init_optimizer = kwargs["init_optimizer"]
         self._bnb_refuse_unsupported(init_optimizer)
         # how the block-aligned layout is placed in DeepSpeed's flat groups (compat.py)
         self.bnb_padding_mode = padding_mode()
@@ -59,7 +62,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # overrides per model parameter while bnb can still see the parameters.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer)  # self.bnb_master
-        super().__init__(init_optimizer, param_names, *args, **kwargs)
+        super().__init__(**kwargs)
         # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
         self._bnb_refuse_built()
