@@ -97,8 +97,8 @@ OVERRIDES: Tuple[Override, ...] = (
     _checkpointing("_get_all_ckpt_names", "at stage 3 a rank beyond the saving DP size, or a checkpoint of the other "
                    "stage family, has no model-states file of its own name", ("self", "checkpoints_path", "tag")),
     _checkpointing("load_module_state_dict", "module weights of the other stage family: gathered into ZeRO-3, or "
-                   "rebuilt through the safe loader instead of zero_to_fp32's full unpickling; frozen parameters set from "
-                   "their full saved weights at this DP size (stock copies each rank's saved ZeRO-3 slice)",
+                   "rebuilt through the safe loader instead of zero_to_fp32's full unpickling; frozen parameters set "
+                   "from their full saved weights at this DP size (stock copies each rank's saved ZeRO-3 slice)",
                    ("self", "checkpoint", "strict", "custom_load_fn", "fetch_z3_params"),
                    params_since={"z3_params_to_fetch": "0.19.3", "allowed_missing_keys": "0.19.3"}),
     _checkpointing("save_checkpoint", "crash-safe publishing with a checksummed manifest under the save directory's "
@@ -232,9 +232,9 @@ OVERRIDES: Tuple[Override, ...] = (
              "master partition (for the error terms of compensated master weights)"),
     Override(ZERO3, "get_param_id", CALL, CALL_SCOPE, "", "a parameter's key in grad_position", ("self", "param")),
     Override(ZERO3, "_get_param_partition_group", CALL, CALL_SCOPE, "", "the group a parameter's slices are "
-             "gathered over", ("self", "param")),
-    Override(ZERO3, "_get_param_partition_rank", CALL, CALL_SCOPE, "", "this rank's slice of a parameter",
-             ("self", "param")),
+             "gathered over (before it, the DP group)", ("self", "param"), since="0.19.3"),
+    Override(ZERO3, "_get_param_partition_rank", CALL, CALL_SCOPE, "", "this rank's slice of a parameter (before "
+             "it, the rank in the DP group)", ("self", "param"), since="0.19.3"),
     _subclass(ZERO3, ZERO3_PY, "_get_fp32_opt_state_partition", "refuses state keys (bnb state is not one fp32 "
               "value per element)", ("self", "param", "optim_state_key"),
               params_since={"release_swap_buffers": "0.16.9"}),

@@ -15,6 +15,7 @@ import bitsandbytes as bnb
 import deepspeed
 import torch
 from deepspeed import comm as dist
+from packaging.version import Version
 from torch import nn
 
 from distributed_scenarios import LOADER_LR, global_state, identical, weights_follow_master
@@ -23,6 +24,10 @@ from toy import GLOBAL_BATCH, MIN_8BIT_SIZE, VOCAB, ds_config, global_batch, los
 
 MODEL_PARALLEL = 2  # pipeline stages / tensor-parallel ranks of every kind
 PARALLEL_KINDS = {"pp2_stage1": dict(pipeline=True, stage=1), "tp2_stage2": dict(pipeline=False, stage=2)}
+if Version(Version(deepspeed.__version__).base_version) < Version("0.18.0"):
+    # DeepSpeed before 0.18.0 broadcasts AutoTP's inputs to `current_device()`, an int the CPU accelerator's torch
+    # cannot name ("Invalid device string: '0'"; any optimizer, stock DeepSpeed alike): no AutoTP on CPU ranks there
+    del PARALLEL_KINDS["tp2_stage2"]
 LOADER_STAGES = {"tp2_stage2": {2: 1}}  # kind -> {data-parallel size: the loader's ZeRO stage} (else the saved one)
 MICRO_STEPS = 2  # pipelines split each rank's batch into micro-batches
 

@@ -66,6 +66,8 @@ def test_deepspeed_reads_the_zero3_weights(runs, saved):
     """DeepSpeed's zero_to_fp32 (stock ZeRO-3 slices in fp32_flat_groups) and stage3_gather_16bit_weights_on_model_save
     give exactly the saved fp32 master weights of every parameter."""
     for kind in ("fp32_stage3", "fp32_stage3_frozen", "bf16c_stage3"):  # compensated: the values they stand for
+        if kind not in ELASTIC_KINDS:  # DeepSpeed before 0.18.3: no bf16 master weights
+            continue
         assert runs[0][saved][kind]["exports"] == {"zero_to_fp32": True, "gathered_16bit": True}, kind
 
 

@@ -176,7 +176,7 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
     try:
         for step in (prepare, lambda: _probe_staging(staged)):  # each a collective of its own
             agree(step, CheckpointSaveError, context=f"{call} failed: ")
-        writes = _DeferredWrites(self.checkpoint_engine.save)
+        writes = _DeferredWrites(compat.with_moe_param_shapes(self, self.checkpoint_engine.save))
         with swapped("CheckpointEngine.save", writes, on=self.checkpoint_engine):
             stock_save(self, staged, tag, client_state, False, exclude_frozen_parameters)  # ends with a barrier
         agree(writes.raise_failure, CheckpointSaveError, context=f"{call} failed: ")

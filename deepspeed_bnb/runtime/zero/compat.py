@@ -32,8 +32,8 @@ release that added it; the functions below read them):
   cannot keep bf16 master weights, so deepspeed_bnb's bf16 modes are refused there.
 - Smaller additions, each with a fallback below: the checkpoint engine's `is_decoupled` (0.17.1), `all_gather_object`
   in deepspeed.comm (0.17.0), the ZeRO optimizers' `torch_autocast_gradscaler` (0.17.2), SuperOffload (0.18.0),
-  ZeRO-3's `param_names` (0.18.0), per-sub-group and per-parameter partition groups (0.19.3), the engine's
-  `checkpoint_mp_rank` (0.19.6).
+  ZeRO-3's `param_names` (0.18.0), per-sub-group and per-parameter partition groups and `param_shapes` in MoE model
+  states (0.19.3), the engine's `checkpoint_mp_rank` (0.19.6).
 """
 
 import inspect
@@ -91,9 +91,14 @@ BF16_MASTER_SINCE = "0.18.3"
 BF16_MASTER_VALIDATORS = ("bf16_fp32_offload_validator", "bf16_offload_validator")  # 0.18.3-0.19.0, 0.19.1 on
 
 
+def has_bf16_master(zero_optimizer_class=DeepSpeedZeroOptimizer) -> bool:
+    """Whether this DeepSpeed release's ZeRO optimizer can keep bf16 master weights (0.18.3 on)."""
+    return "bf16_master_weights_and_gradients" in inspect.signature(zero_optimizer_class.__init__).parameters
+
+
 def require_bf16_master(zero_optimizer_class, setting: str) -> None:
     """Refuse bf16 master weights where this DeepSpeed release's ZeRO optimizer cannot keep them (before 0.18.3)."""
-    if "bf16_master_weights_and_gradients" not in inspect.signature(zero_optimizer_class.__init__).parameters:
+    if not has_bf16_master(zero_optimizer_class):
         raise NotImplementedError(
             f"deepspeed_bnb: zero_optimization.bnb_master_weights {setting!r} keeps bf16 master weights, which "
             f"DeepSpeed {deepspeed.__version__} cannot (bf16 master weights came with DeepSpeed {BF16_MASTER_SINCE}). "
@@ -170,6 +175,22 @@ def sub_group_process_group(zero3, sub_group_id):
     return get(sub_group_id) if get is not None else zero3.dp_process_group
 
 
+def param_partition_group(zero3, param):
+    """The process group a ZeRO-3 parameter's slices are spread over (DeepSpeed 0.19.3 added per-parameter groups for
+    expert parameters; before, the data-parallel group)."""
+    get = getattr(zero3, "_get_param_partition_group", None)
+    return get(param) if get is not None else zero3.dp_process_group
+
+
+def param_partition_rank(zero3, param) -> int:
+    """This rank's slice of a ZeRO-3 parameter, in param_partition_group's order."""
+    get = getattr(zero3, "_get_param_partition_rank", None)
+    if get is not None:
+        return get(param)
+    from deepspeed import comm as dist
+    return dist.get_rank(group=zero3.dp_process_group)
+
+
 def ipg_bucket_params(zero3, communication_data_type=None) -> list:
     """The parameters of the ZeRO-3 gradient bucket being reduced, in the order of its buffer: DeepSpeed 0.17.2 keeps
     one bucket per communication dtype, earlier releases one list."""
@@ -194,6 +215,18 @@ def all_gather_object(object_list: list, obj, group=None) -> None:
         import torch.distributed
         gather = torch.distributed.all_gather_object
     gather(object_list, obj, group=group)
+
+
+def with_moe_param_shapes(engine, save):
+    """`save` (a checkpoint engine's), adding `param_shapes` to an MoE model's model states where DeepSpeed did not:
+    before 0.19.3 its `_save_moe_checkpoint` builds that dict by hand without them, and the reader needs every
+    parameter's shape to reshard or export. The same value `_save_checkpoint` writes (`_get_zero_param_shapes`)."""
+    def save_with_shapes(state_dict, path, *args, **kwargs):
+        if getattr(engine, "has_moe_layers", False) and isinstance(state_dict, dict) and "module" in state_dict \
+                and "param_shapes" not in state_dict:
+            state_dict = {**state_dict, "param_shapes": engine._get_zero_param_shapes()}
+        return save(state_dict, path, *args, **kwargs)
+    return save_with_shapes
 
 
 def checkpoint_mp_rank(engine) -> int:

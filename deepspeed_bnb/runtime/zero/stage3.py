@@ -301,7 +301,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     def _bnb_full_master(self, param) -> torch.Tensor:
         """The parameter's compensated master weights, fp32, from every rank's slice (DeepSpeed's
         _fp32_state_allgather gathers in the master dtype, bf16 here)."""
-        group = self._get_param_partition_group(param)
+        group = compat.param_partition_group(self, param)
         local = self._bnb_local_master(param).to(param.device)
         full = torch.empty(local.numel() * dist.get_world_size(group=group), dtype=torch.float32, device=param.device)
         dist.allgather_fn(full, local, group=group)
@@ -319,7 +319,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
             if self.bnb_master.compensated and param.requires_grad:
                 master, error = self._bnb_master_slice(param)
-                start = master.numel() * self._get_param_partition_rank(param)
+                start = master.numel() * compat.param_partition_rank(self, param)
                 mine = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)  # padding stays 0
                 real = max(0, min(master.numel(), param.ds_numel - start))  # block-aligned slices end in padding
                 mine[:real] = value.flatten().narrow(0, start, real)
