@@ -83,14 +83,16 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_bnb", "deepspeed_bnb.*"]),
     py_modules=["deepspeed_bnb_tools"],  # the offline tools' entry point: imports the package without its runtime
-    python_requires=">=3.9",
+    # bitsandbytes 0.50 installs on 3.10 and later; the matrix ran 3.10, 3.11 and 3.12 (tools/compat_matrix.md)
+    python_requires=">=3.10",
     install_requires=[
         # exactly the tested releases (deepspeed_bnb/_versions.py, which refuses others at import: it overrides
-        # ZeRO internals): every DeepSpeed release from 0.16.4 to 0.19.8, bitsandbytes 0.49.1, 0.49.2 and 0.50.2
-        # (tools/compat_matrix.md)
+        # ZeRO internals): every DeepSpeed release from 0.16.4 to 0.19.8, bitsandbytes 0.49.1, 0.49.2 and 0.50.2,
+        # torch 2.6, 2.8 and 2.11 to 2.15 (tools/compat_matrix.md); torch is not installed by this requirement when one
+        # is there (install the build you want first: an unpinned torch from PyPI is a CUDA build)
         "deepspeed>=0.16.4,<=0.19.8",
         "bitsandbytes>=0.49.1,<=0.50.2,!=0.50.0,!=0.50.1",
-        "torch>=2.4",
+        "torch>=2.6,<2.16,!=2.7.*,!=2.9.*,!=2.10.*",
         "ninja",
         "packaging",
         "safetensors",
@@ -100,8 +102,8 @@ setup(
         "clients": ["accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets"],
         # benchmarks/compare_adam.py draws its plots with matplotlib
         "bench": ["matplotlib"],
-        # CI runs the client tests and the benchmark smoke test, so `test` pulls both
-        "test": ["pytest", "accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets", "matplotlib"],
+        # CI runs the client tests and the benchmark smoke test, so `test` pulls both; `build` makes the sdist and wheel
+        "test": ["pytest", "accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets", "matplotlib", "build"],
     },
     entry_points={"console_scripts": ["deepspeed-bnb = deepspeed_bnb_tools:main"]},
     ext_modules=ext_modules,

@@ -13,7 +13,7 @@ MB = 2 ** 20
 
 
 def environment() -> dict:
-    """The machine and the versions, as the README reports them."""
+    """The machine and the versions, as benchmarks/README.md reports them."""
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),

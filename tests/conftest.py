@@ -35,7 +35,7 @@ MULTI_RANK_MODULES = {"test_bnb_049", "test_clients", "test_cross_release", "tes
 SLOW_MODULES = {"test_build", "test_cuda_build", "test_jit_build_lock", "test_compare_adam", "test_wheel"}
 
 
-TEST_EXTRA = ("accelerate", "transformers", "trl", "datasets", "matplotlib")  # setup.py's "test" extra, by module
+TEST_EXTRA = ("accelerate", "transformers", "trl", "datasets", "matplotlib", "build")  # setup.py's "test" extra
 
 
 def pytest_sessionstart(session):

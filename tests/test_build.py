@@ -1,6 +1,6 @@
 """How the operators are built and what happens when they cannot be: prebuilt by setup.py, or JIT, or the reference.
 
-- `DEEPSPEED_BNB_BUILD_EXT=1 setup.py build_ext` produces deepspeed_bnb._C; a package holding it (and no C++
+- `DEEPSPEED_BNB_BUILD_EXT=1 pip wheel .` produces a wheel holding deepspeed_bnb._C; its package (without the C++
   sources, so no JIT is possible) loads the prebuilt operator, and every rule's kernel-vs-reference test passes
   against it. On x86 it is built for x86-64-v2 (no AVX2: the portable loops that ARM and older x86 run), so the
   kernels are shown bit-identical to the reference on that path too (this machine's own JIT build runs the AVX2 or
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -32,17 +33,20 @@ PREBUILT_LEVEL = "x86-64-v2" if X86 else ""  # elsewhere: this machine's CPU
 
 
 def test_prebuilt_extension_is_used(tmp_path):
-    """setup.py's build, on x86 for x86-64-v2 (SSE4.2: no AVX2, no AVX-512, so the portable loops and
-    KeyTable::lookup run everywhere): a package holding it and no C++ sources (so no JIT is possible) loads it, and
-    every rule's kernel-vs-reference test passes against it."""
+    """A wheel built with DEEPSPEED_BNB_BUILD_EXT=1 (`pip wheel .`), on x86 for x86-64-v2 (SSE4.2: no AVX2, no
+    AVX-512, so the portable loops and KeyTable::lookup run everywhere), holds deepspeed_bnb._C; its package without
+    the C++ sources (so no JIT is possible) loads it, and every rule's kernel-vs-reference test passes against it."""
     env = {**os.environ, "DEEPSPEED_BNB_BUILD_EXT": "1", PORTABLE_ENV: PREBUILT_LEVEL}
-    built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-                            "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-4000:]
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-4000:]
+    wheel = next((tmp_path / "dist").glob("deepspeed_bnb-*.whl"))
+    assert "py3-none-any" not in wheel.name, wheel.name  # a platform wheel: it holds a compiled extension
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "pkg")
     package = tmp_path / "pkg" / "deepspeed_bnb"
-    shutil.copytree(os.path.join(ROOT, "deepspeed_bnb"), package, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in os.listdir(tmp_path / "lib" / "deepspeed_bnb"):
-        shutil.copy(tmp_path / "lib" / "deepspeed_bnb" / name, package / name)
+    assert list(package.glob("_C*.so")) and (package / "csrc").is_dir(), sorted(os.listdir(package))
+    shutil.rmtree(package / "csrc")
     code = ("import sys, pytest; sys.path.insert(0, %r)\n"
             "from deepspeed_bnb.ops import loader\n"
             "from kernel_tests import RULE_TEST_FILES\n"

@@ -58,7 +58,7 @@ TORCH, PYTHON = "2.13.0", "3.11"  # the default cells': the CPU build pip finds 
 BASE_PACKAGES = ("einops", "hjson", "msgpack", "ninja", "numpy", "packaging>=20.0", "psutil", "py-cpuinfo",
                  "pydantic>=2.0.0", "tqdm", "safetensors",
                  # setup.py's `test` extra: the suite refuses to start without it
-                 "pytest", "accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets", "matplotlib")
+                 "pytest", "accelerate>=1.0", "transformers>=4.45", "trl>=1.16", "datasets", "matplotlib", "build")
 BUILD_PACKAGES = ("setuptools", "wheel")  # DeepSpeed's sdist is built without isolation, against the pinned torch
 
 FIRST, LAST = (0, 16, 4), (0, 19, 8)  # the DeepSpeed releases of the default cells, every one in between
