@@ -70,8 +70,10 @@ OLDEST = (".".join(map(str, FIRST)), BNB_CURRENT, TORCH, PYTHON)
 # nvidia-* libraries), which run on the CPU
 TORCH_CELLS = (
     ("2.6.0", "3.11", ("0.16.4", "0.18.4"), BNB_CURRENT),  # LLaMA-Factory's image (its DeepSpeed cap 0.18.4)
-    ("2.6.0", "3.10", ("0.16.4",), BNB_CURRENT),  # the oldest Python bitsandbytes 0.50 installs on
-    ("2.8.0", "3.11", ("0.19.5",), BNB_CURRENT),  # TRL's image; OpenRLHF pins DeepSpeed 0.19.5
+    ("2.7.1", "3.11", ("0.17.6",), BNB_CURRENT),  # the minor releases between the pins, each with a DeepSpeed of
+    ("2.8.0", "3.11", ("0.19.5",), BNB_CURRENT),  # its time; TRL's image is 2.8.0; OpenRLHF pins DeepSpeed 0.19.5
+    ("2.9.1", "3.11", ("0.18.4",), BNB_CURRENT),
+    ("2.10.0", "3.11", ("0.19.2",), BNB_CURRENT),
     ("2.11.0", "3.11", ("0.18.9",), "0.49.1"),  # Axolotl (torch 2.11-2.12.1, DeepSpeed 0.18.x, bnb 0.49.1)
     ("2.12.1", "3.11", ("0.18.9",), "0.49.1"),
     ("2.14.1", "3.11", ("0.19.8",), BNB_CURRENT),
@@ -228,9 +230,24 @@ def ready(venv: str) -> bool:
     return os.path.exists(os.path.join(venv, ".ready"))
 
 
+def base_name(bnb: str, torch: str, python: str) -> str:
+    return f"base-py{python}-torch{torch}-bnb{bnb}"
+
+
+def prune(remaining) -> None:
+    """--prune: remove the venvs on another torch or Python than the defaults that no remaining cell (nor its
+    partners) needs: each CUDA build of torch with its libraries takes 5-7 GB. The default torch's stay."""
+    keep = {name for cell in remaining for c in (cell, *partners(cell)) for name in (cell_name(*c), base_name(*c[1:]))}
+    for venv in glob.glob(os.path.join(ENVS, "*")):
+        name = os.path.basename(venv)
+        on_defaults = f"-torch{TORCH}-" in name and name.startswith(f"base-py{PYTHON}-") or "-torch" not in name
+        if name not in keep and not on_defaults:
+            shutil.rmtree(venv, ignore_errors=True)
+
+
 def base_venv(bnb: str, torch: str, python: str, args, log) -> str:
     """The shared venv of a Python, torch and bitsandbytes release (and DeepSpeed's and the tests' needs); made once."""
-    venv = os.path.join(ENVS, f"base-py{python}-torch{torch}-bnb{bnb}")
+    venv = os.path.join(ENVS, base_name(bnb, torch, python))
     constraints = os.path.join(venv, "constraints.txt")
     # PIP_CONSTRAINT, not -c: it replaces a constraint file from pip's configuration (one capping torch, say) instead of
     # adding to it, so the cell gets the torch it names or fails saying so
@@ -416,14 +433,24 @@ def not_applicable(bnb: str):
     return (), ""
 
 
-def run_claims(cell, python: str, reference: str, work: str, log) -> dict:
+def partners(cell) -> tuple:
+    """(the cell whose Python is the other side of the cross-release claim, the cell whose Python checks the claims
+    FROM_REFERENCE). The first has another DeepSpeed: REFERENCE, or the oldest release for cells of REFERENCE's own
+    DeepSpeed (on another torch, that trip crosses torch releases too). The second is REFERENCE on the cell's torch
+    and Python: those claims compare bitsandbytes releases bit for bit, which another torch's arithmetic would
+    confound."""
+    other = OLDEST if cell[0] == REFERENCE[0] else REFERENCE
+    return other, (REFERENCE[0], REFERENCE[1], cell[2], cell[3])
+
+
+def run_claims(cell, python: str, work: str, log) -> dict:
     """Every claim of the cell: one pytest in the cell's venv, and the claims checked from the reference venv."""
     deepspeed, bnb = cell[:2]
+    other, reference = (python_of(os.path.join(ENVS, cell_name(*c))) for c in partners(cell))
     excluded, why = not_applicable(bnb)
     here = {claim: [i for i in ids if not i.startswith(excluded)] for claim, ids in CLAIMS.items()}
     skipped = {claim for claim, ids in here.items() if not ids}
     here = {claim: ids for claim, ids in here.items() if ids}
-    other = reference if cell != REFERENCE else python_of(os.path.join(ENVS, cell_name(*OLDEST)))
     cases, output, _ = pytest_run(python, sorted({i for ids in here.values() for i in ids}), work, log,
                                   TORCH_EXTENSIONS_DIR=extensions_dir(python), DEEPSPEED_BNB_OTHER_PYTHON=other)
     results = {claim: claim_result(ids, cases, output, seconds_of(cases, ids)) for claim, ids in here.items()}
@@ -457,10 +484,11 @@ def run_cell(cell, work: str, args) -> dict:
     started = time.monotonic()
     with open(log_path, "w") as log:
         try:
-            reference = python_of(cell_venv(REFERENCE, args, log))
             python = python_of(cell_venv(cell, args, log))
-            if cell == REFERENCE:  # its cross-release partner (another DeepSpeed) is the oldest release
-                cell_venv(OLDEST, args, log)
+            other, reference = partners(cell)
+            cell_venv(other, args, log)
+            if not_applicable(cell[1])[0]:  # the claims checked from the reference run there
+                cell_venv(reference, args, log)
         except RuntimeError as exc:
             log.flush()
             with open(log_path) as f:
@@ -472,7 +500,7 @@ def run_cell(cell, work: str, args) -> dict:
             if cell[0] == MASTER:
                 record["deepspeed_commit"] = record["installed"].get("deepspeed", "").partition("+")[2]
             warm_up(python, log)
-            record["claims"] = run_claims(cell, python, reference, work, log)
+            record["claims"] = run_claims(cell, python, work, log)
     record["seconds"] = round(time.monotonic() - started)
     record["log"] = os.path.basename(log_path)
     return record
@@ -520,8 +548,8 @@ def disk_usage() -> dict:
 def disk_line(disk) -> list:
     if not disk:
         return []
-    return [f"Disk: {disk['bytes'] / 2 ** 30:.1f} GiB in {disk['environments']} environments and the DeepSpeed "
-            f"wheels (~/.cache/deepspeed_bnb/compat_matrix, {disk['date']})."]
+    return [f"Disk: at most {disk['bytes'] / 2 ** 30:.1f} GiB at once, in {disk['environments']} environments and the "
+            f"DeepSpeed wheels (~/.cache/deepspeed_bnb/compat_matrix, {disk['date']})."]
 
 
 def minutes(seconds) -> str:
@@ -622,6 +650,8 @@ def main():
                         f"python{PYTHON} on PATH or pyenv's; other Pythons are found the same way)")
     parser.add_argument("--torch-index", default="", help=f"a pip index holding the CPU build of torch {TORCH}, for "
                         "machines without a local copy, e.g. https://download.pytorch.org/whl/cpu")
+    parser.add_argument("--prune", action="store_true", help="remove each other torch's venvs once no remaining cell "
+                        "needs them (5-7 GB each; the Disk line then counts what was there after each cell)")
     parser.add_argument("--deepspeed-master", default="", metavar="DIR", help="a DeepSpeed checkout (or bare git "
                         f"directory) whose HEAD the {MASTER} cell builds; default: a shallow clone of {MASTER_URL}")
     args = parser.parse_args()
@@ -651,7 +681,9 @@ def main():
               end=" ", flush=True)
         cell = run_cell(cell_key, work, args)
         results[cell_key] = cell
-        disk = disk_usage()
+        disk = max(disk_usage(), disk or {}, key=lambda d: d.get("bytes", 0))  # the most the run has held
+        if args.prune:
+            prune(cells[n:])
         write_atomically(RESULTS_JSON, json.dumps({"cells": list(results.values()), "disk": disk}, indent=1) + "\n")
         write_atomically(RESULTS_MD, render(results, disk))
         print(cell.get("install_error", "").split("\n")[0]
