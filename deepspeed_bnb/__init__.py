@@ -3,7 +3,7 @@
     import deepspeed_bnb   # teaches DeepSpeed the zero_optimization.bnb_* keys and the block-aware optimizer
     engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(...), config=cfg)
 
-The import checks the DeepSpeed and bitsandbytes releases (_versions.py) and installs every override of DeepSpeed
+The import checks the DeepSpeed, bitsandbytes and torch releases (_versions.py) and installs every override of DeepSpeed
 listed in deepspeed_bnb/overrides.py. The offline checkpoint tools (`deepspeed-bnb`, deepspeed_bnb_tools.py) import the
 package with DEEPSPEED_BNB_OFFLINE=1 instead: neither happens, and DeepSpeed stays exactly as installed. Never set
 it for training: a bnb optimizer would then reach stock ZeRO.
@@ -11,9 +11,12 @@ it for training: a bnb optimizer would then reach stock ZeRO.
 
 import os
 
+from deepspeed_bnb._torch_floor import require_torch_floor
+
 __version__ = "0.1.0"
 OFFLINE_ENV = "DEEPSPEED_BNB_OFFLINE"
 OFFLINE = os.environ.get(OFFLINE_ENV) == "1"
+require_torch_floor()  # the offline tools too: below it no checkpoint loads safely, and torch blames the file
 
 
 def activate() -> None:
