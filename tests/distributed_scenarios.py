@@ -168,6 +168,10 @@ def scenario_train(world, rank, out):
         cfg = dict(cfg)
         stock_cut = cfg.pop("stock_cut", False)
         cannot = stock_cannot_run(name, cfg["stage"], world)
+        if (cfg.get("bf16_master") or "bnb_master_weights" in cfg) and not has_bf16_master():
+            # DeepSpeed before 0.18.3 has no bf16 master weights: its config refuses DeepSpeed's own key, and
+            # deepspeed_bnb refuses its bf16 modes (tests/test_master_weights.py)
+            cannot = f"DeepSpeed {deepspeed.__version__} keeps no bf16 master weights (0.18.3 on)"
         if cannot:
             results[name] = {"refused": cannot}
             continue
