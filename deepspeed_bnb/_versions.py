@@ -23,10 +23,10 @@ padding tensors, 0.19.7 on through DeepSpeed's per-parameter padding (runtime/ze
 BITSANDBYTES = ("0.49.1", "0.49.2", "0.50.2")
 """0.49.x (Axolotl's pin) has no optimizer update on a CPU: there the fused kernel steps every parameter and what it
 cannot step is refused (optim/own_update.py); bnb 0.49's own CUDA update is untested here (no GPU)."""
-TORCH = ("2.6", "2.8", "2.11", "2.12", "2.13", "2.14", "2.15")
+TORCH = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
 """torch, by minor release (a patch release, or a build such as 2.13.0+cpu, counts as its minor release): 2.6.0,
-2.8.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 passed the matrix (PyPI's CUDA builds on the CPU, 2.13.0 the CPU
-build)."""
+2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 passed the matrix (PyPI's CUDA builds on the
+CPU, 2.13.0 the CPU build)."""
 ALLOW_UNTESTED_ENV = "DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS"
 
 
