@@ -316,25 +316,22 @@ def master_source(args, log) -> tuple:
 def deepspeed_wheel(deepspeed: str, base: str, args, log) -> str:
     """DeepSpeed's wheel, built once from its sdist against the base venv's torch (no ops compiled ahead); for
     MASTER, built from its source at every run, its version the next release's with the commit as local label."""
+    def build(source: str, folder: str, what: str, **env) -> str:
+        cmd = [python_of(base), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--progress-bar", "off",
+               "-w", folder, source]
+        if logged(cmd, log, clean_env(DS_BUILD_OPS="0", **env)) != 0:
+            raise RuntimeError(f"building {what} failed")
+        return glob.glob(os.path.join(folder, f"deepspeed-{'*' if deepspeed == MASTER else deepspeed + '-*'}.whl"))[0]
+
     os.makedirs(WHEELS, exist_ok=True)
     if deepspeed == MASTER:
         tree, git_dir, _ = master_source(args, log)
         for old in glob.glob(os.path.join(WHEELS, "master", "*.whl")):
             os.remove(old)
-        cmd = [python_of(base), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--progress-bar", "off",
-               "-w", os.path.join(WHEELS, "master"), tree]
         # DeepSpeed's setup.py reads the commit with `git rev-parse`: GIT_DIR lets it see the exported tree's
-        if logged(cmd, log, clean_env(DS_BUILD_OPS="0", GIT_DIR=git_dir)) != 0:
-            raise RuntimeError("building DeepSpeed's head failed")
-        return glob.glob(os.path.join(WHEELS, "master", "deepspeed-*.whl"))[0]
+        return build(tree, os.path.join(WHEELS, "master"), "DeepSpeed's head", GIT_DIR=git_dir)
     found = glob.glob(os.path.join(WHEELS, f"deepspeed-{deepspeed}-*.whl"))
-    if not found:
-        cmd = [python_of(base), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--progress-bar", "off",
-               "-w", WHEELS, f"deepspeed=={deepspeed}"]
-        if logged(cmd, log, clean_env(DS_BUILD_OPS="0")) != 0:
-            raise RuntimeError(f"building the deepspeed=={deepspeed} wheel failed")
-        found = glob.glob(os.path.join(WHEELS, f"deepspeed-{deepspeed}-*.whl"))
-    return found[0]
+    return found[0] if found else build(f"deepspeed=={deepspeed}", WHEELS, f"the deepspeed=={deepspeed} wheel")
 
 
 def cell_name(deepspeed: str, bnb: str, torch: str, python: str) -> str:

@@ -54,11 +54,12 @@ def by_name(deepspeed_init, args: tuple, kwargs: dict) -> dict:
     `gradient_accumulation_steps`): a subclass that read or passed positions would hand each later value to the wrong
     parameter, silently; bound by name, nothing shifts, and a subclass reads one setting whether it came by position
     or by keyword."""
+    signature = inspect.signature(deepspeed_init)
     # bind_partial: a missing argument is left for DeepSpeed's own __init__ to name; None: the unbound `self`
-    bound = inspect.signature(deepspeed_init).bind_partial(None, *args, **kwargs).arguments
+    bound = signature.bind_partial(None, *args, **kwargs).arguments
     named = {}
     for name, value in list(bound.items())[1:]:
-        kind = inspect.signature(deepspeed_init).parameters[name].kind
+        kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
             raise TypeError(f"deepspeed_bnb: {deepspeed_init.__qualname__} takes *{name}: its arguments cannot be "
                             f"passed on by name")
