@@ -19,9 +19,9 @@ from deepspeed_bnb._versions import ALLOW_UNTESTED_ENV, BITSANDBYTES, DEEPSPEED_
 ACCEPTED = [("deepspeed", "0.16.4"), ("deepspeed", "0.17.3"), ("deepspeed", "0.18.4"), ("deepspeed", "0.18.9"),
             ("deepspeed", "0.19.5"), ("deepspeed", "0.19.7"), ("deepspeed", "0.19.8"), ("deepspeed", "0.19.8+cpu"),
             ("bitsandbytes", "0.49.1"), ("bitsandbytes", "0.49.2"), ("bitsandbytes", "0.50.2"),
-            ("bitsandbytes", "0.50.2+cu128"), ("torch", "2.6.0"), ("torch", "2.7.1"), ("torch", "2.8.0"), ("torch", "2.9.1"),
-            ("torch", "2.10.0"), ("torch", "2.11.0"),
-            ("torch", "2.12.1"), ("torch", "2.13.0+cpu"), ("torch", "2.14.1"), ("torch", "2.15.0")]
+            ("bitsandbytes", "0.50.2+cu128"), ("torch", "2.6.0"), ("torch", "2.7.1"), ("torch", "2.8.0"),
+            ("torch", "2.9.1"), ("torch", "2.10.0"), ("torch", "2.11.0"), ("torch", "2.12.1"), ("torch", "2.13.0+cpu"),
+            ("torch", "2.14.1"), ("torch", "2.15.0")]
 REFUSED = [("deepspeed", "0.16.3"), ("deepspeed", "0.15.4"), ("deepspeed", "0.19.8.post1"), ("deepspeed", "0.19.9"),
            ("deepspeed", "0.20.0"), ("deepspeed", "0.20.0rc1"), ("bitsandbytes", "0.48.2"), ("bitsandbytes", "0.49.0"),
            ("bitsandbytes", "0.50.0"), ("bitsandbytes", "0.50.1"), ("bitsandbytes", "0.50.3"),
@@ -228,3 +228,47 @@ def test_zero1_fp32_grad_accum_refused_where_deepspeed_does_not_average_it(deeps
         require_reduced_grad_accum(grad_accum, world, deepspeed_version)
     assert f"DeepSpeed {deepspeed_version} does not average gradients" in str(failure.value)
     assert "fixed in DeepSpeed 0.19.8" in str(failure.value)
+
+
+def test_moe_model_states_get_param_shapes_where_deepspeed_leaves_them_out():
+    """DeepSpeed before 0.19.3 writes an MoE model's model states without `param_shapes`: the checkpoint engine's save
+    gets them added (the value `_save_checkpoint` writes); everything else passes through untouched."""
+    from deepspeed_bnb.runtime.zero.compat import with_moe_param_shapes
+
+    class Engine:
+        has_moe_layers = True
+
+        def _get_zero_param_shapes(self):
+            return [{"w": (4, 4)}]
+
+    written = []
+    save = with_moe_param_shapes(Engine(), lambda state, path: written.append((path, state)))
+    save({"module": {}}, "model_states.pt")
+    save({"module": {}, "param_shapes": ["theirs"]}, "model_states.pt")
+    save({"w": 1}, "expert.pt")  # an expert file: no model states
+    plain = Engine()
+    plain.has_moe_layers = False
+    with_moe_param_shapes(plain, lambda state, path: written.append((path, state)))({"module": {}}, "model.pt")
+    assert [state for _, state in written] == [{"module": {}, "param_shapes": [{"w": (4, 4)}]},
+                                               {"module": {}, "param_shapes": ["theirs"]}, {"w": 1}, {"module": {}}]
+
+
+def test_zero3_partition_group_and_rank_fall_back_to_the_dp_group(one_rank):
+    """Before DeepSpeed 0.19.3 a ZeRO-3 optimizer has no per-parameter partition groups: a parameter's slices are
+    spread over the data-parallel group, this rank's slice is its rank there; where the methods exist they decide."""
+    from deepspeed_bnb.runtime.zero.compat import param_partition_group, param_partition_rank
+    group = one_rank.new_group(ranks=[0])
+
+    class Before0193:
+        dp_process_group = group
+
+    class From0193(Before0193):
+        def _get_param_partition_group(self, param):
+            return ("expert group of", param)
+
+        def _get_param_partition_rank(self, param):
+            return 7
+
+    assert param_partition_group(Before0193(), "p") is group and param_partition_rank(Before0193(), "p") == 0
+    assert param_partition_group(From0193(), "p") == ("expert group of", "p") and param_partition_rank(From0193(),
+                                                                                                      "p") == 7
