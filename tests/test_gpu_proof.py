@@ -38,7 +38,7 @@ import proof_report  # noqa: E402
 ROOT = os.path.dirname(TESTS)
 PROOF = os.path.join(TESTS, "gpu", "proof.py")
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
-PARTS = ("env", "a", "b+c", "d", "e", "f")
+PARTS = ("env", "a", "b+c", "d", "e", "f", "g")
 
 
 @pytest.fixture(scope="module")
