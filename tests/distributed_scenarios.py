@@ -68,6 +68,9 @@ TRAIN_CONFIGS = {
     # gradient accumulation
     "fp32_stage3_zero_init": dict(stage=3, zero_init=True, sub_group_size=4000, stage3_param_persistence_threshold=0,
                                   clip=0.05, micro_steps=2),
+    # the same without accumulation (12 samples do not split into 2 micro-steps at DP 4): hpZ's reference
+    "fp32_stage3_zero_init_clip": dict(stage=3, zero_init=True, sub_group_size=4000,
+                                       stage3_param_persistence_threshold=0, clip=0.05),
     "fp32_stage3_offload": dict(stage=3, offload=True, offload_param={"device": "cpu"}),
     "bf16_stage3_clip": dict(stage=3, bf16=True, clip=0.05),
     # bf16 master weights (DeepSpeed's own key at ZeRO-1; bnb_master_weights elsewhere), with and without offload,
@@ -753,11 +756,22 @@ def scenario_parallel_load(world, rank, out, sources):
     return parallel_scenarios.scenario_parallel_load(world, rank, out, saved)
 
 
+def scenario_hpz_save(world, rank, out):
+    import hpz_scenarios
+    return hpz_scenarios.scenario_hpz_save(world, rank, out)
+
+
+def scenario_hpz_load(world, rank, out):
+    import hpz_scenarios
+    return hpz_scenarios.scenario_hpz_load(world, rank, out)
+
+
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
-             "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load}
+             "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load,
+             "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load}
 TAKES_SOURCES = ("elastic_load", "parallel_load")  # scenarios given --elastic-from
 
 

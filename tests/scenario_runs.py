@@ -4,8 +4,8 @@ test_elastic.py together, since each torchrun launch costs ~10 s of imports befo
 DP=1 runs in the test process (one rank), first and last. Between them five launches: one per N in 2..4 that runs
 test_distributed's scenarios of that world size (2 and 3), saves the elastic checkpoints and loads those of
 N' <= N; then one per M in 2..3 that loads the checkpoints of the larger N (and, at M=3, the DP=1 ones rewritten
-offline for 3 ranks by `deepspeed-bnb reshape`). Every launch must succeed and no scenario may fail: the results are
-the union per world.
+offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: saved at N=4, loaded at M=2. Every
+launch must succeed and no scenario may fail: the results are the union per world.
 """
 
 import json
@@ -27,14 +27,17 @@ RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for
 
 
 PARALLEL = (2, 4)  # world sizes of the pipeline / tensor-parallel runs (model-parallel 2 x data-parallel 1 and 2)
+HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/hpz_scenarios.py): saved at 4, loaded at 2
 
 
 def plan():
     """(world size, scenarios, elastic sources) of each run, in order: every checkpoint is saved before it is loaded."""
     first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"] +
-                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
+                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []) +
+                                 (["hpz_save"] if w == HPZ_SAVE else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
-    later = [(w, "elastic_load" + (",parallel_load" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else ""),
+    later = [(w, "elastic_load" + (",parallel_load" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else "")
+              + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else ""),
               [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
     if 3 not in SIZES[1:-1]:  # the reshaped DP=1 checkpoint is loaded at 3 ranks only
         later = [(w, scenarios, [s for s in sources if s != RESHAPED]) for w, scenarios, sources in later]

@@ -34,7 +34,8 @@ def max_delta(a, b):
 @pytest.mark.parametrize("config", ["fp32_stage1", "fp32_stage2", "fp32_stage2_clip", "fp32_stage2_clip_accum",
                                     "fp32_stage2_offload", "fp32_stage2_round_robin", "fp32_stage2_bnb_update",
                                     "fp32_stage2_padding_tensors", "fp32_stage2_offload_padding_tensors",
-                                    "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload",
+                                    "fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_zero_init_clip",
+                                    "fp32_stage3_offload",
                                     "fp32_stage3_emb32", "fp32_stage3_all_reduce"])
 def test_fp32_tracks_single_rank(results, world, config):
     run, single = results[world]["train"][config], results[1]["train"][config]

@@ -150,6 +150,10 @@ def block_align(params) -> int:
         param.all_gather()  # with DeepSpeed's padding, before the mark changes it
         setattr(param, BLOCK_ALIGNED_ATTR, True)
         param.ds_tensor = None  # the old partition: `partition()` allocates one of the new size
+        # hpZ's secondary partition too: `_partition_param_sec` keeps one it finds, at its old (stock-padded) size,
+        # and the next gather from secondary partitions would mix the two sizes
+        if getattr(param, "ds_secondary_tensor", None) is not None:
+            param.ds_secondary_tensor = None
         param.partition()
         repartitioned += 1
     return repartitioned

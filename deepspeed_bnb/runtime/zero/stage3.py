@@ -60,8 +60,6 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
     offload = kwargs.get("offload_optimizer_config")
     offload_param = kwargs.get("offload_param_config")
     checks = [
-        (kwargs.get("zero_hpz_partition_size", 1) > 1, "zero_optimization.zero_hpz_partition_size > 1",
-         "hierarchical partitions (hpZ) keep secondary slices of another size", "set it to 1"),
         (kwargs.get("zero_quantized_weights") or kwargs.get("zero_quantized_nontrainable_weights"),
          "zero_optimization.zero_quantized_weights", "quantized all-gathers size their buffers by ceil(numel / dp)",
          "set it to false"),
