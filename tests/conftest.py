@@ -29,7 +29,7 @@ def free_port() -> int:
 
 # Markers (pytest.ini): `make test-quick` runs what is neither multi_rank nor slow, `make test` everything.
 MULTI_RANK_MODULES = {"test_bnb_049", "test_clients", "test_cross_release", "test_distributed", "test_elastic",
-                      "test_elastic_training", "test_gpu_proof", "test_hpz", "test_model_parallel", "test_rank_failures",
+                      "test_elastic_training", "test_gpu_proof", "test_hpz", "test_model_parallel", "test_nvme", "test_rank_failures",
                       "test_teardown", "test_trl"}  # modules that launch ranks (torchrun, deepspeed, accelerate)
 # modules that build an extension or a wheel, or run a benchmark
 SLOW_MODULES = {"test_build", "test_cuda_build", "test_jit_build_lock", "test_compare_adam", "test_wheel"}

@@ -1,0 +1,160 @@
+"""NVMe offload scenarios (ZeRO-Infinity), run by tests/test_nvme.py under `torchrun --nproc_per_node 2`.
+
+A bf16 MLP whose two large weights give each rank partitions of 1 MiB and more (DeepSpeed swaps nothing smaller:
+`min_aio_bytes`), with bnb AdamW8bit under ZeRO-3. Each offload kind trains STEPS steps, saving after SAVE_AT:
+- `cpu`: optimizer and parameters offloaded to the CPU (the reference);
+- `param_nvme`: parameters swapped to NVMe (`offload_param.device: nvme`), optimizer on the CPU.
+Rank 0 writes, per kind: the losses, whether the final fp32 weights equal the reference's bit for bit, and how many
+swap files each rank held (the control: NVMe was used). Then every checkpoint is loaded by an engine of every kind,
+built with another seed, which continues to STEPS: its losses are recorded beside the run that never stopped, and
+(control) once without its optimizer state, by a `cpu` engine. With --load-only (another DP size), every checkpoint
+is loaded by a ZeRO-2 engine without offload instead.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import bitsandbytes as bnb
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import safe_get_full_fp32_param
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import deepspeed_bnb  # noqa: E402,F401
+from teardown import finish  # noqa: E402
+
+HIDDEN, CLASSES, GLOBAL_BATCH = 1024, 8, 8  # the batch splits into 2 ranks or 1
+STEPS, SAVE_AT = 6, 3
+AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True, "thread_count": 1}
+KINDS = ("cpu", "param_nvme")
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.GELU(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def swap_root(out: str, kind: str, seed: int) -> str:
+    return os.path.join(out, "swap", f"{kind}_seed{seed}")
+
+
+def config(kind: str, swap: str) -> dict:
+    common = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+              "gradient_accumulation_steps": 1, "bf16": {"enabled": True}, "steps_per_print": 10**9}
+    if kind == "stage2":  # the loader at another DP size: no offload, another stage
+        return {**common, "zero_optimization": {"stage": 2}}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False,
+            "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    if kind == "param_nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 6,
+                                 "buffer_size": HIDDEN * HIDDEN, "max_in_cpu": 0}
+    return {**common, "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "aio": AIO}
+
+
+def build(kind: str, out: str, seed: int = 0):
+    model = make_model(seed)
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(kind, swap_root(out, kind, seed)))
+    return engine
+
+
+def batch(step: int, world: int, rank: int):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(GLOBAL_BATCH, HIDDEN, generator=g)
+    y = torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g)
+    per_rank = GLOBAL_BATCH // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    return x[mine].to(torch.bfloat16), y[mine]
+
+
+def train(engine, steps, world, rank):
+    losses = []
+    for step in steps:
+        x, y = batch(step, world, rank)
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        total = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def weights(engine) -> dict:
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def swap_files(out: str, kind: str, seed: int) -> int:
+    """Swap files this rank holds under the kind's NVMe folder (0 when it has none)."""
+    found = 0
+    for folder, _, files in os.walk(swap_root(out, kind, seed)):
+        found += sum(1 for name in files if name.endswith(".swp") and f"rank{dist.get_rank()}" in folder)
+    return found
+
+
+def everywhere(value: int) -> list:
+    gathered = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--load-only", action="store_true", help="load the saved checkpoints into ZeRO-2 engines")
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kinds = args.kinds.split(",")
+    if args.load_only:
+        loads = {}
+        for saved in kinds:
+            engine = build("stage2", args.out, seed=1)
+            engine.load_checkpoint(os.path.join(args.out, "ckpt", saved), tag="s")
+            loads[saved] = train(engine, range(SAVE_AT, STEPS), world, rank)
+        if rank == 0:
+            with open(os.path.join(args.out, f"nvme_loads_world{world}.json"), "w") as f:
+                json.dump(loads, f, indent=1)
+        return
+    results, finals = {"runs": {}, "loads": {}, "state_dropped": {}}, {}
+    for kind in kinds:
+        engine = build(kind, args.out)
+        losses = train(engine, range(SAVE_AT), world, rank)
+        engine.save_checkpoint(os.path.join(args.out, "ckpt", kind), tag="s")
+        losses += train(engine, range(SAVE_AT, STEPS), world, rank)
+        finals[kind] = weights(engine)
+        reference = finals[kinds[0]]
+        same = all(torch.equal(finals[kind][n], reference[n]) for n in reference)
+        results["runs"][kind] = {"losses": losses, "weights_equal_first": same,
+                                 "swap_files": everywhere(swap_files(args.out, kind, 0))}
+        del engine
+    for saved in kinds:
+        for loader in kinds:
+            engine = build(loader, args.out, seed=1)
+            engine.load_checkpoint(os.path.join(args.out, "ckpt", saved), tag="s")
+            losses = train(engine, range(SAVE_AT, STEPS), world, rank)
+            final = weights(engine)
+            results["loads"][f"{saved}->{loader}"] = {
+                "losses": losses, "weights_equal": all(torch.equal(final[n], finals[saved][n]) for n in final)}
+            del engine
+        # the control's loader offloads to the CPU: DeepSpeed's load without optimizer state copies the 16-bit
+        # partitions into the fp32 ones, and with parameters on NVMe it has none in memory (AttributeError on
+        # 'NoneType', stock DeepSpeed alike)
+        engine = build("cpu", args.out, seed=1)
+        engine.load_checkpoint(os.path.join(args.out, "ckpt", saved), tag="s", load_optimizer_states=False)
+        results["state_dropped"][saved] = train(engine, range(SAVE_AT, STEPS), world, rank)
+        del engine
+    if rank == 0:
+        with open(os.path.join(args.out, "nvme_results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
+    finish()

@@ -1,0 +1,78 @@
+"""ZeRO-Infinity's NVMe offload with bnb 8-bit state, on 2 CPU ranks (tests/nvme_scenarios.py), then loaded at DP 1.
+
+NVMe parameter offload (`offload_param.device: nvme`) trains exactly as CPU parameter offload: the same losses and
+final fp32 weights, bit for bit. Every checkpoint, of either kind, loads into an engine of either kind (built with
+another seed) and continues exactly as the run that never stopped; at DP 1, a ZeRO-2 engine without offload continues
+within the bf16 bar. Controls: the NVMe run held swap files on every rank (parameters were on NVMe), the CPU run none;
+loading without the optimizer state diverges.
+Skipped, naming what to install, where DeepSpeed's async_io op cannot be built (no libaio); `make test` installs
+libaio-dev where it runs as root.
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import torchrun
+from nvme_scenarios import KINDS, SAVE_AT
+
+BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
+
+pytestmark = pytest.mark.slow
+
+
+def aio_missing():
+    """Why DeepSpeed's async_io op cannot be built here, or None."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        return None
+    return ("NVMe offload needs DeepSpeed's async_io op, which needs libaio's headers and library: install them "
+            "(Debian/Ubuntu: `apt-get install libaio-dev`; `make test` does so when run as root), then rerun")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    missing = aio_missing()
+    if missing:
+        pytest.skip(missing)
+    out = str(tmp_path_factory.mktemp("nvme"))
+    torchrun("nvme_scenarios.py", 2, "--out", out)
+    torchrun("nvme_scenarios.py", 1, "--out", out, "--load-only")
+    with open(os.path.join(out, "nvme_results.json")) as f:
+        found = json.load(f)
+    with open(os.path.join(out, "nvme_loads_world1.json")) as f:
+        found["dp1"] = json.load(f)
+    return found
+
+
+def test_parameters_on_nvme_train_as_on_the_cpu(results):
+    runs = results["runs"]
+    assert runs["cpu"]["swap_files"] == [0, 0]
+    assert all(n > 0 for n in runs["param_nvme"]["swap_files"]), runs["param_nvme"]["swap_files"]  # control
+    assert runs["param_nvme"]["losses"] == runs["cpu"]["losses"]
+    assert runs["param_nvme"]["weights_equal_first"]
+
+
+@pytest.mark.parametrize("saved", KINDS)
+@pytest.mark.parametrize("loader", KINDS)
+def test_checkpoints_resume_exactly_across_offload_kinds(results, saved, loader):
+    reference = results["runs"][saved]["losses"][SAVE_AT:]
+    loaded = results["loads"][f"{saved}->{loader}"]
+    assert loaded["losses"] == reference
+    assert loaded["weights_equal"]
+    assert max(abs(a - b) for a, b in zip(results["state_dropped"][saved], reference)) > 1e-3  # control
+
+
+@pytest.mark.parametrize("saved", KINDS)
+def test_checkpoints_load_at_dp1_without_offload(results, saved):
+    reference = results["runs"][saved]["losses"][SAVE_AT:]
+    assert max(abs(a - b) for a, b in zip(results["dp1"][saved], reference)) <= BF16_TOL
+
+
+def test_without_libaio_the_skip_names_the_package(monkeypatch):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    assert "apt-get install libaio-dev" in aio_missing()
+    monkeypatch.undo()
+    assert aio_missing() is None or "libaio" in aio_missing()  # control: the real check answers too
