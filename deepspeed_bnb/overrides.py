@@ -68,6 +68,7 @@ ENGINE_PY, ZERO12_PY, ZERO3_PY = ("deepspeed_bnb.runtime.engine", "deepspeed_bnb
                                   "deepspeed_bnb.runtime.zero.stage3")
 CHECKPOINTING_PY = "deepspeed_bnb.runtime.checkpointing"
 MIXIN_PY = "deepspeed_bnb.runtime.zero.bnb_partitions"  # what the ZeRO subclasses of every stage share
+NVME_PY = "deepspeed_bnb.runtime.zero.nvme_state"  # ZeRO-3's bnb state on NVMe
 PADDING_PY = "deepspeed_bnb.runtime.zero.padding_tensors"
 
 
@@ -134,6 +135,11 @@ OVERRIDES: Tuple[Override, ...] = (
              f"{CHECKPOINTING_PY}:_DeferredWrites", "a write that fails on one rank would raise there while the other "
              "ranks wait in DeepSpeed's closing barrier; replaced on that object for the duration of a save by one "
              "that records the failure, which every rank then raises", ("self", "state_dict", "path")),
+    Override(ENGINE, "zero_nvme_offload_optimizer", SWAP, CALL_SCOPE, f"{CHECKPOINTING_PY}:not_stock_nvme",
+             "with the optimizer offloaded to NVMe, DeepSpeed saves a copy of its swap folder beside the checkpoint and "
+             "loads by copying it back over the swap folder instead of loading the ZeRO checkpoint (the same DP size "
+             "only; the saved fp32 partitions are empty); a bnb engine's per-rank records hold its state and master "
+             "weights, so for a bnb engine's save and load it answers False", ("self",)),
     Override("deepspeed.runtime.engine", "get_fp32_state_dict_from_zero_checkpoint", SWAP, CALL_SCOPE,
              f"{CHECKPOINTING_PY}:_safe_reads", "ZeRO-3 weights-only loads rebuild the weights with zero_to_fp32, "
              "which unpickles every rank file in full, globs the tag for files and re-reads `latest` whatever tag "
@@ -210,7 +216,22 @@ OVERRIDES: Tuple[Override, ...] = (
     _subclass(ZERO3, MIXIN_PY, "_configure_master_weights", "as at stages 1/2",
               ("self", "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients",
                "bf16_optimizer_states"), since="0.18.3"),
-    _subclass(ZERO3, MIXIN_PY, "_restore_from_bit16_weights", "as at stages 1/2", ("self",)),
+    _subclass(ZERO3, ZERO3_PY, "_restore_from_bit16_weights", "as at stages 1/2; with the optimizer on NVMe, one "
+              "sub-group in memory at a time (DeepSpeed copies into the empty placeholders of swapped partitions)",
+              ("self",)),
+    _subclass(ZERO3, NVME_PY, "_configure_tensor_swapping", "DeepSpeed's optimizer swapper takes every state tensor "
+              "of 1 MiB or more for an fp32 moment of the partition's size (bnb's uint8 codes are read back from files "
+              "never written): it is narrowed to the fp32 partitions and gradients, and bnb's state goes to "
+              "deepspeed_bnb's own swapper", ("self", "offload_optimizer_config", "aio_config")),
+    Override("deepspeed.runtime.swap_tensor.optimizer_utils.OptimizerSwapper", "_get_state_tensors", OBJECT,
+             OBJECT_SCOPE, f"{NVME_PY}:BnbNVMeStateMixin._configure_tensor_swapping", "set on the bnb optimizer's "
+             "swapper only: it sees no state tensors", ("self", "parameter")),
+    Override(ZERO3, "_swappable_optimizer_subgroup", CALL, CALL_SCOPE, "", "whether DeepSpeed swaps a sub-group to "
+             "NVMe (its fp32 partition of 1 MiB or more)", ("self", "sub_group_id")),
+    Override(ZERO3, "_optimizer_states_and_gradient_swap_in", CALL, CALL_SCOPE, "", "a swapped sub-group's fp32 "
+             "partition into memory outside a step (checkpoints, loads)", ("self", "sub_group_id")),
+    Override(ZERO3, "_optimizer_states_and_gradient_swap_out", CALL, CALL_SCOPE, "", "and back to NVMe",
+             ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "
               "gradient by ceil(numel / dp): marked parameters' gradients are padded to their partitions first",
               ("self", "params_to_reduce"), params_since={"communication_data_type": "0.17.2"}),

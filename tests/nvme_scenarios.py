@@ -3,9 +3,14 @@
 A bf16 MLP whose two large weights give each rank partitions of 1 MiB and more (DeepSpeed swaps nothing smaller:
 `min_aio_bytes`), with bnb AdamW8bit under ZeRO-3. Each offload kind trains STEPS steps, saving after SAVE_AT:
 - `cpu`: optimizer and parameters offloaded to the CPU (the reference);
-- `param_nvme`: parameters swapped to NVMe (`offload_param.device: nvme`), optimizer on the CPU.
+- `param_nvme`: parameters swapped to NVMe (`offload_param.device: nvme`), optimizer on the CPU;
+- `opt_nvme`: the optimizer on NVMe (`offload_optimizer.device: nvme`: fp32 partitions and gradients through
+  DeepSpeed's swapper, bnb state through deepspeed_bnb's), parameters on the CPU;
+- `both_nvme`: both on NVMe.
+Sub-groups hold one large weight each (sub_group_size), so some are swapped and one (the small rest) is not.
 Rank 0 writes, per kind: the losses, whether the final fp32 weights equal the reference's bit for bit, and how many
-swap files each rank held (the control: NVMe was used). Then every checkpoint is loaded by an engine of every kind,
+swap files each rank held and, between steps, whether every swapped sub-group's fp32 partition and bnb state were out
+of memory (the controls: NVMe was used). Then every checkpoint is loaded by an engine of every kind,
 built with another seed, which continues to STEPS: its losses are recorded beside the run that never stopped, and
 (control) once without its optimizer state, by a `cpu` engine. With --load-only (another DP size), every checkpoint
 is loaded by a ZeRO-2 engine without offload instead.
@@ -30,7 +35,7 @@ from teardown import finish  # noqa: E402
 HIDDEN, CLASSES, GLOBAL_BATCH = 1024, 8, 8  # the batch splits into 2 ranks or 1
 STEPS, SAVE_AT = 6, 3
 AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True, "thread_count": 1}
-KINDS = ("cpu", "param_nvme")
+KINDS = ("cpu", "param_nvme", "opt_nvme", "both_nvme")
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -48,9 +53,16 @@ def config(kind: str, swap: str) -> dict:
               "gradient_accumulation_steps": 1, "bf16": {"enabled": True}, "steps_per_print": 10**9}
     if kind == "stage2":  # the loader at another DP size: no offload, another stage
         return {**common, "zero_optimization": {"stage": 2}}
+    # sub-groups of one large weight each (its 2-rank partition), and one of the small rest, which stays in memory
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False,
+            "sub_group_size": HIDDEN * HIDDEN // 2,
             "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     if kind == "param_nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 6,
+                                 "buffer_size": HIDDEN * HIDDEN, "max_in_cpu": 0}
+    if kind in ("opt_nvme", "both_nvme"):
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 4}
+    if kind == "both_nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 6,
                                  "buffer_size": HIDDEN * HIDDEN, "max_in_cpu": 0}
     return {**common, "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "aio": AIO}
@@ -83,6 +95,18 @@ def train(engine, steps, world, rank):
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
+
+
+def released(engine):
+    """With the optimizer on NVMe: (swapped sub-groups, whether each one's fp32 partition and bnb state are out of
+    memory); None otherwise."""
+    opt = engine.optimizer
+    if getattr(opt, "bnb_swapper", None) is None:
+        return None
+    on_nvme = [i for i in range(len(opt.fp16_groups)) if opt._bnb_on_nvme(i)]
+    out = all(opt.fp32_partitioned_groups_flat[i].numel() == 0
+              and all(t.numel() == 0 for t in opt._bnb_swapped_state(i).values()) for i in on_nvme)
+    return [len(on_nvme), len(opt.fp16_groups), out]
 
 
 def weights(engine) -> dict:
@@ -132,7 +156,8 @@ def main():
         reference = finals[kinds[0]]
         same = all(torch.equal(finals[kind][n], reference[n]) for n in reference)
         results["runs"][kind] = {"losses": losses, "weights_equal_first": same,
-                                 "swap_files": everywhere(swap_files(args.out, kind, 0))}
+                                 "swap_files": everywhere(swap_files(args.out, kind, 0)),
+                                 "released": everywhere(released(engine))}
         del engine
     for saved in kinds:
         for loader in kinds:

@@ -6,6 +6,7 @@ relation to bnb tests/test_matches_bnb.py holds). Multi-rank ZeRO-3 (DP 2 and 3 
 sub-groups, offload, stock control, elastic checkpoints) runs in tests/test_distributed.py and tests/test_elastic.py.
 """
 
+import re
 from contextlib import nullcontext
 
 import bitsandbytes as bnb
@@ -147,12 +148,25 @@ def test_routing_cannot_fail_silently(one_rank, monkeypatch):
 
 
 @pytest.mark.parametrize("zero,named", [
-    (dict(offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}), "offload_optimizer.device: nvme"),
     (dict(zero_quantized_weights=True), "zero_quantized_weights"),
 ])
 def test_unsupported_stage3_settings_are_refused_by_name(one_rank, zero, named):
     with pytest.raises(NotImplementedError, match=f"{named} is not supported .*AdamW8bit under ZeRO stage 3"):
         engine_of(FACTORIES["AdamW8bit"], make_model(0), **zero)
+
+
+@pytest.mark.parametrize("master", ["bf16", "bf16+8"])
+def test_nvme_optimizer_offload_with_bf16_master_weights_is_refused_by_name(one_rank, tmp_path, master):
+    """NVMe offload of the optimizer keeps fp32 master weights (tests/test_nvme.py): the bf16 modes are refused
+    before anything is built, naming both settings and the fixes. Control: fp32 master weights are accepted."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(NotImplementedError, match=rf"bnb_master_weights '{re.escape(master)}' with "
+                                                  r"offload_optimizer.device \"nvme\" is not supported yet.*set "
+                                                  r"bnb_master_weights to \"fp32\", or offload the optimizer to "
+                                                  r"\"cpu\""):
+        engine_of(FACTORIES["AdamW8bit"], make_model(0), bf16=True, offload_optimizer=nvme,
+                  bnb_master_weights=master)
+    engine_of(FACTORIES["AdamW8bit"], make_model(0), bf16=True, offload_optimizer=nvme, bnb_master_weights="fp32")
 
 
 def test_parameter_state_api_gives_the_moments_as_at_stage_2(one_rank, tmp_path):

@@ -177,7 +177,8 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
         for step in (prepare, lambda: _probe_staging(staged)):  # each a collective of its own
             agree(step, CheckpointSaveError, context=f"{call} failed: ")
         writes = _DeferredWrites(compat.with_moe_param_shapes(self, self.checkpoint_engine.save))
-        with swapped("CheckpointEngine.save", writes, on=self.checkpoint_engine):
+        with swapped("CheckpointEngine.save", writes, on=self.checkpoint_engine), \
+                swapped("DeepSpeedEngine.zero_nvme_offload_optimizer", not_stock_nvme, on=self):
             stock_save(self, staged, tag, client_state, False, exclude_frozen_parameters)  # ends with a barrier
         agree(writes.raise_failure, CheckpointSaveError, context=f"{call} failed: ")
         tag_dir = os.path.join(staged, tag)
@@ -435,8 +436,16 @@ def _safe_reads(engine, plan: TagLoad):
         return dict(plan.weights)
 
     with forced_weights_only(), swapped("CheckpointEngine.load", read, on=engine.checkpoint_engine), \
-            swapped("engine.get_fp32_state_dict_from_zero_checkpoint", rebuilt_weights):
+            swapped("engine.get_fp32_state_dict_from_zero_checkpoint", rebuilt_weights), \
+            (swapped("DeepSpeedEngine.zero_nvme_offload_optimizer", not_stock_nvme, on=engine)
+             if is_bnb_zero(engine.optimizer) else contextlib.nullcontext()):
         yield
+
+
+def not_stock_nvme() -> bool:
+    """DeepSpeedEngine.zero_nvme_offload_optimizer during a bnb engine's save and load: the ZeRO checkpoint's records
+    hold the NVMe-offloaded state (no copy of the swap folder is saved or restored)."""
+    return False
 
 
 def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):

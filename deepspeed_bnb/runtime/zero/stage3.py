@@ -46,6 +46,7 @@ from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.overrides import swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
+from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
 from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, ShardedLayout
@@ -65,8 +66,6 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
          "set it to false"),
         (kwargs.get("all2all_process_group") is not None, "zero_optimization.zero_quantized_gradients",
          "the all-to-all gradient reduction chunks gradients itself", "set it to false"),
-        (offload is not None and getattr(offload, "device", None) == "nvme", "offload_optimizer.device: nvme",
-         "NVMe-swapped optimizer state is not laid out per parameter", "use \"cpu\" (or none)"),
         (kwargs.get("offload_ratio", 0.0) not in (0.0, 1.0), "offload_optimizer.ratio",
          "partial offload steps part of the state with a GPU AdamW", "remove it"),
         (kwargs.get("zenflow_config") is not None, "zero_optimization.zenflow",
@@ -80,7 +79,7 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
                 f"element-wise): {fix}.")
 
 
-class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
+class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
     def __init__(self, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
@@ -94,6 +93,12 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         # Before DeepSpeed replaces each group's params: precision and config overrides per model parameter.
         self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
         self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer_Stage3)
+        offload = kwargs.get("offload_optimizer_config")
+        if getattr(offload, "device", None) == "nvme" and self.bnb_master.mode != master_weights.FP32:
+            raise NotImplementedError(
+                f"deepspeed_bnb: zero_optimization.bnb_master_weights {self.bnb_master.mode!r} with "
+                f"offload_optimizer.device \"nvme\" is not supported yet (the NVMe swap of bnb state keeps fp32 master "
+                f"weights): set bnb_master_weights to \"fp32\", or offload the optimizer to \"cpu\".")
         # Before DeepSpeed flattens this rank's slices: every slice whole blocks of its parameter.
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
         super().__init__(**kwargs)
@@ -121,17 +126,19 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
             eight_bit = [self.bnb.eight_bit(p) for p in params]
             segments = layout.segments(rank, eight_bit)
             self._bnb_check_trust_ratio(i, layout, eight_bit)
-            self._bnb_zero_padding(i, layout, segments)
-            partition = self.fp32_partitioned_groups_flat[i]
-            group = self.optimizer.param_groups[gindex]
             self.bnb_layouts.append(layout)
             self.bnb_eight_bit.append(eight_bit)
             self.bnb_segments.append(segments)
-            step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
-            with self._bnb_holding(i):
-                self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments, layout.partition_size,
-                                                                    group_eight_bit[gindex], partition.device)
-                step.route(group)
+            with self._bnb_resident(i):  # on NVMe: the state is written there once allocated
+                self._bnb_zero_padding(i, layout, segments)
+                partition = self.fp32_partitioned_groups_flat[i]
+                group = self.optimizer.param_groups[gindex]
+                step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
+                with self._bnb_holding(i):
+                    self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments,
+                                                                        layout.partition_size,
+                                                                        group_eight_bit[gindex], partition.device)
+                    step.route(group)
             self.bnb_steps.append(step)
         with self._bnb_holding():
             self._bnb_log_routes()
@@ -263,7 +270,7 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         # DeepSpeed has already unscaled and clipped this sub-group's gradient (unscale_and_clip_grads)
         partition = self.fp32_partitioned_groups_flat[sub_group_id]
         group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
-        with self._bnb_holding(sub_group_id):
+        with self._bnb_holding(sub_group_id), self._bnb_state_resident(sub_group_id):
             self.bnb_steps[sub_group_id].step(group, partition, partition.grad, self.optimizer.state[partition],
                                               master_error=self.bnb_master_errors[sub_group_id])
 
@@ -277,6 +284,15 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
 
     def _bnb_param_state(self, param) -> ParamOptimizerState:
         return getattr(param, PARAM_STATE_ATTR)
+
+    def _bnb_with_state(self, param, optim_state_key, method, *args):
+        """`method(*args)`; with a key, on a sub-group whose bnb state is on NVMe: with that state in memory, and what
+        it returns copied out of it. DeepSpeed's own calls without a key swap the fp32 partition in themselves."""
+        if optim_state_key is None or not param.requires_grad or self.bnb_swapper is None:
+            return method(*args)
+        with self._bnb_state_resident(self.grad_position[self.get_param_id(param)][0]):
+            out = method(*args)
+            return out.clone() if torch.is_tensor(out) else out
 
     # Without a key: the weights. bf16 master weights are widened to fp32 (DeepSpeed hands out the partition's dtype);
     # compensated ones are joined with their error terms on get and split into both on set.
@@ -303,6 +319,9 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         return full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
 
     def get_full_hp_param(self, param, optim_state_key=None):
+        return self._bnb_with_state(param, optim_state_key, self._bnb_get_full_hp_param, param, optim_state_key)
+
+    def _bnb_get_full_hp_param(self, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
             if self.bnb_master.compensated and param.requires_grad:
                 return self._bnb_full_master(param)
@@ -311,6 +330,9 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         return self._bnb_param_state(param).get_full(param, optim_state_key)
 
     def set_full_hp_param(self, value, param, optim_state_key=None):
+        return self._bnb_with_state(param, optim_state_key, self._bnb_set_full_hp_param, value, param, optim_state_key)
+
+    def _bnb_set_full_hp_param(self, value, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
             if self.bnb_master.compensated and param.requires_grad:
                 master, error = self._bnb_master_slice(param)
@@ -324,6 +346,9 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         return self._bnb_param_state(param).set_full(param, optim_state_key, value)
 
     def get_local_fp32_param(self, param, optim_state_key=None):
+        return self._bnb_with_state(param, optim_state_key, self._bnb_get_local_fp32_param, param, optim_state_key)
+
+    def _bnb_get_local_fp32_param(self, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
             if self.bnb_master.compensated and param.requires_grad:
                 return self._bnb_local_master(param)
@@ -332,6 +357,9 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         return self._bnb_param_state(param).get_local(optim_state_key, device=param.ds_tensor.device)
 
     def set_local_hp_param(self, value, param, optim_state_key=None):
+        return self._bnb_with_state(param, optim_state_key, self._bnb_set_local_hp_param, value, param, optim_state_key)
+
+    def _bnb_set_local_hp_param(self, value, param, optim_state_key=None):
         if optim_state_key is None or not param.requires_grad:  # weights; frozen: DeepSpeed's None
             if self.bnb_master.compensated and param.requires_grad:
                 master, error = self._bnb_master_slice(param)
@@ -339,6 +367,15 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
                 return None
             return super().set_local_hp_param(value, param, optim_state_key)
         return self._bnb_param_state(param).set_local(optim_state_key, value)
+
+    def _restore_from_bit16_weights(self):
+        # DeepSpeed copies the 16-bit partitions into the fp32 ones, which are empty placeholders while on NVMe
+        if self.bnb_swapper is None:
+            return super()._restore_from_bit16_weights()
+        for i in range(len(self.fp16_groups)):  # on NVMe: one sub-group in memory at a time (the masters are fp32)
+            with self._bnb_resident(i):
+                self.fp32_partitioned_groups_flat[i].data.copy_(self.fp16_partitioned_groups_flat[i].data)
+        return None
 
     def _get_fp32_opt_state_partition(self, param, *args, **kwargs):
         # (DeepSpeed 0.16.9 added `release_swap_buffers` before the key: bound against the installed signature)
@@ -373,11 +410,20 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         records = []
         for gindex, params, layout, eight_bit in self._bnb_groups():
             subs = self.bnb_sub_groups[gindex]
-            states = [self.optimizer.state[self.fp32_partitioned_groups_flat[i]] for i in subs]
+            states, masters = [], []
+            for i in subs:  # on NVMe: brought in one at a time and copied (their memory goes with the swap-out)
+                with self._bnb_resident(i):
+                    state, master = self.optimizer.state[self.fp32_partitioned_groups_flat[i]], \
+                        self.fp32_partitioned_groups_flat[i].data
+                    if self._bnb_on_nvme(i):
+                        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                        master = master.clone()
+                    states.append(state)
+                    masters.append(master)
             classes = self.bnb.stored_classes(states[0])
             state = {key: _joined([s[key] for s in states]) if classes[key] in PARTITIONED else states[0][key]
                      for key in states[0] if key in classes}
-            master = _joined([self.fp32_partitioned_groups_flat[i].data for i in subs])
+            master = _joined(masters)
             error = _joined([self.bnb_master_errors[i] for i in subs]) if self.bnb_master.compensated else None
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[gindex], layout=layout,
                                        param_names=[self.param_names[p] for p in params], eight_bit=eight_bit,
@@ -390,29 +436,35 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         for record, (gindex, *_) in zip(records, self._bnb_groups()):
             offset = fp32_offset = 0
             for i in self.bnb_sub_groups[gindex]:
-                partition = self.fp32_partitioned_groups_flat[i]
-                state = self.optimizer.state[partition]
-                size = self.bnb_layouts[i].partition_size
-                fp32_size = sum(s.numel for s in self.bnb_segments[i] if not s.eight_bit)
-                for key, cls in record.key_classes.items():
-                    saved = record.state[key]
-                    if cls == StateClass.SCALAR:
-                        state[key] = saved
-                    elif saved is state[key]:
-                        continue  # a param group of one sub-group is loaded in place
-                    elif cls == StateClass.ELEMENT:
-                        start, length = (fp32_offset, fp32_size) if key.startswith(FP32_PREFIX) else (offset, size)
-                        state[key].copy_(saved.narrow(-1, start, length))
-                    elif cls == StateClass.BLOCK:
-                        state[key].copy_(saved.narrow(-1, offset // BLOCK_SIZE, size // BLOCK_SIZE))
-                    else:
-                        state[key].copy_(saved)
-                if record.master.data_ptr() != partition.data_ptr():  # several sub-groups: a joined copy
-                    partition.data.copy_(record.master.narrow(0, offset, size))
-                    if record.master_error is not None:
-                        self.bnb_master_errors[i].copy_(record.master_error.narrow(0, offset, size))
-                offset += size
-                fp32_offset += fp32_size
+                with self._bnb_resident(i):
+                    self._bnb_split_record(record, i, offset, fp32_offset)
+                offset += self.bnb_layouts[i].partition_size
+                fp32_offset += sum(s.numel for s in self.bnb_segments[i] if not s.eight_bit)
+
+    def _bnb_split_record(self, record: GroupRecord, i: int, offset: int, fp32_offset: int) -> None:
+        """Sub-group i's part of a loaded group record, from `offset` (8-bit and master) / `fp32_offset` (fp32 state)
+        on, written into its state and master weights."""
+        partition = self.fp32_partitioned_groups_flat[i]
+        state = self.optimizer.state[partition]
+        size = self.bnb_layouts[i].partition_size
+        fp32_size = sum(s.numel for s in self.bnb_segments[i] if not s.eight_bit)
+        for key, cls in record.key_classes.items():
+            saved = record.state[key]
+            if cls == StateClass.SCALAR:
+                state[key] = saved
+            elif saved is state[key]:
+                continue  # a param group of one sub-group is loaded in place
+            elif cls == StateClass.ELEMENT:
+                start, length = (fp32_offset, fp32_size) if key.startswith(FP32_PREFIX) else (offset, size)
+                state[key].copy_(saved.narrow(-1, start, length))
+            elif cls == StateClass.BLOCK:
+                state[key].copy_(saved.narrow(-1, offset // BLOCK_SIZE, size // BLOCK_SIZE))
+            else:
+                state[key].copy_(saved)
+        if record.master.data_ptr() != partition.data_ptr():  # several sub-groups: a joined copy
+            partition.data.copy_(record.master.narrow(0, offset, size))
+            if record.master_error is not None:
+                self.bnb_master_errors[i].copy_(record.master_error.narrow(0, offset, size))
 
     @torch.no_grad()
     def _bnb_stock_fp32_groups(self) -> List[torch.Tensor]:
@@ -421,24 +473,26 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         bf16 master weights (compensated ones are joined to the fp32 values they stand for)."""
         out = []
         for i, params in enumerate(self.fp16_groups):
-            group = compat.sub_group_process_group(self, i)
-            rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
-            layout, partition = self.bnb_layouts[i], self.fp32_partitioned_groups_flat[i].detach()
-            error = self.bnb_master_errors[i]
-            stock = ShardedLayout(layout.numels, dp, block=1)
-            pieces = []
-            for j in range(len(params)):
-                mine = partition.narrow(0, layout.offsets[j], layout.slice_numel(j)).contiguous()
-                if error is not None:  # the fp32 values the bf16 weights and their error terms stand for
-                    mine = compensated.join(mine, error.narrow(0, layout.offsets[j], layout.slice_numel(j)))
-                if dp == 1:
-                    full = mine
-                else:  # on the accelerator: with offload the partition is in host memory, which NCCL cannot send
-                    mine = mine.to(get_accelerator().current_device_name())
-                    full = torch.empty(mine.numel() * dp, dtype=mine.dtype, device=mine.device)
-                    dist.allgather_fn(full, mine, group=group)  # all_gather_into_tensor, or a list on gloo
-                pieces.append(full.narrow(0, rank * stock.slice_numel(j), stock.slice_numel(j)).to(partition.device))
-            out.append(torch.cat(pieces))
+            with self._bnb_resident(i):  # on NVMe: brought in one sub-group at a time
+                group = compat.sub_group_process_group(self, i)
+                rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
+                layout, partition = self.bnb_layouts[i], self.fp32_partitioned_groups_flat[i].detach()
+                error = self.bnb_master_errors[i]
+                stock = ShardedLayout(layout.numels, dp, block=1)
+                pieces = []
+                for j in range(len(params)):
+                    mine = partition.narrow(0, layout.offsets[j], layout.slice_numel(j)).contiguous()
+                    if error is not None:  # the fp32 values the bf16 weights and their error terms stand for
+                        mine = compensated.join(mine, error.narrow(0, layout.offsets[j], layout.slice_numel(j)))
+                    if dp == 1:
+                        full = mine
+                    else:  # on the accelerator: with offload the partition is in host memory, which NCCL cannot send
+                        mine = mine.to(get_accelerator().current_device_name())
+                        full = torch.empty(mine.numel() * dp, dtype=mine.dtype, device=mine.device)
+                        dist.allgather_fn(full, mine, group=group)  # all_gather_into_tensor, or a list on gloo
+                    pieces.append(full.narrow(0, rank * stock.slice_numel(j), stock.slice_numel(j))
+                                  .to(partition.device))
+                out.append(torch.cat(pieces))
         return out
 
     def state_dict(self):
@@ -467,7 +521,8 @@ class BnbZeroStage3Optimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
         if not load_from_fp32_weights:
             self._restore_from_bit16_weights()
         for i in range(len(self.fp16_groups)):  # the low-precision slices follow the fp32 master weights
-            self._reassign_or_swap_out_partitioned_parameters(i)
+            with self._bnb_resident(i):
+                self._reassign_or_swap_out_partitioned_parameters(i)
         if self.persistent_parameters:  # gathered again by checkpoint_event_epilogue, from the new slices
             self.persistent_parameters[0].partition(self.persistent_parameters)
 
