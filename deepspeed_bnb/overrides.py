@@ -228,8 +228,12 @@ OVERRIDES: Tuple[Override, ...] = (
              "swapper only: it sees no state tensors", ("self", "parameter")),
     Override(ZERO3, "_swappable_optimizer_subgroup", CALL, CALL_SCOPE, "", "whether DeepSpeed swaps a sub-group to "
              "NVMe (its fp32 partition of 1 MiB or more)", ("self", "sub_group_id")),
-    Override(ZERO3, "_optimizer_states_and_gradient_swap_in", CALL, CALL_SCOPE, "", "a swapped sub-group's fp32 "
-             "partition into memory outside a step (checkpoints, loads)", ("self", "sub_group_id")),
+    _subclass(ZERO3, NVME_PY, "_optimizer_states_and_gradient_swap_in", "DeepSpeed's swap writes report success for "
+              "short files (a full disk) and its reader then asserts, aborting one rank: its files are checked first, "
+              "a short one recorded and extended, and the ranks agree on it after the step; also called to bring a "
+              "sub-group in outside a step (checkpoints, loads)", ("self", "sub_group_id")),
+    _subclass(ZERO3, ZERO3_PY, "step", "with the optimizer on NVMe, the ranks agree on swap failures after the step "
+              "and all raise the same error", ("self",)),
     Override(ZERO3, "_optimizer_states_and_gradient_swap_out", CALL, CALL_SCOPE, "", "and back to NVMe",
              ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "

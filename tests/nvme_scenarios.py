@@ -127,14 +127,84 @@ def everywhere(value: int) -> list:
     return gathered
 
 
+def outcome(call) -> str:
+    try:
+        call()
+    except Exception as exc:  # the outcome is the result: the test reads it
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def build_at(kind: str, nvme_path: str, seed: int = 0):
+    model = make_model(seed)
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config(kind, nvme_path))[0]
+
+
+def wipe_and_fill(folder: str) -> None:
+    """Remove the optimizer's swap files under `folder` (fp32 partitions and bnb state, as a clean-up of the disk
+    would), then write zeros into it until its file system is full: the next swap-out must create its files anew on a
+    full disk (a rewrite of a file in place needs no new space)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if name.endswith(".swp") and "gradient" not in name and "params" not in root:
+                os.remove(os.path.join(root, name))
+    chunk = b"\0" * (1 << 20)
+    with open(os.path.join(folder, "filler"), "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError:
+            pass
+
+
+def faults(out: str, small_mount: str, world: int, rank: int) -> dict:
+    """`unwritable`: nvme_path below a regular file; `full_disk`: the optimizer on NVMe on a small file system whose
+    swap files are removed and which is filled up after SAVE_AT steps (and a checkpoint saved elsewhere), then one more
+    step (its reads find the files gone, its writes a full disk) and a save; `resumed`: that
+    checkpoint loaded by a `cpu` engine, continued to STEPS, beside a `cpu` run that never stopped."""
+    results = {}
+    blocker = os.path.join(out, "a_file")
+    if rank == 0:
+        with open(blocker, "w") as f:
+            f.write("not a folder")
+    dist.barrier()
+    results["unwritable"] = everywhere(outcome(lambda: build_at("opt_nvme", os.path.join(blocker, "nvme"))))
+    engine = build_at("opt_nvme", small_mount)
+    train(engine, range(SAVE_AT), world, rank)
+    ckpt = os.path.join(out, "ckpt_fault")
+    engine.save_checkpoint(ckpt, tag="good")
+    if rank == 0:
+        wipe_and_fill(small_mount)
+    dist.barrier()
+    results["full_disk"] = everywhere(outcome(lambda: train(engine, range(SAVE_AT, SAVE_AT + 1), world, rank)))
+    results["save_after"] = everywhere(outcome(lambda: engine.save_checkpoint(ckpt, tag="after")))
+    results["tags"] = sorted(os.listdir(ckpt))
+    del engine
+    reference = build("cpu", out)
+    results["reference"] = train(reference, range(STEPS), world, rank)[SAVE_AT:]
+    resumed = build("cpu", out, seed=1)
+    resumed.load_checkpoint(ckpt, tag="good")
+    results["resumed"] = train(resumed, range(SAVE_AT, STEPS), world, rank)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--load-only", action="store_true", help="load the saved checkpoints into ZeRO-2 engines")
+    parser.add_argument("--faults", default=None, help="run the fault cases, the full disk on this (small) mount")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
+    if args.faults:
+        results = faults(args.out, args.faults, world, rank)
+        if rank == 0:
+            with open(os.path.join(args.out, "nvme_faults.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        return
     kinds = args.kinds.split(",")
     if args.load_only:
         loads = {}

@@ -7,12 +7,18 @@ another seed) and continues exactly as the run that never stopped; at DP 1, a Ze
 within the bf16 bar. Controls: the NVMe runs held swap files on every rank, the CPU run none; with the optimizer on
 NVMe, every swapped sub-group's fp32 partition and bnb state were out of memory between steps (and one small
 sub-group stayed in memory, as DeepSpeed keeps those below 1 MiB); loading without the optimizer state diverges.
+Faults (`--faults`): an nvme_path that cannot be created fails initialize on every rank, naming it; a step whose swap
+files were removed and whose disk is full (a small tmpfs, mounted here) raises the same NVMeSwapError on every rank,
+naming the files, instead of aborting one rank in DeepSpeed's reader or training on what a short file held; the
+engine then refuses to save (on every rank, no tag left), and the checkpoint saved before the fault resumes exactly
+as the run that never stopped. The mount needs root: skipped, saying so, without it.
 Skipped, naming what to install, where DeepSpeed's async_io op cannot be built (no libaio); `make test` installs
 libaio-dev where it runs as root.
 """
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -85,3 +91,45 @@ def test_without_libaio_the_skip_names_the_package(monkeypatch):
     assert "apt-get install libaio-dev" in aio_missing()
     monkeypatch.undo()
     assert aio_missing() is None or "libaio" in aio_missing()  # control: the real check answers too
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    missing = aio_missing()
+    if missing:
+        pytest.skip(missing)
+    out = str(tmp_path_factory.mktemp("nvme_faults"))
+    small = os.path.join(out, "small")
+    os.makedirs(small)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", small], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full disk is simulated with a 48 MiB tmpfs, which this user cannot mount "
+                    f"({mounted.stderr.strip() or mounted.returncode}): run as root")
+    try:
+        torchrun("nvme_scenarios.py", 2, "--out", out, "--faults", small)
+    finally:
+        subprocess.run(["umount", small], check=False)
+    with open(os.path.join(out, "nvme_faults.json")) as f:
+        return json.load(f)
+
+
+def test_an_nvme_path_that_cannot_be_made_fails_initialize_on_every_rank(faults):
+    first, second = faults["unwritable"]
+    assert first == second and "Not a directory" in first and "a_file/nvme" in first, faults["unwritable"]
+
+
+def test_a_full_disk_fails_the_step_on_every_rank_naming_the_files(faults):
+    first, second = faults["full_disk"]
+    assert first == second, faults["full_disk"]  # the same error on both ranks: agreed, not one rank alone
+    assert first.startswith("NVMeSwapError: deepspeed_bnb: swapping optimizer state to NVMe failed during the "
+                            "optimizer step: rank 0: "), first
+    assert "bnb_state/rank0/sub0.state1.swp" in first and "rank 1: " in first
+    assert "stored 0 of" in first and "holds 0 bytes" in first  # the full disk's write and the removed file's read
+    assert "Free space under offload_optimizer.nvme_path" in first
+
+
+def test_after_a_swap_failure_nothing_is_saved_and_the_last_checkpoint_resumes(faults):
+    first, second = faults["save_after"]
+    assert first == second and "refusing to save it" in first, faults["save_after"]
+    assert "after" not in faults["tags"] and "good" in faults["tags"]
+    assert faults["resumed"] == faults["reference"]  # the checkpoint before the fault: as if nothing happened

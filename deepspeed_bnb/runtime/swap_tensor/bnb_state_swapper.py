@@ -12,7 +12,8 @@ read back whole before the sub-group steps and written after. Whole tensors (the
 Two traps of the async_io op, measured with DeepSpeed 0.19.8 on this project's machines: a write whose size is not a
 multiple of its alignment unit (1024 bytes) leaves an empty file and reports success, and a write to a full disk
 leaves a short file and reports success too. Every write here is padded to the unit, and every file's size is checked
-after it is written: a short file raises NVMeSwapError naming the path, the bytes written and the bytes expected.
+after it is written and before it is read: a short file raises NVMeSwapError naming the path, the bytes found and the
+bytes expected, and the optimizer stops the run on every rank (runtime/zero/nvme_state.py).
 """
 
 import os
@@ -65,7 +66,9 @@ class BnbStateSwapper:
         return any(sub == sub_group for sub, _ in self.entries)
 
     def swap_out(self, sub_group: int, tensors: Dict[str, torch.Tensor]) -> None:
-        """Write each tensor to its file, then free its memory (the tensor object stays, empty, in the state)."""
+        """Write each tensor to its file, then free its memory (the tensor object stays, empty, in the state). Raises
+        NVMeSwapError, once every tensor is handled, if a file came out short."""
+        problems = []
         for key, tensor in tensors.items():
             nbytes = tensor.numel() * tensor.element_size()
             entry = self.entries.setdefault((sub_group, key), SwapEntry(
@@ -73,26 +76,39 @@ class BnbStateSwapper:
             buffer = torch.zeros(self._padded(nbytes), dtype=torch.uint8)
             buffer[:nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
             self.handle.sync_pwrite(buffer, entry.path)
-            written = os.path.getsize(entry.path) if os.path.exists(entry.path) else 0
+            written = file_size(entry.path)
             if written != buffer.numel():
-                raise NVMeSwapError(f"deepspeed_bnb: writing bnb optimizer state {key!r} of sub-group {sub_group} to "
-                                    f"{entry.path} stored {written} of {buffer.numel()} bytes (a full disk, or a "
-                                    f"folder that cannot be written): free space under offload_optimizer.nvme_path, "
-                                    f"or point it at another disk, then resume from the last checkpoint.")
+                problems.append(f"writing bnb optimizer state {key!r} of sub-group {sub_group} to {entry.path} "
+                                f"stored {written} of {buffer.numel()} bytes")
             self.bytes_written += buffer.numel()
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        if problems:
+            raise NVMeSwapError("; ".join(problems) + " (a full disk, or a folder that cannot be written)")
 
     def swap_in(self, sub_group: int, tensors: Dict[str, torch.Tensor]) -> None:
-        """Read each tensor of the sub-group back into memory (the same tensor objects)."""
+        """Read each tensor of the sub-group back into memory (the same tensor objects). A short or missing file (the
+        async_io op would assert and abort the process) gives zeros instead, and NVMeSwapError once every tensor is
+        handled: the caller stops the run on every rank."""
+        problems = []
         for key, tensor in tensors.items():
             entry = self.entries[(sub_group, key)]
             padded = self._padded(entry.nbytes)
-            found = os.path.getsize(entry.path) if os.path.exists(entry.path) else 0
-            if found != padded:  # the async_io op asserts (aborts the process) on a short file: say which instead
-                raise NVMeSwapError(f"deepspeed_bnb: the swap file {entry.path} of bnb optimizer state {key!r} holds "
-                                    f"{found} bytes, {padded} expected: it was removed or cut short outside this "
-                                    f"run. Resume from the last checkpoint.")
-            buffer = torch.empty(padded, dtype=torch.uint8)
-            self.handle.sync_pread(buffer, entry.path)
-            self.bytes_read += padded
+            buffer = torch.zeros(padded, dtype=torch.uint8)
+            found = file_size(entry.path)
+            if found < padded:
+                problems.append(f"the swap file {entry.path} of bnb optimizer state {key!r} (sub-group {sub_group}) "
+                                f"holds {found} bytes, {padded} expected")
+            else:
+                self.handle.sync_pread(buffer, entry.path)
+                self.bytes_read += padded
             tensor.data = buffer[:entry.nbytes].view(entry.dtype).view(entry.shape)
+        if problems:
+            raise NVMeSwapError("; ".join(problems))
+
+
+def file_size(path: str) -> int:
+    """Bytes in the file; 0 when it does not exist."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0

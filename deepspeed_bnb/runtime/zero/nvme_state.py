@@ -7,18 +7,28 @@ memory as with CPU offload. Its step brings a swapped sub-group's fp32 partition
 (runtime/swap_tensor/bnb_state_swapper.py). Everything else that reads or writes a sub-group outside a step (the
 checkpoint's records, a load, the parameter-level state API, zeroing the padding at initialize) does so inside
 `_bnb_resident(i)`, one sub-group at a time: DeepSpeed's swap buffers hold a few sub-groups, not all of them.
+
+A swap that fails (a file written short: a full disk; or found short before it is read) never raises where it
+happens, on one rank alone, which would leave the others waiting in the next collective: it is recorded, a short
+file of DeepSpeed's is extended with zeros so its reader does not abort the process, and at the end of the step (and
+of initialize, a save, a load) every rank learns every rank's failures and raises the same NVMeSwapError. From then
+on the engine refuses to save: its state is no longer whole, and the last checkpoint is what to resume from.
 """
 
 import contextlib
 import os
+from typing import List, Optional
 
 from deepspeed import comm as dist
+from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.runtime.swap_tensor.bnb_state_swapper import BnbStateSwapper
+from deepspeed_bnb.runtime.swap_tensor.bnb_state_swapper import BnbStateSwapper, NVMeSwapError, file_size
+from deepspeed_bnb.runtime.zero import compat
 
 SWAP_SUBFOLDER = os.path.join("zero_stage_3", "bnb_state")  # under nvme_path, beside DeepSpeed's "optimizer"
 SWAPPED = (StateClass.ELEMENT, StateClass.BLOCK)  # state classes written to NVMe (whole tensors and scalars stay)
+SHOWN = 3  # swap failures named per rank in the error (the rest counted)
 
 
 class BnbNVMeStateMixin:
@@ -26,6 +36,9 @@ class BnbNVMeStateMixin:
     goes to BnbStateSwapper."""
 
     bnb_swapper = None  # BnbStateSwapper when the optimizer state is on NVMe
+    bnb_swap_problems: List[str] = []  # this rank's swap failures since the ranks last agreed (its own list: set
+    # with the swapper, the only writer)
+    bnb_swap_failed: Optional[str] = None  # the agreed failure, the same on every rank: no save after it
 
     def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
         super()._configure_tensor_swapping(offload_optimizer_config, aio_config)
@@ -34,6 +47,52 @@ class BnbNVMeStateMixin:
         self.optimizer_swapper._get_state_tensors = lambda parameter: []
         folder = os.path.join(offload_optimizer_config.nvme_path, SWAP_SUBFOLDER, f"rank{dist.get_rank()}")
         self.bnb_swapper = BnbStateSwapper(folder, aio_config)
+        self.bnb_swap_problems = []
+        self.bnb_nvme_path = offload_optimizer_config.nvme_path
+
+    def _optimizer_states_and_gradient_swap_in(self, sub_group_id, timer_names=None):
+        self._bnb_check_deepspeed_files(sub_group_id)
+        return super()._optimizer_states_and_gradient_swap_in(sub_group_id, timer_names)
+
+    def _bnb_check_deepspeed_files(self, i: int) -> None:
+        """DeepSpeed's swap file of sub-group i's fp32 partition is whole before it reads it. Its
+        writes report success for short files (a full disk), and its reader asserts on one, aborting the process:
+        a short file is recorded and extended with zeros (the run stops after this step on every rank)."""
+        swapper = self.optimizer_swapper
+        info = swapper.swap_params_info.get(OptimizerSwapper.parameter_id(self.fp32_partitioned_groups_flat[i]))
+        if info is None:
+            return
+        # (the gradients' files are not checked: their size depends on the dtype DeepSpeed wrote them in)
+        nbytes = swapper._io_aligned_numel(info.numel()) * swapper.swap_element_size
+        for path in info.get_swap_paths():
+            found = file_size(path)
+            if found < nbytes:
+                self.bnb_swap_problems.append(f"DeepSpeed's swap file {path} holds {found} bytes, {nbytes} expected")
+                with open(path, "ab") as f:
+                    f.truncate(nbytes)
+
+    def _bnb_agree_swaps(self, during: str) -> None:
+        """Every rank learns every rank's swap failures since the last call and raises the same error (a
+        collective: every rank calls it at the same point)."""
+        if self.bnb_swapper is None:
+            return
+        everyone = [None] * dist.get_world_size()
+        compat.all_gather_object(everyone, list(self.bnb_swap_problems))
+        self.bnb_swap_problems = []
+        failed = [(rank, problems) for rank, problems in enumerate(everyone) if problems]
+        if failed:
+            self.bnb_swap_failed = (
+                f"deepspeed_bnb: swapping optimizer state to NVMe failed during {during}: "
+                + "; ".join(f"rank {rank}: {'; '.join(problems[:SHOWN])}"
+                            + (f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else "")
+                            for rank, problems in failed)
+                + f". Free space under offload_optimizer.nvme_path ({self.bnb_nvme_path}) or point it at another "
+                  f"disk, then resume from the last checkpoint: this engine's optimizer state is no longer whole.")
+            raise NVMeSwapError(self.bnb_swap_failed)
+
+    def _bnb_refuse_after_swap_failure(self) -> None:
+        if self.bnb_swap_failed is not None:
+            raise NVMeSwapError(f"{self.bnb_swap_failed} (refusing to save it)")
 
     def _bnb_on_nvme(self, i: int) -> bool:
         return self.bnb_swapper is not None and self._swappable_optimizer_subgroup(i)
@@ -52,9 +111,15 @@ class BnbNVMeStateMixin:
             return
         tensors = self._bnb_swapped_state(i)
         if self.bnb_swapper.swapped(i):
-            self.bnb_swapper.swap_in(i, tensors)
+            try:
+                self.bnb_swapper.swap_in(i, tensors)  # a short file gives zeros: recorded, agreed on after the step
+            except NVMeSwapError as exc:
+                self.bnb_swap_problems.append(str(exc))
         yield
-        self.bnb_swapper.swap_out(i, self._bnb_swapped_state(i))
+        try:
+            self.bnb_swapper.swap_out(i, self._bnb_swapped_state(i))
+        except NVMeSwapError as exc:
+            self.bnb_swap_problems.append(str(exc))
 
     @contextlib.contextmanager
     def _bnb_resident(self, i: int):

@@ -140,6 +140,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                                                                         group_eight_bit[gindex], partition.device)
                     step.route(group)
             self.bnb_steps.append(step)
+        self._bnb_agree_swaps("initialize")  # with the optimizer on NVMe: every rank's writes so far were whole
         with self._bnb_holding():
             self._bnb_log_routes()
         for i, params in enumerate(self.fp16_groups):  # DeepSpeed's parameter-level state API, answered from bnb state
@@ -495,13 +496,20 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                 out.append(torch.cat(pieces))
         return out
 
+    def step(self, closure=None):
+        out = super().step(closure)
+        self._bnb_agree_swaps("the optimizer step")  # with the optimizer on NVMe: every rank's swaps were whole
+        return out
+
     def state_dict(self):
         # DeepSpeed refuses elastic_checkpoint at stage 3; the record below loads at any DP size either way
+        self._bnb_refuse_after_swap_failure()  # the same on every rank: after an NVMe swap failed, no save
         state_dict = self._rigid_state_dict()
         records = self._bnb_group_records()
         self._bnb_check_whole_state(records)
         state_dict.pop(OPTIMIZER_STATE_DICT, None)  # bnb's own state_dict of the flat sub-groups: meaningless
         state_dict[C.FP32_FLAT_GROUPS_KEY] = self._bnb_stock_fp32_groups()
+        self._bnb_agree_swaps("a checkpoint save")  # what was read from NVMe for it was whole on every rank
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records,
                                                         master_entry=C.FP32_FLAT_GROUPS_KEY,
@@ -525,6 +533,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                 self._reassign_or_swap_out_partitioned_parameters(i)
         if self.persistent_parameters:  # gathered again by checkpoint_event_epilogue, from the new slices
             self.persistent_parameters[0].partition(self.persistent_parameters)
+        self._bnb_agree_swaps("a checkpoint load")
 
 
 def _joined(tensors: List[torch.Tensor]) -> torch.Tensor:
