@@ -19,6 +19,7 @@ libaio-dev where it runs as root.
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -133,3 +134,26 @@ def test_after_a_swap_failure_nothing_is_saved_and_the_last_checkpoint_resumes(f
     assert first == second and "refusing to save it" in first, faults["save_after"]
     assert "after" not in faults["tags"] and "good" in faults["tags"]
     assert faults["resumed"] == faults["reference"]  # the checkpoint before the fault: as if nothing happened
+
+
+def test_the_nvme_benchmark_counts_the_bytes_the_state_sizes_give(tmp_path):
+    """benchmarks/nvme_offload.py in quick mode (bnb8 and torch AdamW): per rank and step both write and read the fp32
+    master weights and gradients (8 bytes a parameter) and their state, 8 bytes (two fp32 moments) against 2 + 8/256
+    (two 8-bit codes and their absmax per 256-element block), within 2% (partition padding). Control: the two counts
+    differ, so a counter that saw nothing, or only DeepSpeed's swapper, would fail."""
+    missing = aio_missing()
+    if missing:
+        pytest.skip(missing)
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                                                        "nvme_offload.py"), "--quick", "--configs", "bnb8",
+                           "torch_adamw", "--out", str(tmp_path / "out"), "--nvme", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(tmp_path / "out" / "nvme_offload.json") as f:
+        found = json.load(f)["results"]
+    per_rank = found["bnb8"]["params"] / found["bnb8"]["world"]
+    expected = {"torch_adamw": 8 + 8, "bnb8": 8 + 2 + 8 / 256}
+    for config, per_param in expected.items():
+        for rank in found[config]["ranks"]:
+            for key in ("written_per_step", "read_per_step"):
+                assert rank[key] == pytest.approx(per_param * per_rank, rel=0.02), (config, key, rank[key])
