@@ -48,7 +48,8 @@ def table(results: dict) -> str:
     world = next(iter(results.values()))["world"]
     lines = [f"{params / 1e6:.1f}M parameters, {world} ranks; per rank and step, after the first steps:", "",
              "| configuration | optimizer that stepped | written to NVMe (MB) | read from NVMe (MB) | vs torch AdamW | "
-             "swap files (bytes/param) | step (s) | peak RSS (MB) | last loss |", "|---|---|---|---|---|---|---|---|---|"]
+             "swap files (bytes/param) | step (s) | peak RSS (MB) | last loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
         r = result["ranks"][0]
         ratio = f"{r['written_per_step'] / ref['written_per_step']:.2f}x" if ref else "n/a"

@@ -40,11 +40,15 @@ def aio_missing():
             "(Debian/Ubuntu: `apt-get install libaio-dev`; `make test` does so when run as root), then rerun")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def require_aio() -> None:
     missing = aio_missing()
     if missing:
         pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    require_aio()
     out = str(tmp_path_factory.mktemp("nvme"))
     torchrun("nvme_scenarios.py", 2, "--out", out)
     torchrun("nvme_scenarios.py", 1, "--out", out, "--load-only")
@@ -96,9 +100,7 @@ def test_without_libaio_the_skip_names_the_package(monkeypatch):
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
-    missing = aio_missing()
-    if missing:
-        pytest.skip(missing)
+    require_aio()
     out = str(tmp_path_factory.mktemp("nvme_faults"))
     small = os.path.join(out, "small")
     os.makedirs(small)
@@ -141,9 +143,7 @@ def test_the_nvme_benchmark_counts_the_bytes_the_state_sizes_give(tmp_path):
     master weights and gradients (8 bytes a parameter) and their state, 8 bytes (two fp32 moments) against 2 + 8/256
     (two 8-bit codes and their absmax per 256-element block), within 2% (partition padding). Control: the two counts
     differ, so a counter that saw nothing, or only DeepSpeed's swapper, would fail."""
-    missing = aio_missing()
-    if missing:
-        pytest.skip(missing)
+    require_aio()
     done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
                                                         "nvme_offload.py"), "--quick", "--configs", "bnb8",
                            "torch_adamw", "--out", str(tmp_path / "out"), "--nvme", str(tmp_path)],
