@@ -252,3 +252,17 @@ def test_frozen_parameters_saved_at_stage_2_load_into_stage_3(one_rank, tmp_path
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[n], loaded[n]) for n in saved)
     for name, state in states(saver).items():
         assert_same(states(loader)[name], state, name)
+
+
+def test_nvme_offload_at_stage_2_is_cpu_offload_and_says_so(one_rank, tmp_path, monkeypatch):
+    """DeepSpeed's ZeRO-1/2 take offload_optimizer.device "nvme" as CPU offload: deepspeed_bnb says so (naming the
+    path and stage 3) instead of letting it pass silently. Control: nothing is written under the path."""
+    from deepspeed_bnb.runtime import engine as ours
+    said = []
+    monkeypatch.setattr(ours.logger, "warning", lambda message, *a, **k: said.append(message))
+    nvme = tmp_path / "nvme"
+    engine = engine_of(FACTORIES["AdamW8bit"], make_model(0), stage=2,
+                       offload_optimizer={"device": "nvme", "nvme_path": str(nvme)})
+    assert engine.optimizer.cpu_offload and not nvme.exists()
+    assert any("keep the optimizer state in host memory (CPU offload)" in m and str(nvme) in m
+               and "zero_optimization.stage 3" in m for m in said), said

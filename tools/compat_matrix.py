@@ -107,6 +107,8 @@ CLAIMS = {
                                "[3-DeepSpeedZeroOptimizer_Stage3-2]"],
     "one checkpoint format": ["tests/test_cross_release.py"],
     "override register": ["tests/test_overrides.py"],
+    "NVMe offload (ZeRO-3)": ["tests/test_nvme.py::test_nvme_offload_trains_as_cpu_offload",
+                              "tests/test_nvme.py::test_checkpoints_resume_exactly_across_offload_kinds"],
     "control: stock + torch AdamW": ["tests/test_stock_control.py"],
 }
 # tests that cannot run for a cell, and why: they run bitsandbytes' own update on the CPU, which 0.49 does not have

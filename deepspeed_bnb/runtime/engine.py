@@ -11,6 +11,7 @@ Every replaced or swapped DeepSpeed symbol is declared in overrides.py, which in
 
 import functools
 
+from deepspeed.utils import logger
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_is_zero_supported_optimizer
 
@@ -58,15 +59,26 @@ def _configure_zero_optimizer(self, optimizer):
     configure = stock("DeepSpeedEngine._configure_zero_optimizer")
     if not _routes_to_bnb(self, optimizer):
         return configure(self, optimizer)
+    name = type(optimizer).__name__
     if getattr(self, "zenflow", False):
-        raise NotImplementedError(f"deepspeed_bnb: ZenFlow (zero_optimization.zenflow) steps the optimizer with its "
-                                  f"own CPU update; it cannot step the bitsandbytes optimizer "
-                                  f"{type(optimizer).__name__} block-aware. Remove the zenflow section, or use a "
-                                  f"non-bitsandbytes optimizer with ZenFlow.")
+        raise NotImplementedError(
+            f"deepspeed_bnb: ZenFlow (zero_optimization.zenflow) steps with the ZenFlowCPUAdam DeepSpeed builds from "
+            f"the config's \"optimizer\" section and takes no client optimizer (stock DeepSpeed fails at initialize "
+            f"with any, torch AdamW included); the bitsandbytes optimizer {name} can only be a client optimizer. "
+            f"Remove the zenflow section: CPU offload (offload_optimizer.device \"cpu\") keeps the 8-bit state.")
     if compat.super_offload(self):
-        raise NotImplementedError(f"deepspeed_bnb: SuperOffload (offload_optimizer.super_offload) steps the optimizer "
-                                  f"with DeepSpeedCPUAdam; it cannot step the bitsandbytes optimizer "
-                                  f"{type(optimizer).__name__}. Remove super_offload.")
+        raise NotImplementedError(
+            f"deepspeed_bnb: SuperOffload (offload_optimizer.super_offload) steps with its own CPU Adam, built from "
+            f"the param groups' hyperparameters whatever the client optimizer is (a torch AdamW client is replaced "
+            f"silently; {name}'s groups fail it): it cannot step the bitsandbytes optimizer {name}. Remove "
+            f"super_offload: CPU offload (offload_optimizer.device \"cpu\") keeps the 8-bit state.")
+    offload = self._config.zero_config.offload_optimizer
+    if self.zero_optimization_stage() < 3 and getattr(offload, "device", None) == "nvme":
+        # DeepSpeed's ZeRO-1/2 take any offload device as CPU offload (cpu_offload = device in (cpu, nvme))
+        logger.warning("deepspeed_bnb: offload_optimizer.device \"nvme\" at ZeRO stage "
+                       f"{self.zero_optimization_stage()}: DeepSpeed's stages 1 and 2 keep the optimizer state in "
+                       f"host memory (CPU offload), nothing goes to {offload.nvme_path}. NVMe offload is ZeRO-3's "
+                       f"(zero_optimization.stage 3).")
     swap, ours = _ZERO_CLASSES[self.zero_optimization_stage()]
     if ours is BnbZeroStage3Optimizer:
         # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one

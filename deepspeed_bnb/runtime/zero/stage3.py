@@ -57,26 +57,28 @@ PARTITIONED = (StateClass.ELEMENT, StateClass.BLOCK)  # state classes split acro
 
 
 def _refuse_unsupported(optimizer, kwargs: dict) -> None:
-    """Stage-3 features whose code paths bypass the block-aligned partitions: refused before anything is built."""
-    offload = kwargs.get("offload_optimizer_config")
-    offload_param = kwargs.get("offload_param_config")
+    """Stage-3 features that cannot step bnb state block-aligned: refused before anything is built, with the DeepSpeed
+    constraint and what to use instead (docs/zero_features.md has the evidence)."""
     checks = [
         (kwargs.get("zero_quantized_weights") or kwargs.get("zero_quantized_nontrainable_weights"),
-         "zero_optimization.zero_quantized_weights", "quantized all-gathers size their buffers by ceil(numel / dp)",
-         "set it to false"),
+         "zero_optimization.zero_quantized_weights", "DeepSpeed's quantized all-gather of a parameter sizes its int8 "
+         "buffer as ceil(numel / dp) * dp and dequantizes it in dp equal groups, which the block-aligned partitions "
+         "of bnb's parameters (larger) do not fit", "set it to false (bf16 weights halve the all-gather instead)"),
         (kwargs.get("all2all_process_group") is not None, "zero_optimization.zero_quantized_gradients",
-         "the all-to-all gradient reduction chunks gradients itself", "set it to false"),
+         "its all-to-all gradient reduction cuts each gradient itself, not at the block-aligned partitions",
+         "set it to false (the default reduce-scatter)"),
         (kwargs.get("offload_ratio", 0.0) not in (0.0, 1.0), "offload_optimizer.ratio",
-         "partial offload steps part of the state with a GPU AdamW", "remove it"),
-        (kwargs.get("zenflow_config") is not None, "zero_optimization.zenflow",
-         "ZenFlow steps with its own CPU update", "remove the zenflow section"),
+         "DeepSpeed's partial offload (Twin-Flow) asserts \"Hybrid Optimizer Only Supports DeepSpeedCPUAdam\" for any "
+         "client optimizer", "remove it (full offload, ratio 1, keeps the 8-bit state)"),
+        (kwargs.get("zenflow_config") is not None, "zero_optimization.zenflow", "ZenFlow steps with the "
+         "ZenFlowCPUAdam DeepSpeed builds from the config's optimizer section and takes no client optimizer",
+         "remove the zenflow section"),
     ]
     for refused, setting, why, fix in checks:
         if refused:
             raise NotImplementedError(
                 f"deepspeed_bnb: {setting} is not supported with the bitsandbytes optimizer "
-                f"{type(optimizer).__name__} under ZeRO stage 3 ({why}, which would shard bnb's quantization state "
-                f"element-wise): {fix}.")
+                f"{type(optimizer).__name__} under ZeRO stage 3: {why}. Fix: {fix}.")
 
 
 class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
