@@ -13,7 +13,7 @@ swap files each rank held and, between steps, whether every swapped sub-group's 
 of memory (the controls: NVMe was used). Then every checkpoint is loaded by an engine of every kind,
 built with another seed, which continues to STEPS: its losses are recorded beside the run that never stopped, and
 (control) once without its optimizer state, by a `cpu` engine. With --load-only (another DP size), every checkpoint
-is loaded by a ZeRO-2 engine without offload instead.
+is loaded by a ZeRO-2 engine without offload and by a ZeRO-3 engine with the optimizer on NVMe instead.
 """
 
 import argparse
@@ -36,6 +36,7 @@ HIDDEN, CLASSES, GLOBAL_BATCH = 1024, 8, 8  # the batch splits into 2 ranks or 1
 STEPS, SAVE_AT = 6, 3
 AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True, "thread_count": 1}
 KINDS = ("cpu", "param_nvme", "opt_nvme", "both_nvme")
+LOADERS_ELSEWHERE = ("stage2", "opt_nvme")  # --load-only: ZeRO-2 without offload, ZeRO-3 with the optimizer on NVMe
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -209,9 +210,11 @@ def main():
     if args.load_only:
         loads = {}
         for saved in kinds:
-            engine = build("stage2", args.out, seed=1)
-            engine.load_checkpoint(os.path.join(args.out, "ckpt", saved), tag="s")
-            loads[saved] = train(engine, range(SAVE_AT, STEPS), world, rank)
+            for loader in LOADERS_ELSEWHERE:
+                engine = build(loader, args.out, seed=1)
+                engine.load_checkpoint(os.path.join(args.out, "ckpt", saved), tag="s")
+                loads[f"{saved}->{loader}"] = train(engine, range(SAVE_AT, STEPS), world, rank)
+                del engine
         if rank == 0:
             with open(os.path.join(args.out, f"nvme_loads_world{world}.json"), "w") as f:
                 json.dump(loads, f, indent=1)

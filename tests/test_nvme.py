@@ -1,12 +1,13 @@
 """ZeRO-Infinity's NVMe offload with bnb 8-bit state, on 2 CPU ranks (tests/nvme_scenarios.py), then loaded at DP 1.
 
-NVMe offload of the parameters (`offload_param.device: nvme`), of the optimizer (`offload_optimizer.device: nvme`:
-fp32 master partitions, gradients and bnb's 8-bit state on NVMe), and of both, trains exactly as CPU offload: the same
-losses and final fp32 weights, bit for bit. Every checkpoint, of any kind, loads into an engine of any kind (built with
-another seed) and continues exactly as the run that never stopped; at DP 1, a ZeRO-2 engine without offload continues
-within the bf16 bar. Controls: the NVMe runs held swap files on every rank, the CPU run none; with the optimizer on
-NVMe, every swapped sub-group's fp32 partition and bnb state were out of memory between steps (and one small
-sub-group stayed in memory, as DeepSpeed keeps those below 1 MiB); loading without the optimizer state diverges.
+NVMe offload of the parameters (`offload_param.device: nvme`), of the optimizer (`offload_optimizer.device: nvme`: fp32
+master partitions, gradients and bnb's 8-bit state on NVMe), and of both, trains exactly as CPU offload: the same losses
+and final fp32 weights, bit for bit. Every checkpoint, of any kind, loads into an engine of any kind (built with another
+seed) and continues exactly as the run that never stopped; at DP 1, a ZeRO-2 engine without offload and a ZeRO-3 engine
+with the optimizer on NVMe continue within the bf16 bar. Controls: the NVMe runs held swap files on every rank, the CPU
+run none; with the optimizer on NVMe, every swapped sub-group's fp32 partition and bnb state were out of memory between
+steps (and one small sub-group stayed in memory, as DeepSpeed keeps those below 1 MiB); loading without the optimizer
+state diverges.
 Faults (`--faults`): an nvme_path that cannot be created fails initialize on every rank, naming it; a step whose swap
 files were removed and whose disk is full (a small tmpfs, mounted here) raises the same NVMeSwapError on every rank,
 naming the files, instead of aborting one rank in DeepSpeed's reader or training on what a short file held; the
@@ -24,7 +25,7 @@ import sys
 import pytest
 
 from conftest import torchrun
-from nvme_scenarios import KINDS, SAVE_AT
+from nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 
@@ -85,9 +86,10 @@ def test_checkpoints_resume_exactly_across_offload_kinds(results, saved, loader)
 
 
 @pytest.mark.parametrize("saved", KINDS)
-def test_checkpoints_load_at_dp1_without_offload(results, saved):
+@pytest.mark.parametrize("loader", LOADERS_ELSEWHERE)
+def test_checkpoints_load_at_dp1(results, saved, loader):
     reference = results["runs"][saved]["losses"][SAVE_AT:]
-    assert max(abs(a - b) for a, b in zip(results["dp1"][saved], reference)) <= BF16_TOL
+    assert max(abs(a - b) for a, b in zip(results["dp1"][f"{saved}->{loader}"], reference)) <= BF16_TOL
 
 
 def test_without_libaio_the_skip_names_the_package(monkeypatch):
