@@ -38,14 +38,18 @@ import proof_report  # noqa: E402
 ROOT = os.path.dirname(TESTS)
 PROOF = os.path.join(TESTS, "gpu", "proof.py")
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
-PARTS = ("env", "a", "b+c", "d", "e", "f", "g")
+ALL_PARTS = ("env", "a", "b+c", "d", "e", "f", "g", "h")
+# part h builds DeepSpeed's async_io op, which needs libaio: without it here (not root, so make test could not
+# install it) the rehearsal leaves that part out, as tests/test_nvme.py skips
+PARTS = ALL_PARTS if os.path.isfile("/usr/include/libaio.h") else ALL_PARTS[:-1]
 
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     """The dry run's exit code, output, report and output folder."""
     out, work = tmp_path_factory.mktemp("proof_out"), tmp_path_factory.mktemp("proof_work")
-    done = subprocess.run([sys.executable, PROOF, "--dry-run", "--out", str(out), "--work", str(work)],
+    done = subprocess.run([sys.executable, PROOF, "--dry-run", "--out", str(out), "--work", str(work),
+                           "--parts", ",".join(PARTS)],
                           env=launch_env(), capture_output=True, text=True, timeout=1200, check=False)
     path = out / "report.json"
     report = json.loads(path.read_text()) if path.is_file() else None
@@ -201,4 +205,4 @@ def test_proof_docstring_runs_the_parts_it_lists():
     for part in proof.PARTS:
         assert f"{part.name:<4} {part.script}" in proof.__doc__, part
         assert os.path.isfile(os.path.join(TESTS, "gpu", part.script))
-    assert tuple(p.name for p in proof.PARTS) == PARTS
+    assert tuple(p.name for p in proof.PARTS) == ALL_PARTS

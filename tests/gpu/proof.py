@@ -22,6 +22,7 @@ Parts (each a script beside this one; its docstring says what it proves and agai
     e    part_large.py         a parameter of 2^31 + 4096 elements steps correctly on both paths
     f    part_speed.py         step time, engine.step(), peak memory, bytes/param, kernel bandwidth (125M, 1B)
     g    part_zero_features.py ZenFlow, SuperOffload, Twin-Flow as stock DeepSpeed runs them; deepspeed_bnb refuses them
+    h    part_nvme.py          ZeRO-3 with the optimizer on NVMe == CPU offload, bit for bit; its checkpoint resumes
 The rehearsal (--dry-run) runs the same parts on the CPU with gloo; its stand-ins are named in each part's docstring
 (bnb_fused_kernel false for the GPU's "auto", small sizes for e and f).
 """
@@ -54,7 +55,7 @@ class Part:
 
 PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 300), Part("b+c", "part_engines.py", 180),
          Part("d", "part_checkpoints.py", 120), Part("e", "part_large.py", 300), Part("f", "part_speed.py", 300),
-         Part("g", "part_zero_features.py", 180))
+         Part("g", "part_zero_features.py", 180), Part("h", "part_nvme.py", 240))
 MIN_START = 20  # seconds of the deadline a part needs left to be started
 RESERVE = 10  # seconds kept for writing the report
 DEEPSPEED_FUSED_ADAM = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"

@@ -180,6 +180,24 @@ def traveling_bytes(bundle: str) -> int:
     return tree + folder_bytes(bundle)
 
 
+LIBAIO = "libaio"  # bundle folder: include/libaio.h, lib/libaio.so.1 (and libaio.so), for DeepSpeed's async_io op
+LIBAIO_HEADER, LIBAIO_LIBRARY = "/usr/include/libaio.h", "/usr/lib/x86_64-linux-gnu/libaio.so.1"
+
+
+def libaio(bundle: str) -> bool:
+    """This machine's libaio header and library, for a GPU machine without libaio-dev (no network there to install
+    it): part h builds DeepSpeed's async_io op against them. False where this machine has none."""
+    if not (os.path.isfile(LIBAIO_HEADER) and os.path.isfile(LIBAIO_LIBRARY)):
+        return False
+    target = os.path.join(bundle, LIBAIO)
+    os.makedirs(os.path.join(target, "include"), exist_ok=True)
+    os.makedirs(os.path.join(target, "lib"), exist_ok=True)
+    shutil.copy(LIBAIO_HEADER, os.path.join(target, "include", "libaio.h"))
+    for name in ("libaio.so.1", "libaio.so"):
+        shutil.copy(os.path.realpath(LIBAIO_LIBRARY), os.path.join(target, "lib", name))
+    return True
+
+
 def prepare(bundle: str = BUNDLE) -> dict:
     """Build the whole bundle; refuses one that would not travel."""
     import bitsandbytes
@@ -189,7 +207,7 @@ def prepare(bundle: str = BUNDLE) -> dict:
     cpu_checkpoint(bundle)
     manifest = {"wheels": [os.path.basename(w) for w in wheels], "bitsandbytes": bitsandbytes.__version__,
                 "bitsandbytes_bytes": bnb_bytes, "cuda_library": CUDA_THERE, "python_there": PYTHON_THERE,
-                "checkpoint": CHECKPOINT, "traveling_bytes": traveling_bytes(bundle)}
+                "checkpoint": CHECKPOINT, "libaio": libaio(bundle), "traveling_bytes": traveling_bytes(bundle)}
     common.write_json(os.path.join(bundle, MANIFEST), manifest)
     if manifest["traveling_bytes"] > LIMIT:
         raise SystemExit(f"{bundle}: {manifest['traveling_bytes'] / 2**20:.1f} MiB would travel with the working "
