@@ -67,6 +67,8 @@ def run(kind: str, folder: str, device: str, seed: int = 0, load_from=None, step
 def body(args, result):
     started = time.monotonic()
     source = use_libaio(args.bundle)
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # DeepSpeed's builders cannot parse "9.0a" (proof_common)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     from deepspeed.ops.op_builder import AsyncIOBuilder
     loaded = AsyncIOBuilder().is_compatible(verbose=False) and AsyncIOBuilder().load(verbose=False) is not None
     result.check("h: DeepSpeed's async_io op builds and loads", loaded,
