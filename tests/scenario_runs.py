@@ -32,12 +32,14 @@ HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/hpz_scenarios.py):
 
 def plan():
     """(world size, scenarios, elastic sources) of each run, in order: every checkpoint is saved before it is loaded."""
+    # (the pipeline / tensor-parallel scenarios come last in a launch: DeepSpeed keeps their model-parallel state in
+    # module globals, and a later engine without a model-parallel unit then fails to initialize)
     first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"] +
-                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []) +
-                                 (["hpz_save"] if w == HPZ_SAVE else []))),
+                                 (["hpz_save"] if w == HPZ_SAVE else []) +
+                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
-    later = [(w, "elastic_load" + (",parallel_load" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else "")
-              + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else ""),
+    later = [(w, "elastic_load" + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else "")
+              + (",parallel_load" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else ""),
               [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
     if 3 not in SIZES[1:-1]:  # the reshaped DP=1 checkpoint is loaded at 3 ranks only
         later = [(w, scenarios, [s for s in sources if s != RESHAPED]) for w, scenarios, sources in later]
