@@ -77,6 +77,10 @@ def main():
     p.add_argument("--result", required=True)
     args = p.parse_args()
     count_aio()
+    # DeepSpeed before 0.19.8 may find libaio missing later in the process (its has_function swallows the error once
+    # setuptools replaced distutils): load the op first
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    AsyncIOBuilder().load(verbose=False)
     import bitsandbytes as bnb
     import deepspeed
     from deepspeed import comm as dist

@@ -198,6 +198,11 @@ def main():
     parser.add_argument("--load-only", action="store_true", help="load the saved checkpoints into ZeRO-2 engines")
     parser.add_argument("--faults", default=None, help="run the fault cases, the full disk on this (small) mount")
     args = parser.parse_args()
+    # DeepSpeed before 0.19.8 (seen on 0.16.4, 0.18.4, 0.19.2) finds libaio missing once a torch JIT extension (the
+    # fused kernel of the first engine here) is loaded: its has_function swallows the error. Loaded first, the op is
+    # cached for every later engine (one engine per process, as a user runs, is not affected)
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    AsyncIOBuilder().load(verbose=False)
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.faults:

@@ -236,3 +236,10 @@ def checkpoint_mp_rank(engine) -> int:
     if rank is None:
         rank = 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
     return rank
+
+
+def optimizer_swap_paths(swap_info) -> list:
+    """The files of one sub-group's fp32 partition in DeepSpeed's optimizer swapper: `get_swap_paths()` from 0.17 on,
+    a `swap_paths` list before."""
+    getter = getattr(swap_info, "get_swap_paths", None)
+    return list(getter()) if getter is not None else list(swap_info.swap_paths)

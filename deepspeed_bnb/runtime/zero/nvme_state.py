@@ -64,7 +64,7 @@ class BnbNVMeStateMixin:
             return
         # (the gradients' files are not checked: their size depends on the dtype DeepSpeed wrote them in)
         nbytes = swapper._io_aligned_numel(info.numel()) * swapper.swap_element_size
-        for path in info.get_swap_paths():
+        for path in compat.optimizer_swap_paths(info):
             found = file_size(path)
             if found < nbytes:
                 self.bnb_swap_problems.append(f"DeepSpeed's swap file {path} holds {found} bytes, {nbytes} expected")
