@@ -48,7 +48,7 @@ def aio_handle(aio_config: dict):
 
 
 class BnbStateSwapper:
-    """The swap files of one rank's bnb state, per (sub-group, key); counts the bytes it moves."""
+    """The swap files of one rank's bnb state, per (sub-group, key)."""
 
     def __init__(self, folder: str, aio_config: dict):
         self.folder = folder  # this rank's folder of swap files
@@ -56,8 +56,6 @@ class BnbStateSwapper:
         self.handle, parallel = aio_handle(aio_config)
         self.unit = ALIGNED_BYTES * parallel  # every transfer is a multiple of this many bytes
         self.entries: Dict[Tuple[int, str], SwapEntry] = {}  # (sub-group, key) -> its file
-        self.bytes_written = 0  # over the swapper's life (benchmarks read these)
-        self.bytes_read = 0
 
     def _padded(self, nbytes: int) -> int:
         return -(-nbytes // self.unit) * self.unit
@@ -80,8 +78,7 @@ class BnbStateSwapper:
             if written != buffer.numel():
                 problems.append(f"writing bnb optimizer state {key!r} of sub-group {sub_group} to {entry.path} "
                                 f"stored {written} of {buffer.numel()} bytes")
-            self.bytes_written += buffer.numel()
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            release(tensor)
         if problems:
             raise NVMeSwapError("; ".join(problems) + " (a full disk, or a folder that cannot be written)")
 
@@ -100,10 +97,14 @@ class BnbStateSwapper:
                                 f"holds {found} bytes, {padded} expected")
             else:
                 self.handle.sync_pread(buffer, entry.path)
-                self.bytes_read += padded
             tensor.data = buffer[:entry.nbytes].view(entry.dtype).view(entry.shape)
         if problems:
             raise NVMeSwapError("; ".join(problems))
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Free a swapped tensor's memory; the tensor object stays (empty) where the state holds it."""
+    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def file_size(path: str) -> int:

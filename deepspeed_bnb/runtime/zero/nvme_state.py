@@ -23,7 +23,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.runtime.swap_tensor.bnb_state_swapper import BnbStateSwapper, NVMeSwapError, file_size
+from deepspeed_bnb.runtime.swap_tensor.bnb_state_swapper import BnbStateSwapper, NVMeSwapError, file_size, release
 from deepspeed_bnb.runtime.zero import compat
 
 SWAP_SUBFOLDER = os.path.join("zero_stage_3", "bnb_state")  # under nvme_path, beside DeepSpeed's "optimizer"
@@ -104,32 +104,39 @@ class BnbNVMeStateMixin:
         return {key: value for key, value in state.items() if classes.get(key) in SWAPPED}
 
     @contextlib.contextmanager
-    def _bnb_state_resident(self, i: int):
-        """Sub-group i's bnb state in memory for the block (written back after it, also the first time)."""
+    def _bnb_state_resident(self, i: int, read_only: bool = False):
+        """Sub-group i's bnb state in memory for the block, written back after it (also the first time); read_only:
+        released without a write (its files already hold it)."""
         if not self._bnb_on_nvme(i):
             yield
             return
         tensors = self._bnb_swapped_state(i)
-        if self.bnb_swapper.swapped(i):
+        swapped = self.bnb_swapper.swapped(i)
+        if swapped:
             try:
                 self.bnb_swapper.swap_in(i, tensors)  # a short file gives zeros: recorded, agreed on after the step
             except NVMeSwapError as exc:
                 self.bnb_swap_problems.append(str(exc))
         yield
+        if read_only and swapped:
+            for tensor in tensors.values():
+                release(tensor)
+            return
         try:
             self.bnb_swapper.swap_out(i, self._bnb_swapped_state(i))
         except NVMeSwapError as exc:
             self.bnb_swap_problems.append(str(exc))
 
     @contextlib.contextmanager
-    def _bnb_resident(self, i: int):
-        """Sub-group i whole in memory for the block: fp32 partition (DeepSpeed's swapper) and bnb state."""
+    def _bnb_resident(self, i: int, read_only: bool = False):
+        """Sub-group i whole in memory for the block: fp32 partition (DeepSpeed's swapper, which always writes it
+        back) and bnb state (read_only: not written back)."""
         if not self._bnb_on_nvme(i):
             yield
             return
         self._optimizer_states_and_gradient_swap_in(i)
         try:
-            with self._bnb_state_resident(i):
+            with self._bnb_state_resident(i, read_only):
                 yield
         finally:
             self._optimizer_states_and_gradient_swap_out(i)

@@ -415,7 +415,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
             subs = self.bnb_sub_groups[gindex]
             states, masters = [], []
             for i in subs:  # on NVMe: brought in one at a time and copied (their memory goes with the swap-out)
-                with self._bnb_resident(i):
+                with self._bnb_resident(i, read_only=True):
                     state, master = self.optimizer.state[self.fp32_partitioned_groups_flat[i]], \
                         self.fp32_partitioned_groups_flat[i].data
                     if self._bnb_on_nvme(i):
@@ -434,15 +434,21 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                                        master_layout=ShardedLayout(layout.numels, layout.dp, block=1)))
         return records
 
-    def _bnb_split_records(self, records: List[GroupRecord]) -> None:
-        """Write loaded group records back into the sub-groups (the inverse of `_bnb_group_records`)."""
+    def _bnb_record_pieces(self, records: List[GroupRecord]):
+        """Every sub-group's place in the group records (as `_bnb_group_records` joins them): (record, sub-group, offset
+        of its 8-bit state and master weights, offset of its fp32 state)."""
         for record, (gindex, *_) in zip(records, self._bnb_groups()):
             offset = fp32_offset = 0
             for i in self.bnb_sub_groups[gindex]:
-                with self._bnb_resident(i):
-                    self._bnb_split_record(record, i, offset, fp32_offset)
+                yield record, i, offset, fp32_offset
                 offset += self.bnb_layouts[i].partition_size
                 fp32_offset += sum(s.numel for s in self.bnb_segments[i] if not s.eight_bit)
+
+    def _bnb_split_records(self, records: List[GroupRecord]) -> None:
+        """Write loaded group records back into the sub-groups (the inverse of `_bnb_group_records`)."""
+        for record, i, offset, fp32_offset in self._bnb_record_pieces(records):
+            with self._bnb_resident(i):
+                self._bnb_split_record(record, i, offset, fp32_offset)
 
     def _bnb_split_record(self, record: GroupRecord, i: int, offset: int, fp32_offset: int) -> None:
         """Sub-group i's part of a loaded group record, from `offset` (8-bit and master) / `fp32_offset` (fp32 state)
@@ -470,32 +476,33 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                 self.bnb_master_errors[i].copy_(record.master_error.narrow(0, offset, size))
 
     @torch.no_grad()
-    def _bnb_stock_fp32_groups(self) -> List[torch.Tensor]:
+    def _bnb_stock_fp32_groups(self, records: List[GroupRecord]) -> List[torch.Tensor]:
         """This rank's master weights in stock ZeRO-3 slices (ceil(numel / dp) per parameter), per sub-group:
         DeepSpeed's zero_to_fp32 reads `fp32_flat_groups` that way. One all-gather per parameter. fp32, or bf16 for
         bf16 master weights (compensated ones are joined to the fp32 values they stand for)."""
+        # each sub-group's master weights, from the records (on NVMe: the copies they hold, not a second swap-in)
+        masters = {i: record.master.narrow(0, offset, self.bnb_layouts[i].partition_size)
+                   for record, i, offset, _ in self._bnb_record_pieces(records)}
         out = []
         for i, params in enumerate(self.fp16_groups):
-            with self._bnb_resident(i):  # on NVMe: brought in one sub-group at a time
-                group = compat.sub_group_process_group(self, i)
-                rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
-                layout, partition = self.bnb_layouts[i], self.fp32_partitioned_groups_flat[i].detach()
-                error = self.bnb_master_errors[i]
-                stock = ShardedLayout(layout.numels, dp, block=1)
-                pieces = []
-                for j in range(len(params)):
-                    mine = partition.narrow(0, layout.offsets[j], layout.slice_numel(j)).contiguous()
-                    if error is not None:  # the fp32 values the bf16 weights and their error terms stand for
-                        mine = compensated.join(mine, error.narrow(0, layout.offsets[j], layout.slice_numel(j)))
-                    if dp == 1:
-                        full = mine
-                    else:  # on the accelerator: with offload the partition is in host memory, which NCCL cannot send
-                        mine = mine.to(get_accelerator().current_device_name())
-                        full = torch.empty(mine.numel() * dp, dtype=mine.dtype, device=mine.device)
-                        dist.allgather_fn(full, mine, group=group)  # all_gather_into_tensor, or a list on gloo
-                    pieces.append(full.narrow(0, rank * stock.slice_numel(j), stock.slice_numel(j))
-                                  .to(partition.device))
-                out.append(torch.cat(pieces))
+            group = compat.sub_group_process_group(self, i)
+            rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
+            layout, partition = self.bnb_layouts[i], masters[i].detach()
+            error = self.bnb_master_errors[i]
+            stock = ShardedLayout(layout.numels, dp, block=1)
+            pieces = []
+            for j in range(len(params)):
+                mine = partition.narrow(0, layout.offsets[j], layout.slice_numel(j)).contiguous()
+                if error is not None:  # the fp32 values the bf16 weights and their error terms stand for
+                    mine = compensated.join(mine, error.narrow(0, layout.offsets[j], layout.slice_numel(j)))
+                if dp == 1:
+                    full = mine
+                else:  # on the accelerator: with offload the partition is in host memory, which NCCL cannot send
+                    mine = mine.to(get_accelerator().current_device_name())
+                    full = torch.empty(mine.numel() * dp, dtype=mine.dtype, device=mine.device)
+                    dist.allgather_fn(full, mine, group=group)  # all_gather_into_tensor, or a list on gloo
+                pieces.append(full.narrow(0, rank * stock.slice_numel(j), stock.slice_numel(j)).to(partition.device))
+            out.append(torch.cat(pieces))
         return out
 
     def step(self, closure=None):
@@ -510,7 +517,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         records = self._bnb_group_records()
         self._bnb_check_whole_state(records)
         state_dict.pop(OPTIMIZER_STATE_DICT, None)  # bnb's own state_dict of the flat sub-groups: meaningless
-        state_dict[C.FP32_FLAT_GROUPS_KEY] = self._bnb_stock_fp32_groups()
+        state_dict[C.FP32_FLAT_GROUPS_KEY] = self._bnb_stock_fp32_groups(records)
         self._bnb_agree_swaps("a checkpoint save")  # what was read from NVMe for it was whole on every rank
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records,
