@@ -174,7 +174,9 @@ OVERRIDES: Tuple[Override, ...] = (
     _subclass(ZERO12, ZERO12_PY, "_link_all_hp_params", "state keys answered from bnb state, dequantized; with "
               "padding tensors, linked along the flat order", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "unscale_and_clip_grads", "the combined unscale/clip factor is folded into the "
-              "fused step instead of a separate pass", ("self", "grad_groups_flat", "total_norm")),
+              "fused step instead of a separate pass: DeepSpeed's method multiplies a stand-in that records the factor "
+              "(it calls grad.data.mul_(factor) on each gradient), so the host never reads it back",
+              ("self", "grad_groups_flat", "total_norm")),
     _subclass(ZERO12, ZERO12_PY, "_optimizer_step", "steps the partition segment by segment (fused kernel or bnb's "
               "update per parameter)", ("self", "group_no")),
     _subclass(ZERO12, ZERO12_PY, "state_dict", "writes the versioned per-rank record instead of element-wise "

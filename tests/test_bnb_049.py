@@ -92,7 +92,7 @@ def _recorded_steps(monkeypatch):
     calls = []
     real = partition_step.PartitionStep.step
 
-    def step(self, group, params, grads, state, inv_scale=1.0, master_error=None):
+    def step(self, group, params, grads, state, inv_scale=None, master_error=None):
         before = (params.detach().clone(), grads.detach().clone(), _copy_state(state))
         real(self, group, params, grads, state, inv_scale, master_error)
         calls.append(dict(step=self, group=dict(group), before=before, inv_scale=inv_scale,
@@ -117,7 +117,8 @@ def _bnb_fp32_step(call, lr_factor=1.0):
     recorded inputs; lr_factor: a wrong teacher, for the control."""
     part = call["step"]
     params, grads, state = _inputs(call)
-    grads.mul_(call["inv_scale"])
+    if call["inv_scale"] is not None:
+        grads.mul_(call["inv_scale"])
     segments = [s for s in part.segments if not s.eight_bit]
     overrides = [part.variants[part.variant[s.slot]] for s in segments]
     group = {**call["group"], "lr": call["group"]["lr"] * lr_factor}

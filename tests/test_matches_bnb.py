@@ -175,10 +175,12 @@ def test_fused_unscale_factor_is_deepspeeds(one_rank):
         partition.grad = grad.clone()
         opt.unscale_and_clip_grads([partition.grad], torch.tensor(norm))
         assert torch.equal(partition.grad, grad), "a fused group's gradient is scaled inside the kernel, not here"
-        factors[norm] = opt._bnb_inv_scale.pop(0)
+        factor = opt._bnb_inv_scale.pop(0)
+        assert factor.dtype == torch.float32 and factor.dim() == 0
         theirs = grad.clone()
         DeepSpeedZeroOptimizer.unscale_and_clip_grads(opt, [theirs], torch.tensor(norm))
-        torch.testing.assert_close(grad * factors[norm], theirs, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(grad * factor, theirs, rtol=0, atol=0, equal_nan=True)
+        factors[norm] = float(factor)
     assert factors[123.0] < 1.0 and factors[0.01] == 1.0  # control: clipping is active for the large norm only
     partition.grad = None
 

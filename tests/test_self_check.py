@@ -32,7 +32,7 @@ def _one_code_off(rule):
 def _ignores_unscale(rule):
     def kernel(*args):
         position = rules.argument_names(rule).index("inv_scale")
-        _reference(rule)(*args[:position], 1.0, *args[position + 1:])
+        _reference(rule)(*args[:position], None, *args[position + 1:])
     return kernel
 
 
@@ -61,7 +61,8 @@ def _raises(rule):
 def _drops_error_terms(rule):
     """A kernel that steps compensated weights as plain bf16 ones (the error terms neither read nor written)."""
     def kernel(*args):
-        _reference(rule)(*args[:-1], None)  # error: every operator's last argument
+        position = rules.argument_names(rule).index("error")
+        _reference(rule)(*args[:position], None, *args[position + 1:])
     return kernel
 
 

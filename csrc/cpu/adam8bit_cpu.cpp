@@ -103,8 +103,11 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
 void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor codes2,
                        at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                        const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
-                       const at::Tensor& hyper, double inv_scale, const std::optional<at::Tensor>& error) {
+                       const at::Tensor& hyper, const std::optional<at::Tensor>& scale,
+                       const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
     const dsbnb::cpu::Checker check("adam8bit_step_");
+    dsbnb::cpu::require_ieee(check, arithmetic);
+    const double inv_scale = dsbnb::cpu::scale_of(check, scale);
     const dsbnb::Master master = dsbnb::cpu::master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);
     check.expect(codes2, "codes2", at::kByte);

@@ -228,6 +228,22 @@ class Checker {
     const char* op_;
 };
 
+// DeepSpeed's unscale/clip factor: 1 when the operator gets none, else the value of its one-element float32 tensor
+// (read here on the host: a CPU tensor, so reading it waits for nothing).
+inline double scale_of(const Checker& check, const std::optional<at::Tensor>& inv_scale) {
+    if (!inv_scale.has_value()) return 1.0;
+    check.expect(*inv_scale, "inv_scale", at::kFloat);
+    check(inv_scale->numel() == 1, "inv_scale must hold one element");
+    return static_cast<double>(inv_scale->item<float>());
+}
+
+// The CPU kernels compute the IEEE arithmetic only (deepspeed_bnb/ops/reference.py); bnb's CUDA arithmetic rests on
+// the GPU's approximate reciprocal and square root.
+inline void require_ieee(const Checker& check, c10::string_view arithmetic) {
+    check(arithmetic == "ieee", "the CPU kernels compute the 'ieee' arithmetic only, got '" +
+                                    std::string(arithmetic.data(), arithmetic.size()) + "'");
+}
+
 // Checks the segment and hyper tables against the partition and the states' arrays, and lists every block of every
 // segment: the work items of for_each_block.
 inline std::vector<Work> plan_blocks(const Checker& check, const at::Tensor& segments, const at::Tensor& hyper,
@@ -373,8 +389,11 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
 template <typename Rule>
 void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                     at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper,
-                    double inv_scale, const std::optional<at::Tensor>& error) {
+                    const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& error,
+                    c10::string_view arithmetic) {
     const Checker check(op);
+    require_ieee(check, arithmetic);
+    const double inv_scale = scale_of(check, scale);
     const Master master = master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);
     check.expect(absmax1, "absmax1", at::kFloat);

@@ -32,7 +32,7 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                                      float* __restrict__ absmax1, float* __restrict__ absmax2,
                                      float* __restrict__ state1, float* __restrict__ state2,
                                      const float* __restrict__ qmap1, const float* __restrict__ qmap2,
-                                     DeviceTables t1, DeviceTables t2, bool scale, float inv_scale) {
+                                     DeviceTables t1, DeviceTables t2, const float* inv_scale) {
     __shared__ float q1[256], q2[256], mid1[256], mid2[256];
     __shared__ uint8_t order1[256], order2[256];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -44,6 +44,8 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
         mid2[i] = t2.midpoints[i];
     }
     __syncthreads();
+    const bool scale = inv_scale != nullptr;  // DeepSpeed's unscale/clip factor, read here: the host never waits
+    const float factor = scale ? *inv_scale : 1.0f;
     const int lane = threadIdx.x & 31;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
     for (int64_t work = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); work < total_blocks;
@@ -67,7 +69,7 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                 if (j < len) {
                     const int64_t i = base + j;
                     float g = load_grad(grads, grad_type, i);
-                    if (scale) g = g * inv_scale;
+                    if (scale) g = g * factor;
                     const float m_old = q1[codes1[i]] * a1;
                     const float v_old = q2[codes2[i]] * a2;
                     float p = load_master(params, i);
@@ -107,7 +109,7 @@ __global__ void adam8bit_step_kernel(const Segment* __restrict__ segments, const
                 const int64_t i = base + j;
                 const int64_t f = s.fp32_offset + start + j;
                 float g = load_grad(grads, grad_type, i);
-                if (scale) g = g * inv_scale;
+                if (scale) g = g * factor;
                 float p = load_master(params, i);
                 if (isfinite(g)) {
                     float mm, vv;
@@ -128,12 +130,12 @@ int launch_adam8bit_step(const Segment* segments, const int64_t* block_starts, i
                          int64_t total_blocks, const Hyper* hyper, Master params, const void* grads, GradType grad_type,
                          uint8_t* codes1, uint8_t* codes2, float* absmax1, float* absmax2, float* state1,
                          float* state2, const float* qmap1, const float* qmap2, DeviceTables tables1,
-                         DeviceTables tables2, bool scale, float inv_scale, void* stream) {
+                         DeviceTables tables2, const float* inv_scale, void* stream) {
     if (total_blocks == 0) return 0;
     const int grid = device::grid_for(total_blocks);  // persistent, grid-stride
     adam8bit_step_kernel<<<grid, 32 * kWarpsPerBlock, 0, static_cast<cudaStream_t>(stream)>>>(
         segments, block_starts, num_segments, total_blocks, hyper, params, grads, grad_type, codes1, codes2, absmax1,
-        absmax2, state1, state2, qmap1, qmap2, tables1, tables2, scale, inv_scale);
+        absmax2, state1, state2, qmap1, qmap2, tables1, tables2, inv_scale);
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -15,8 +15,8 @@ namespace binding = dsbnb::binding;
 void adam8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor codes2,
                         at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                         const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
-                        const at::Tensor& hyper, double inv_scale,
-                        const std::optional<at::Tensor>& error) {
+                        const at::Tensor& hyper, const std::optional<at::Tensor>& inv_scale,
+                        const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
     const binding::Checker check("adam8bit_step_");
     const dsbnb::StateSizes states[2] = {{codes1.numel(), absmax1.numel(), state1.numel()},
                                          {codes2.numel(), absmax2.numel(), state2.numel()}};
@@ -35,7 +35,7 @@ void adam8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor c
         codes2.data_ptr<uint8_t>(), absmax1.data_ptr<float>(), absmax2.data_ptr<float>(), state1.data_ptr<float>(),
         state2.data_ptr<float>(), qmap1.data_ptr<float>(), qmap2.data_ptr<float>(), binding::tables_for(qmap1),
         binding::tables_for(qmap2),
-        inv_scale != 1.0, static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
+        binding::scale_of(check, params, inv_scale, arithmetic), c10::cuda::getCurrentCUDAStream().stream());
     check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));
 }
 

@@ -28,18 +28,18 @@ int launch_adam8bit_step(const Segment* segments, const int64_t* block_starts, i
                          int64_t total_blocks, const Hyper* hyper, Master params, const void* grads, GradType grad_type,
                          uint8_t* codes1, uint8_t* codes2, float* absmax1, float* absmax2, float* state1,
                          float* state2, const float* qmap1, const float* qmap2, DeviceTables tables1,
-                         DeviceTables tables2, bool scale, float inv_scale, void* stream);
+                         DeviceTables tables2, const float* inv_scale, void* stream);
 
 // Launches the fused Lion step on `stream`; as above with one state (codes1/absmax1 or state1) and LionHyper rows.
 int launch_lion8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
                          int64_t total_blocks, const LionHyper* hyper, Master params, const void* grads,
                          GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
-                         DeviceTables tables1, bool scale, float inv_scale, void* stream);
+                         DeviceTables tables1, const float* inv_scale, void* stream);
 
 // Launches the fused SGD-momentum step on `stream`; as the Lion launch with MomentumHyper rows.
 int launch_momentum8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
                              int64_t total_blocks, const MomentumHyper* hyper, Master params, const void* grads,
                              GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
-                             DeviceTables tables1, bool scale, float inv_scale, void* stream);
+                             DeviceTables tables1, const float* inv_scale, void* stream);
 
 }  // namespace dsbnb

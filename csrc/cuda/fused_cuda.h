@@ -173,6 +173,18 @@ inline Master master_of(const Checker& check, const at::Tensor& params, const st
     return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
 }
 
+// The device address of DeepSpeed's unscale/clip factor (nullptr: none), read by the kernel so that the host never
+// waits for it; and the arithmetic check (only "ieee" here).
+inline const float* scale_of(const Checker& check, const at::Tensor& params, const std::optional<at::Tensor>& inv_scale,
+                             c10::string_view arithmetic) {
+    check(arithmetic == "ieee", "unknown arithmetic '" + std::string(arithmetic.data(), arithmetic.size()) + "'");
+    if (!inv_scale.has_value()) return nullptr;
+    check(inv_scale->scalar_type() == at::kFloat && inv_scale->numel() == 1 && inv_scale->is_cuda() &&
+              inv_scale->get_device() == params.get_device(),
+          "inv_scale must be a one-element float32 tensor on params' CUDA device");
+    return inv_scale->data_ptr<float>();
+}
+
 inline GradType grad_type(const Checker& check, const at::Tensor& grads) {
     const GradType type = grads.scalar_type() == at::kBFloat16 ? GradType::kBFloat16
                           : grads.scalar_type() == at::kHalf   ? GradType::kFloat16

@@ -72,7 +72,7 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                                       Master params, const void* __restrict__ grads, GradType grad_type,
                                       uint8_t* __restrict__ codes1, float* __restrict__ absmax1,
                                       float* __restrict__ state1, const float* __restrict__ qmap1, DeviceTables t1,
-                                      bool scale, float inv_scale) {
+                                      const float* inv_scale) {
     __shared__ float q1[256], mid1[256];
     __shared__ uint8_t order1[256];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -81,6 +81,8 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
         mid1[i] = t1.midpoints[i];
     }
     __syncthreads();
+    const bool scale = inv_scale != nullptr;  // DeepSpeed's unscale/clip factor, read here: the host never waits
+    const float factor = scale ? *inv_scale : 1.0f;
     const int lane = threadIdx.x & 31;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
     for (int64_t work = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); work < total_blocks;
@@ -103,7 +105,7 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                 if (j < len) {
                     const int64_t i = base + j;
                     float g = load_grad(grads, grad_type, i);
-                    if (scale) g = g * inv_scale;
+                    if (scale) g = g * factor;
                     const float m_old = q1[codes1[i]] * a1;
                     float p = load_master(params, i);
                     if (isfinite(g)) {
@@ -132,7 +134,7 @@ __global__ void one_state_step_kernel(const Segment* __restrict__ segments, cons
                 const int64_t i = base + j;
                 const int64_t f = s.fp32_offset + start + j;
                 float g = load_grad(grads, grad_type, i);
-                if (scale) g = g * inv_scale;
+                if (scale) g = g * factor;
                 float p = load_master(params, i);
                 if (isfinite(g)) {
                     float m_new;
@@ -150,12 +152,12 @@ template <typename Rule>
 int launch_one_state_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
                           int64_t total_blocks, const typename Rule::Row* hyper, Master params, const void* grads,
                           GradType grad_type, uint8_t* codes1, float* absmax1, float* state1, const float* qmap1,
-                          DeviceTables tables1, bool scale, float inv_scale, void* stream) {
+                          DeviceTables tables1, const float* inv_scale, void* stream) {
     if (total_blocks == 0) return 0;
     one_state_step_kernel<Rule><<<grid_for(total_blocks), 32 * kWarpsPerBlock, 0,
                                    static_cast<cudaStream_t>(stream)>>>(
         segments, block_starts, num_segments, total_blocks, hyper, params, grads, grad_type, codes1, absmax1, state1,
-        qmap1, tables1, scale, inv_scale);
+        qmap1, tables1, inv_scale);
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -13,8 +13,8 @@ namespace binding = dsbnb::binding;
 
 void lion8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                         at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments,
-                        const at::Tensor& hyper, double inv_scale,
-                        const std::optional<at::Tensor>& error) {
+                        const at::Tensor& hyper, const std::optional<at::Tensor>& inv_scale,
+                        const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
     const binding::Checker check("lion8bit_step_");
     const dsbnb::StateSizes states[1] = {{codes1.numel(), absmax1.numel(), state1.numel()}};
     const c10::cuda::CUDAGuard guard(params.device());
@@ -28,7 +28,7 @@ void lion8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor c
         segments.size(0), blocks.total, reinterpret_cast<const dsbnb::LionHyper*>(hyper.data_ptr<float>()),
         binding::master_of(check, params, error), grads.data_ptr(), grad_type, codes1.data_ptr<uint8_t>(),
         absmax1.data_ptr<float>(), state1.data_ptr<float>(), qmap1.data_ptr<float>(), binding::tables_for(qmap1),
-        inv_scale != 1.0, static_cast<float>(inv_scale), c10::cuda::getCurrentCUDAStream().stream());
+        binding::scale_of(check, params, inv_scale, arithmetic), c10::cuda::getCurrentCUDAStream().stream());
     check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));
 }
 

@@ -32,10 +32,10 @@ struct MomentumRule {
 
 int launch_momentum8bit_step(const Segment* segments, const int64_t* block_starts, int64_t num_segments,
     int64_t total_blocks, const MomentumHyper* hyper, Master params, const void* grads, GradType grad_type,
-    uint8_t* codes1, float* absmax1, float* state1, const float* qmap1, DeviceTables tables1, bool scale,
-    float inv_scale, void* stream) {
+    uint8_t* codes1, float* absmax1, float* state1, const float* qmap1, DeviceTables tables1, const float* inv_scale,
+    void* stream) {
     return device::launch_one_state_step<MomentumRule>(segments, block_starts, num_segments, total_blocks, hyper,
-        params, grads, grad_type, codes1, absmax1, state1, qmap1, tables1, scale, inv_scale, stream);
+        params, grads, grad_type, codes1, absmax1, state1, qmap1, tables1, inv_scale, stream);
 }
 
 }  // namespace dsbnb

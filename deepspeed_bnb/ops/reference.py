@@ -9,7 +9,8 @@ Canonical semantics (why: bnb's backends disagree with each other: its CUDA kern
 kernels round, skip non-finite gradients and apply weight decay differently, as noted below):
 - IEEE fp32, every operation individually rounded: no FMA contraction; sqrt and division correctly rounded (computed
   in fp64 and rounded once, which is exact for them; torch's own fp32 sqrt is not correctly rounded on x86 CPUs).
-- Per element, with `g = grad * inv_scale` (DeepSpeed's combined unscale/clip factor, skipped when it is 1):
+- Per element, with `g = grad * inv_scale` (DeepSpeed's combined unscale/clip factor, a one-element fp32 tensor;
+  skipped when None):
   AdamW (adam8bit_step, two states m and v):
       m = beta1 * m_old + (1 - beta1) * g
       v = beta2 * v_old + (1 - beta2) * (g * g)
@@ -172,10 +173,6 @@ def _sqrt(a: torch.Tensor) -> torch.Tensor:
     return a.double().sqrt().float()
 
 
-def _f32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
-
-
 def positive_floor(qmap: torch.Tensor) -> Tuple[int, int]:
     """(code of 0.0, code of the smallest positive value) of a map holding both, else (-1, -1): the codes of the floor
     Adam's second moment is stored with (see the module docstring)."""
@@ -303,19 +300,29 @@ def _master_kind(params: torch.Tensor, error: Optional[torch.Tensor]) -> None:
                      + ("" if error is None else f", error {error.dtype} [{error.numel()}] for [{params.numel()}]"))
 
 
-def _walk(params, grads, segments, hyper, inv_scale: float, update, error=None) -> None:
+def _scale(inv_scale: Optional[torch.Tensor], arithmetic: str) -> Optional[torch.Tensor]:
+    """The unscale factor as an fp32 scalar tensor on the CPU (None: none), after checking the arithmetic: the
+    reference defines the IEEE one only (bnb's CUDA arithmetic uses the GPU's approximate reciprocal and square root,
+    which no CPU reproduces; tests/gpu holds that one to bitsandbytes itself)."""
+    if arithmetic != "ieee":
+        raise ValueError(f"the pure-torch reference computes the 'ieee' arithmetic only, not {arithmetic!r}")
+    return None if inv_scale is None else inv_scale.detach().reshape(()).float().cpu()
+
+
+def _walk(params, grads, segments, hyper, inv_scale, update, error=None, arithmetic: str = "ieee") -> None:
     """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's fp32 master weights,
     a view of params, or for bf16 and compensated ones a widened copy stored back after; g: its scaled fp32 gradient,
     finite: isfinite(g), h: its hyper row)."""
     _master_kind(params, error)
+    inv_scale = _scale(inv_scale, arithmetic)
     hyper = hyper.float()
     for offset, numel, eight_bit, fp32_offset, row in segments.tolist():
         p = params.narrow(0, offset, numel)
         lo = None if error is None else error.narrow(0, offset, numel)
         wide = p if p.dtype == torch.float32 else (p.float() if lo is None else compensated.join(p, lo))
         g = grads.narrow(0, offset, numel).float()
-        if inv_scale != 1.0:
-            g = g * _f32(inv_scale)
+        if inv_scale is not None:
+            g = g * inv_scale.to(g.device)
         update(_Segment(offset, numel, bool(eight_bit), fp32_offset), wide, g, torch.isfinite(g), hyper[row])
         if lo is not None:
             compensated.split_(wide, p, lo)
@@ -327,7 +334,8 @@ def _walk(params, grads, segments, hyper, inv_scale: float, update, error=None) 
 def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, codes2: torch.Tensor,
                   absmax1: torch.Tensor, absmax2: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
                   qmap1: torch.Tensor, qmap2: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                  inv_scale: float, error: Optional[torch.Tensor] = None) -> None:
+                  inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
+                  arithmetic: str = "ieee") -> None:
     """In place: one AdamW step of every segment of a flat partition (see the module docstring for semantics).
 
     params fp32 or bf16 [P] (master weights; error: int8 [P], their error terms when compensated); grads
@@ -344,13 +352,14 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         p.copy_(torch.where(finite, _param_update(p, m, v, h), p))
         first.store(m)
         second.store(v)
-    _walk(params, grads, segments, hyper, inv_scale, update, error)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic)
 
 
 @torch.no_grad()
 def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                   state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                  inv_scale: float, error: Optional[torch.Tensor] = None) -> None:
+                  inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
+                  arithmetic: str = "ieee") -> None:
     """In place: one Lion step of every segment of a flat partition (see the module docstring for semantics).
 
     As adam8bit_step with one state (the momentum): codes1 uint8 [P] and absmax1 fp32 [P/256] for 8-bit segments,
@@ -362,13 +371,14 @@ def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         new_p, m = _lion_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, update, error)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic)
 
 
 @torch.no_grad()
 def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                       state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
-                      inv_scale: float, error: Optional[torch.Tensor] = None) -> None:
+                      inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
+                      arithmetic: str = "ieee") -> None:
     """In place: one SGD-with-momentum step of every segment of a flat partition (see the module docstring).
 
     Arguments as lion8bit_step (one state, the momentum); hyper fp32 [H, 4] (MomentumHyper rows).
@@ -379,4 +389,4 @@ def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.T
         new_p, m = _momentum_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, update, error)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic)

@@ -10,9 +10,11 @@ implementations (ops/fake.py), the first-use check (ops/self_check.py), the fuse
 compiled or reference.
 
 Every operator has the same argument layout, grouped by kind and numbered by moment (k = 1..moments):
-    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale, error
-(params: fp32 or bf16 master weights; error: None, or the int8 error terms of compensated ones)
-(`argument_names`); moment 1 (m) uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
+    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale, error, arithmetic
+(params: fp32 or bf16 master weights; inv_scale: None, or a one-element float32 tensor on their device holding
+DeepSpeed's unscale/clip factor, read by the kernel so that the host never waits for it; error: None, or the int8
+error terms of compensated ones; arithmetic: which rounding rules, ARITHMETICS) (`argument_names`); moment 1 (m)
+uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
 
 Adding a rule touches these files (tests/test_rules.py checks that they agree with each other):
 1. deepspeed_bnb/ops/reference.py: its semantics, a `<name>8bit_step` function with the argument layout above, and
@@ -42,6 +44,9 @@ from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
 from deepspeed_bnb.state_layout import Segment
 
 SIGNED_MAPS = (True, False)  # bnb's map of moment 1 (m) is signed, of moment 2 (Adam's v) unsigned
+# The rounding rules an operator follows (its `arithmetic` argument):
+IEEE = "ieee"  # every fp32 operation rounded on its own, the pure-torch reference's (ops/reference.py): CPU and CUDA
+ARITHMETICS = (IEEE,)
 
 
 @dataclass(frozen=True)
@@ -125,31 +130,49 @@ def argument_names(rule) -> Tuple[str, ...]:
     """The operator's (and the reference's) arguments in order, by name."""
     numbers = range(1, get(rule).moments + 1)
     per_moment = [f"{kind}{k}" for kind in ("codes", "absmax", "state", "qmap") for k in numbers]
-    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale", "error")
+    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale", "error", "arithmetic")
+
+
+def scale_argument(inv_scale, device) -> Optional[torch.Tensor]:
+    """The operators' inv_scale argument: None for none (or a number equal to 1), a one-element float32 tensor on
+    `device` as a 0-dim view (no copy, so no wait for the device), a number as such a tensor."""
+    if inv_scale is None:
+        return None
+    if torch.is_tensor(inv_scale):
+        if inv_scale.dtype != torch.float32 or inv_scale.numel() != 1:
+            raise ValueError(f"inv_scale must be a one-element float32 tensor, got {inv_scale.dtype} "
+                             f"[{inv_scale.numel()}]")
+        return inv_scale.reshape(())
+    value = float(inv_scale)
+    return None if value == 1.0 else torch.full((), value, dtype=torch.float32, device=device)
 
 
 def arguments(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
               absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
-              segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0,
-              error: Optional[torch.Tensor] = None) -> tuple:
+              segments: torch.Tensor, hyper: torch.Tensor, inv_scale=None, error: Optional[torch.Tensor] = None,
+              arithmetic: str = IEEE) -> tuple:
     """The operator's positional arguments: codes, absmax, fp32 state and qmaps hold one tensor per moment of the
     rule (moment 1 first); a ValueError when a count differs. `params`: fp32 or bf16 master weights, `error` the int8
-    error terms of compensated ones (None otherwise)."""
+    error terms of compensated ones (None otherwise); `inv_scale`: None, a number or a one-element tensor
+    (scale_argument); `arithmetic`: one of ARITHMETICS."""
     rule = get(rule)
     for kind, tensors in (("codes", codes), ("absmax", absmax), ("state", state), ("qmaps", qmaps)):
         if len(tensors) != rule.moments:
             raise ValueError(f"bnb's {rule.name!r} rule keeps {rule.moments} moment(s): {kind} needs "
                              f"{rule.moments} tensor(s), got {len(tensors)}")
-    return (params, grads, *codes, *absmax, *state, *qmaps, segments, hyper, float(inv_scale), error)
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic must be one of {', '.join(map(repr, ARITHMETICS))}, got {arithmetic!r}")
+    return (params, grads, *codes, *absmax, *state, *qmaps, segments, hyper, scale_argument(inv_scale, params.device),
+            error, arithmetic)
 
 
 def step_(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
           absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
-          segments: torch.Tensor, hyper: torch.Tensor, inv_scale: float = 1.0, error: Optional[torch.Tensor] = None,
-          *, use_kernel: bool = True) -> None:
+          segments: torch.Tensor, hyper: torch.Tensor, inv_scale=None, error: Optional[torch.Tensor] = None,
+          arithmetic: str = IEEE, *, use_kernel: bool = True) -> None:
     """One fused step of `rule` over a flat partition, in place (arguments: `arguments`; their meaning:
     reference.adam8bit_step). use_kernel: the compiled operator, which raises when it is not loaded (no silent
     fallback); False: the pure-torch reference (tests, benchmarks)."""
     rule = get(rule)
-    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale, error)
+    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale, error, arithmetic)
     (rule.kernel() if use_kernel else rule.reference)(*args)

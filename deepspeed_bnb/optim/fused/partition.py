@@ -33,7 +33,7 @@ class FusedPartition:
 
     @torch.no_grad()
     def step(self, configs: Sequence[dict], step: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-             inv_scale: float = 1.0, error: Optional[torch.Tensor] = None) -> None:
+             inv_scale: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None) -> None:
         """Update the segments in place at bnb step `step`, hyper row i from configs[i]; state["step"] is the
         caller's. `params`: fp32 or bf16 master weights, `error` the int8 error terms of compensated ones."""
         if not self.table.numel():

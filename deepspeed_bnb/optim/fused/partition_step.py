@@ -123,10 +123,11 @@ class PartitionStep:
             self.on_reroute(old, new)
 
     @torch.no_grad()
-    def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict, inv_scale: float = 1.0,
-             master_error: Optional[torch.Tensor] = None):
-        """One optimizer step of the partition in place. `inv_scale`: DeepSpeed's unscale/clip factor, not yet
-        applied to `grads` (the kernel folds it into its pass; bnb's segments get grads multiplied by it first).
+    def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict,
+             inv_scale: Optional[torch.Tensor] = None, master_error: Optional[torch.Tensor] = None):
+        """One optimizer step of the partition in place. `inv_scale`: None, or DeepSpeed's unscale/clip factor as a
+        0-dim float32 tensor on the partition's device, not yet applied to `grads` (the kernel reads it in its pass,
+        so the host never waits for its value; bnb's segments get grads multiplied by it first).
         `master_error`: the int8 error term of compensated bf16 master weights `params` (None: plain fp32 or bf16)."""
         self.route(group)
         step = state["step"] + 1  # bnb counts the step before using it
@@ -134,7 +135,7 @@ class PartitionStep:
             self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale,
                             master_error)
         bnb_segments = [self.segments[i] for i in self._bnb]
-        if inv_scale != 1.0:
+        if inv_scale is not None:
             for segment in bnb_segments:  # what DeepSpeed's grad.mul_(1 / combined_scale) does, segment by segment
                 grads.narrow(0, segment.offset, segment.numel).mul_(inv_scale)
         # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once

@@ -71,7 +71,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self.bnb_eight_bit: List[List[bool]] = []  # per group, per parameter in flat order: 8-bit state?
         self.bnb_segments = []  # per group: this rank's segment table (state_layout.Segment)
         self.bnb_steps: List[PartitionStep] = []  # per group: this rank's step (fused kernel and/or bnb's update)
-        self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
+        self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
+        # partition's device), folded into the step
         device = self.single_partition_of_fp32_groups[0].device
         # why no parameter may be fused here (None: the contract decides per parameter)
         self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device,
@@ -210,20 +211,21 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # DeepSpeed multiplies the gradient partition by 1 / (loss scale * clip) just before _optimizer_step; the
         # factor is handed to the partition's step instead, which folds it into the kernel's single pass (and
         # multiplies only the segments bnb steps), saving one pass over the partition. DeepSpeed's own method computes
-        # it, on a one-element probe: its formula differs between releases (0.19.8 clips an invalid norm as inf), and
-        # the step's product must stay bit-identical to its mul_.
+        # it: its formula differs between releases (0.19.8 clips an invalid norm as inf), and the step's product must
+        # stay bit-identical to its mul_. It multiplies a stand-in that records the factor (a 0-dim tensor on the
+        # device when it clips) instead of a tensor the host would have to read back.
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
             if len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
-                probe = torch.ones(1, dtype=torch.float32, device=partition.grad.device)
-                super().unscale_and_clip_grads([probe], total_norm)
-                self._bnb_inv_scale[i] = probe.item()
+                recorder = _FactorRecorder()
+                super().unscale_and_clip_grads([recorder], total_norm)
+                self._bnb_inv_scale[i] = recorder.scale(partition.grad.device)
                 return
         super().unscale_and_clip_grads(grad_groups_flat, total_norm)
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
         self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
-                                      self.optimizer.state[partition], self._bnb_inv_scale.pop(group_no, 1.0),
+                                      self.optimizer.state[partition], self._bnb_inv_scale.pop(group_no, None),
                                       self.bnb_master_errors[group_no])
         self._lazy_init_hp_params_optimizer_state()
 
@@ -283,6 +285,32 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             self.update_lp_params()
         if load_optimizer_states:
             self._link_all_hp_params()
+
+
+class _FactorRecorder:
+    """Stands in for a gradient partition in DeepSpeed's unscale_and_clip_grads, which multiplies each one in place by
+    its factor (`grad.data.mul_(1. / combined_scale)` in every supported release; registered in overrides.py):
+    records the factor, a Python number or (when it clips) a 0-dim tensor on the device, without reading it."""
+
+    def __init__(self):
+        self.factor = None  # None: DeepSpeed multiplied nothing (no clipping, no loss scale)
+
+    @property
+    def data(self) -> "_FactorRecorder":
+        return self
+
+    def mul_(self, factor) -> "_FactorRecorder":
+        self.factor = factor
+        return self
+
+    def scale(self, device) -> Optional[torch.Tensor]:
+        """The recorded factor as the fused step takes it: None, or a 0-dim float32 tensor on `device` (a number
+        rounded to float32 once, as DeepSpeed's mul_ of a float32 gradient rounds it)."""
+        if self.factor is None:
+            return None
+        if torch.is_tensor(self.factor):
+            return self.factor.to(device=device, dtype=torch.float32).reshape(())
+        return torch.full((), float(self.factor), dtype=torch.float32, device=device)
 
 
 def _running_offsets(metas) -> List[int]:

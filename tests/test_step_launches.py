@@ -1,0 +1,116 @@
+"""What one `engine.step()` calls: the fused operator once per partition, bnb's update only where the plan says, and
+no read of a tensor back to the host (`.item()`, `float(t)`, `bool(t)`), which on a GPU waits for every queued
+kernel.
+
+Counted under a TorchDispatchMode, which sees every operator call, ours and bitsandbytes' (torch.library operators)
+and aten's, on the CPU as on a GPU. The reference for host reads is stock DeepSpeed stepping torch's fused AdamW with
+the same config: what DeepSpeed itself reads (its invalid-norm check, for one) is not ours to remove. Control: a step
+that reads the unscale factor back (what an earlier version did) is counted, so the harness can fail.
+"""
+
+import contextlib
+from collections import Counter
+
+import deepspeed
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import deepspeed_bnb  # noqa: F401
+from bnb_optimizers import FACTORIES
+from deepspeed_bnb.optim.fused import partition_step
+from deepspeed_bnb.runtime.engine import stock_deepspeed
+from toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups
+
+HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::equal")
+KERNEL = "deepspeed_bnb::adam8bit_step_"
+BNB_8BIT, BNB_32BIT = "bitsandbytes::optimizer_update_8bit_blockwise", "bitsandbytes::optimizer_update_32bit"
+
+
+class OperatorCounter(TorchDispatchMode):
+    """Counts every operator called inside it, by its schema name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def host_reads(self) -> int:
+        return sum(self.counts[name] for name in HOST_READS)
+
+
+def _engine(optimizer, stage: int, stock: bool = False):
+    config = ds_config(1, stage=stage, clip=0.5)  # clipping on: DeepSpeed hands a device tensor as the factor
+    if stage == 3:
+        config["zero_optimization"]["sub_group_size"] = 6000  # several sub-groups, so several partitions
+    with stock_deepspeed() if stock else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(model=optimizer.model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _bnb(model):
+    optimizer = FACTORIES["AdamW8bit"](param_groups(model))
+    optimizer.model = model
+    return optimizer
+
+
+def _torch_fused(model):
+    optimizer = torch.optim.AdamW(param_groups(model), fused=True)
+    optimizer.model = model
+    return optimizer
+
+
+def _counted_steps(engine, steps: int = 2) -> OperatorCounter:
+    """The operators of the last of `steps` optimizer steps (the first may allocate and route)."""
+    counter = None
+    for step in range(steps):
+        tokens, targets = global_batch(step)
+        engine.backward(loss_fn(engine, tokens, targets))
+        counter = OperatorCounter()
+        with counter:
+            engine.step()
+    return counter
+
+
+def _partitions(engine):
+    """(fused segment count, bnb segment count) per partition step of a deepspeed_bnb engine."""
+    return [(0 if s.fused is None else int(s.fused.table.shape[0]), len(s._bnb)) for s in engine.optimizer.bnb_steps]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_kernel_call_per_partition_and_bnb_only_where_planned(one_rank, stage):
+    engine = _engine(_bnb(make_model(0)), stage)
+    plan = _partitions(engine)
+    counter = _counted_steps(engine)
+    assert len(plan) >= 2, "the toy model gives several partitions (two param groups, or several sub-groups)"
+    assert counter.counts[KERNEL] == sum(1 for fused, _ in plan if fused)
+    # on a CPU, bnb's own update steps the parameters with 32-bit state (bit for bit bnb's), one call per segment
+    # (bnb's update calls its operator once per block-aligned piece of at most 2^30 elements: one here)
+    assert counter.counts[BNB_32BIT] == sum(bnb for _, bnb in plan) > 0
+    assert counter.counts[BNB_8BIT] == 0  # every 8-bit parameter is the kernel's
+    eight_bit = sum(p.numel() >= MIN_8BIT_SIZE for p in engine.module.parameters())
+    assert sum(fused for fused, _ in plan) >= eight_bit  # each 8-bit parameter has a segment in some partition
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage):
+    ours = _counted_steps(_engine(_bnb(make_model(0)), stage))
+    stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True))
+    assert ours.host_reads() <= stock.host_reads(), (ours.counts, stock.counts)
+
+
+def test_control_a_step_that_reads_the_factor_back_is_counted(one_rank, monkeypatch):
+    """Control: the factor read back once per partition (an earlier version's `.item()`) shows in the count."""
+    engine = _engine(_bnb(make_model(0)), 2)
+    clean = _counted_steps(engine).host_reads()
+    real = partition_step.PartitionStep.step
+
+    def reading(self, group, params, grads, state, inv_scale=None, master_error=None):
+        float(inv_scale)
+        return real(self, group, params, grads, state, inv_scale, master_error)
+
+    monkeypatch.setattr(partition_step.PartitionStep, "step", reading)
+    assert _counted_steps(engine).host_reads() == clean + len(engine.optimizer.bnb_steps)
