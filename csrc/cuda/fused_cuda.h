@@ -1,7 +1,9 @@
 // fused_cuda.h — host code the torch bindings of the CUDA kernels share (adam8bit_cuda.cpp, lion8bit_cuda.cpp,
-// momentum8bit_cuda.cpp): the quantizer tables of a map uploaded once per map, the segment table's block offsets
-// uploaded once per table (both cached per tensor, so a steady-state step never synchronizes with the device), the
-// per-call segment checks on the cached host rows, and the gradient argument of the launch.
+// momentum8bit_cuda.cpp): argument checks, the quantizer tables of a map (sorted order, midpoints and the compact
+// table of csrc/include/dsbnb/compact_quantizer.h) uploaded once per map, the segment table's block map (each block's
+// segment and each segment's first block) uploaded once per table — both cached per tensor, so a steady-state step
+// never synchronizes with the device —, DeepSpeed's unscale factor (a device tensor's address, never its value), and
+// the launch arguments of every rule (`run`).
 // Build: only with a CUDA build of torch, with the bindings. Test: tests/test_cuda_build.py (syntax, without a GPU);
 // tests/test_fused_rules.py (every rule of the registry) on a machine with a GPU.
 #pragma once
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "adam8bit_launch.h"
+#include "dsbnb/compact_quantizer.h"
 
 namespace dsbnb {
 namespace binding {
@@ -68,14 +71,10 @@ class ConstantCache {
     std::vector<std::unique_ptr<Entry>> entries_;
 };
 
-// The quantizer tables of one map, uploaded to its device.
+// The quantizer tables of one map, on its device.
 struct UploadedTables {
-    at::Tensor midpoints, order, lut;
-    int max_walk;
-    PositiveFloor floor;
-    DeviceTables view() const {
-        return {midpoints.data_ptr<float>(), order.data_ptr<int32_t>(), lut.data_ptr<int32_t>(), max_walk, floor};
-    }
+    at::Tensor midpoints, order, lo;
+    DeviceTables tables;
 };
 
 inline DeviceTables tables_for(const at::Tensor& qmap) {
@@ -83,25 +82,50 @@ inline DeviceTables tables_for(const at::Tensor& qmap) {
     return cache
         .get(qmap,
              [&](const at::Tensor& host) {
-                 auto tables = std::make_unique<QuantTables>(host.data_ptr<float>());
+                 const float* map = host.data_ptr<float>();
+                 int index[256];
+                 for (int i = 0; i < 256; ++i) index[i] = i;
+                 std::stable_sort(index, index + 256, [map](int a, int b) { return map[a] < map[b]; });
+                 float sorted[256], midpoints[256];
+                 uint8_t order[256];
+                 bool identity = true;
+                 for (int i = 0; i < 256; ++i) {
+                     sorted[i] = map[index[i]];
+                     order[i] = static_cast<uint8_t>(index[i]);
+                     identity = identity && index[i] == i;
+                 }
+                 for (int i = 0; i < 255; ++i) midpoints[i] = (sorted[i] + sorted[i + 1]) / 2.0f;  // the reference's
+                 midpoints[255] = NAN;  // a sentinel: no value is below it or equal to it
+                 auto compact = std::make_unique<compact::Table>(sorted);
+                 PositiveFloor floor;  // the codes of 0 and of the smallest positive value (Adam's v, ieee)
+                 for (int i = 0; i + 1 < 256; ++i) {
+                     if (sorted[i] == 0.0f && sorted[i + 1] > 0.0f) floor = PositiveFloor{index[i], index[i + 1]};
+                 }
+                 const auto options = at::TensorOptions().device(qmap.device());
                  auto upload = [&](const void* data, int64_t n, at::ScalarType type) {
                      return at::from_blob(const_cast<void*>(data), {n}, at::TensorOptions().dtype(type))
-                         .to(qmap.device());
+                         .to(options.dtype(type));
                  };
-                 return UploadedTables{upload(tables->midpoints, 256, at::kFloat),
-                                       upload(tables->order, 256, at::kInt),
-                                       upload(tables->lut, 1 << kLutBits, at::kInt), tables->max_walk,
-                                       tables->floor};
+                 UploadedTables up;
+                 up.midpoints = upload(midpoints, 256, at::kFloat);
+                 up.order = upload(order, 256, at::kByte);
+                 up.lo = upload(compact->lo, std::max(compact->entries(), 1), at::kByte);
+                 up.tables = DeviceTables{up.midpoints.data_ptr<float>(), up.order.data_ptr<uint8_t>(),
+                                          up.lo.data_ptr<uint8_t>(), compact->e_lo, compact->span,
+                                          compact->usable ? compact->entries() : 0, compact->usable, identity,
+                                          floor};
+                 return up;
              })
-        .view();
+        .tables;
 }
 
 // What a launch needs from a segment table: its rows on the host (checked on every call, against that call's
-// sizes), the first block of each segment on the device, and the block count.
+// sizes), each segment's first block and each block's segment on the device, and the block count.
 struct SegmentBlocks {
     std::vector<Segment> rows;
     at::Tensor starts;  // int64 [S + 1] on the device
-    int64_t total;      // blocks over all segments (the grid size)
+    at::Tensor owner;   // int32 [total] on the device: the segment of each block
+    int64_t total;      // blocks over all segments
 };
 
 inline const SegmentBlocks& blocks_for(const at::Tensor& segments) {
@@ -113,8 +137,13 @@ inline const SegmentBlocks& blocks_for(const at::Tensor& segments) {
         for (size_t i = 0; i < rows.size(); ++i) {
             starts[i + 1] = starts[i] + (std::max<int64_t>(rows[i].numel, 0) + kBlock - 1) / kBlock;
         }
-        return SegmentBlocks{rows, at::tensor(starts, at::TensorOptions().dtype(at::kLong)).to(segments.device()),
-                             starts.back()};
+        std::vector<int32_t> owner(static_cast<size_t>(starts.back()));
+        for (size_t i = 0; i < rows.size(); ++i) {
+            std::fill(owner.begin() + starts[i], owner.begin() + starts[i + 1], static_cast<int32_t>(i));
+        }
+        const auto device = at::TensorOptions().device(segments.device());
+        return SegmentBlocks{rows, at::tensor(starts, at::TensorOptions().dtype(at::kLong)).to(device),
+                             at::tensor(owner, at::TensorOptions().dtype(at::kInt)).to(device), starts.back()};
     });
 }
 
@@ -129,34 +158,6 @@ class Checker {
    private:
     const char* op_;
 };
-
-// Checks what every launch needs (`tensors` contiguous on params' device, `floats` float32, `codes` uint8, segments
-// int64, the tables' shapes) and the segment rows against the partition and the states' arrays; returns the segment
-// table's cached blocks.
-inline const SegmentBlocks& check_and_plan(const Checker& check, const at::Tensor& params,
-                                           std::initializer_list<const at::Tensor*> tensors,
-                                           std::initializer_list<const at::Tensor*> floats,
-                                           std::initializer_list<const at::Tensor*> codes, const at::Tensor& segments,
-                                           const at::Tensor& hyper, int64_t hyper_fields, const StateSizes* states,
-                                           int num_states) {
-    for (const at::Tensor* t : tensors) {
-        check(t->is_cuda() && t->get_device() == params.get_device() && t->is_contiguous(),
-              "every tensor must be contiguous and on params' CUDA device");
-    }
-    bool ok = segments.scalar_type() == at::kLong;
-    for (const at::Tensor* t : floats) ok &= t->scalar_type() == at::kFloat;
-    for (const at::Tensor* t : codes) ok &= t->scalar_type() == at::kByte;
-    check(ok, "dtypes: hyper, absmax, fp32 state and maps float32; segments int64; codes uint8");
-    check(segments.dim() == 2 && segments.size(1) == kSegmentFields, "segments must be int64 [S, 5]");
-    check(hyper.dim() == 2 && hyper.size(1) == hyper_fields,
-          "hyper must be float32 [H, " + std::to_string(hyper_fields) + "]");
-    const SegmentBlocks& blocks = blocks_for(segments);
-    for (size_t i = 0; i < blocks.rows.size(); ++i) {
-        const char* problem = segment_problem(blocks.rows[i], params.numel(), hyper.size(0), states, num_states);
-        check(problem == nullptr, "segment " + std::to_string(i) + ": " + (problem ? problem : ""));
-    }
-    return blocks;
-}
 
 // The master weights of an operator's `params` and `error` (fp32; bf16; bf16 with int8 error terms), checked.
 inline Master master_of(const Checker& check, const at::Tensor& params, const std::optional<at::Tensor>& error) {
@@ -173,24 +174,106 @@ inline Master master_of(const Checker& check, const at::Tensor& params, const st
     return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
 }
 
-// The device address of DeepSpeed's unscale/clip factor (nullptr: none), read by the kernel so that the host never
-// waits for it; and the arithmetic check (only "ieee" here).
-inline const float* scale_of(const Checker& check, const at::Tensor& params, const std::optional<at::Tensor>& inv_scale,
-                             c10::string_view arithmetic) {
-    check(arithmetic == "ieee", "unknown arithmetic '" + std::string(arithmetic.data(), arithmetic.size()) + "'");
-    if (!inv_scale.has_value()) return nullptr;
-    check(inv_scale->scalar_type() == at::kFloat && inv_scale->numel() == 1 && inv_scale->is_cuda() &&
-              inv_scale->get_device() == params.get_device(),
-          "inv_scale must be a one-element float32 tensor on params' CUDA device");
-    return inv_scale->data_ptr<float>();
-}
-
 inline GradType grad_type(const Checker& check, const at::Tensor& grads) {
     const GradType type = grads.scalar_type() == at::kBFloat16 ? GradType::kBFloat16
                           : grads.scalar_type() == at::kHalf   ? GradType::kFloat16
                                                                : GradType::kFloat32;
     check(grads.scalar_type() == at::kFloat || type != GradType::kFloat32, "grads must be float32, bfloat16 or float16");
     return type;
+}
+
+// DeepSpeed's unscale/clip factor: none; a one-element float32 tensor on params' device (its address: the kernel
+// reads it, the host never waits); or one on the CPU (a number the host knows, read here).
+inline Scale scale_of(const Checker& check, const at::Tensor& params, const std::optional<at::Tensor>& inv_scale) {
+    if (!inv_scale.has_value()) return Scale{false, false, 1.0f, nullptr};
+    check(inv_scale->scalar_type() == at::kFloat && inv_scale->numel() == 1,
+          "inv_scale must be a one-element float32 tensor");
+    if (inv_scale->device().is_cpu()) return Scale{true, false, inv_scale->item<float>(), nullptr};
+    check(inv_scale->is_cuda() && inv_scale->get_device() == params.get_device(),
+          "inv_scale must be on params' CUDA device or on the CPU");
+    return Scale{true, true, 1.0f, inv_scale->data_ptr<float>()};
+}
+
+// true for "bnb_cuda" (bitsandbytes' own CUDA arithmetic), false for "ieee"; anything else refused.
+inline bool bnb_arithmetic(const Checker& check, c10::string_view arithmetic) {
+    const std::string name(arithmetic.data(), arithmetic.size());
+    check(name == "ieee" || name == "bnb_cuda", "arithmetic must be 'ieee' or 'bnb_cuda', got '" + name + "'");
+    return name == "bnb_cuda";
+}
+
+inline bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// One state's tensors (moment k): codes and absmax of 8-bit segments, the packed fp32 state of 32-bit ones, the map.
+struct StateTensors {
+    at::Tensor* codes;
+    at::Tensor* absmax;
+    at::Tensor* state;
+    const at::Tensor* qmap;
+};
+
+using Launch = int (*)(const StepArgs&, bool, void*);
+
+// Checks an operator's arguments and launches `launch` on the current stream: `ieee_fields` is the width of its
+// ieee hyper rows (the bnb_cuda ones are kBnbHyperFields wide for every rule).
+inline void run(const char* op, Launch launch, at::Tensor& params, const at::Tensor& grads,
+                std::initializer_list<StateTensors> state_list, const at::Tensor& segments, const at::Tensor& hyper,
+                int64_t ieee_fields, const std::optional<at::Tensor>& inv_scale,
+                const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
+    const Checker check(op);
+    const std::vector<StateTensors> states(state_list);
+    const bool bnb = bnb_arithmetic(check, arithmetic);
+    const c10::cuda::CUDAGuard guard(params.device());
+    std::vector<const at::Tensor*> tensors = {&params, &grads, &segments, &hyper};
+    for (const StateTensors& s : states) tensors.insert(tensors.end(), {s.codes, s.absmax, s.state, s.qmap});
+    for (const at::Tensor* t : tensors) {
+        check(t->is_cuda() && t->get_device() == params.get_device() && t->is_contiguous(),
+              "every tensor must be contiguous and on params' CUDA device");
+    }
+    bool ok = segments.scalar_type() == at::kLong && hyper.scalar_type() == at::kFloat;
+    for (const StateTensors& s : states) {
+        ok &= s.codes->scalar_type() == at::kByte && s.absmax->scalar_type() == at::kFloat &&
+              s.state->scalar_type() == at::kFloat && s.qmap->scalar_type() == at::kFloat;
+        check(s.qmap->numel() == 256, "every qmap must hold 256 entries");
+    }
+    check(ok, "dtypes: hyper, absmax, fp32 state and maps float32; segments int64; codes uint8");
+    const int64_t fields = bnb ? kBnbHyperFields : ieee_fields;
+    check(segments.dim() == 2 && segments.size(1) == kSegmentFields, "segments must be int64 [S, 5]");
+    check(hyper.dim() == 2 && hyper.size(1) == fields,
+          "hyper must be float32 [H, " + std::to_string(fields) + "] in the '" +
+              std::string(arithmetic.data(), arithmetic.size()) + "' arithmetic");
+    check(grads.numel() == params.numel(), "grads and params differ in size");
+    StateSizes sizes[2];
+    for (size_t k = 0; k < states.size(); ++k) {
+        sizes[k] = {states[k].codes->numel(), states[k].absmax->numel(), states[k].state->numel()};
+    }
+    const SegmentBlocks& blocks = blocks_for(segments);
+    for (size_t i = 0; i < blocks.rows.size(); ++i) {
+        const char* problem = segment_problem(blocks.rows[i], params.numel(), hyper.size(0), sizes,
+                                              static_cast<int>(states.size()));
+        check(problem == nullptr, "segment " + std::to_string(i) + ": " + (problem ? problem : ""));
+    }
+    StepArgs a{};
+    a.segments = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
+    a.block_starts = blocks.starts.data_ptr<int64_t>();
+    a.block_segment = blocks.owner.data_ptr<int32_t>();
+    a.total_blocks = blocks.total;
+    a.hyper = hyper.data_ptr<float>();
+    a.hyper_fields = static_cast<int>(fields);
+    a.params = master_of(check, params, error);
+    a.grads = grads.data_ptr();
+    a.grad_type = grad_type(check, grads);
+    a.scale = scale_of(check, params, inv_scale);
+    a.aligned = aligned(a.params.values, 16) && aligned(a.grads, 16) && (!a.params.error || aligned(a.params.error, 8));
+    for (size_t k = 0; k < states.size(); ++k) {
+        a.codes[k] = states[k].codes->data_ptr<uint8_t>();
+        a.absmax[k] = states[k].absmax->data_ptr<float>();
+        a.state[k] = states[k].state->data_ptr<float>();
+        a.qmap[k] = states[k].qmap->data_ptr<float>();
+        a.tables[k] = tables_for(*states[k].qmap);
+        a.aligned = a.aligned && aligned(a.codes[k], 8);
+    }
+    const int status = launch(a, bnb, c10::cuda::getCurrentCUDAStream().stream());
+    check(status == 0, "kernel launch failed with CUDA error " + std::to_string(status));
 }
 
 }  // namespace binding

@@ -28,6 +28,7 @@ constexpr int64_t kSegmentFields = 5;  // segment table columns: offset, numel, 
 constexpr int64_t kHyperFields = 7;    // AdamW hyper table columns, see Hyper
 constexpr int64_t kLionHyperFields = 6;  // Lion hyper table columns, see LionHyper
 constexpr int64_t kMomentumHyperFields = 4;  // SGD-momentum hyper table columns, see MomentumHyper
+constexpr int64_t kBnbHyperFields = 7;  // hyper table columns of the bnb_cuda arithmetic, see BnbRow
 constexpr int kLutBits = 16;           // quantizer look-up: sign, 8 exponent and 7 mantissa bits of the value
 
 // One row of the hyper-parameter table: per-step constants, computed in fp64 on the host and rounded once.
@@ -55,6 +56,13 @@ struct MomentumHyper {
     float lr;            // p - lr * m
     float first;         // nonzero at step 1: m = g (the stored momentum is ignored)
 };
+// One row of the hyper table in the bnb_cuda arithmetic (csrc/include/dsbnb/bnb_cuda_math.h), every rule alike:
+// bnb's own kernel arguments, rounded to fp32 as its ctypes.c_float arguments are; the step as an fp32 (what bnb's
+// kernels convert it to). A rule ignores what it does not read (Lion: eps and step; SGD-momentum: beta2 and eps).
+struct BnbRow {
+    float beta1, beta2, eps, weight_decay, lr, step, gnorm_scale;
+};
+static_assert(sizeof(BnbRow) == kBnbHyperFields * sizeof(float), "BnbRow mirrors a float32 [H, 7] row");
 static_assert(sizeof(Hyper) == kHyperFields * sizeof(float), "Hyper mirrors a float32 [H, 7] row");
 static_assert(sizeof(LionHyper) == kLionHyperFields * sizeof(float), "LionHyper mirrors a float32 [H, 6] row");
 static_assert(sizeof(MomentumHyper) == kMomentumHyperFields * sizeof(float),

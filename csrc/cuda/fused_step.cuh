@@ -1,0 +1,437 @@
+// fused_step.cuh — the CUDA kernel of every fused rule (AdamW, Lion, SGD-momentum) in either arithmetic: one launch
+// steps every segment of a ZeRO partition, 8-bit and 32-bit state alike.
+//
+// Shape (what makes it memory-bound rather than instruction-bound):
+// - a persistent grid (as many thread blocks as fit on the GPU at once) whose warps stride over the partition's
+//   256-element quantization blocks; the segment of a block comes from a table built on the host once per segment
+//   table (block -> segment, as torch's multi-tensor apply passes its block-to-tensor map), not from a search;
+// - each lane owns 8 consecutive elements of its block: 16-byte loads and stores of weights and gradients, 8-byte
+//   ones of each state's codes, so a warp moves a block in a handful of wide transactions;
+// - the 8-bit quantizer is compact_quantizer.h's table lookup in shared memory (a 6 KB table per map, one compare),
+//   proven equal to the searches it replaces for every float;
+// - per-block constants (bias corrections) are computed by the warp from the segment's hyper row.
+// A Rule (adam8bit.cu, lion8bit.cu, momentum8bit.cu) supplies the arithmetic; the two arithmetics differ only there
+// and in the quantizer's rounding (Ieee: ties low, NaN-propagating absmax, Adam's positive floor; Bnb: bnb's
+// quantize_2D, NaN-dropping absmax, the sign fix, the padding lanes of a partial block as bnb's kernel fills them).
+// Semantics: "ieee" is deepspeed_bnb/ops/reference.py bit for bit; "bnb_cuda" is bitsandbytes' own CUDA kernels
+// (csrc/include/dsbnb/bnb_cuda_math.h). References: torch's multi_tensor_apply.cuh (host-built block map),
+// bitsandbytes 0.50.2 csrc/kernels.cu, llm.c's AdamW kernel (vectorized loads).
+// Build: nvcc only (no torch headers), with the kernels; tests/test_cuda_build.py compiles it for sm_80 and sm_90.
+// Test: tests/test_fused_rules.py (ieee, against the reference) and the GPU proof's kernel part (bnb_cuda, against
+// bitsandbytes itself) where a GPU is present.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "adam8bit_launch.h"
+#include "dsbnb/bnb_cuda_math.h"
+#include "dsbnb/compact_quantizer.h"
+
+namespace dsbnb {
+namespace device {
+
+constexpr int kWarps = 8;                 // warps per thread block (256 threads)
+constexpr int kPerLane = kBlock / 32;     // elements per lane: 8 consecutive ones
+// the code bnb's 8-bit kernels load for a partial block's missing elements: 128 for state 1, 0 for state 2
+__device__ __forceinline__ int fill_code(int state) { return state == 0 ? 128 : 0; }
+
+// --- loads and stores of 8 consecutive elements ----------------------------------------------------------------
+__device__ __forceinline__ float widen(const void* grads, GradType type, int64_t i) {
+    switch (type) {
+        case GradType::kBFloat16: return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(grads)[i]) << 16);
+        case GradType::kFloat16: return __half2float(static_cast<const __half*>(grads)[i]);
+        default: return static_cast<const float*>(grads)[i];
+    }
+}
+
+// 8 halves (bf16 or fp16 bits) from one 16-byte load.
+__device__ __forceinline__ void load_halves(const void* base, int64_t i, uint16_t (&h)[8]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        h[2 * k] = static_cast<uint16_t>(w[k] & 0xFFFFu);
+        h[2 * k + 1] = static_cast<uint16_t>(w[k] >> 16);
+    }
+}
+
+__device__ __forceinline__ void store_halves(void* base, int64_t i, const uint16_t (&h)[8]) {
+    uint4 v;
+    v.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
+    v.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
+    v.z = h[4] | (static_cast<uint32_t>(h[5]) << 16);
+    v.w = h[6] | (static_cast<uint32_t>(h[7]) << 16);
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i) = v;
+}
+
+__device__ __forceinline__ void load_bytes(const void* base, int64_t i, uint8_t (&b)[8]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(base) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        b[k] = static_cast<uint8_t>(v.x >> (8 * k));
+        b[4 + k] = static_cast<uint8_t>(v.y >> (8 * k));
+    }
+}
+
+__device__ __forceinline__ void store_bytes(void* base, int64_t i, const uint8_t (&b)[8]) {
+    uint2 v;
+    v.x = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+    v.y = b[4] | (b[5] << 8) | (b[6] << 16) | (static_cast<uint32_t>(b[7]) << 24);
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(base) + i) = v;
+}
+
+// The gradients of elements i..i+7 as fp32 (bf16 and fp16 widened exactly); n of them valid (the rest 0).
+__device__ __forceinline__ void load_grads(const void* grads, GradType type, int64_t i, int n, bool vec,
+                                           float (&g)[8]) {
+    if (vec && n == 8) {
+        if (type == GradType::kFloat32) {
+            const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(grads) + i);
+            const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(grads) + i + 4);
+            g[0] = a.x; g[1] = a.y; g[2] = a.z; g[3] = a.w; g[4] = b.x; g[5] = b.y; g[6] = b.z; g[7] = b.w;
+            return;
+        }
+        uint16_t h[8];
+        load_halves(grads, i, h);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            g[k] = type == GradType::kBFloat16 ? __uint_as_float(static_cast<uint32_t>(h[k]) << 16)
+                                               : __half2float(__ushort_as_half(h[k]));
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = k < n ? widen(grads, type, i + k) : 0.0f;
+}
+
+// Master weights of elements i..i+7 as fp32 (K: the kind, a template argument so each kind is its own code).
+template <MasterKind K>
+__device__ __forceinline__ void load_weights(const Master& m, int64_t i, int n, bool vec, float (&p)[8]) {
+    if (vec && n == 8) {
+        if (K == MasterKind::kFloat32) {
+            const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(m.values) + i);
+            const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(m.values) + i + 4);
+            p[0] = a.x; p[1] = a.y; p[2] = a.z; p[3] = a.w; p[4] = b.x; p[5] = b.y; p[6] = b.z; p[7] = b.w;
+            return;
+        }
+        uint16_t h[8];
+        load_halves(m.values, i, h);
+        if (K == MasterKind::kBFloat16) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) p[k] = bf16_value(h[k]);
+            return;
+        }
+        uint8_t e[8];
+        load_bytes(m.error, i, e);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) p[k] = join(h[k], static_cast<int8_t>(e[k]));
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k >= n) {
+            p[k] = 0.0f;
+        } else if (K == MasterKind::kFloat32) {
+            p[k] = static_cast<const float*>(m.values)[i + k];
+        } else if (K == MasterKind::kBFloat16) {
+            p[k] = bf16_value(static_cast<const uint16_t*>(m.values)[i + k]);
+        } else {
+            p[k] = join(static_cast<const uint16_t*>(m.values)[i + k], m.error[i + k]);
+        }
+    }
+}
+
+// bf16 or compensated master weights of elements i..i+7 from their fp32 values (see store_weights).
+template <MasterKind K, bool ExactBf16>
+__device__ __forceinline__ void store_halves_of(const Master& m, int64_t i, int n, bool vec, const float (&p)[8]) {
+    uint16_t h[8];
+    int8_t e[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (K == MasterKind::kBFloat16) {
+            h[k] = ExactBf16 ? static_cast<uint16_t>(__float_as_uint(p[k]) >> 16) : bf16_round(p[k]);
+        } else {
+            split(p[k], h[k], e[k]);
+        }
+    }
+    if (vec && n == 8) {
+        store_halves(m.values, i, h);
+        if (K == MasterKind::kCompensated) store_bytes(m.error, i, reinterpret_cast<const uint8_t(&)[8]>(e));
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k < n) {
+            static_cast<uint16_t*>(m.values)[i + k] = h[k];
+            if (K == MasterKind::kCompensated) m.error[i + k] = e[k];
+        }
+    }
+}
+
+// Stores updated master weights. `exact_bf16`: bf16 values already rounded by the rule (bnb's bf16 kernels round
+// where bnb rounds; storing the top half keeps a NaN's bits as bnb's conversion made them).
+template <MasterKind K, bool ExactBf16>
+__device__ __forceinline__ void store_weights(const Master& m, int64_t i, int n, bool vec, const float (&p)[8]) {
+    if (K == MasterKind::kFloat32) {
+        if (vec && n == 8) {
+            *reinterpret_cast<float4*>(static_cast<float*>(m.values) + i) = make_float4(p[0], p[1], p[2], p[3]);
+            *reinterpret_cast<float4*>(static_cast<float*>(m.values) + i + 4) = make_float4(p[4], p[5], p[6], p[7]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (k < n) static_cast<float*>(m.values)[i + k] = p[k];
+            }
+        }
+    } else {
+        store_halves_of<K, ExactBf16>(m, i, n, vec, p);
+    }
+}
+
+// DeepSpeed's unscale/clip factor, applied as its grad.mul_ would have: an fp32 product for fp32 gradients; for
+// bf16 and fp16 ones the product rounded back to the gradient's dtype (torch computes in fp32 and stores the
+// gradient's dtype), the factor first rounded to that dtype when it was a device tensor (TensorIterator casts a
+// non-CPU-scalar operand to the common dtype). Ieee: the reference's fp32 product, for every dtype.
+template <bool Bnb>
+__device__ __forceinline__ float unscale(float g, GradType type, const Scale& s) {
+    if (!s.present) return g;
+    if (!Bnb || type == GradType::kFloat32) return __fmul_rn(g, s.value);
+    if (type == GradType::kBFloat16) {
+        const float f = s.on_device ? __bfloat162float(__float2bfloat16_rn(s.value)) : s.value;
+        return __bfloat162float(__float2bfloat16_rn(__fmul_rn(g, f)));
+    }
+    const float f = s.on_device ? __half2float(__float2half_rn(s.value)) : s.value;
+    return __half2float(__float2half_rn(__fmul_rn(g, f)));
+}
+
+// --- the quantizer tables of one map, in shared memory ---------------------------------------------------------
+struct MapSmem {
+    float q[256];                           // the map (dequantization; bnb's literal search)
+    float mid[256];                         // midpoints of the sorted map (+ a NaN sentinel)
+    uint8_t order[256];                     // code of each sorted entry
+    uint8_t lo[compact::kMaxKeys];          // the compact table (fast maps)
+};
+
+__device__ __forceinline__ void fill_map(MapSmem& s, const float* qmap, const DeviceTables& t) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        s.q[i] = qmap[i];
+        s.mid[i] = t.midpoints[i];
+        s.order[i] = t.order[i];
+    }
+    if (t.fast) {
+        for (int i = threadIdx.x; i < t.entries; i += blockDim.x) s.lo[i] = t.lo[i];
+    }
+}
+
+// The stored code of a state value under the Ieee rules: normalize (NaN and inf*0 as the reference says), nearest
+// sorted entry with ties low, its code, and Adam's positive floor.
+__device__ __forceinline__ uint8_t quantize_ieee(float s, float r, const MapSmem& m, const DeviceTables& t,
+                                                  bool floor) {
+    const float u = normalize(s, r);
+    int index;
+    if (t.fast) {
+        index = compact::nearest<compact::kTiesLow>(u, m.lo, m.mid, t.e_lo, t.span);
+    } else {  // count of midpoints strictly below u (m.mid[255] is a NaN sentinel: never below)
+        index = 0;
+#pragma unroll
+        for (int step = 128; step > 0; step >>= 1) index += (m.mid[index + step - 1] < u) ? step : 0;
+    }
+    const uint8_t code = m.order[index];
+    return floor ? floor_positive(code, s, t.floor) : code;
+}
+
+// The stored code under bnb's rules: u = s * rcp(absmax) with flush-to-zero, quantize_2D (ties to the even sorted
+// index, NaN to 0), and the sign fix of signed states.
+__device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem& m, const DeviceTables& t,
+                                                 bool is_signed) {
+    const float u = bnbmath::mul(r, s);
+    int code;
+    if (u != u) {
+        code = 0;
+    } else if (t.fast && t.sorted) {
+        code = compact::nearest<compact::kTiesEven>(u, m.lo, m.mid, t.e_lo, t.span);
+    } else {
+        code = compact::bnb_quantize_2d(m.q, is_signed, u);
+    }
+    return is_signed ? bnbmath::sign_fix(static_cast<uint8_t>(code), s, m.q) : static_cast<uint8_t>(code);
+}
+
+// --- the kernel ----------------------------------------------------------------------------------------------------
+// Rule: kStates (1 or 2), kBnb (which arithmetic), Consts and prepare(row pointer), and per element
+// update8(c, p, g, s) (s: dequantized old states in, new ones out) and update32(c, p, g, s, slot) (the fp32 state
+// path; slot = index in the segment mod 4); for Ieee, kFloor (Adam's second moment floored). A non-finite gradient
+// is the rule's to handle (Ieee keeps p and state; bnb's kernels differ per rule).
+template <typename Rule, MasterKind K>
+__global__ void __launch_bounds__(kWarps * 32, 3) fused_step_kernel(StepArgs a) {
+    constexpr int S = Rule::kStates;
+    constexpr bool kBnb = Rule::kBnb;
+    constexpr bool kBf16 = K == MasterKind::kBFloat16;  // bnb's T = bf16 kernel
+    __shared__ MapSmem maps[S];
+#pragma unroll
+    for (int k = 0; k < S; ++k) fill_map(maps[k], a.qmap[k], a.tables[k]);
+    __syncthreads();
+    Scale scale = a.scale;  // a device factor is read here, by the kernel: the host never waits for it
+    if (scale.on_device) scale.value = *scale.pointer;
+
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    for (int64_t work = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); work < a.total_blocks;
+         work += warps) {
+        const int32_t index = a.block_segment[work];
+        const Segment seg = a.segments[index];
+        const typename Rule::Consts c = Rule::prepare(a.hyper + seg.hyper_row * a.hyper_fields);
+        const int64_t start = (work - a.block_starts[index]) * kBlock;
+        const int len = static_cast<int>(min(static_cast<int64_t>(kBlock), seg.numel - start));
+        const int first = lane * kPerLane;
+        const int n = max(0, min(kPerLane, len - first));  // this lane's valid elements
+        const int64_t i = seg.offset + start + first;       // its first element in the partition
+        const bool vec = a.aligned && len == kBlock;
+
+        float p[8], g[8], s[S][8];
+        load_weights<K>(a.params, i, n, vec, p);
+        load_grads(a.grads, a.grad_type, i, n, vec, g);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] = unscale<kBnb>(g[k], a.grad_type, scale);
+
+        if (!seg.eight_bit) {  // 32-bit state: fp32 arrays packed in segment order
+            const int64_t f = seg.fp32_offset + start + first;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (k < n) {
+#pragma unroll
+                    for (int j = 0; j < S; ++j) s[j][k] = a.state[j][f + k];
+                    Rule::template update32<kBf16>(c, p[k], g[k], s, k, first + k);
+#pragma unroll
+                    for (int j = 0; j < S; ++j) a.state[j][f + k] = s[j][k];
+                }
+            }
+            store_weights<K, kBnb && kBf16>(a.params, i, n, false, p);
+            continue;
+        }
+
+        const int64_t block = (seg.offset + start) / kBlock;
+        float absmax_old[S], best[S];
+        uint8_t codes[S][8];
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            absmax_old[j] = a.absmax[j][block];
+            if (vec) {
+                load_bytes(a.codes[j], i, codes[j]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) codes[j][k] = k < n ? a.codes[j][i + k] : 0;
+            }
+            best[j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k >= n) continue;
+#pragma unroll
+            for (int j = 0; j < S; ++j) s[j][k] = Rule::dequantize(maps[j].q[codes[j][k]], absmax_old[j]);
+            Rule::template update8<kBf16>(c, p[k], g[k], s, k);
+#pragma unroll
+            for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], s[j][k]);
+        }
+        store_weights<K, kBnb && kBf16>(a.params, i, n, vec, p);
+        if (kBnb && len < kBlock && lane == 31) {
+            // bnb's kernel steps the missing elements of a partial block too (g = 0, codes 128 and 0, p = 0), and
+            // their states enter its absmax
+            float pad_s[S][8], pad_p = 0.0f;
+#pragma unroll
+            for (int j = 0; j < S; ++j) pad_s[j][0] = Rule::dequantize(maps[j].q[fill_code(j)], absmax_old[j]);
+            Rule::template update8<kBf16>(c, pad_p, 0.0f, pad_s, 0);
+#pragma unroll
+            for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], pad_s[j][0]);
+        }
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                best[j] = Rule::absmax_reduce(best[j], __shfl_xor_sync(0xFFFFFFFFu, best[j], offset));
+            }
+        }
+        if (lane == 0) {  // every lane has read absmax_old (above) before this write
+#pragma unroll
+            for (int j = 0; j < S; ++j) a.absmax[j][block] = best[j];
+        }
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            const float r = kBnb ? bnbmath::rcp(best[j]) : reciprocal(best[j]);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (k < n) {
+                    codes[j][k] = kBnb ? quantize_bnb(s[j][k], r, maps[j], a.tables[j], j == 0)
+                                       : quantize_ieee(s[j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
+                }
+            }
+            if (vec) {
+                store_bytes(a.codes[j], i, codes[j]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    if (k < n) a.codes[j][i + k] = codes[j][k];
+                }
+            }
+        }
+    }
+}
+
+// Thread blocks for the launch: every SM full (the occupancy the compiled kernel allows), no more than the work.
+template <typename Kernel>
+inline int grid_for(Kernel kernel, int64_t total_blocks) {
+    int device = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0);
+    const int64_t needed = (total_blocks + kWarps - 1) / kWarps;
+    const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+    return static_cast<int>(needed < resident ? needed : resident);
+}
+
+// Launches Rule's kernel for the master kind of `a` on `stream`; returns the CUDA error code (0: none).
+template <typename Rule>
+int launch(const StepArgs& a, void* stream) {
+    if (a.total_blocks == 0) return 0;
+    const auto s = static_cast<cudaStream_t>(stream);
+    switch (a.params.kind) {
+        case MasterKind::kBFloat16: {
+            auto kernel = fused_step_kernel<Rule, MasterKind::kBFloat16>;
+            kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, s>>>(a);
+            break;
+        }
+        case MasterKind::kCompensated: {
+            auto kernel = fused_step_kernel<Rule, MasterKind::kCompensated>;
+            kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, s>>>(a);
+            break;
+        }
+        default: {
+            auto kernel = fused_step_kernel<Rule, MasterKind::kFloat32>;
+            kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, s>>>(a);
+        }
+    }
+    return static_cast<int>(cudaGetLastError());
+}
+
+// --- pieces the rules share -------------------------------------------------------------------------------------
+struct IeeeQuantizer {  // Ieee: the reference's dequantization and NaN-propagating absmax
+    static constexpr bool kBnb = false;
+    __device__ static __forceinline__ float dequantize(float q, float absmax) { return __fmul_rn(q, absmax); }
+    __device__ static __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+    __device__ static __forceinline__ float absmax_merge(float best, float s) { return nan_max(best, fabsf(s)); }
+    __device__ static __forceinline__ float absmax_reduce(float a, float b) { return nan_max(a, b); }
+};
+
+struct BnbQuantizer {  // bnb: flush-to-zero dequantization, NaN-dropping absmax from -FLT_MAX
+    static constexpr bool kBnb = true;
+    static constexpr bool kFloor = false;
+    __device__ static __forceinline__ float dequantize(float q, float absmax) { return bnbmath::mul(absmax, q); }
+    __device__ static __forceinline__ float absmax_merge(float best, float s) {
+        return bnbmath::max(best, bnbmath::absmax_term(s));
+    }
+    __device__ static __forceinline__ float absmax_reduce(float a, float b) { return bnbmath::max(a, b); }
+    using Consts = bnbmath::Consts;
+    __device__ static __forceinline__ Consts prepare(const float* row) { return bnbmath::prepare(row); }
+};
+
+}  // namespace device
+}  // namespace dsbnb

@@ -1,0 +1,105 @@
+// compact_quantizer_check.cpp — holds csrc/include/dsbnb/compact_quantizer.h's fast path to the literal searches it
+// replaces, on the host: kTiesEven to bitsandbytes' quantize_2D (bnb_quantize_2d), kTiesLow to the count of fp32
+// midpoints strictly below u (the project's IEEE rule, ops/reference.py).
+// Usage: compact_quantizer_check MAP.bin [signed|unsigned] [near|all]
+//   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint, a map value, a
+//   bucket edge or an exponent edge, special values and 2^24 random bit patterns; all: every one of the 2^32 floats.
+// Prints one line "checked N mismatches M usable U" and the first mismatches; exit code 1 on any mismatch.
+// Build: g++ -O2 -std=c++17 -Icsrc/include tests/native/compact_quantizer_check.cpp (tests/test_compact_quantizer.py;
+// -DCOMPACT_CHECK_MUTANT builds its control, which applies the wrong tie rule).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "dsbnb/compact_quantizer.h"
+
+using dsbnb::compact::Table;
+
+namespace {
+
+struct Checker {
+    const float* code;
+    bool is_signed;
+    const Table& table;
+    uint64_t checked = 0, mismatches = 0;
+
+    void check(uint32_t pattern) {
+        const float u = dsbnb::compact::float_of(pattern);
+        ++checked;
+        // bnb's rule: the literal search (NaN included: it ends at entry 0)
+        const int want_even = dsbnb::compact::bnb_quantize_2d(code, is_signed, u);
+#ifdef COMPACT_CHECK_MUTANT  // a control: the wrong tie rule must be caught
+        const int got_even = u != u ? 0 : dsbnb::compact::nearest<dsbnb::compact::kTiesLow>(
+                                              u, table.lo, table.mid, table.e_lo, table.span);
+#else
+        const int got_even = u != u ? 0 : dsbnb::compact::nearest<dsbnb::compact::kTiesEven>(
+                                              u, table.lo, table.mid, table.e_lo, table.span);
+#endif
+        // the IEEE rule (NaN never reaches it: the kernels normalize it away first)
+        int want_low = -1, got_low = -1;
+        if (u == u) {
+            want_low = static_cast<int>(std::lower_bound(table.mid, table.mid + 255, u) - table.mid);
+            got_low = dsbnb::compact::nearest<dsbnb::compact::kTiesLow>(u, table.lo, table.mid, table.e_lo,
+                                                                         table.span);
+        }
+        if (want_even != got_even || want_low != got_low) {
+            if (++mismatches <= 10) {
+                std::printf("mismatch at 0x%08x (%.9g): ties-even %d vs quantize_2D %d, ties-low %d vs %d\n", pattern,
+                            u, got_even, want_even, got_low, want_low);
+            }
+        }
+    }
+
+    void around(float x, int ulps) {
+        const uint32_t b = dsbnb::compact::bits_of(x);
+        for (int d = -ulps; d <= ulps; ++d) {
+            const int64_t p = static_cast<int64_t>(b & 0x7FFFFFFFu) + d;
+            if (p < 0 || p > 0x7F800000LL) continue;
+            check(static_cast<uint32_t>(p) | (b & 0x80000000u));
+            check(static_cast<uint32_t>(p) ^ 0x80000000u ^ (b & 0x80000000u));  // the other sign too
+        }
+    }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 3) {
+        std::fprintf(stderr, "usage: %s MAP.bin signed|unsigned [near|all]\n", argv[0]);
+        return 2;
+    }
+    float code[256];
+    FILE* f = std::fopen(argv[1], "rb");
+    if (!f || std::fread(code, sizeof(float), 256, f) != 256) {
+        std::fprintf(stderr, "cannot read 256 float32 from %s\n", argv[1]);
+        return 2;
+    }
+    std::fclose(f);
+    const bool is_signed = std::string(argv[2]) == "signed";
+    const bool all = argc > 3 && std::string(argv[3]) == "all";
+    static Table table(code);  // static: 8 KB of lo entries
+    Checker c{code, is_signed, table};
+    if (table.usable) {
+        if (all) {
+            for (uint64_t p = 0; p <= 0xFFFFFFFFull; ++p) c.check(static_cast<uint32_t>(p));
+        } else {
+            for (int i = 0; i < 255; ++i) c.around(table.mid[i], 256);
+            for (int i = 0; i < 256; ++i) c.around(code[i], 256);
+            for (int k = 0; k <= table.span; ++k) {  // bucket edges, and the ends of the exponent range
+                c.around(dsbnb::compact::float_of(static_cast<uint32_t>((table.e_lo << 7) + k) << 16), 4);
+            }
+            for (float x : {0.0f, 1e-45f, 1.17549435e-38f, 1.0f, 2.0f, 3.4028235e38f, INFINITY}) c.around(x, 300);
+            c.check(0x7FC00000u);  // NaNs
+            c.check(0xFFC00000u);
+            c.check(0x7F800001u);
+            std::mt19937 rng(12345);
+            for (int i = 0; i < (1 << 24); ++i) c.check(rng());
+        }
+    }
+    std::printf("checked %llu mismatches %llu usable %d entries %d\n", static_cast<unsigned long long>(c.checked),
+                static_cast<unsigned long long>(c.mismatches), table.usable ? 1 : 0, table.entries());
+    return c.mismatches ? 1 : 0;
+}

@@ -1,0 +1,75 @@
+"""The CUDA kernels' quantizer (csrc/include/dsbnb/compact_quantizer.h: a 6 KB table in shared memory and one compare)
+gives the same code as the searches it replaces: bitsandbytes' quantize_2D (the bnb_cuda arithmetic: ties to the
+even sorted index, NaN to entry 0) and the count of midpoints below the value (the ieee arithmetic, ties low).
+
+Checked on the host, where both are plain fp32 compares: tests/native/compact_quantizer_check.cpp, built here with
+g++, runs every float within 256 ulps of every midpoint, map value and bucket edge, special values and 2^24 random
+bit patterns, for bnb's own two maps (from bitsandbytes) and the project's rebuild of them. The exhaustive run over
+all 2^32 floats takes minutes: `python tools/compact_quantizer_exhaustive.py`. Controls: the wrong tie rule is
+caught; a map the table cannot serve (unsorted, or with repeated values) is reported unusable, so the kernels take
+the literal search for it.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+
+import bitsandbytes.functional as F
+import pytest
+import torch
+
+from deepspeed_bnb.ops import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(ROOT, "tests", "native", "compact_quantizer_check.cpp")
+
+
+def build(out_dir, *defines) -> str:
+    if not shutil.which("g++"):
+        pytest.skip("g++ is not installed on this machine")
+    binary = os.path.join(out_dir, "check" + "".join(d.lower() for d in defines))
+    subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc', 'include')}",
+                    *[f"-D{d}" for d in defines], SOURCE, "-o", binary], check=True)
+    return binary
+
+
+def run(binary, qmap: torch.Tensor, signed: bool, tmp_path, mode="near"):
+    path = os.path.join(tmp_path, "map.bin")
+    qmap.float().contiguous().numpy().tofile(path)
+    done = subprocess.run([binary, path, "signed" if signed else "unsigned", mode], capture_output=True, text=True)
+    line = done.stdout.strip().splitlines()[-1]
+    checked, mismatches, usable, entries = map(int, re.fullmatch(
+        r"checked (\d+) mismatches (\d+) usable (\d) entries (\d+)", line).groups())
+    return done.returncode, checked, mismatches, usable, entries, done.stdout
+
+
+@pytest.fixture(scope="module")
+def checker(tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp("compact")))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("source", ["bitsandbytes", "reference"])
+def test_fast_quantizer_equals_the_searches_near_every_edge(checker, tmp_path, signed, source):
+    qmap = F.create_dynamic_map(signed=signed) if source == "bitsandbytes" else reference.dynamic_map(signed)
+    code, checked, mismatches, usable, entries, out = run(checker, qmap, signed, tmp_path)
+    assert usable == 1 and entries <= 8192, out  # bnb's maps take the fast path, within the 8 KB table
+    assert checked > (1 << 24) and mismatches == 0 and code == 0, out
+
+
+def test_control_the_wrong_tie_rule_is_caught(tmp_path):
+    mutant = build(str(tmp_path), "COMPACT_CHECK_MUTANT")
+    code, checked, mismatches, usable, _, out = run(mutant, F.create_dynamic_map(signed=True), True, tmp_path)
+    assert usable == 1 and mismatches > 0 and code == 1, out
+
+
+@pytest.mark.parametrize("broken", ["unsorted", "repeated"])
+def test_control_a_map_the_table_cannot_serve_is_reported(checker, tmp_path, broken):
+    qmap = F.create_dynamic_map(signed=True).clone()
+    if broken == "unsorted":
+        qmap[[10, 200]] = qmap[[200, 10]]
+    else:
+        qmap[11] = qmap[10]
+    code, checked, _, usable, _, out = run(checker, qmap, True, tmp_path)
+    assert usable == 0 and checked == 0, out
