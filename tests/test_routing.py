@@ -171,7 +171,7 @@ def test_gpu_default_is_bnbs_own_update(one_rank, monkeypatch):
     _, engine = trained(_adamw8bit)
     optimizer = engine.optimizer
     reason = fused_route.kernel_reason("auto", optimizer.optimizer, torch.device("cuda"))
-    assert "opt-in on GPUs until shown faster than bnb's own update" in reason
+    assert "opt-in on GPUs until the GPU proof shows them bit for bit with bnb's own update" in reason
     monkeypatch.setattr(self_check, "disagreement",
                         lambda rule, device, master="fp32": None if device.type == "cuda" else "x")
     assert fused_route.kernel_reason(True, optimizer.optimizer, torch.device("cuda")) is None
@@ -180,6 +180,23 @@ def test_gpu_default_is_bnbs_own_update(one_rank, monkeypatch):
     with pytest.raises(ValueError, match="first-use check on cuda.*no kernel image"):
         fused_route.kernel_reason(True, optimizer.optimizer, torch.device("cuda"))
     assert "not on xpu" in fused_route.kernel_reason("auto", optimizer.optimizer, torch.device("xpu"))
+
+
+def test_gpu_plan_steps_32bit_state_in_the_kernel_too(one_rank):
+    """On a GPU the kernel computes bnb's own CUDA arithmetic, its 32-bit kernels included: every parameter of the
+    toy (8-bit and 32-bit state) routes to the kernel there, so one launch steps a whole partition. Control: on a CPU
+    the 32-bit ones stay with bnb's own update (its CPU path is torch operations the IEEE kernel does not reproduce)."""
+    from deepspeed_bnb.ops import rules
+    _, engine = trained(_adamw8bit)
+    optimizer = engine.optimizer
+    for step in optimizer.bnb_steps:
+        gpu = fused_route.route_table(optimizer.optimizer, None, step._configs, step.variant, step.eight_bit, None,
+                                      rules.BNB_CUDA)
+        cpu = fused_route.route_table(optimizer.optimizer, None, step._configs, step.variant, step.eight_bit, None,
+                                      rules.IEEE)
+        assert all(route is FUSED for route in gpu)
+        assert [route is FUSED for route in cpu] == list(step.eight_bit)
+    assert not all(all(step.eight_bit) for step in optimizer.bnb_steps)  # the toy has 32-bit state to route
 
 
 def test_bnb_optimizer_is_always_stepped_by_bnb_zero_optimizer(one_rank, monkeypatch):

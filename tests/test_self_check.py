@@ -148,3 +148,21 @@ def test_cli_without_a_build_says_what_steps_instead(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "not built (RuntimeError: no compiler (planted)); training steps with bitsandbytes' own update" in out
     assert "reference" not in out
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("master", ["fp32", "bf16", "bf16+8"])
+def test_bnb_cuda_check_compares_with_bnbs_own_update(rule, master):
+    """On a GPU the kernel is checked against bitsandbytes' own update on that GPU (the bnb_cuda arithmetic). Here bnb's
+    update is its CPU path, standing in for the kernel: the check's plumbing (rows, bf16 gradients for bf16 and
+    compensated weights, the oracle's arguments) passes it, and one wrong code in it is caught (control)."""
+    oracle = rules.get(rule).oracle(rules.BNB_CUDA)
+    assert self_check.compare(rule, torch.device("cpu"), oracle, master, rules.BNB_CUDA) is None
+
+    def one_code_off(*args):
+        oracle(*args)
+        args[2][700] ^= 1
+
+    problem = self_check.compare(rule, torch.device("cpu"), one_code_off, master, rules.BNB_CUDA)
+    assert problem is not None and "differs from bitsandbytes' own update" in problem, problem
+

@@ -39,14 +39,18 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import loader, reference, rule_fields
+from deepspeed_bnb.ops import bnb_update, loader, reference, rule_fields
+from deepspeed_bnb.ops.bnb_update import BnbHyper
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
 from deepspeed_bnb.state_layout import Segment
 
 SIGNED_MAPS = (True, False)  # bnb's map of moment 1 (m) is signed, of moment 2 (Adam's v) unsigned
 # The rounding rules an operator follows (its `arithmetic` argument):
 IEEE = "ieee"  # every fp32 operation rounded on its own, the pure-torch reference's (ops/reference.py): CPU and CUDA
-ARITHMETICS = (IEEE,)
+BNB_CUDA = "bnb_cuda"  # bitsandbytes' own CUDA kernels, operation by operation (csrc/include/dsbnb/bnb_cuda_math.h):
+# CUDA only; its oracle is bitsandbytes itself (ops/bnb_update.py); hyper rows are bnb's arguments (BnbHyper)
+ARITHMETICS = (IEEE, BNB_CUDA)
+DEVICE_ARITHMETIC = {"cpu": IEEE, "cuda": BNB_CUDA}  # what the fused step computes on each device type
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,25 @@ class UpdateRule:
     def kernel(self) -> Callable:
         """The compiled operator, loaded; a RuntimeError saying why when it cannot be (never the reference)."""
         return getattr(loader.require(), self.operator)
+
+    def rows(self, configs: Sequence[dict], step: int, arithmetic: str = IEEE) -> torch.Tensor:
+        """The hyper table of bnb get_config dicts `configs` at bnb's step `step` (counted from 1) in `arithmetic`."""
+        if arithmetic == BNB_CUDA:
+            return hyper_table([BnbHyper.of(c, step) for c in configs], BnbHyper)
+        return hyper_table([self.row(c, step) for c in configs], self.hyper)
+
+    def oracle(self, arithmetic: str = IEEE) -> Callable:
+        """What the kernel is held to, with the operator's arguments: the pure-torch reference (ieee), or
+        bitsandbytes' own update (bnb_cuda; on a GPU, bnb's CUDA kernels)."""
+        if arithmetic != BNB_CUDA:
+            return self.reference
+        n = self.moments
+
+        def bnb_own_update(params, grads, *rest):
+            segments, hyper, inv_scale, error = rest[4 * n:4 * n + 4]
+            bnb_update.step_(self.name, params, grads, rest[:n], rest[n:2 * n], rest[2 * n:3 * n],
+                             rest[3 * n:4 * n], segments, hyper, inv_scale, error)
+        return bnb_own_update
 
 
 def _adam_row(config: dict, step: int) -> AdamHyper:
@@ -111,6 +134,14 @@ def get(rule) -> UpdateRule:
     return RULES[rule]
 
 
+def arithmetic_for(device) -> str:
+    """The arithmetic the fused step computes on `device` (a torch.device or its type name)."""
+    kind = torch.device(device).type
+    if kind not in DEVICE_ARITHMETIC:
+        raise ValueError(f"no fused kernels on {kind} (they run on {', '.join(DEVICE_ARITHMETIC)})")
+    return DEVICE_ARITHMETIC[kind]
+
+
 def segment_table(segments: Sequence[Segment], hyper_rows: Sequence[int]) -> torch.Tensor:
     """int64 [S, 5]: offset, numel, eight_bit, fp32_offset, hyper_row per segment."""
     rows = [(s.offset, s.numel, int(s.eight_bit), max(s.fp32_offset, 0), row) for s, row in zip(segments, hyper_rows)]
@@ -118,8 +149,8 @@ def segment_table(segments: Sequence[Segment], hyper_rows: Sequence[int]) -> tor
 
 
 def hyper_table(rows: Sequence, kind: Optional[type] = None) -> torch.Tensor:
-    """float32 [H, kind.FIELDS]: each row (an AdamHyper, LionHyper or MomentumHyper) rounded once from fp64. `kind`,
-    the row class, defaults to the rows' own (AdamHyper when there are none)."""
+    """float32 [H, kind.FIELDS]: each row (an AdamHyper, LionHyper, MomentumHyper or BnbHyper) rounded once from fp64.
+    `kind`, the row class, defaults to the rows' own (AdamHyper when there are none)."""
     kind = kind or (type(rows[0]) if rows else AdamHyper)
     if any(type(r) is not kind for r in rows):
         raise TypeError(f"hyper_table: every row must be a {kind.__name__}")
@@ -172,7 +203,7 @@ def step_(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch
           arithmetic: str = IEEE, *, use_kernel: bool = True) -> None:
     """One fused step of `rule` over a flat partition, in place (arguments: `arguments`; their meaning:
     reference.adam8bit_step). use_kernel: the compiled operator, which raises when it is not loaded (no silent
-    fallback); False: the pure-torch reference (tests, benchmarks)."""
+    fallback); False: its oracle in `arithmetic` (UpdateRule.oracle: tests, benchmarks)."""
     rule = get(rule)
     args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale, error, arithmetic)
-    (rule.kernel() if use_kernel else rule.reference)(*args)
+    (rule.kernel() if use_kernel else rule.oracle(arithmetic))(*args)

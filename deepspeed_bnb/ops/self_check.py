@@ -1,15 +1,16 @@
-"""A first-use check of a compiled fused kernel against its pure-torch reference, on the device it is about to run on.
+"""A first-use check of a compiled fused kernel against its oracle, on the device it is about to run on.
 
 Why: the ZeRO optimizer steps with the compiled kernel by default (`bnb_fused_kernel: "auto"`), on whatever CPU or GPU
-the job lands on. The kernel is bit-identical to the reference where it was tested, but a build can still go wrong
+the job lands on. The kernel is bit-identical to its oracle where it was tested, but a build can still go wrong
 where it was not: a GPU generation or CUDA toolkit the kernels never ran on, a compiler that contracts into FMAs
 despite -ffp-contract=off, a prebuilt extension without code for this GPU ("no kernel image is available"). Wrong
 optimizer state is silent for weeks; so before its first real step the kernel runs a small partition that touches
 every path (8-bit and fp32 segments, a block tail, an all-zero block, NaN/Inf/huge/tiny gradients, two hyper rows, an
-unscale factor; fp32, bf16 or compensated master weights, whichever the run steps) and is compared with the reference
-run on the CPU (the oracle the test suite holds the CPU kernels
-to); a kernel that raises or differs by one bit is not used. Every rule of the registry (ops/rules.py) is checked the
-same way: its partition, hyper rows and argument list follow from its moment count and its row builder.
+unscale factor; fp32, bf16 or compensated master weights, whichever the run steps) and is compared with its oracle in
+the arithmetic it computes there (ops/rules.py): on a CPU the pure-torch reference (the oracle the test suite holds
+the CPU kernels to), on a GPU bitsandbytes' own update on that GPU (ops/bnb_update.py: the kernels promise its bits);
+a kernel that raises or differs by one bit is not used. Every rule of the registry is checked the same way: its
+partition, hyper rows and argument list follow from its moment count and its row builder.
 Cost: a few milliseconds, once per rule and device per process. It uses bnb's default maps: a custom map's own
 quantizer path (an unsorted map, one the compact key table refuses) is covered by the test suite only.
 """
@@ -35,16 +36,15 @@ _verdicts: Dict[Tuple[str, str, str], Optional[str]] = {}  # (rule, device, mast
 
 def disagreement(rule: str, device, master: str = "fp32") -> Optional[str]:
     """Why the compiled kernel of `rule` must not be used on `device` for `master` weights (it raised, or differs
-    from the reference), or None; checked once per rule, device and master. The caller has loaded the kernels."""
+    from its oracle), or None; checked once per rule, device and master. The caller has loaded the kernels."""
     key = (rule, str(torch.device(device)), master)
     if key not in _verdicts:
         _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel(), master)
     return _verdicts[key]
 
 
-def _hyper(rule: str, step: int) -> torch.Tensor:
-    entry = rules.get(rule)
-    return rules.hyper_table([entry.row(config, step) for config in CONFIGS], entry.hyper)
+def _hyper(rule: str, step: int, arithmetic: str = rules.IEEE) -> torch.Tensor:
+    return rules.get(rule).rows(CONFIGS, step, arithmetic)
 
 
 def _gradients(size: int, step: int, generator: torch.Generator) -> torch.Tensor:
@@ -56,15 +56,24 @@ def _gradients(size: int, step: int, generator: torch.Generator) -> torch.Tensor
     return grads
 
 
-def _partition(rule: str, device: torch.device, master: str = "fp32") -> dict:
+def _eight_bit(rule: str, master: str, arithmetic: str):
+    """The precision of each parameter: EIGHT_BIT, but for bnb's own SGD-momentum with bf16 weights, which bnb can
+    only update with 8-bit state (bitsandbytes 0.50 has no bf16 entry to its 32-bit momentum kernel)."""
+    if arithmetic == rules.BNB_CUDA and rule == "momentum" and master == "bf16":
+        return [True] * len(EIGHT_BIT)
+    return EIGHT_BIT
+
+
+def _partition(rule: str, device: torch.device, master: str = "fp32", arithmetic: str = rules.IEEE) -> dict:
     """Zero state and random parameters of one partition: the tensors of the operator's signature by name (codes1,
     absmax1, state1, qmap1 and so on for each moment; `error` for compensated master weights)."""
     if master not in MASTERS:
         raise ValueError(f"master: one of {MASTERS}, got {master!r}")
+    eight_bit = _eight_bit(rule, master, arithmetic)
     layout = GroupLayout(NUMELS, 1)
-    size, fp32 = layout.partition_size, layout.fp32_numel(0, EIGHT_BIT)
+    size, fp32 = layout.partition_size, layout.fp32_numel(0, eight_bit)
     params = torch.randn(size, generator=torch.Generator().manual_seed(0))
-    tensors = {"params": params, "segments": rules.segment_table(layout.segments(0, EIGHT_BIT), HYPER_ROWS)}
+    tensors = {"params": params, "segments": rules.segment_table(layout.segments(0, eight_bit), HYPER_ROWS)}
     if master == "bf16":
         tensors["params"] = params.to(torch.bfloat16)
     elif master == "bf16+8":
@@ -77,11 +86,12 @@ def _partition(rule: str, device: torch.device, master: str = "fp32") -> dict:
     return {name: t.to(device) for name, t in tensors.items()}
 
 
-def _arguments(rule: str, t: dict, grads: torch.Tensor, hyper: torch.Tensor, inv_scale: float) -> tuple:
+def _arguments(rule: str, t: dict, grads: torch.Tensor, hyper: torch.Tensor, inv_scale: float,
+               arithmetic: str = rules.IEEE) -> tuple:
     moments = range(1, rules.get(rule).moments + 1)
     return rules.arguments(rule, t["params"], grads, *([t[f"{kind}{k}"] for k in moments]
                                                         for kind in ("codes", "absmax", "state", "qmap")),
-                           t["segments"], hyper, inv_scale, t.get("error"))
+                           t["segments"], hyper, inv_scale, t.get("error"), arithmetic)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -92,27 +102,37 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.element_size() == 2 else t
 
 
-def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp32") -> Optional[str]:
-    """Run `kernel` on `device` and the reference of `rule` on the CPU (the oracle the CPU kernels are held to, bit
-    for bit, by the tests) for STEPS steps of one small partition of `master` weights; describe the first difference
-    (or the kernel's exception), or return None when every tensor agrees bit for bit after every step."""
-    ours = _partition(rule, device, master)
-    theirs = _partition(rule, torch.device("cpu"), master)
+def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp32",
+            arithmetic: Optional[str] = None) -> Optional[str]:
+    """Run `kernel` on `device` and the oracle of `rule` in `arithmetic` (default: the one the kernel computes on
+    `device`) for STEPS steps of one small partition of `master` weights; describe the first difference (or the
+    kernel's exception), or return None when every tensor agrees bit for bit after every step. The ieee oracle, the
+    pure-torch reference, runs on the CPU; the bnb_cuda one, bitsandbytes' own update, on `device` (on a GPU, bnb's
+    CUDA kernels), from the gradients the engine would hand it (bf16 ones for bf16 and compensated weights)."""
+    arithmetic = arithmetic or rules.arithmetic_for(device)
+    bnb = arithmetic == rules.BNB_CUDA
+    oracle_device = device if bnb else torch.device("cpu")
+    oracle_name = "bitsandbytes' own update" if bnb else "the reference"
+    ours = _partition(rule, device, master, arithmetic)
+    theirs = _partition(rule, oracle_device, master, arithmetic)
     generator = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
-        grads, hyper = _gradients(ours["params"].numel(), step, generator), _hyper(rule, step)
+        grads, hyper = _gradients(ours["params"].numel(), step, generator), _hyper(rule, step, arithmetic)
+        if bnb and master != "fp32":
+            grads = grads.to(torch.bfloat16)
         inv_scale = 1.0 if step < STEPS else 1 / 3.7
         try:
-            kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale))
+            kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale, arithmetic))
         except Exception as exc:  # e.g. no code for this GPU in the build: the reference can still run
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        rules.get(rule).reference(*_arguments(rule, theirs, grads, hyper, inv_scale))
+        rules.get(rule).oracle(arithmetic)(*_arguments(rule, theirs, grads.to(oracle_device),
+                                                       hyper.to(oracle_device), inv_scale, arithmetic))
         for name in ours:
-            mine, expected = bits(ours[name].cpu()), bits(theirs[name])
+            mine, expected = bits(ours[name].cpu()), bits(theirs[name].cpu())
             if not torch.equal(mine, expected):
                 where = (mine != expected).nonzero().flatten()
                 first = int(where[0])
-                return (f"after step {step}, {name} differs from the reference at {where.numel()} of "
+                return (f"after step {step}, {name} differs from {oracle_name} at {where.numel()} of "
                         f"{mine.numel()} elements (first at {first}: {ours[name].cpu().flatten()[first].item()!r} vs "
-                        f"{theirs[name].flatten()[first].item()!r})")
+                        f"{theirs[name].cpu().flatten()[first].item()!r})")
     return None

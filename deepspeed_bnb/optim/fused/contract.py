@@ -1,12 +1,14 @@
 """When the fused kernel may step a parameter: only where it computes that parameter's own bitsandbytes update.
 
-The fused kernels implement bnb's 8-bit blockwise update of three rules (`optimizer_name` "adam", "lion",
-"momentum") with bnb's CUDA numerics (nearest code, 0 representable; ops/reference.py). A parameter is fused only if
+The fused kernels implement bnb's blockwise 8-bit update of three rules (`optimizer_name` "adam", "lion",
+"momentum"): on a CPU in the IEEE arithmetic of ops/reference.py (nearest code, 0 representable), on a GPU in bnb's
+own CUDA arithmetic (ops/rules.py: BNB_CUDA). A parameter is fused only if
 1. the optimizer's `update_step` is bnb's own (`Optimizer2State.update_step` for "adam",
    `Optimizer1State.update_step` for "lion" and "momentum"): a subclass that overrides it computes something else;
-2. the parameter has 8-bit state: bnb's 32-bit update is its own sequence of torch (or CUDA) operations, which the
-   kernel's fp32 path does not reproduce bit for bit, so 32-bit state gets bnb's own update wherever bnb has one
-   (`fp32_param_reason`: where it has none, bnb 0.49 on a CPU, the kernel's fp32 path is the only update there is);
+2. the parameter has 8-bit state, or its 32-bit state is updated by the kernel's fp32 path as bnb would update it
+   (`fp32_param_reason`): on a GPU, where the bnb_cuda arithmetic reproduces bnb's 32-bit CUDA kernels; and where
+   bnb has no update of its own (bnb 0.49 on a CPU). On a CPU bnb's 32-bit update is its own sequence of torch
+   operations, which the IEEE fp32 path does not reproduce bit for bit, so 32-bit state gets bnb's own update there;
 3. every field that bnb's `get_config` gives for the parameter (per-parameter overrides and a subclass's own
    `get_config` included) is one the rule's kernel models, at a value it models (`UpdateRule.fields` in
    ops/rules.py). An unknown field, say one that an override or a subclass adds, is not modelled.

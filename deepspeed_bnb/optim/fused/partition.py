@@ -6,7 +6,8 @@ the partition's `step`; so a checkpoint written by either path loads with the ot
 both (partition_step.py decides which segment goes where). Lion and SGD-momentum (bnb's Optimizer1State "lion" and
 "momentum") have the first of each only. The hyper-parameter rows come from bnb's own per-parameter config
 (`get_config` with overrides), so a learning-rate schedule or a per-parameter override reaches the kernel as it
-reaches bnb.
+reaches bnb. The arithmetic follows the device (rules.arithmetic_for): the reference's on a CPU, bnb's own on a GPU.
+On a GPU the rows travel from pinned host memory without blocking, so a step never waits for the device.
 """
 
 from typing import Optional, Sequence
@@ -24,9 +25,11 @@ class FusedPartition:
     def __init__(self, rule: str, segments: Sequence[Segment], rows: Sequence[int], device, use_kernel: bool = True):
         self.update_rule = rules.get(rule)  # its registry entry; a ValueError for a rule without a fused kernel
         self.rule = rule  # bnb's rule name
+        device = torch.device(device)
         self.table = rules.segment_table(segments, rows).to(device)  # rows: index into step()'s configs
-        self.use_kernel = use_kernel  # False: the pure-torch reference (tests only)
+        self.use_kernel = use_kernel  # False: the kernel's oracle (tests only)
         self.device = device
+        self.arithmetic = rules.arithmetic_for(device)  # which rounding rules the kernel follows here
         self._empty = torch.zeros(0, device=device)
         self._empty_codes = torch.zeros(0, dtype=torch.uint8, device=device)
         self._no_map = torch.zeros(256, device=device)  # never read: no 8-bit segment
@@ -39,7 +42,11 @@ class FusedPartition:
         if not self.table.numel():
             return
         update = self.update_rule
-        hyper = rules.hyper_table([update.row(c, step) for c in configs], update.hyper).to(self.device)
+        hyper = update.rows(configs, step, self.arithmetic)
+        if self.device.type == "cuda":  # a fresh pinned buffer: the caching host allocator keeps it until the copy ran
+            hyper = hyper.pin_memory().to(self.device, non_blocking=True)
+        else:
+            hyper = hyper.to(self.device)
         # bnb's keys per moment k: codes "state<k>", "absmax<k>", fp32 state FP32_PREFIX + "state<k>", map "qmap<k>"
         # (a partition without 8-bit parameters has no codes, scales or maps)
         moments = range(1, update.moments + 1)
@@ -47,4 +54,4 @@ class FusedPartition:
                     [state.get(f"absmax{k}", self._empty) for k in moments],
                     [state.get(f"{FP32_PREFIX}state{k}", self._empty) for k in moments],
                     [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale, error,
-                    use_kernel=self.use_kernel)
+                    self.arithmetic, use_kernel=self.use_kernel)

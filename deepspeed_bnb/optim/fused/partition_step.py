@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from deepspeed_bnb.ops import rules
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused.contract import optimizer_reason
@@ -92,6 +93,8 @@ class PartitionStep:
         self.device = device
         self.kernel_reason = kernel_reason  # why no parameter may be fused on this device (None: per parameter)
         self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
+        # what the kernel computes on `device` (ieee where there are no kernels: nothing is fused there)
+        self.arithmetic = rules.DEVICE_ARITHMETIC.get(torch.device(device).type, rules.IEEE)
         self.on_reroute = on_reroute  # called with (old routes, new routes) per parameter when they change
         self.param_routes: Optional[List[Route]] = None  # per parameter: which code steps it
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
@@ -103,7 +106,7 @@ class PartitionStep:
         """(Re)decide each parameter's path from `group`'s current config; the kernel is rebuilt only on change."""
         self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
         new = route_table(self.adapter.optimizer, self.kernel_reason, self._configs, self.variant, self.eight_bit,
-                          self.no_own_update)
+                          self.no_own_update, self.arithmetic)
         if new == self.param_routes:
             return
         if self.no_own_update:

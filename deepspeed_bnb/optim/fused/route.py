@@ -9,8 +9,9 @@ Two questions, asked in this order:
    an error; a kernel that should run and cannot warns once and leaves the step to bnb.
 2. `route`, per parameter and at every step (configs change during training): a `Route`, FUSED where the kernel
    computes that parameter's own bnb update (contract.param_reason), else one naming why bnb's `update_step` steps
-   it; where bnb has no update of its own (own_update.py), the kernel's fp32 path for 32-bit state
-   (contract.fp32_param_reason).
+   it. 32-bit state takes the kernel's fp32 path (contract.fp32_param_reason) where that is bnb's own update (bnb's
+   CUDA arithmetic reproduces its 32-bit kernels too, so on a GPU one launch steps the whole partition) or where bnb
+   has no update of its own (own_update.py).
 partition_step.py asks `route` through `route_table`; the ZeRO optimizers of every stage ask `kernel_reason`.
 """
 
@@ -18,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from deepspeed_bnb.ops import loader, self_check
+from deepspeed_bnb.ops import loader, rules, self_check
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.contract import KERNEL_DEVICES, fp32_param_reason, optimizer_reason, param_reason
 
@@ -54,11 +55,12 @@ def kernel_reason(setting, optimizer, device, master: str = master_weights.FP32)
     if reason is None and device.type not in KERNEL_DEVICES:
         reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
     if reason is None and device.type == "cuda" and setting == "auto":
-        # the GPU proof on an H200 found the CUDA kernels bit-identical to their reference, but two runs of its speed
-        # part ranked them and bnb's own CUDA update differently inside the engine: the default stays with bnb's
-        # update until the kernels are shown faster there
-        return ("the fused CUDA kernels are opt-in on GPUs until shown faster than bnb's own update inside the engine "
-                "(zero_optimization.bnb_fused_kernel: true uses them, after the first-use check)")
+        # the CUDA kernels compute bnb's own CUDA arithmetic (and the first-use check holds them to bnb's update on
+        # the device), but no GPU run has yet shown them bit for bit with bnb over many steps and faster inside the
+        # engine: until the GPU proof does, the default stays with bnb's own update (never an unproven default)
+        return ("the fused CUDA kernels are opt-in on GPUs until the GPU proof shows them bit for bit with bnb's own "
+                "update and faster inside the engine (zero_optimization.bnb_fused_kernel: true uses them, after the "
+                "first-use check against bnb's update on this GPU)")
     if reason is None and not loader.load():
         reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
         _fall_back(setting, reason)
@@ -83,28 +85,29 @@ def _fall_back(setting, reason: str) -> None:
 
 
 def route(optimizer, kernel_reason: Optional[str], config: dict, eight_bit: bool,
-          no_own_update: Optional[str]) -> Route:
+          no_own_update: Optional[str], arithmetic: str = rules.IEEE) -> Route:
     """The route of a parameter of `optimizer` whose bnb config is `config` (8-bit state or not). `kernel_reason`:
     the optimizer-wide answer above; `no_own_update`: why bnb has no update of its own on the partition's device
-    (own_update.missing), or None."""
+    (own_update.missing), or None; `arithmetic`: what the kernel computes there (rules.arithmetic_for)."""
     whole = kernel_reason or optimizer_reason(optimizer)
     if whole:
         return Route(whole)
     reason = param_reason(optimizer.optimizer_name, config, eight_bit)
-    if reason is not None and no_own_update and not eight_bit:
-        # bnb's own 32-bit update does not exist here: the kernel's fp32 path is the only one
+    if reason is not None and not eight_bit and (no_own_update or arithmetic == rules.BNB_CUDA):
+        # the kernel's fp32 path is bnb's own 32-bit CUDA update (bnb_cuda), or the only update there is
         return _route(fp32_param_reason(optimizer.optimizer_name, config))
     return _route(reason)
 
 
 def route_table(optimizer, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
-                eight_bit: Sequence[bool], no_own_update: Optional[str] = None) -> List[Route]:
+                eight_bit: Sequence[bool], no_own_update: Optional[str] = None,
+                arithmetic: str = rules.IEEE) -> List[Route]:
     """`route` per parameter, given its config variant among `configs` and its precision (computed once per
     distinct pair)."""
     memo = {}  # (variant, precision) -> route
     for key in zip(variant, eight_bit):
         if key not in memo:
-            memo[key] = route(optimizer, kernel_reason, configs[key[0]], key[1], no_own_update)
+            memo[key] = route(optimizer, kernel_reason, configs[key[0]], key[1], no_own_update, arithmetic)
     return [memo[key] for key in zip(variant, eight_bit)]
 
 

@@ -1,0 +1,93 @@
+"""bitsandbytes' own update of a flat ZeRO partition, with the fused operators' argument layout: the oracle of the
+"bnb_cuda" arithmetic, and the rows that arithmetic's kernels read.
+
+The bnb_cuda kernels (csrc/include/dsbnb/bnb_cuda_math.h) promise the bits of bnb's own CUDA kernels. No CPU can
+compute those (they rest on the GPU's approximate reciprocal, square root and powers), so their oracle is bnb itself:
+`step_` walks the same segment table and hyper rows as the operator and calls bnb's functional update on every
+segment, exactly as bnb's `update_step` would for that parameter piece (optim/bnb_adapter.py does the same through
+the optimizer): 8-bit segments through `optimizer_update_8bit_blockwise` on their codes and absmax, 32-bit ones through
+`optimizer_update_32bit` on their packed fp32 state, pieces of at most own_update.MAX_UPDATE_NUMEL elements, the
+unscale factor applied to a copy of the gradient as DeepSpeed's mul_ applies it, compensated master weights widened to
+fp32 and split back. The first-use check (ops/self_check.py) and the GPU proof hold the kernels to it.
+
+BnbHyper is one row of the bnb_cuda hyper table: bnb's kernel arguments for one param group (every rule alike; a rule
+ignores what it does not read), rounded to fp32 as bnb's ctypes.c_float arguments are.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, Tuple
+
+import torch
+
+from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
+
+BNB_HYPER_FIELDS = 7  # columns of a bnb_cuda hyper row (csrc/include/dsbnb/adam8bit.h: BnbRow)
+
+
+@dataclass(frozen=True)
+class BnbHyper:
+    """One row of the bnb_cuda hyper table: what bnb's update_step hands its kernels for one param group."""
+
+    FIELDS: ClassVar[int] = BNB_HYPER_FIELDS
+    beta1: float  # betas[0]
+    beta2: float  # betas[1] (SGD-momentum: the dampening, unread)
+    eps: float  # eps (read by Adam only)
+    weight_decay: float  # weight_decay
+    lr: float  # lr
+    step: float  # bnb's step counter (counted from 1), as the fp32 its kernels convert it to
+    gnorm_scale: float  # 1.0: bnb's update_step always passes it
+
+    @classmethod
+    def of(cls, config: dict, step: int) -> "BnbHyper":
+        """The row of one bnb get_config dict at bnb's step `step`."""
+        return cls(beta1=config["betas"][0], beta2=config["betas"][1], eps=config["eps"],
+                   weight_decay=config["weight_decay"], lr=config["lr"], step=float(step), gnorm_scale=1.0)
+
+    def row(self) -> Tuple[float, ...]:
+        return (self.beta1, self.beta2, self.eps, self.weight_decay, self.lr, self.step, self.gnorm_scale)
+
+
+def _segments(table: torch.Tensor):
+    for offset, numel, eight_bit, fp32_offset, row in table.tolist():
+        yield Segment(slot=0, param_start=0, numel=numel, offset=offset, eight_bit=bool(eight_bit),
+                      fp32_offset=fp32_offset if not eight_bit else -1), row
+
+
+@torch.no_grad()
+def step_(rule: str, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
+          absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
+          segments: torch.Tensor, hyper: torch.Tensor, inv_scale: Optional[torch.Tensor] = None,
+          error: Optional[torch.Tensor] = None) -> None:
+    """bnb's update of every segment of a flat partition in place, arguments as the fused operator's (ops/rules.py,
+    one tensor per moment in codes/absmax/state/qmaps; hyper: BnbHyper rows). Needs bnb's update on params' device."""
+    import bitsandbytes.functional as F
+    from deepspeed_bnb.optim.own_update import MAX_UPDATE_NUMEL
+    two = len(codes) == 2
+    rows = hyper.detach().cpu().double().tolist()
+    for whole, row in _segments(segments.detach().cpu()):
+        beta1, beta2, eps, weight_decay, lr, step, gnorm_scale = rows[row]
+        for piece in split_segment(whole, MAX_UPDATE_NUMEL):
+            p = params.narrow(0, piece.offset, piece.numel)
+            g = grads.narrow(0, piece.offset, piece.numel).clone()
+            if inv_scale is not None:  # DeepSpeed's grad.mul_(1 / combined_scale), with the factor's own tensor
+                g.mul_(inv_scale)
+            hi = lo = None
+            if error is not None:  # bnb steps the widened fp32 weight (optim/bnb_adapter.py)
+                hi, lo = p, error.narrow(0, piece.offset, piece.numel)
+                p, g = compensated.join(hi, lo), g.float()
+            if piece.eight_bit:
+                first, blocks = piece.offset // BLOCK_SIZE, -(-piece.numel // BLOCK_SIZE)
+                F.optimizer_update_8bit_blockwise(
+                    rule, g, p, codes[0].narrow(0, piece.offset, piece.numel),
+                    codes[1].narrow(0, piece.offset, piece.numel) if two else None, beta1, beta2, 0.0, 0.0, eps,
+                    int(step), lr, qmaps[0], qmaps[1] if two else None, absmax[0].narrow(0, first, blocks),
+                    absmax[1].narrow(0, first, blocks) if two else None, weight_decay, gnorm_scale=gnorm_scale)
+            else:
+                start = piece.fp32_offset
+                F.optimizer_update_32bit(
+                    rule, g, p, state[0].narrow(0, start, piece.numel), beta1, eps, int(step), lr,
+                    state[1].narrow(0, start, piece.numel) if two else None, beta2, 0.0, 0.0, weight_decay,
+                    gnorm_scale)
+            if error is not None:
+                compensated.split_(p, hi, lo)
