@@ -1,9 +1,12 @@
-"""GPU proof, part a: the fused kernels (AdamW, Lion, SGD-momentum) build on the device, equal their pure-torch
-reference bit for bit there, and pass the first-use check the ZeRO optimizer runs before its first step.
+"""GPU proof, part a: the fused kernels (AdamW, Lion, SGD-momentum) build on the device, equal their oracles bit for
+bit there in both arithmetics, and pass the first-use check the ZeRO optimizer runs before its first step.
 
-Reference: deepspeed_bnb/ops/reference.py (pure torch, run on the CPU by the tests' harness and by the first-use check).
-The kernel-vs-reference tests are the suite's own (tests/kernel_tests.py lists the files), selected for the device
-(`-k cuda_kernel`; the rehearsal selects `cpu_kernel`); a run where none of them ran fails.
+References: the ieee arithmetic against deepspeed_bnb/ops/reference.py (pure torch, run on the CPU by the tests'
+harness); the bnb_cuda arithmetic (what the ZeRO step runs on a GPU) against bitsandbytes' own CUDA update on the same
+GPU (ops/bnb_update.py; tests/test_fused_bnb_cuda.py: every rule, fp32/bf16/compensated master weights, odd sizes,
+NaN/Inf gradients, ten steps each). The tests are the suite's own (tests/kernel_tests.py lists the files), selected
+for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to hold to bnb);
+a run where none of them ran fails.
 """
 
 import os
@@ -48,15 +51,29 @@ def body(args, result):
     files = [os.path.join(common.TESTS, name) for name in (*RULE_TEST_FILES, "test_self_check.py")]
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", f"{args.device}_kernel", "-rs", *files],
                        plugins=[outcomes])
-    result.check(f"kernel == reference, bit for bit, on {args.device} (the suite's {args.device}_kernel tests)",
+    result.check(f"ieee kernels == reference, bit for bit, on {args.device} (the suite's {args.device}_kernel tests)",
                  code == 0 and outcomes.passed > 0 and not outcomes.failed,
                  f"{outcomes.passed} passed, {len(outcomes.failed)} failed, {outcomes.skipped} skipped"
                  + (f" (failed: {', '.join(outcomes.failed[:8])})" if outcomes.failed else ""),
                  "all pass, at least one ran")
+    if args.device == "cuda":
+        outcomes = Outcomes()
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", "cuda_kernel", "-rs",
+                            os.path.join(common.TESTS, "test_fused_bnb_cuda.py")], plugins=[outcomes])
+        result.check("bnb_cuda kernels == bitsandbytes' own CUDA update, bit for bit, ten steps per partition "
+                     "(tests/test_fused_bnb_cuda.py)", code == 0 and outcomes.passed > 0 and not outcomes.failed,
+                     f"{outcomes.passed} passed, {len(outcomes.failed)} failed, {outcomes.skipped} skipped"
+                     + (f" (failed: {', '.join(outcomes.failed[:8])})" if outcomes.failed else ""),
+                     "all pass, at least one ran")
+    else:
+        result.note("the bnb_cuda arithmetic exists on CUDA only: its kernels are held to bnb on the GPU")
+    oracle = "bnb's own update on the device" if args.device == "cuda" else "the reference"
     for rule in rules.RULES:
-        problem = self_check.disagreement(rule, torch.device(args.device))
-        result.check(f"first-use check of the {rule} kernel on {args.device}", problem is None,
-                     problem or "kernel == reference on the check partition", "no difference, no exception")
+        for master in self_check.MASTERS:
+            problem = self_check.disagreement(rule, torch.device(args.device), master)
+            result.check(f"first-use check of the {rule} kernel on {args.device}, {master} master weights",
+                         problem is None, problem or f"kernel == {oracle} on the check partition",
+                         "no difference, no exception")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""The fused CUDA kernels in bitsandbytes' own arithmetic ("bnb_cuda") equal bnb's CUDA update, bit for bit.
+
+Where a GPU is present (ids cuda_kernel; the GPU proof's kernel part runs them): for every rule of the registry, a
+random partition (8-bit and 32-bit segments, block tails, several hyper rows from bnb-style param groups, NaN, Inf,
+huge and tiny gradients, an all-zero block, DeepSpeed's unscale factor on some steps) is stepped ten times by the
+kernel and by bitsandbytes' own update on the same GPU (ops/bnb_update.py, the oracle), and every tensor (weights,
+codes, absmax, fp32 state) agrees bit for bit after every step; with fp32, bf16 and compensated master weights (bf16
+gradients with the bf16 ones, as the engine hands them); with segments of 1, 255, 256, 257 and 4097 elements; with a
+partition whose first rank owns nothing of a parameter. Control: the ieee arithmetic, which rounds differently, does
+not agree with bnb (so the comparison can fail).
+
+Without a GPU these tests skip; tests/test_bnb_update.py holds the oracle itself to plain bnb optimizers here, and
+tests/test_compact_quantizer.py the kernels' quantizer to bnb's quantize_2D for every float.
+"""
+
+import pytest
+import torch
+
+from deepspeed_bnb.ops import compensated, loader, rules
+from deepspeed_bnb.ops.self_check import bits
+from deepspeed_bnb.state_layout import GroupLayout
+from kernel_harness import QMAPS
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+STEPS = 10
+# three bnb param groups per rule (get_config dicts); the first decays, the third too, the second does not
+CONFIGS = {
+    "adam": ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+             {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
+             {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}),
+    "lion": ({"lr": 1e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1},
+             {"lr": 3e-3, "betas": (0.95, 0.98), "eps": 1e-8, "weight_decay": 0.0},
+             {"lr": 1e-3, "betas": (0.5, 0.9), "eps": 1e-8, "weight_decay": 1.0}),
+    "momentum": ({"lr": 1e-2, "betas": (0.9, 0.0), "eps": 1e-8, "weight_decay": 1e-4},
+                 {"lr": 3e-2, "betas": (0.8, 0.0), "eps": 1e-8, "weight_decay": 0.0},
+                 {"lr": 1e-3, "betas": (0.99, 0.0), "eps": 1e-8, "weight_decay": 0.5}),
+}
+MASTERS = ("fp32", "bf16", "bf16+8")
+
+
+class BnbPartition:
+    """A flat partition of `numels` parameters (8-bit where `eight_bit`) on `device`, rank `rank` of `dp`, its state
+    from zero (random_start: from random codes, scales and fp32 state, as after some steps)."""
+
+    def __init__(self, rule: str, seed: int, device, numels=None, eight_bit=None, master="fp32", dp=3, rank=1,
+                 random_start=False):
+        g = torch.Generator().manual_seed(seed)
+        if numels is None:
+            count = int(torch.randint(2, 7, (1,), generator=g))
+            numels = tuple(int(n) for n in torch.randint(1, 5000, (count,), generator=g))
+            eight_bit = [bool(b) for b in torch.rand(count, generator=g) < 0.7]
+        if rule == "momentum" and master == "bf16":  # bnb has no bf16 entry to its 32-bit momentum kernel
+            eight_bit = [True] * len(numels)
+        layout = GroupLayout(tuple(numels), dp)
+        self.rule, self.device, self.generator = rule, device, g
+        self.moments = rules.get(rule).moments
+        self.segments = layout.segments(rank, eight_bit)
+        rows = [int(r) for r in torch.randint(0, 3, (len(self.segments),), generator=g)]
+        self.table = rules.segment_table(self.segments, rows).to(device)
+        size, fp32 = layout.partition_size, layout.fp32_numel(rank, eight_bit)
+        weights = torch.randn(size, generator=g)
+        self.error = None
+        if master == "bf16":
+            self.params = weights.to(torch.bfloat16)
+        elif master == "bf16+8":
+            self.params, self.error = compensated.split(weights)
+        else:
+            self.params = weights
+        self.grad_dtype = torch.float32 if master == "fp32" else torch.bfloat16
+        self.codes = [torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8) if random_start else
+                      torch.zeros(size, dtype=torch.uint8) for _ in range(self.moments)]
+        self.absmax = [torch.rand(size // 256, generator=g) * 1e-2 if random_start else torch.zeros(size // 256)
+                       for _ in range(self.moments)]
+        self.state = [(torch.randn(fp32, generator=g) * 1e-3).abs() if random_start else torch.zeros(fp32)
+                      for _ in range(self.moments)]
+        self.qmaps = [q.clone() for q in QMAPS[:self.moments]]
+        self._to(device)
+
+    def _to(self, device):
+        for name in ("params", "error"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
+        for name in ("codes", "absmax", "state", "qmaps"):
+            setattr(self, name, [t.to(device) for t in getattr(self, name)])
+
+    def clone(self) -> "BnbPartition":
+        other = object.__new__(BnbPartition)
+        other.__dict__.update(self.__dict__)
+        other.params = self.params.clone()
+        other.error = None if self.error is None else self.error.clone()
+        for name in ("codes", "absmax", "state"):
+            setattr(other, name, [t.clone() for t in getattr(self, name)])
+        return other
+
+    def grads(self, step: int) -> torch.Tensor:
+        g = self.generator
+        grads = torch.randn(self.params.numel(), generator=g) * 10.0 ** float(torch.randint(-6, 2, (1,), generator=g))
+        grads[:300] = 0.0  # an all-zero block (and a zero stretch)
+        if step % 3 == 1:
+            grads[torch.randint(0, grads.numel(), (5,), generator=g)] = float("nan")
+            grads[torch.randint(0, grads.numel(), (3,), generator=g)] = float("inf")
+            grads[torch.randint(0, grads.numel(), (3,), generator=g)] = 3e19  # g * g overflows fp32
+            grads[torch.randint(0, grads.numel(), (3,), generator=g)] = 1e-30
+        return grads.to(self.grad_dtype).to(self.device)
+
+    def step(self, step: int, grads: torch.Tensor, use_kernel: bool, inv_scale=None, arithmetic=rules.BNB_CUDA):
+        hyper = rules.get(self.rule).rows(CONFIGS[self.rule], step, arithmetic).to(self.device)
+        rules.step_(self.rule, self.params, grads, self.codes, self.absmax, self.state, self.qmaps, self.table, hyper,
+                    inv_scale, self.error, arithmetic, use_kernel=use_kernel)
+
+    def tensors(self) -> dict:
+        named = {"params": self.params, **({"error": self.error} if self.error is not None else {})}
+        for k in range(self.moments):
+            named.update({f"codes{k + 1}": self.codes[k], f"absmax{k + 1}": self.absmax[k],
+                          f"state{k + 1}": self.state[k]})
+        return named
+
+
+def differences(a: BnbPartition, b: BnbPartition) -> list:
+    found = []
+    for (name, x), y in zip(a.tensors().items(), b.tensors().values()):
+        x, y = bits(x.cpu()), bits(y.cpu())
+        if not torch.equal(x, y):
+            where = (x != y).nonzero().flatten()[:5].tolist()
+            found.append(f"{name} at {where} (of {int((x != y).sum())}): {[x[i].item() for i in where]} vs "
+                         f"{[y[i].item() for i in where]}")
+    return found
+
+
+def check_against_bnb(kernel: BnbPartition, steps: int = STEPS, kernel_arithmetic=rules.BNB_CUDA) -> list:
+    """Steps the partition by the kernel and (a copy) by bnb's own update; the first step's differences, or []."""
+    theirs = kernel.clone()
+    for step in range(1, steps + 1):
+        grads = kernel.grads(step)
+        inv_scale = None if step % 2 else torch.tensor(1 / 3.7, device=kernel.device)  # DeepSpeed's clip factor
+        kernel.step(step, grads, True, inv_scale, kernel_arithmetic)
+        theirs.step(step, grads, False, inv_scale)
+        found = differences(kernel, theirs)
+        if found:
+            return [f"step {step}: {d}" for d in found]
+    return []
+
+
+cuda_kernel = pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda, id="cuda_kernel")])
+for_every_rule = pytest.mark.parametrize("rule", list(rules.RULES))
+
+
+@pytest.fixture(autouse=True)
+def _kernels():
+    if torch.cuda.is_available() and not loader.load():
+        pytest.fail(f"the CUDA kernels did not build: {loader.error()}")
+
+
+@cuda_kernel
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("seed", range(6))
+@for_every_rule
+def test_kernel_is_bnbs_cuda_update(rule, seed, master, device):
+    assert check_against_bnb(BnbPartition(rule, seed, device, master=master, random_start=seed >= 3)) == []
+
+
+@cuda_kernel
+@pytest.mark.parametrize("master", MASTERS)
+@for_every_rule
+def test_kernel_is_bnbs_cuda_update_at_odd_sizes(rule, master, device):
+    numels = (1, 255, 256, 257, 4097, 1, 300)
+    eight_bit = [True, True, True, True, True, False, False]
+    for rank in range(2):  # rank 0 of 2 also owns pieces that end mid-parameter
+        assert check_against_bnb(BnbPartition(rule, 7, device, numels, eight_bit, master, dp=2, rank=rank)) == []
+
+
+@cuda_kernel
+@for_every_rule
+def test_control_the_ieee_arithmetic_is_not_bnbs(rule, device):
+    """The comparison can fail: the project's IEEE arithmetic (exact sqrt and division, no flush to zero, its own
+    tie rule) run with bnb's rows would be another update; here it is run with its own rows and differs from bnb's."""
+    partition = BnbPartition(rule, 0, device)
+    theirs = partition.clone()
+    ieee = rules.get(rule).rows(CONFIGS[rule], 1, rules.IEEE).to(device)
+    grads = partition.grads(2)
+    rules.step_(rule, partition.params, grads, partition.codes, partition.absmax, partition.state, partition.qmaps,
+                partition.table, ieee, None, partition.error, rules.IEEE, use_kernel=True)
+    theirs.step(1, grads, False)
+    assert differences(partition, theirs)
