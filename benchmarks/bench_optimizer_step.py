@@ -38,9 +38,10 @@ CONFIGS = {"adam": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD},
            "momentum": {"lr": SGD_LR, "betas": (SGD_MOMENTUM, 0.0), "eps": EPS, "weight_decay": WD}}
 
 
-def fused(rule, n, use_kernel, device="cpu"):
+def fused(rule, n, use_kernel, device="cpu", arithmetic=None):
     """One step of deepspeed_bnb's fused `rule` over a flat partition of n elements with 8-bit state, its hyper row
-    rebuilt every step as the ZeRO optimizer does (the step counter starts at 1: the warm-up round)."""
+    rebuilt every step as the ZeRO optimizer does (the step counter starts at 1: the warm-up round), in the arithmetic
+    the ZeRO step computes on `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says."""
     update = rules.get(rule)
     signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
@@ -50,11 +51,13 @@ def fused(rule, n, use_kernel, device="cpu"):
     empty = [torch.zeros(0, device=device) for _ in signed]
     table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0]).to(device)
     step = [0]
+    arithmetic = arithmetic or rules.arithmetic_for(device)
 
     def run():
         step[0] += 1
-        hyper = rules.hyper_table([update.row(CONFIGS[rule], step[0])]).to(device)
-        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, 1.0, use_kernel=use_kernel)
+        hyper = update.rows([CONFIGS[rule]], step[0], arithmetic).to(device)
+        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, None, None, arithmetic,
+                    use_kernel=use_kernel)
     return run
 
 

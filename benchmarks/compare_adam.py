@@ -6,6 +6,7 @@ schedule and hyper-parameters:
   bnb8_fused     bnb.optim.AdamW8bit via deepspeed_bnb, fused 8-bit kernel      (bnb_fused_kernel: true)
   bnb8_fallback  bnb.optim.AdamW8bit via deepspeed_bnb, bnb's own update        (bnb_fused_kernel: false)
   torch_adamw    torch.optim.AdamW, fp32 state, stock ZeRO-2 (deepspeed_bnb leaves it alone)
+  torch_adamw_fused  the same with fused=True (torch's single-kernel step; not in the default set)
   ds_adamw       DeepSpeed's own Adam from the config's "optimizer" section (the class that ran is reported)
 With --bf16 the model trains in bf16 and the configurations are the master weights a memory-bound user can pick:
   torch_adamw              torch AdamW, DeepSpeed's fp32 master weights and fp32 states (the reference)
@@ -23,11 +24,15 @@ Writes compare_adam.md (tables), compare_adam.json (everything measured), loss.p
                                                  # DeepSpeed's Adam); results in benchmarks/results/stage3_offload
     python benchmarks/compare_adam.py --bf16     # master weights of a bf16 model (results/bf16); --lr 3e-4: a low
                                                  # learning rate (results/bf16_lr3e-4)
+    python benchmarks/compare_adam.py --configs bnb8_fused torch_adamw_fused --rounds 3 --steps 60
+                                                 # speed alone: the configurations interleaved in 3 rounds, each
+                                                 # time the median of the rounds' medians (results/speed_rounds3)
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +62,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage of every configuration")
     p.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU in every configuration")
+    p.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, interleaved; the "
+                   "step times are the median of the rounds' medians (each round's in the JSON)")
     args = p.parse_args()
     args.preset = dict(QUICK if args.quick else FULL)
     if args.steps:
@@ -68,7 +75,8 @@ def parse_args():
         p.error(f"{', '.join(sorted(set(args.configs) & set(BF16_ONLY)))} keep bf16 master weights: add --bf16")
     variant = "_".join(filter(None, ["stage3" if args.stage == 3 else "", "offload" if args.offload else "",
                                      "bf16" if args.bf16 else "", f"lr{args.lr:g}" if args.lr else "",
-                                     f"{args.steps}steps" if args.steps and not args.quick else ""]))
+                                     f"{args.steps}steps" if args.steps and not args.quick else "",
+                                     f"speed_rounds{args.rounds}" if args.rounds > 1 else ""]))
     args.out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "", variant)
     return args
 
@@ -90,14 +98,22 @@ def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
-    results = {}
-    for config in args.configs:
-        load = os.getloadavg()[0]  # the machine may be shared: say how busy it was when each job started
-        results[config] = run_config(config, args) | {"load_avg_1min_at_start": load}
-        r = results[config]
-        print(f"{config:14s} {r['job_wall_s']:5.1f} s  {r['update_path']}", flush=True)
+    results, rounds = {}, {config: [] for config in args.configs}
+    for _ in range(args.rounds):  # interleaved: a slow spell of a shared machine hits every configuration alike
+        for config in args.configs:
+            load = os.getloadavg()[0]  # the machine may be shared: say how busy it was when each job started
+            r = run_config(config, args) | {"load_avg_1min_at_start": load}
+            rounds[config].append(r)
+            print(f"{config:14s} {r['job_wall_s']:5.1f} s  engine.step() {1e3 * r['median_engine_step_s']:.1f} ms  "
+                  f"{r['update_path']}", flush=True)
+    for config, runs in rounds.items():
+        results[config] = dict(runs[0])
+        if len(runs) > 1:
+            for key in ("median_step_s", "median_engine_step_s"):
+                results[config][key] = statistics.median(r[key] for r in runs)
+                results[config][f"{key}_rounds"] = [r[key] for r in runs]
     meta = {"preset": args.preset, "quick": args.quick, "nproc": args.nproc, "seed": args.seed, "stage": args.stage,
-            "offload": args.offload, "bf16": args.bf16,
+            "offload": args.offload, "bf16": args.bf16, "rounds": args.rounds,
             "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
             "total_wall_s": time.perf_counter() - started, "environment": environment()}
     with open(os.path.join(args.out, "compare_adam.json"), "w") as f:

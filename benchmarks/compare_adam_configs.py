@@ -4,6 +4,7 @@ LABELS = {
     "bnb8_fused": "bnb AdamW8bit, fused kernel",
     "bnb8_fallback": "bnb AdamW8bit, bnb's update",
     "torch_adamw": "torch AdamW (fp32)",
+    "torch_adamw_fused": "torch AdamW(fused=True) (fp32)",
     "ds_adamw": "DeepSpeed Adam (fp32)",
     # bf16 models only (--bf16): the master weights each configuration keeps
     "ds_bf16_states": "DeepSpeed bf16 master + bf16 states (torch AdamW)",

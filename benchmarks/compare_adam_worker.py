@@ -87,8 +87,9 @@ def ds_config(args) -> dict:
 def client_optimizer(args, groups):
     if args.config.startswith("bnb8"):
         return bnb.optim.AdamW8bit(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if args.config in ("torch_adamw", "ds_bf16_states"):
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if args.config in ("torch_adamw", "ds_bf16_states", "torch_adamw_fused"):
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                 fused=args.config == "torch_adamw_fused")
     return None
 
 

@@ -1,4 +1,4 @@
-"""The fused kernels' device checks where DeepSpeed or bitsandbytes is missing: the lent GPU machine (torch with CUDA,
+"""The fused kernels' device checks where DeepSpeed or bitsandbytes is missing: a GPU machine (torch with CUDA,
 nvcc and ninja are there; DeepSpeed is not, and bitsandbytes' wheel is larger than what may be carried there).
 
     python tests/cuda_kernel_run.py            # kernel == reference, bit for bit, on the GPU (AdamW, Lion, momentum)
@@ -6,7 +6,7 @@ nvcc and ninja are there; DeepSpeed is not, and bitsandbytes' wheel is larger th
     python tests/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels (tests/test_build.py runs it)
 
 bitsandbytes itself can travel too, trimmed to one CUDA library (~5 MB of its 125): here, `python
-tests/cuda_kernel_run.py --bundle .device` (the lent machines' torch is built for CUDA 13.0: --cuda 130, the default);
+tests/cuda_kernel_run.py --bundle .device` (the GPU machines' torch is built for CUDA 13.0: --cuda 130, the default);
 there, carry `.device` and add `--site .device/site`. Then the bench's bnb rows run bnb's own CUDA kernels.
 
 The kernels and their reference need only torch, so where the real packages are missing (or are named in

@@ -153,7 +153,7 @@ def test_missing_toolchain_is_reported_not_hidden(monkeypatch):
 
 
 def test_device_harness_runs_without_deepspeed_and_bitsandbytes():
-    """tests/cuda_kernel_run.py (for the lent GPU machine, which lacks both) with its stand-ins forced, on the CPU
+    """tests/cuda_kernel_run.py (for a GPU machine that lacks both) with its stand-ins forced, on the CPU
     kernels: the kernel-vs-reference tests pass without DeepSpeed or bitsandbytes. Control: where there is no such
     device it fails instead of passing with everything skipped."""
     from conftest import run_or_fail, without_launch_vars

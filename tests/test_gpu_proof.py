@@ -1,4 +1,4 @@
-"""The GPU proof (tests/gpu/proof.py) rehearsed on the CPU, so that it cannot rot between lent GPUs, and the checkpoint
+"""The GPU proof (tests/gpu/proof.py) rehearsed on the CPU, so that it cannot rot between GPU runs, and the checkpoint
 a GPU wrote loaded at DP 2 on CPU ranks.
 
 - The rehearsal (`--dry-run`) runs every part of the proof on the CPU: each check inside it compares with an
@@ -9,7 +9,7 @@ a GPU wrote loaded at DP 2 on CPU ranks.
   refuse a continuation off by twice the weight bar.
 - A device's checkpoint (gpu_checkpoint.tar: the tag and the device's own continuation) loads at DP 2 on CPU ranks and
   continues within the bars: the rehearsal's always; each one committed under benchmarks/results/gpu/ by a run on a
-  lent GPU, or a skip saying none has been committed yet.
+  GPU machine, or a skip saying none has been committed yet.
 - Installing on the machine: which carried wheels are installed (proof_bundle.plan).
 """
 
@@ -38,7 +38,7 @@ import proof_report  # noqa: E402
 ROOT = os.path.dirname(TESTS)
 PROOF = os.path.join(TESTS, "gpu", "proof.py")
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
-ALL_PARTS = ("env", "a", "b+c", "d", "e", "f", "g", "h")
+ALL_PARTS = ("env", "a", "b+c", "d", "e", "f", "f3", "m", "p", "o", "g", "h")
 # part h builds DeepSpeed's async_io op, which needs libaio: without it here (not root, so make test could not
 # install it) the rehearsal leaves that part out, as tests/test_nvme.py skips
 PARTS = ALL_PARTS if os.path.isfile("/usr/include/libaio.h") else ALL_PARTS[:-1]
@@ -168,7 +168,7 @@ def test_rehearsal_checkpoint_loads_at_dp2_on_cpu(rehearsal, tmp_path):
 def test_gpu_checkpoint_loads_at_dp2_on_cpu(tar, tmp_path):
     if tar is None:
         pytest.skip(f"no GPU has run the proof yet: {GPU_RESULTS} holds no */{part_checkpoints.TAR} (run "
-                    f"tests/gpu/proof.py on a lent GPU and commit its $OUT there: DEVELOPERS.md)")
+                    f"tests/gpu/proof.py on a GPU machine and commit its OUT folder there: DEVELOPERS.md)")
     found = resume_at_dp2(tar, tmp_path)
     assert found["within"], found
     assert found["to"] == "cpu at DP 2" and found["from"].startswith("cuda")

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import deepspeed_bnb  # noqa: F401
 from bnb_optimizers import FACTORIES
+from deepspeed_bnb.optim import batched_update
 from deepspeed_bnb.optim.fused import partition_step
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups
@@ -81,18 +82,21 @@ def _partitions(engine):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_one_kernel_call_per_partition_and_bnb_only_where_planned(one_rank, stage):
+def test_one_kernel_call_per_partition_and_bnb_only_where_planned(one_rank, stage, monkeypatch):
+    """On a CPU the fused kernel steps every 8-bit parameter of a partition in one call, and bnb's own update the
+    32-bit ones (bit for bit bnb's), all of a partition's small ones in one call (optim/batched_update.py; they share
+    a config here). Control: without batching, one bnb call per 32-bit segment."""
     engine = _engine(_bnb(make_model(0)), stage)
     plan = _partitions(engine)
     counter = _counted_steps(engine)
     assert len(plan) >= 2, "the toy model gives several partitions (two param groups, or several sub-groups)"
     assert counter.counts[KERNEL] == sum(1 for fused, _ in plan if fused)
-    # on a CPU, bnb's own update steps the parameters with 32-bit state (bit for bit bnb's), one call per segment
-    # (bnb's update calls its operator once per block-aligned piece of at most 2^30 elements: one here)
-    assert counter.counts[BNB_32BIT] == sum(bnb for _, bnb in plan) > 0
+    assert counter.counts[BNB_32BIT] == sum(1 for _, bnb in plan if bnb) > 0
     assert counter.counts[BNB_8BIT] == 0  # every 8-bit parameter is the kernel's
     eight_bit = sum(p.numel() >= MIN_8BIT_SIZE for p in engine.module.parameters())
     assert sum(fused for fused, _ in plan) >= eight_bit  # each 8-bit parameter has a segment in some partition
+    monkeypatch.setattr(batched_update, "allowed", lambda rule, device: False)
+    assert _counted_steps(engine).counts[BNB_32BIT] == sum(bnb for _, bnb in plan) > sum(1 for _, b in plan if b)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -42,7 +42,7 @@ NAME = "deepspeed_bnb_ops"
 
 _lock = threading.Lock()
 # loaded: tried yet? error: why not; source: prebuilt/jit; needs: the instruction sets the loaded build may use
-_state = {"loaded": None, "error": None, "source": None, "needs": None}
+_state = {"loaded": None, "error": None, "source": None, "needs": None, "file": None}
 
 
 def sources(cuda: bool):
@@ -100,6 +100,7 @@ def _build(verbose: bool) -> str:
         try:
             module = importlib.import_module("deepspeed_bnb._C")  # prebuilt by setup.py (DEEPSPEED_BNB_BUILD_EXT=1)
             _state["needs"] = cpu_features.read_needs(module.__file__)
+            _state["file"] = module.__file__
             return "prebuilt"
         except ImportError:
             pass
@@ -122,6 +123,7 @@ def _build(verbose: bool) -> str:
              extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
              build_directory=build_dir, verbose=verbose)
     _state["needs"] = cpu_features.needs_of(macros)
+    _state["file"] = os.path.join(build_dir, f"{name}.so")
     if refused:
         warnings.warn(f"deepspeed_bnb: {refused}. JIT-compiled the kernels for this CPU instead.", RuntimeWarning,
                       stacklevel=4)
@@ -157,6 +159,11 @@ def compiled_for() -> Optional[FrozenSet[str]]:
     """The instruction sets (/proc/cpuinfo names) the loaded build may use: the prebuilt one's record, or what
     -march=native enabled for the JIT build; None when not loaded (or a prebuilt build without its record)."""
     return _state["needs"]
+
+
+def built_file() -> Optional[str]:
+    """The shared library holding the loaded operators (None when they are not loaded, or were registered before)."""
+    return _state.get("file")
 
 
 def source() -> Optional[str]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from deepspeed_bnb.ops import compensated
-from deepspeed_bnb.optim import own_update
+from deepspeed_bnb.optim import batched_update, own_update
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, StateClassError, classify, \
     zeros_like_partitioned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment, uses_8bit_state
@@ -238,33 +238,79 @@ class BnbAdapter:
         """One bnb update of every segment of a flat partition, in place (padding is never touched). The master
         weights `params` are fp32 or bf16 (bnb steps either); with `error` (int8, compensated master weights:
         ops/compensated.py), bf16 plus that error term, which each piece is widened to fp32 with for bnb's update and
-        split back into after it."""
+        split back into after it. Small 32-bit segments share one call where that gives the same bits
+        (batched_update.py)."""
         step = state["step"]
-        bnb_state = self.optimizer.state
         # bnb counts elements in 32 bits; compensated pieces are widened to fp32 scratch
         piece = own_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
         scalars = {"step": step + 1}  # what bnb's update_step leaves; also right for a partition of pure padding
-        for whole, override in zip(segments, overrides):
-            for segment in split_segment(whole, piece):
-                p = params.narrow(0, segment.offset, segment.numel)
-                grad = grads.narrow(0, segment.offset, segment.numel)
-                if error is not None:
-                    hi, lo = p, error.narrow(0, segment.offset, segment.numel)
-                    p, grad = compensated.join(hi, lo), grad.float()
-                p.grad = grad
-                views = bnb_state[p] = self._segment_state(state, segment, step)
-                self._current_override = override
-                try:
-                    self.optimizer.update_step(group, p, gindex, 0)
-                finally:
-                    self._current_override = {}
-                    del bnb_state[p]
-                if error is not None:
-                    compensated.split_(p, hi, lo)
-                # every segment starts from the partition's scalars and applies the same update to them
-                scalars = {k.stored_as: views[k.name] for k in self._specs[segment.eight_bit]
-                           if k.cls == StateClass.SCALAR}
+        batching = batched_update.allowed(self.optimizer_name, params.device)
+        trust_ratio: List[tuple] = []  # (override, whether its config bounds updates by a trust ratio), memoized
+
+        def batchable(segment: Segment, override: dict) -> bool:
+            if not batching or segment.eight_bit or segment.numel > batched_update.MAX_SEGMENT:
+                return False
+            known = next((bounded for o, bounded in trust_ratio if o == override), None)
+            if known is None:
+                known = float(self.config(group, gindex, override).get("max_unorm", 0.0)) > 0.0
+                trust_ratio.append((override, known))
+            return not known
+
+        for run in batched_update.runs(segments, overrides, batchable, piece):
+            if len(run) > 1:
+                views = self._step_batch(group, gindex, params, grads, state, [segments[i] for i in run],
+                                         overrides[run[0]], error, step)
+                eight_bit = False
+            else:
+                for segment in split_segment(segments[run[0]], piece):
+                    p = params.narrow(0, segment.offset, segment.numel)
+                    grad = grads.narrow(0, segment.offset, segment.numel)
+                    hi = lo = None
+                    if error is not None:
+                        hi, lo = p, error.narrow(0, segment.offset, segment.numel)
+                        p, grad = compensated.join(hi, lo), grad.float()
+                    views = self._update(group, gindex, state, segment, overrides[run[0]], p, grad, step)
+                    if error is not None:
+                        compensated.split_(p, hi, lo)
+                eight_bit = segments[run[0]].eight_bit
+            # every segment starts from the partition's scalars and applies the same update to them
+            scalars = {k.stored_as: views[k.name] for k in self._specs[eight_bit] if k.cls == StateClass.SCALAR}
         state.update(scalars)
+
+    def _update(self, group: dict, gindex: int, state: dict, segment: Segment, override: dict, p: torch.Tensor,
+                grad: torch.Tensor, step) -> dict:
+        """bnb's update_step of one parameter piece `p` (gradient `grad`) whose state is `segment`'s views; the views."""
+        bnb_state = self.optimizer.state
+        p.grad = grad
+        views = bnb_state[p] = self._segment_state(state, segment, step)
+        self._current_override = override
+        try:
+            self.optimizer.update_step(group, p, gindex, 0)
+        finally:
+            self._current_override = {}
+            del bnb_state[p]
+        return views
+
+    def _step_batch(self, group: dict, gindex: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
+                    run: Sequence[Segment], override: dict, error: Optional[torch.Tensor], step) -> dict:
+        """One bnb update of 32-bit segments with adjacent packed state (batched_update.runs): their weights and
+        gradients gathered, stepped as one piece, the weights put back; the views of the state."""
+        weights = [params.narrow(0, s.offset, s.numel) for s in run]
+        errors = [error.narrow(0, s.offset, s.numel) for s in run] if error is not None else None
+        p = torch.cat([compensated.join(w, e) for w, e in zip(weights, errors)] if errors else weights)
+        grad = torch.cat([grads.narrow(0, s.offset, s.numel) for s in run])
+        merged = Segment(slot=run[0].slot, param_start=0, numel=p.numel(), offset=run[0].offset, eight_bit=False,
+                         fp32_offset=run[0].fp32_offset)
+        views = self._update(group, gindex, state, merged, override, p, grad.float() if errors else grad, step)
+        at = 0
+        for i, w in enumerate(weights):
+            stepped = p.narrow(0, at, w.numel())
+            if errors:
+                compensated.split_(stepped, w, errors[i])
+            else:
+                w.copy_(stepped)
+            at += w.numel()
+        return views
 
 
 def _param_name(param: torch.Tensor, fallback: str) -> str:

@@ -10,6 +10,10 @@ b. ZeRO-1, 2 and 3, fp32 and bf16, default `bnb_fused_kernel: "auto"` (on a GPU:
    bf16 and error term and joined again after every step (ops/compensated.py); the engine's weights are DeepSpeed's
    fp32 API's (the joined values).
    Control: the weights moved (two untrained models would pass the comparison).
+   The same with `bnb_fused_kernel: true` over FUSED_STEPS steps: the fused kernels compute bnb's own CUDA arithmetic
+   (every parameter, 32-bit state included, in one launch per partition), so they too equal plain bnb bit for bit.
+   The rehearsal on the CPU skips these (the CPU kernels compute the reference's IEEE arithmetic, within one code of
+   bnb's CPU path: tests/test_fused_contract.py).
 c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the same run, ZeRO-2, fp32 and bf16:
    before each step the fused engine takes the default engine's weights and state, both take the step, and the
    fused one's codes are within one quantization step of the default's (the relation tests/test_fused_contract.py
@@ -33,6 +37,7 @@ PRECISIONS = ("fp32", "bf16")
 MASTER_MODES = ("bf16", "bf16+8")  # b: bf16 models with bf16 / compensated master weights, at MASTER_STAGES
 MASTER_STAGES = (2, 3)
 STEPS = 4  # b: steps compared one by one
+FUSED_STEPS = 20  # b: steps of the fused engines compared one by one
 RELATION_STEPS = 12  # c
 LR = 1e-3
 UPDATE_SLACK = 1.05  # c: the fused path's largest update may exceed the default's by this factor
@@ -128,14 +133,17 @@ def state_differences(mine: dict, theirs: dict) -> list:
     return out
 
 
-def equals_plain(args, result, stage: int, precision: str, master: str = "fp32") -> list:
-    """Part b for one configuration (`master`: bnb_master_weights of a bf16 one); returns the table row."""
+def equals_plain(args, result, stage: int, precision: str, master: str = "fp32", fused: bool = False) -> list:
+    """Part b for one configuration (`master`: bnb_master_weights of a bf16 one; `fused`: bnb_fused_kernel true);
+    returns the table row."""
     from toy import make_model
     bf16 = precision == "bf16"
-    engine = engine_of(stage, bf16, args.device, master="auto" if master == "fp32" else master)
+    engine = engine_of(stage, bf16, args.device, fused=True if fused else None,
+                       master="auto" if master == "fp32" else master)
     plain = PlainBnb(args.device, bf16, master)
     first_bad, worst, bad_states = None, 0.0, set()
-    for step in range(STEPS):
+    steps = FUSED_STEPS if fused else STEPS
+    for step in range(steps):
         tokens, targets = batch(step, args.device)
         from toy import loss_fn
         loss = loss_fn(engine, tokens, targets)
@@ -153,9 +161,15 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32")
     moved = max(common.max_abs(mine[n], start[n]) for n in start)
     label = f"ZeRO-{stage} {precision}" + ("" if master == "fp32" else f", {master} master weights")
     summary = engine.optimizer.bnb_update_summary()
-    result.check(f"b: {label}, bnb_fused_kernel {default_setting(args.device)!r} steps every parameter with bnb's own "
-                 f"update", summary == "bnb's own update", summary, "bnb's own update")
-    result.check(f"b: {label}, weights and state == plain bnb AdamW8bit after each of {STEPS} steps",
+    if fused:
+        label += ", fused kernel"
+        expected = f"fused kernel ({args.device.upper()})"
+        result.check(f"b: {label}: the fused kernel steps every parameter (32-bit state included)",
+                     summary == expected, summary, expected)
+    else:
+        result.check(f"b: {label}, bnb_fused_kernel {default_setting(args.device)!r} steps every parameter with bnb's "
+                     f"own update", summary == "bnb's own update", summary, "bnb's own update")
+    result.check(f"b: {label}, weights and state == plain bnb AdamW8bit after each of {steps} steps",
                  first_bad is None and moved > 0,
                  "bit for bit" if first_bad is None else
                  f"first difference after step {first_bad}: weights up to {worst:.3g}, state keys "
@@ -307,9 +321,13 @@ def body(args, result):
     common.deterministic(args.device)
     common.one_rank(args.device)
     import deepspeed_bnb  # noqa: F401  (before any engine: the import installs the integration)
-    rows = [equals_plain(args, result, stage, precision) for stage in STAGES for precision in PRECISIONS]
-    rows += [equals_plain(args, result, stage, "bf16", master) for stage in MASTER_STAGES for master in MASTER_MODES]
-    result.table("b: the engine against plain bnb AdamW8bit (default path)",
+    # the fused kernels compute bnb's own arithmetic on a GPU only (on the CPU: the reference's)
+    kernels = (False, True) if args.device == "cuda" else (False,)
+    rows = [equals_plain(args, result, stage, precision, fused=fused)
+            for fused in kernels for stage in STAGES for precision in PRECISIONS]
+    rows += [equals_plain(args, result, stage, "bf16", master, fused=fused)
+             for fused in kernels for stage in MASTER_STAGES for master in MASTER_MODES]
+    result.table("b: the engine against plain bnb AdamW8bit (default path; on a GPU also the fused kernel)",
                  ["config", "update", "first difference", "max |weight diff|", "state keys differing",
                   "weights moved"], rows)
     rows = [fused_against_default(args, result, precision) for precision in PRECISIONS]

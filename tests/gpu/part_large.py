@@ -5,8 +5,9 @@ Why: bitsandbytes' CUDA update passes the element count as `ctypes.c_int32(numel
 reaches its kernel with a negative count; deepspeed_bnb calls bnb's update on block-aligned pieces of at most
 own_update.MAX_UPDATE_NUMEL (2^30) elements, and the fused kernel indexes in 64 bits. Reference, per window of the
 parameter (the start, each piece boundary, the 2^31 boundary, the end): plain bnb AdamW8bit on that window alone on
-the device (for bnb's path; a block-wise update makes a window's result independent of the rest), the fused
-kernel's pure-torch reference on the CPU (for the kernel); weights and 8-bit state bit for bit after each step.
+the device (a block-wise update makes a window's result independent of the rest), for bnb's path and for the fused
+kernel on a GPU (it computes bnb's own CUDA arithmetic); on the CPU rehearsal the fused kernel's pure-torch
+reference; weights and 8-bit state bit for bit after each step.
 Control: every window moved. On the CPU rehearsal the sizes are stand-ins (MAX_UPDATE_NUMEL 2^14, the parameter
 2 * 2^14 + 4096 elements, ZeRO's buckets 2^13 elements): the same pieces, windows and ZeRO path for a parameter larger
 than a bucket, small. Each path runs in a process of its own (about 40 GB each on the GPU).
@@ -129,7 +130,7 @@ def run_path(args, result, fused: bool):
     mismatches, moved = [], 0
     per_window = [[step_grads[i] for step_grads in grads] for i in range(len(spots))]
     for (s, w), start, window_grads, (weights, codes, absmax) in zip(spots, init, per_window, mine):
-        if fused:  # the kernel's pure-torch reference on the CPU, the window alone, from bnb's initial state
+        if fused and args.device != "cuda":  # the CPU kernel's pure-torch reference, the window alone
             p = start.cpu().clone()
             ref_codes = [torch.zeros(w, dtype=torch.uint8), torch.zeros(w, dtype=torch.uint8)]
             ref_absmax = [torch.zeros(w // 256), torch.zeros(w // 256)]
@@ -140,7 +141,7 @@ def run_path(args, result, fused: bool):
                 rules.step_("adam", p, gw.cpu(), ref_codes, ref_absmax, [torch.zeros(0), torch.zeros(0)], qmaps,
                             table, hyper, 1.0, use_kernel=False)
             expected = (p, dict(zip(("state1", "state2"), ref_codes)), dict(zip(("absmax1", "absmax2"), ref_absmax)))
-        else:  # plain bnb on the device, the window alone
+        else:  # plain bnb on the device, the window alone (bnb's path; on a GPU the kernel's arithmetic too)
             p = torch.nn.Parameter(start.clone())
             plain = bnb.optim.AdamW8bit([p], lr=LR, weight_decay=0.01)
             for gw in window_grads:
@@ -158,7 +159,8 @@ def run_path(args, result, fused: bool):
             if not torch.equal(absmax[key], expected[2][key]):
                 mismatches.append(f"[{s}, {s + w}) {key}")
         moved += bool((weights != start.cpu()).all())
-    reference = "the kernel's pure-torch reference" if fused else "plain bnb AdamW8bit on the window"
+    reference = ("the kernel's pure-torch reference" if fused and args.device != "cuda"
+                 else "plain bnb AdamW8bit on the window")
     result.check(f"e: {label}, every window (start, each 2^30 piece boundary, 2^31, end) == {reference}, weights and "
                  f"state, after {STEPS} steps", not mismatches,
                  "bit for bit" if not mismatches else "; ".join(mismatches[:6]), "bit for bit")

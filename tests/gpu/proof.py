@@ -1,10 +1,11 @@
-"""The GPU proof: one command that shows, on a lent GPU, what users of deepspeed_bnb get there; rehearsed on the CPU.
+"""The GPU proof: one command that shows, on a GPU machine, what users of deepspeed_bnb get there; rehearsed on the CPU.
 
-On a lent GPU machine (the `device` tool; prepare .device/ here first, then, from the repository root):
-    run(command="python3 tests/gpu/proof.py --out $OUT", carry=[".device"], timeout_s=540)
+On a machine with a GPU (prepare .device/ on a machine with network access first and carry it there with the
+checkout; see DEVELOPERS.md), from the repository root:
+    python3 tests/gpu/proof.py --out OUT [--parts a,b+c]
 It installs DeepSpeed and the trimmed bitsandbytes from .device/ (proof_bundle.py), runs each part below in a child
 process of its own under one deadline (default 450 s: the parts are ordered by what they prove, and one that no
-longer fits is reported as not run), and writes into $OUT: report.md and report.json (every check with what it
+longer fits is reported as not run), and writes into OUT: report.md and report.json (every check with what it
 measured and its bar), proof.log (every child's output) and gpu_checkpoint.tar (part d's checkpoint, which
 tests/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under benchmarks/results/gpu/).
 
@@ -16,11 +17,19 @@ Here:
 
 Parts (each a script beside this one; its docstring says what it proves and against what):
     env  part_environment.py   the machine, the versions, the packages import
-    a    part_kernels.py       fused kernels == pure-torch reference on the device; first-use check
-    b+c  part_engines.py       ZeRO-1/2/3 x fp32/bf16 == plain bnb AdamW8bit; the fused kernel against bnb's update
+    a    part_kernels.py       fused kernels == their oracles on the device (the reference; bnb's own CUDA update);
+                               first-use check
+    b+c  part_engines.py       ZeRO-1/2/3 x fp32/bf16 == plain bnb AdamW8bit, bnb's update and the fused kernel; the
+                               fused kernel against bnb's update from the same state
     d    part_checkpoints.py   a CPU checkpoint continues on the device; the device's checkpoint comes back
     e    part_large.py         a parameter of 2^31 + 4096 elements steps correctly on both paths
-    f    part_speed.py         step time, engine.step(), peak memory, bytes/param, kernel bandwidth (125M, 1B)
+    f    part_speed.py         ZeRO-2 step time and engine.step() at 125M and 1B, configurations interleaved; host
+                               syncs; the kernels' bandwidth over 256M elements
+    f3   part_speed.py         the same at 1B under ZeRO-3 and with the optimizer offloaded to the CPU
+    m    part_memory.py        peak memory from fresh processes at two sizes; the closed form; the largest GPT on 80 GB
+    p    part_profile.py       Nsight Compute (or torch.profiler) of one step over 256M elements: bandwidth, occupancy,
+                               registers, stall reasons
+    o    part_offload.py       the host's offloaded step on every core: the 8-bit kernel against DeepSpeedCPUAdam
     g    part_zero_features.py ZenFlow, SuperOffload, Twin-Flow as stock DeepSpeed runs them; deepspeed_bnb refuses them
     h    part_nvme.py          ZeRO-3 with the optimizer on NVMe == CPU offload, bit for bit; its checkpoint resumes
 The rehearsal (--dry-run) runs the same parts on the CPU with gloo; its stand-ins are named in each part's docstring
@@ -51,10 +60,13 @@ class Part:
     name: str  # the report's label
     script: str  # beside this file
     budget: float  # seconds it may take on one H100, JIT builds included (the deadline may leave it less)
+    args: tuple = ()  # extra arguments of the script
 
 
-PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 300), Part("b+c", "part_engines.py", 180),
-         Part("d", "part_checkpoints.py", 120), Part("e", "part_large.py", 300), Part("f", "part_speed.py", 300),
+PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 300), Part("b+c", "part_engines.py", 240),
+         Part("d", "part_checkpoints.py", 120), Part("e", "part_large.py", 300),
+         Part("f", "part_speed.py", 300, ("--suite", "f")), Part("f3", "part_speed.py", 300, ("--suite", "f3")),
+         Part("m", "part_memory.py", 300), Part("p", "part_profile.py", 200), Part("o", "part_offload.py", 240),
          Part("g", "part_zero_features.py", 180), Part("h", "part_nvme.py", 240))
 MIN_START = 20  # seconds of the deadline a part needs left to be started
 RESERVE = 10  # seconds kept for writing the report
@@ -123,7 +135,8 @@ def main():
     parser.add_argument("--install", action="store_true",
                         help="with --dry-run: install DeepSpeed and bitsandbytes from the bundle as on the GPU machine "
                              "(rehearses the install in a venv without them, e.g. Python 3.12 with torch 2.11)")
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="where the report goes (default: $OUT)")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="where the report goes (default: the OUT "
+                        "environment variable)")
     parser.add_argument("--work", help="scratch folder (default: a new temporary one)")
     parser.add_argument("--bundle", default=os.path.join(common.ROOT, ".device"))
     parser.add_argument("--deadline", type=float, default=450, help="seconds for the whole proof")
@@ -135,7 +148,7 @@ def main():
         return
     start = time.monotonic()
     if not args.out:
-        sys.exit("proof.py: say where the report goes (--out DIR, or $OUT on the GPU machine)")
+        sys.exit("proof.py: say where the report goes (--out DIR, or the OUT environment variable)")
     os.makedirs(args.out, exist_ok=True)
     work = args.work or tempfile.mkdtemp(prefix="dsbnb_gpu_proof_")
     os.makedirs(work, exist_ok=True)
@@ -185,7 +198,7 @@ def main():
                     continue
                 result = os.path.join(work, f"{part.name}.json")
                 cmd = [sys.executable, os.path.join(common.GPU, part.script), "--device", device, "--result", result,
-                       "--work", work, "--bundle", bundle, "--out", args.out]
+                       "--work", work, "--bundle", bundle, "--out", args.out, *part.args]
                 print(f"--- part {part.name} ({part.script}), at most {min(part.budget, left):.0f} s", file=log,
                       flush=True)
                 began = time.monotonic()

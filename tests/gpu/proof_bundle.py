@@ -1,7 +1,7 @@
-"""What travels to the lent GPU machine for the proof (the folder .device/, git-ignored), and how it is installed there.
+"""What travels to the GPU machine for the proof (the folder .device/, git-ignored), and how it is installed there.
 
-The lent machines have Python 3.12 and a CUDA build of torch, nvcc and ninja, but no DeepSpeed and no bitsandbytes,
-and no network (the device tool's own documentation). So the bundle carries, in at most 64 MiB with the repository:
+The GPU machines the proof is built for have Python 3.12 and a CUDA build of torch, nvcc and ninja, but no DeepSpeed
+and no bitsandbytes, and no network. So the bundle carries, in at most 64 MiB with the repository:
 - wheels/: DeepSpeed as a pure-Python wheel built here with DS_BUILD_OPS=0 (its ops JIT-build there), and the
   pure-Python packages it needs that the machines' image lacks (MISSING_THERE), for CPython 3.12;
 - site/: bitsandbytes as installed here, trimmed to the CPU library and the one CUDA library the machines' torch
@@ -30,7 +30,7 @@ import proof_common as common
 
 BUNDLE = os.path.join(common.ROOT, ".device")
 WHEELS, SITE, CHECKPOINT, MANIFEST = "wheels", "site", "cpu_checkpoint", "bundle.json"
-PYTHON_THERE = "3.12"  # the lent machines' Python
+PYTHON_THERE = "3.12"  # the GPU machines' Python
 CUDA_THERE = "130"  # their torch is 2.11.0+cu130: bitsandbytes loads libbitsandbytes_cuda130.so
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # DeepSpeed's requirements the machines' image lacks (its package list: torch, numpy, packaging, psutil, py-cpuinfo,

@@ -1,0 +1,60 @@
+"""Small 32-bit segments share one bnb update call (deepspeed_bnb/optim/batched_update.py), only where that gives
+every element the bits of its own call.
+
+- The grouping: consecutive 32-bit segments with equal overrides and adjacent packed state join, up to the call's
+  element limit; an 8-bit segment, another override, a gap in the packed state or a segment the caller refuses each
+  start a run of their own.
+- The probe of torch's position invariance passes for every element-wise rule here, and fails (control) when an
+  update rounds an element by where it sits in the call, as a vectorized body and a scalar tail could.
+- End to end, engines with batching equal plain bnb bit for bit (tests/test_matches_bnb.py and
+  tests/test_update_pieces.py run with it on); tests/test_step_launches.py counts the calls it saves.
+"""
+
+import bitsandbytes.functional as F
+import pytest
+import torch
+
+from deepspeed_bnb.optim import batched_update
+from deepspeed_bnb.state_layout import Segment
+
+
+def _segment(offset, numel, eight_bit=False, fp32_offset=0):
+    return Segment(slot=0, param_start=0, numel=numel, offset=offset, eight_bit=eight_bit,
+                   fp32_offset=-1 if eight_bit else fp32_offset)
+
+
+def test_runs_join_adjacent_32bit_segments_of_one_override():
+    segments = [_segment(0, 100, fp32_offset=0), _segment(256, 50, fp32_offset=100), _segment(512, 700, eight_bit=True),
+                _segment(1280, 30, fp32_offset=150), _segment(1536, 30, fp32_offset=180),
+                _segment(1792, 30, fp32_offset=300),  # a gap in the packed state
+                _segment(2048, 30, fp32_offset=330), _segment(2304, 500, fp32_offset=360)]
+    overrides = [{}, {}, {}, {}, {"lr": 1.0}, {"lr": 1.0}, {"lr": 1.0}, {"lr": 1.0}]
+    runs = batched_update.runs(segments, overrides, lambda s, o: not s.eight_bit, limit=10_000)
+    assert runs == [[0, 1], [2], [3], [4], [5, 6, 7]]
+    assert batched_update.runs(segments, overrides, lambda s, o: not s.eight_bit, limit=540)[-1] == [7]
+    refused = batched_update.runs(segments, overrides, lambda s, o: False, limit=10_000)
+    assert refused == [[i] for i in range(len(segments))]
+
+
+@pytest.mark.parametrize("rule", batched_update.ELEMENT_WISE)
+def test_bnbs_32bit_cpu_update_is_position_invariant_here(rule):
+    batched_update.position_invariant.cache_clear()
+    assert batched_update.position_invariant(rule)
+    assert batched_update.allowed(rule, "cpu")
+    assert not batched_update.allowed(rule, "cuda")  # bnb's CUDA momentum kernel rounds by index mod 4
+    assert not batched_update.allowed("ademamix", "cpu")
+
+
+def test_control_a_position_dependent_update_is_caught(monkeypatch):
+    real = F.optimizer_update_32bit
+
+    def by_position(name, g, p, *args, **kwargs):
+        real(name, g, p, *args, **kwargs)
+        if p.numel() == sum(batched_update.PROBE_SIZES):  # the concatenation only: one element nudged one ulp
+            p[3] = torch.nextafter(p[3], torch.tensor(float("inf")))
+    monkeypatch.setattr(F, "optimizer_update_32bit", by_position)
+    batched_update.position_invariant.cache_clear()
+    try:
+        assert not batched_update.position_invariant("adam")
+    finally:
+        batched_update.position_invariant.cache_clear()
