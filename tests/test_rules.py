@@ -128,3 +128,10 @@ def test_wrong_moment_count_and_unknown_rule_are_refused():
         rules.step_("adam", params, params, [params], [params], [params, params], [params, params], params, params)
     with pytest.raises(ValueError, match="'rmsprop' update rule \\(the fused rules are adam, lion, momentum\\)"):
         rules.get("rmsprop")
+
+
+def test_every_rule_has_bnb_param_groups_for_its_gpu_tests():
+    """tests/test_fused_bnb_cuda.py holds every rule's bnb_cuda kernel to bnb on a GPU from its CONFIGS."""
+    from test_fused_bnb_cuda import CONFIGS
+    assert set(CONFIGS) == set(rules.RULES)
+    assert all(len(configs) == 3 for configs in CONFIGS.values())  # one per hyper row of the partitions

@@ -23,11 +23,13 @@ Adding a rule touches these files (tests/test_rules.py checks that they agree wi
    and the checks of the get_config values its kernel models (from ops/rule_fields.py).
 3. csrc/ops.cpp: its operator schema (one m.def).
 4. Its kernels: the per-element arithmetic and the row struct in csrc/include/dsbnb/adam8bit.h; csrc/cpu/<op>_cpu.cpp
-   (a Rule for fused_cpu.h's one-state walk, or a walk of its own); csrc/cuda/<op>.cu (a Rule for fused_device.cuh's
-   one-state kernel, or a kernel of its own), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
+   (a Rule for fused_cpu.h's one-state walk, or a walk of its own); csrc/cuda/<op>.cu (its Ieee and Bnb rules for
+   fused_step.cuh's kernel: the bnb_cuda arithmetic of bnb's own kernels of the rule in
+   csrc/include/dsbnb/bnb_cuda_math.h), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
 5. deepspeed_bnb/ops/build_flags.py: its sources.
 6. tests: its RuleCase in tests/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
-   tests/test_fused_rules.py hold its kernel to the reference and the reference to bnb; what is its own alone (its
+   tests/test_fused_rules.py hold its kernel to the reference and the reference to bnb; its bnb param groups in
+   tests/test_fused_bnb_cuda.py (CONFIGS: the bnb_cuda kernel against bnb on a GPU); what is its own alone (its
    semantics by hand) in a tests/test_fused_<name>.py listed in tests/kernel_tests.py (portable and GPU runs).
 The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
 test need no change: they read this registry or build_flags. Optional: a row in benchmarks/bench_optimizer_step.py

@@ -1,5 +1,5 @@
 // dsbnb/master_weights.h — how the fused kernels read and write master weights that are not fp32, shared by the CPU
-// (csrc/cpu/fused_cpu.h) and CUDA (csrc/cuda/fused_device.cuh) kernels: bf16 master weights, widened exactly and
+// (csrc/cpu/fused_cpu.h) and CUDA (csrc/cuda/fused_step.cuh) kernels: bf16 master weights, widened exactly and
 // rounded to nearest even after the update (as bitsandbytes rounds a bf16 parameter after its fp32 update), and
 // compensated ones, a bf16 weight plus an int8 rounding error (deepspeed_bnb/ops/compensated.py: `join` and `split`,
 // bit for bit, which the pure-torch reference uses).
