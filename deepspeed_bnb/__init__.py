@@ -21,11 +21,11 @@ require_torch_floor()  # the offline tools too: below it no checkpoint loads saf
 
 def activate() -> None:
     """Check the installed releases and install the DeepSpeed overrides (idempotent; done by the import)."""
-    from deepspeed_bnb import integrations, overrides
+    from deepspeed_bnb import installer, integrations
     from deepspeed_bnb._versions import check_versions
-    if not overrides.is_active():
+    if not installer.is_active():
         check_versions()
-    overrides.activate()
+    installer.activate()
     integrations.install_lazily()  # Accelerate's entries, if and when Accelerate is imported
 
 

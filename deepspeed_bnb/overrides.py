@@ -2,9 +2,10 @@
 
 Each entry names one symbol once: its owner and name, what deepspeed_bnb does with it (`how`), for how long
 (`scope`), the replacement, why, and the parameters relied on, with the releases where a parameter or the symbol
-itself exists. Nothing else in the package assigns to a DeepSpeed or Accelerate module or class: the import-scope
-replacements are installed by `activate()` (called by `import deepspeed_bnb`) and taken back by `stock_deepspeed()`;
-call-scope swaps go through `swapped()`; the rest are overrides in deepspeed_bnb's ZeRO subclasses, attributes set on
+itself exists. This module is data (and the table docs/overrides.md shows); installer.py acts on it: nothing else in
+the package assigns to a DeepSpeed or Accelerate module or class: the import-scope replacements are installed by
+`installer.activate()` (called by `import deepspeed_bnb`) and taken back by `installer.stock_deepspeed()`; call-scope
+swaps go through `installer.swapped()`; the rest are overrides in deepspeed_bnb's ZeRO subclasses, attributes set on
 objects deepspeed_bnb creates or links, and private methods it calls. Release differences are data here (`since`,
 `params_since`); runtime/zero/compat.py turns them into behaviour.
 
@@ -15,7 +16,6 @@ replaced symbol. The compatibility matrix (tools/compat_matrix.py) runs that tes
 which is what `CHECKED` records. This module imports nothing from DeepSpeed until something is resolved.
 """
 
-import contextlib
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -362,79 +362,6 @@ def resolve(path: str):
     raise ImportError(f"deepspeed_bnb: cannot resolve {path}")
 
 
-_STOCK: Dict[str, object] = {}  # key -> DeepSpeed's (or Accelerate's) original, for every installed REPLACE entry
-_ACTIVE = {"on": False}  # whether activate() installed the import-scope replacements
-
-
-def installed_entries(trigger: str = ""):
-    """The import-scope replacements installed by activate() (trigger "") or by the import of `trigger`."""
-    return [o for o in OVERRIDES if o.how == REPLACE and o.scope == IMPORT_SCOPE and o.trigger == trigger]
-
-
-def stock(key: str):
-    """DeepSpeed's original of a replaced symbol (what the replacement delegates to)."""
-    return _STOCK[key]
-
-
-def _set(entries, use_ours: bool) -> None:
-    for entry in entries:
-        owner = resolve(entry.owner)
-        if entry.key not in _STOCK:
-            _STOCK[entry.key] = getattr(owner, entry.name)
-        setattr(owner, entry.name, resolve(entry.replacement) if use_ours else _STOCK[entry.key])
-
-
-def activate() -> None:
-    """Install every import-scope replacement of DeepSpeed (idempotent). Those of another package (Accelerate) are
-    installed by `install_triggered` when that package is imported (deepspeed_bnb/integrations' import hook)."""
-    _set(installed_entries(), True)
-    _ACTIVE["on"] = True
-
-
-def install_triggered(trigger: str, module) -> None:
-    """Install the replacements of a module that has just been imported (integrations' import hook)."""
-    for entry in installed_entries(trigger):
-        owner = resolve(entry.owner)
-        if getattr(owner, entry.name) is not resolve(entry.replacement):
-            _STOCK[entry.key] = getattr(owner, entry.name)
-            setattr(owner, entry.name, resolve(entry.replacement))
-
-
-def is_active() -> bool:
-    return _ACTIVE["on"]
-
-
-@contextlib.contextmanager
-def stock_deepspeed():
-    """Within this block DeepSpeed is exactly stock: every replacement activate() installed is taken back (for
-    comparisons and benchmarks), and put back afterwards."""
-    entries = [o for o in OVERRIDES if o.key in _STOCK and o.how == REPLACE]  # Accelerate's too, once installed
-    _set(entries, False)
-    try:
-        yield
-    finally:
-        _set(entries, True)
-
-
-@contextlib.contextmanager
-def swapped(key: str, value, on=None):
-    """Within the block, the SWAP entry `key` holds `value` (on its owner, or on the object `on`)."""
-    entry = BY_KEY[key]
-    if entry.how != SWAP:
-        raise ValueError(f"deepspeed_bnb: {key} is not a call-scope swap in the override register")
-    target = resolve(entry.owner) if on is None else on
-    had = entry.name in vars(target) if on is not None else True
-    previous = getattr(target, entry.name)
-    setattr(target, entry.name, value)
-    try:
-        yield previous
-    finally:
-        if had:
-            setattr(target, entry.name, previous)
-        else:
-            delattr(target, entry.name)
-
-
 def parameters(func) -> Tuple[str, ...]:
     """A callable's parameter names, in order; through a decorator's (*args, **kwargs) wrapper that keeps the function
     it wraps in its closure (DeepSpeed's `instrument_w_nvtx` does not use functools.wraps)."""
@@ -444,28 +371,6 @@ def parameters(func) -> Tuple[str, ...]:
         if len(inner) == 1:
             return parameters(inner[0])
     return names
-
-
-def accepts(key: str, param: str) -> bool:
-    """Whether the installed release's symbol of entry `key` takes `param` (its DeepSpeed original if replaced)."""
-    entry = BY_KEY[key]
-    func = _STOCK.get(key) or getattr(resolve(entry.owner), entry.name)
-    return param in parameters(func)
-
-
-def given_kwargs(key: str, **kwargs) -> dict:
-    """`kwargs` for the installed release's symbol of entry `key`: a parameter it lacks (`params_since` a later
-    release) is left out when its value is None (the default everywhere), and refused otherwise."""
-    out = {}
-    for name, value in kwargs.items():
-        if accepts(key, name):
-            out[name] = value
-        elif value is not None:
-            import deepspeed
-            raise NotImplementedError(f"deepspeed_bnb: {key}({name}=...) needs DeepSpeed "
-                                      f"{BY_KEY[key].params_since.get(name, 'a later release')} or later; "
-                                      f"DeepSpeed {deepspeed.__version__} is installed.")
-    return out
 
 
 def _releases(entry: Override) -> str:

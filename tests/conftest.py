@@ -18,6 +18,14 @@ def extensions_dir(python: str) -> str:
 # A JIT cache of the suite's own venv unless the user chose one: DeepSpeed gives its CPU comm op one name in every
 # release, so a venv of another DeepSpeed sharing ~/.cache/torch_extensions would load the other's build.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(sys.executable))
+# No JIT build lock hangs the suite (tests/support/jit_guard.py): waits bounded, a dead builder's lock removed; here,
+# and in every child the suite starts (sitecustomize in tests/support/site, on the PYTHONPATH they inherit).
+GUARD_SITE = os.path.join(TESTS, "support", "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([GUARD_SITE, *filter(None, os.environ.get(
+    "PYTHONPATH", "").split(os.pathsep))]))
+from support import jit_guard  # noqa: E402
+
+jit_guard.install()
 # the rule every multi-rank launch here is judged by, and its retry on a port taken meanwhile
 from teardown import PORT_TAKEN, PORT_TRIES, run_ranks, unused_port  # noqa: E402
 

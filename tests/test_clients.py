@@ -167,7 +167,7 @@ def test_accelerate_still_swaps_without_the_key():
 
     # importing deepspeed_bnb wraps an Accelerate imported before it too
     from deepspeed_bnb.integrations import accelerate as ours
-    from deepspeed_bnb.overrides import stock
+    from deepspeed_bnb.installer import stock
 
     assert Accelerator._prepare_deepspeed is ours._prepare_deepspeed
     source = inspect.getsource(stock("Accelerator._prepare_deepspeed"))

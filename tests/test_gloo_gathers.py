@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 
-from deepspeed_bnb import overrides
+from deepspeed_bnb import installer
 from deepspeed_bnb.runtime.zero import partition_parameters as ours
 
 ds_partition = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
@@ -46,7 +46,7 @@ def unfixed_gather(self, param_list, hierarchy=0, quantize=False):
 def events_of(monkeypatch, release_waits_on_every_handle: bool, wrapped: bool = True) -> list:
     events = []
     monkeypatch.setattr(ds_partition, "dist", Spy(events))
-    monkeypatch.setitem(overrides._STOCK, "Init._allgather_params_coalesced", unfixed_gather)
+    monkeypatch.setitem(installer._STOCK, "Init._allgather_params_coalesced", unfixed_gather)
     monkeypatch.setattr(ours, "waits_every_gather_handle", lambda: release_waits_on_every_handle)
     (ours._allgather_params_coalesced if wrapped else unfixed_gather)(None, ["a", "b", "c"])
     return events

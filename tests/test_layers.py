@@ -101,13 +101,13 @@ def test_installing_twice_keeps_deepspeeds_originals():
     import deepspeed.runtime.engine as ds_engine
     import deepspeed.runtime.zero.config as ds_zero_config
 
-    from deepspeed_bnb import overrides
+    from deepspeed_bnb import installer
     from deepspeed_bnb.runtime import engine
     from deepspeed_bnb.runtime.zero import config
-    overrides.activate()
-    overrides.activate()
-    assert set(overrides._STOCK) >= {o.key for o in overrides.installed_entries()}
-    for name, original in overrides._STOCK.items():
+    installer.activate()
+    installer.activate()
+    assert set(installer._STOCK) >= {o.key for o in installer.installed_entries()}
+    for name, original in installer._STOCK.items():
         assert original.__module__.startswith(("deepspeed.", "accelerate.")), (name, original.__module__)
     assert ds_engine.DeepSpeedEngine._configure_zero_optimizer is engine._configure_zero_optimizer
     assert ds_zero_config.DeepSpeedZeroConfig is config.BnbZeroConfig

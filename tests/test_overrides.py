@@ -20,7 +20,7 @@ from packaging.version import Version
 
 import deepspeed_bnb  # noqa: F401  (activates the overrides)
 from conftest import TESTS
-from deepspeed_bnb import overrides
+from deepspeed_bnb import installer, overrides
 from deepspeed_bnb.overrides import OVERRIDES, Override
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
@@ -45,7 +45,7 @@ def problems_with(entry: Override, release=INSTALLED) -> list:
     except (ImportError, AttributeError) as exc:
         return [f"{entry.key}: owner {entry.owner} does not resolve ({exc})"]
     exists = entry.exists_in(str(release))
-    stock = overrides._STOCK.get(entry.key)
+    stock = installer._STOCK.get(entry.key)
     present = hasattr(owner, entry.name) or (inspect.isclass(owner) and _assigned_in_source(owner, entry.name))
     if present != exists:
         return [f"{entry.key}: {'missing' if exists else 'present, though registered since ' + entry.since}"]
@@ -159,15 +159,15 @@ def test_control_a_patch_outside_the_register_is_found(tmp_path):
 
 
 def test_stock_deepspeed_takes_back_every_replacement():
-    entries = overrides.installed_entries()
-    assert overrides.is_active() and entries
+    entries = installer.installed_entries()
+    assert installer.is_active() and entries
     ours = {o.key: overrides.resolve(o.replacement) for o in entries}
     for entry in entries:
         assert getattr(overrides.resolve(entry.owner), entry.name) is ours[entry.key], entry.key
-    with overrides.stock_deepspeed():
+    with installer.stock_deepspeed():
         for entry in entries:
             current = getattr(overrides.resolve(entry.owner), entry.name)
-            assert current is overrides.stock(entry.key) and current is not ours[entry.key], entry.key
+            assert current is installer.stock(entry.key) and current is not ours[entry.key], entry.key
     for entry in entries:
         assert getattr(overrides.resolve(entry.owner), entry.name) is ours[entry.key], entry.key
 
@@ -178,11 +178,11 @@ def test_swapped_restores_and_refuses_unregistered_swaps():
             return "class"
 
     engine = Engine()
-    with overrides.swapped("CheckpointEngine.load", lambda path, map_location=None: "swapped", on=engine):
+    with installer.swapped("CheckpointEngine.load", lambda path, map_location=None: "swapped", on=engine):
         assert engine.load("x") == "swapped"
     assert engine.load("x") == "class" and "load" not in vars(engine)  # the class's method shows through again
     with pytest.raises(ValueError, match="not a call-scope swap"):
-        with overrides.swapped("DeepSpeedEngine.save_checkpoint", None):
+        with installer.swapped("DeepSpeedEngine.save_checkpoint", None):
             pass
 
 

@@ -20,7 +20,7 @@ from deepspeed_bnb.ops import loader, self_check
 from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.fused.route import FUSED
 import deepspeed.runtime.engine as ds_engine
-from deepspeed_bnb import overrides
+from deepspeed_bnb import installer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from toy import ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
 
@@ -205,7 +205,7 @@ def test_bnb_optimizer_is_always_stepped_by_bnb_zero_optimizer(one_rank, monkeyp
     DeepSpeed version and what changed. Control: the normal route gives BnbZeroOptimizer."""
     _, engine = trained(_adamw8bit)
     assert isinstance(engine.optimizer, BnbZeroOptimizer)
-    stock = overrides.stock("DeepSpeedEngine._configure_zero_optimizer")
+    stock = installer.stock("DeepSpeedEngine._configure_zero_optimizer")
     stock_class = ds_engine.DeepSpeedZeroOptimizer  # outside the call, the name is DeepSpeed's own
 
     def another_route(self, optimizer):  # what a DeepSpeed that resolves the class elsewhere would do
@@ -215,7 +215,7 @@ def test_bnb_optimizer_is_always_stepped_by_bnb_zero_optimizer(one_rank, monkeyp
         finally:
             ds_engine.DeepSpeedZeroOptimizer = ours
 
-    monkeypatch.setitem(overrides._STOCK, "DeepSpeedEngine._configure_zero_optimizer", another_route)
+    monkeypatch.setitem(installer._STOCK, "DeepSpeedEngine._configure_zero_optimizer", another_route)
     with pytest.raises(RuntimeError, match=rf"DeepSpeed {deepspeed.__version__} built "
                                            r"deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer .*AdamW8bit"):
         trained(_adamw8bit)

@@ -61,6 +61,7 @@ def test_every_rule_checks_exactly_the_known_fields():
 def test_ops_cpp_defines_the_registry_operators_with_its_arguments():
     schemas = _schemas()
     assert set(schemas) == set(rules.OPERATORS)
+    assert rules.OPERATORS == build_flags.OPERATORS  # what the loader checks a build for
     for rule in rules.RULES.values():
         assert schemas[rule.operator] == rules.argument_names(rule), rule.name
         assert tuple(inspect.signature(rule.reference).parameters) == rules.argument_names(rule), rule.name

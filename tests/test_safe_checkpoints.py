@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import deepspeed.runtime.engine as ds_engine
-from deepspeed_bnb import overrides
+from deepspeed_bnb import installer
 import deepspeed_bnb.runtime.checkpointing as bnb_engine
 from conftest import TESTS, free_port, without_launch_vars
 from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
@@ -291,7 +291,7 @@ def test_broken_protocol_is_caught(saves, monkeypatch, variant):
     """The checker above, over every step of a broken protocol: it must report a partial or missing checkpoint."""
     name, replacement, mode, hole = BROKEN[variant]
     if name == "save_checkpoint":  # DeepSpeed's own save: straight into the tag directory, `latest` after rank 0
-        monkeypatch.setattr(ds_engine.DeepSpeedEngine, name, overrides.stock(f"DeepSpeedEngine.{name}"))
+        monkeypatch.setattr(ds_engine.DeepSpeedEngine, name, installer.stock(f"DeepSpeedEngine.{name}"))
     else:
         monkeypatch.setattr(bnb_engine, name, replacement)
     clean = saves.copy_of_previous()

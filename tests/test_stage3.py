@@ -19,7 +19,7 @@ from bnb_optimizers import FACTORIES
 from bnb_state import engine_param_states as states, flat_bnb_state
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 import deepspeed.runtime.zero.stage3 as ds_stage3
-from deepspeed_bnb import overrides
+from deepspeed_bnb import installer
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
@@ -131,7 +131,7 @@ def test_routing_cannot_fail_silently(one_rank, monkeypatch):
     """Should DeepSpeed build its stage-3 optimizer by another route than the module-level name deepspeed_bnb swaps,
     initialize raises, naming the DeepSpeed version and what changed. Control: the normal route."""
     assert isinstance(engine_of(FACTORIES["AdamW8bit"], make_model(0)).optimizer, BnbZeroStage3Optimizer)
-    stock = overrides.stock("DeepSpeedEngine._configure_zero_optimizer")
+    stock = installer.stock("DeepSpeedEngine._configure_zero_optimizer")
     stock_class = ds_stage3.DeepSpeedZeroOptimizer_Stage3
 
     def another_route(self, optimizer):
@@ -141,7 +141,7 @@ def test_routing_cannot_fail_silently(one_rank, monkeypatch):
         finally:
             ds_stage3.DeepSpeedZeroOptimizer_Stage3 = ours
 
-    monkeypatch.setitem(overrides._STOCK, "DeepSpeedEngine._configure_zero_optimizer", another_route)
+    monkeypatch.setitem(installer._STOCK, "DeepSpeedEngine._configure_zero_optimizer", another_route)
     with pytest.raises(RuntimeError, match=rf"DeepSpeed {deepspeed.__version__} built "
                                            r"deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 .*AdamW8bit"):
         engine_of(FACTORIES["AdamW8bit"], make_model(0))

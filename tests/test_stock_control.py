@@ -8,7 +8,7 @@ is the release's (or torch's), a failure of the claims alone is deepspeed_bnb's.
 import pytest
 import torch
 
-from deepspeed_bnb.overrides import stock_deepspeed
+from deepspeed_bnb.installer import stock_deepspeed
 from toy import ds_config, make_model, param_groups, train_steps
 
 

@@ -30,7 +30,7 @@ from deepspeed_bnb.checkpoint.format import manifest as manifest_module
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.cli import main
-from deepspeed_bnb.overrides import stock_deepspeed
+from deepspeed_bnb.installer import stock_deepspeed
 from fault_injection import differences, engine_state
 from tampering import copy_of, plant
 from toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps

@@ -15,7 +15,7 @@ PATCHES = ("accelerate.accelerator",)
 
 
 def _patch(module) -> None:
-    from deepspeed_bnb.overrides import install_triggered
+    from deepspeed_bnb.installer import install_triggered
     install_triggered(module.__name__, module)
 
 

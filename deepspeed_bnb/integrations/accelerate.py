@@ -18,7 +18,7 @@ from deepspeed.runtime.constants import ZERO_FORCE_DS_CPU_OPTIMIZER
 from deepspeed.utils import log_dist
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
-from deepspeed_bnb.overrides import stock
+from deepspeed_bnb.installer import stock
 
 
 def keep_bnb_under_offload(config: dict, prepared) -> str:

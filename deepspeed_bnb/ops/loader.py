@@ -30,8 +30,8 @@ except ImportError:  # not POSIX: torch's own lock alone
 
 import torch
 
-from deepspeed_bnb.ops import cpu_features
-from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS
+from deepspeed_bnb.ops import cpu_features, fake
+from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS, OPERATORS
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the folder holding csrc/: the package itself when installed from a wheel (setup.py copies the sources in), the
@@ -50,9 +50,9 @@ def sources(cuda: bool):
 
 
 def _has_op() -> bool:
-    """Every operator of the rule registry is registered already (e.g. by a build the caller loaded itself)."""
-    from deepspeed_bnb.ops.rules import OPERATORS  # imported here: rules imports this module
+    """Every operator the sources define is registered already (e.g. by a build the caller loaded itself)."""
     return hasattr(torch.ops, "deepspeed_bnb") and all(hasattr(torch.ops.deepspeed_bnb, op) for op in OPERATORS)
+
 
 
 def _prebuilt_refusal() -> Optional[str]:
@@ -137,7 +137,7 @@ def load(verbose: bool = False) -> bool:
         if _state["loaded"] is None:
             try:
                 _state["source"] = "already registered" if _has_op() else _build(verbose)
-                from deepspeed_bnb.ops import fake  # noqa: F401  (registers the shape-only implementations)
+                fake.register(OPERATORS)  # the shape-only implementations beside the compiled ones
                 _state["loaded"] = True
             except Exception as exc:  # compiler, ninja, sources: any of them missing means no kernel here
                 _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {exc}"

@@ -124,7 +124,8 @@ RULES: Dict[str, UpdateRule] = {rule.name: rule for rule in (
     UpdateRule("momentum", 1, "momentum8bit_step_", reference.momentum8bit_step, MomentumHyper, _momentum_row,
                _ONE_STATE_FIELDS),
 )}
-OPERATORS = tuple(rule.operator for rule in RULES.values())  # every operator a build must register
+OPERATORS = tuple(rule.operator for rule in RULES.values())  # every operator a build must register (equal to
+# build_flags.OPERATORS, which the loader checks a build for: tests/test_rules.py)
 
 
 def get(rule) -> UpdateRule:

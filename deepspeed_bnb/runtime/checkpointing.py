@@ -50,7 +50,7 @@ from deepspeed_bnb.checkpoint.format.safe_load import forced_weights_only, load_
 from deepspeed_bnb.checkpoint.format.sources import FileSource, rank_file_paths
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, consolidated_weights, \
     frozen_zero3_weights
-from deepspeed_bnb.overrides import given_kwargs, stock, swapped
+from deepspeed_bnb.installer import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 

@@ -16,7 +16,7 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_is_zero_supported_optimizer
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
-from deepspeed_bnb.overrides import stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
+from deepspeed_bnb.installer import stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS

@@ -45,7 +45,7 @@ from deepspeed_bnb.ops.reference import dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim.bnb_adapter import StateKey
 from deepspeed_bnb.optim.state_classes import REGISTRY, StateClass
 from deepspeed_bnb.optim.state_names import StateName, public_names
-from deepspeed_bnb.overrides import stock
+from deepspeed_bnb.installer import stock
 from deepspeed_bnb.state_layout import Segment
 
 PARAM_STATE_ATTR = "_bnb_optimizer_state"  # model-parameter attribute holding its ParamOptimizerState

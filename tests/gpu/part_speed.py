@@ -240,7 +240,7 @@ def ratios(args, result, where: str, size: str, rows: dict) -> None:
     claims = []
     torch_step, fused_step = median(TORCH_FUSED, "optimizer_steps"), median(FUSED, "optimizer_steps")
     if torch_step and fused_step:
-        claims.append((f"fused 8-bit engine.step() <= 0.8 x torch AdamW(fused=True)'s", fused_step / torch_step, 0.8))
+        claims.append(("fused 8-bit engine.step() <= 0.8 x torch AdamW(fused=True)'s", fused_step / torch_step, 0.8))
         claims.append(("fused 8-bit training step <= 1.02 x torch AdamW(fused=True)'s",
                        median(FUSED, "steps") / median(TORCH_FUSED, "steps"), 1.02))
     for label in (BF16_MASTER, COMPENSATED):

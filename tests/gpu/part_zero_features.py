@@ -59,7 +59,7 @@ def engine_of(kind: str, stage: int, zero: dict, device: str):
 
 def stock_run(kind: str, stage: int, zero: dict, device: str) -> dict:
     """Losses of STEPS steps under stock DeepSpeed, or the error that stopped it; whether the client holds state."""
-    from deepspeed_bnb.overrides import stock_deepspeed
+    from deepspeed_bnb.installer import stock_deepspeed
     from toy import global_batch, loss_fn
     try:
         with stock_deepspeed():

@@ -70,7 +70,27 @@ PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 30
          Part("g", "part_zero_features.py", 180), Part("h", "part_nvme.py", 240))
 MIN_START = 20  # seconds of the deadline a part needs left to be started
 RESERVE = 10  # seconds kept for writing the report
-DEEPSPEED_FUSED_ADAM = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
+BUILD_BUDGET = 900  # seconds the up-front builds may take (two busy CPU cores build DeepSpeed's async_io in minutes)
+# DeepSpeed's own ops the parts load (on the CPU rehearsal and on a GPU), built up front with deepspeed_bnb's kernels,
+# so that no part spends its deadline on a build, and none is killed at its deadline mid-build
+PART_OPS = {"cpu": {"a": ("ShareMemCommBuilder",), "b+c": ("ShareMemCommBuilder",), "f": ("FusedAdamBuilder",),
+                    "f3": ("CPUAdamBuilder",), "m": ("FusedAdamBuilder",), "o": ("CPUAdamBuilder",),
+                    "h": ("AsyncIOBuilder",)},
+            "cuda": {"f": ("FusedAdamBuilder",), "f3": ("CPUAdamBuilder",), "m": ("FusedAdamBuilder",),
+                     "o": ("CPUAdamBuilder",)}}  # a GPU's async_io builds in part h, against the bundle's libaio
+BUILD = """import sys, time
+from deepspeed_bnb.ops import loader
+t = time.monotonic(); loader.load(); print("deepspeed_bnb kernels:", loader.source() or loader.error(),
+                                             f"{time.monotonic() - t:.0f} s", flush=True)
+from deepspeed.accelerator import get_accelerator
+for name in sys.argv[1:]:
+    t = time.monotonic()
+    try:
+        get_accelerator().create_op_builder(name).load()
+        print(name + ":", "built", f"{time.monotonic() - t:.0f} s", flush=True)
+    except Exception as exc:  # the part that needs it reports it
+        print(name + ":", "failed:", type(exc).__name__, str(exc)[:200], flush=True)
+"""
 
 
 def cuda_home():
@@ -90,7 +110,11 @@ def child_env(pythonpath, extensions: str) -> dict:
     home = cuda_home()
     if home:
         env["CUDA_HOME"] = home
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, common.ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    # tests/support/site: a JIT build lock left by a part killed at its deadline cannot hang a later one
+    # (tests/support/jit_guard.py); the suite's own runs have it already
+    guard = os.path.join(common.TESTS, "support", "site")
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*pythonpath, common.ROOT, guard, *filter(None, env.get(
+        "PYTHONPATH", "").split(os.pathsep))]))
     env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if extensions:
         env["TORCH_EXTENSIONS_DIR"] = extensions  # a fresh JIT cache: no lock left by another run can hang us
@@ -156,7 +180,7 @@ def main():
     report = {"device": "CPU rehearsal (stand-ins for the GPU)" if args.dry_run else "GPU (named in part env)",
               "mode": "dry run" if args.dry_run else "GPU", "command": " ".join(sys.argv),
               "started": datetime.datetime.now(datetime.timezone.utc).strftime(TIME_FORMAT),
-              "deadline": args.deadline, "seconds": 0.0, "install": None, "parts": []}
+              "deadline": args.deadline, "seconds": 0.0, "install": None, "builds": None, "parts": []}
     log_path = os.path.join(args.out, "proof.log")
     bundle, pythonpath, extensions = args.bundle, [], None
     with open(log_path, "a") as log:
@@ -177,44 +201,43 @@ def main():
             import proof_bundle
             bundle = os.path.join(work, "bundle")
             proof_bundle.cpu_checkpoint(bundle, env=env)
-        # DeepSpeed's FusedAdam (part f) JIT-builds in the background while the other parts run; only into the run's
-        # own extensions folder: killed mid-build at the end, it leaves torch's build lock behind, and in a shared
-        # folder (the rehearsal's) every later build of FusedAdam would wait on that lock forever
-        prebuild = None
-        if extensions is not None:
-            ds_env = dict(env)
-            if env.get("TORCH_CUDA_ARCH_LIST"):
-                ds_env["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
-            prebuild = subprocess.Popen([sys.executable, "-c", DEEPSPEED_FUSED_ADAM], env=ds_env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                        cwd=common.ROOT)
-        try:
-            for part in (p for p in PARTS if p.name in args.parts.split(",")):
-                left = args.deadline - (time.monotonic() - start) - RESERVE
-                if left < MIN_START:
-                    report["parts"].append({"part": part.name, "title": part.script, "ok": False, "checks": [],
-                                            "tables": [], "notes": [], "seconds": None, "error": None,
-                                            "skipped": f"{left:.0f} s of the deadline left"})
-                    continue
-                result = os.path.join(work, f"{part.name}.json")
-                cmd = [sys.executable, os.path.join(common.GPU, part.script), "--device", device, "--result", result,
-                       "--work", work, "--bundle", bundle, "--out", args.out, *part.args]
-                print(f"--- part {part.name} ({part.script}), at most {min(part.budget, left):.0f} s", file=log,
-                      flush=True)
-                began = time.monotonic()
-                code = run_child(cmd, env, min(part.budget, left), log)
-                found = part_result(part, result, code, time.monotonic() - began, log_path)
-                report["parts"].append(found)
-                report["seconds"] = time.monotonic() - start
-                save(report, args.out)
-                failed = [c["name"] for c in found["checks"] if not c["ok"]]
-                print(f"part {part.name}: {proof_report.verdict(found)} in {found.get('seconds')} s"
-                      + "".join(f"\n    FAIL {name}" for name in failed)
-                      + (f"\n    error: {found['error'].strip().splitlines()[-1]}" if found["error"] else ""),
-                      flush=True)
-        finally:
-            if prebuild is not None and prebuild.poll() is None:
-                os.killpg(prebuild.pid, signal.SIGKILL)
+        # every JIT build the parts need, once, before anything with a deadline: a part then only loads
+        chosen = args.parts.split(",")
+        ops = sorted({op for name in chosen for op in PART_OPS[device].get(name, ())}
+                     - (set() if os.path.isfile("/usr/include/libaio.h") or not args.dry_run else {"AsyncIOBuilder"}))
+        build_env = dict(env)
+        if env.get("TORCH_CUDA_ARCH_LIST"):  # DeepSpeed's builder cannot parse "9.0a" (proof_common)
+            build_env["TORCH_CUDA_ARCH_LIST"] = common.deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
+        print(f"--- up-front builds: deepspeed_bnb's kernels, {', '.join(ops) or 'no DeepSpeed op'}", file=log,
+              flush=True)
+        began = time.monotonic()
+        code = run_child([sys.executable, "-c", BUILD, *ops], build_env,
+                         min(BUILD_BUDGET, args.deadline - RESERVE), log)
+        report["builds"] = {"ops": ["deepspeed_bnb kernels", *ops], "seconds": round(time.monotonic() - began, 1),
+                            "exit": "timed out" if code is None else code}
+        for part in (p for p in PARTS if p.name in args.parts.split(",")):
+            left = args.deadline - (time.monotonic() - start) - RESERVE
+            if left < MIN_START:
+                report["parts"].append({"part": part.name, "title": part.script, "ok": False, "checks": [],
+                                        "tables": [], "notes": [], "seconds": None, "error": None,
+                                        "skipped": f"{left:.0f} s of the deadline left"})
+                continue
+            result = os.path.join(work, f"{part.name}.json")
+            cmd = [sys.executable, os.path.join(common.GPU, part.script), "--device", device, "--result", result,
+                   "--work", work, "--bundle", bundle, "--out", args.out, *part.args]
+            print(f"--- part {part.name} ({part.script}), at most {min(part.budget, left):.0f} s", file=log,
+                  flush=True)
+            began = time.monotonic()
+            code = run_child(cmd, env, min(part.budget, left), log)
+            found = part_result(part, result, code, time.monotonic() - began, log_path)
+            report["parts"].append(found)
+            report["seconds"] = time.monotonic() - start
+            save(report, args.out)
+            failed = [c["name"] for c in found["checks"] if not c["ok"]]
+            print(f"part {part.name}: {proof_report.verdict(found)} in {found.get('seconds')} s"
+                  + "".join(f"\n    FAIL {name}" for name in failed)
+                  + (f"\n    error: {found['error'].strip().splitlines()[-1]}" if found["error"] else ""),
+                  flush=True)
     report["seconds"] = time.monotonic() - start
     save(report, args.out)
     ok = all(p["ok"] for p in report["parts"])

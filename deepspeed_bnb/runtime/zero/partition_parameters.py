@@ -30,7 +30,7 @@ import torch
 import torch.distributed
 from deepspeed import comm as dist
 
-from deepspeed_bnb.overrides import stock, swapped
+from deepspeed_bnb.installer import stock, swapped
 from deepspeed_bnb.runtime.zero.compat import waits_every_gather_handle
 from deepspeed_bnb.state_layout import BLOCK_SIZE, round_up
 

@@ -43,7 +43,7 @@ from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
-from deepspeed_bnb.overrides import swapped
+from deepspeed_bnb.installer import swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin

@@ -1,0 +1,129 @@
+"""No JIT build lock can hang the suite: torch's wait for an extension build in progress, bounded, and a lock whose
+builder died taken away.
+
+Why: torch's extension builder (torch.utils.cpp_extension, behind every JIT build: this project's kernels and
+DeepSpeed's own ops, async_io, cpu_adam, fused_adam, shm_comm, pin_memory among them) marks a build in progress with a
+`lock` file in the build folder (torch.utils.file_baton.FileBaton), holds it open while it builds, and removes it after;
+every other process that wants the same extension waits until the file is gone: forever, when the builder was killed
+(a timeout, a deadline, Ctrl-C), since nothing else removes it. One such file once held a whole `make test` asleep.
+`install()` replaces FileBaton.wait for this process: the file held open by no process for WAIT_POLL * 10 seconds on
+end is a dead builder's (a live builder holds its descriptor from the file's creation to just before its removal) and
+is removed, with a warning naming it and its age; and no wait lasts more than `limit` seconds: then a
+JitLockTimeout names the lock, its age and what to do. Whether a process holds the file open is read from
+/proc/<pid>/fd (Linux); where that cannot be read for every process, no lock counts as dead and only the bound applies.
+The suite installs it in its own process (tests/conftest.py) and, through tests/support/site/sitecustomize.py on the
+PYTHONPATH it hands on, in every child it starts (ranks, launchers, the GPU proof and its rehearsal); it takes
+effect when a process imports torch's FileBaton, and imports nothing before.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+import warnings
+
+LIMIT_ENV = "DEEPSPEED_BNB_TEST_JIT_WAIT"  # seconds a wait may last (the children read it)
+DEFAULT_LIMIT = 900.0  # a build of DeepSpeed's async_io on two busy cores takes minutes; no wait takes longer
+WAIT_POLL = 0.5  # seconds between looks at the lock
+
+
+class JitLockTimeout(RuntimeError):
+    """A wait for another process's JIT build outlasted the bound."""
+
+
+def holders(path: str):
+    """Processes that hold `path` open (a set of pids), or None when some process's descriptors cannot be read."""
+    target = os.path.realpath(path)
+    found = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        except PermissionError:
+            return None
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    found.add(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+def _age(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def wait(lock: str, poll: float = WAIT_POLL, limit: float = DEFAULT_LIMIT) -> None:
+    """Until `lock` is gone: removed by its builder, or by this wait once no process has held it open for 10 polls;
+    a JitLockTimeout after `limit` seconds."""
+    start = time.monotonic()
+    unheld = 0  # consecutive looks at which no process held the lock open
+    while os.path.exists(lock):
+        time.sleep(poll)
+        held = holders(lock)
+        unheld = unheld + 1 if held == set() else 0
+        if unheld >= 10 and os.path.exists(lock):
+            age = _age(lock)
+            try:
+                os.remove(lock)
+            except FileNotFoundError:
+                return
+            warnings.warn(f"removed {lock}, a JIT build lock {age:.0f} s old that no process holds open: its builder "
+                          f"died (killed mid-build); building again", RuntimeWarning, stacklevel=3)
+            return
+        if time.monotonic() - start > limit:
+            raise JitLockTimeout(f"waited {limit:.0f} s on the JIT build lock {lock} (created {_age(lock):.0f} s "
+                                 f"ago, held open by {sorted(held) if held else 'no process we can see'}): another "
+                                 f"build of that extension is still running or hung; if none is, remove the file")
+
+
+def patch(file_baton, limit: float = None) -> None:
+    """Replace FileBaton.wait of the module torch.utils.file_baton by `wait` (bounded by `limit`, default from
+    LIMIT_ENV); once."""
+    if getattr(file_baton.FileBaton.wait, "_bounded", False):
+        return
+    bound = float(limit if limit is not None else os.environ.get(LIMIT_ENV, DEFAULT_LIMIT))
+
+    def bounded(self):
+        wait(self.lock_file_path, max(self.wait_seconds, WAIT_POLL), bound)
+    bounded._bounded = True
+    file_baton.FileBaton.wait = bounded
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches torch.utils.file_baton right after this process imports it (nothing is imported before then: a
+    child's own imports, and what they cost, stay its own)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.utils.file_baton":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """`patch` torch's FileBaton in this process: now if torch has imported it, else when it does."""
+    module = sys.modules.get("torch.utils.file_baton")
+    if module is not None:
+        patch(module)
+    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,98 @@
+"""No JIT build lock hangs the suite (tests/support/jit_guard.py): torch's wait for another process's extension
+build is bounded, and a lock whose builder died is removed.
+
+- A lock its builder removes ends the wait; a lock a live process holds open is waited on, then a JitLockTimeout
+  names it and its age (the lock stays: its builder may be slow, not dead); a lock no process holds open (its builder
+  killed) is removed with a warning naming it.
+- End to end, with DeepSpeed's own op builder: a build killed midway leaves torch's lock behind; a process with the
+  guard (every child of the suite has it, through sitecustomize on the PYTHONPATH) then builds and loads the op, and
+  says it removed the lock. Control: a process without the guard still waits on that lock when its time is up.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import GUARD_SITE, without_launch_vars
+from support import jit_guard
+
+HOLD = "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(60)"
+
+
+def test_a_lock_its_builder_removes_ends_the_wait(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    threading.Timer(0.5, lock.unlink).start()
+    started = time.monotonic()
+    jit_guard.wait(str(lock), poll=0.05, limit=30)
+    assert not lock.exists() and time.monotonic() - started < 20
+
+
+def test_a_lock_held_open_by_a_live_process_is_waited_on_then_named(tmp_path):
+    lock = tmp_path / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert jit_guard.holders(str(lock)) == {holder.pid}
+        with pytest.raises(jit_guard.JitLockTimeout, match=rf"waited 2 s on the JIT build lock {lock} \(created "
+                                                           rf"\d+ s ago, held open by \[{holder.pid}\]\)"):
+            jit_guard.wait(str(lock), poll=0.05, limit=2)
+        assert lock.exists()  # its builder may be slow, not dead
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_no_process_holds_is_removed_with_a_warning(tmp_path):
+    lock = tmp_path / "lock"
+    os.close(os.open(lock, os.O_CREAT | os.O_EXCL))  # a builder that died: the file, no descriptor on it
+    assert jit_guard.holders(str(lock)) == set()
+    with pytest.warns(RuntimeWarning, match=rf"removed {lock}, a JIT build lock \d+ s old that no process holds"):
+        jit_guard.wait(str(lock), poll=0.05, limit=30)
+    assert not lock.exists()
+
+
+def test_the_suite_and_its_children_have_the_guard():
+    from torch.utils.file_baton import FileBaton
+    assert getattr(FileBaton.wait, "_bounded", False)  # this process (tests/conftest.py)
+    assert GUARD_SITE in os.environ["PYTHONPATH"].split(os.pathsep)
+    probe = "import sys, torch.utils.file_baton as f; print(getattr(f.FileBaton.wait, '_bounded', False))"
+    child = subprocess.run([sys.executable, "-c", probe], env=without_launch_vars(), capture_output=True, text=True,
+                           check=True)
+    assert child.stdout.strip() == "True"
+    # control: a child without the folder on its path keeps torch's own wait
+    bare = {k: v for k, v in without_launch_vars().items() if k != "PYTHONPATH"}
+    child = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "False"
+
+
+LOAD_SHM = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load(); print('loaded', flush=True)")
+
+
+def test_deepspeeds_own_op_loads_past_a_dead_builders_lock(tmp_path):
+    """DeepSpeed's CPU comm op (its builder, torch's FileBaton) with a dead build's lock in its folder: a process with
+    the guard loads it and says it removed the lock; control: one without the guard is still waiting when its time is
+    up. The op is built once in the suite's JIT folder and copied (a built folder loads without a rebuild)."""
+    import shutil
+    env = without_launch_vars()
+    subprocess.run([sys.executable, "-c", LOAD_SHM], env=env, check=True, capture_output=True, timeout=1200)
+    built = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm")
+    folder = tmp_path / "extensions"
+    shutil.copytree(built, folder / "deepspeed_shm_comm", symlinks=True,
+                    ignore=shutil.ignore_patterns("lock"))
+    lock = folder / "deepspeed_shm_comm" / "lock"
+    env = dict(env, TORCH_EXTENSIONS_DIR=str(folder))
+    bare = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    os.close(os.open(lock, os.O_CREAT | os.O_EXCL))  # what a build killed midway leaves
+    with pytest.raises(subprocess.TimeoutExpired):  # control: torch's own wait never ends
+        subprocess.run([sys.executable, "-c", LOAD_SHM], env=bare, capture_output=True, timeout=20)
+    done = subprocess.run([sys.executable, "-W", "always", "-c", LOAD_SHM], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"removed {lock}, a JIT build lock" in done.stderr, done.stderr[-2000:]
+    assert not lock.exists()
