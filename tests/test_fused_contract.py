@@ -120,7 +120,7 @@ def split(flat_list):
 class Partitions:
     """Each param group flattened block-aligned (DP=1), as BnbZeroOptimizer holds it, stepped by PartitionStep."""
 
-    def __init__(self, optimizer, params, kernel_reason: Optional[str]):
+    def __init__(self, optimizer, params, kernel: Route):
         self.optimizer, self.params = optimizer, params
         self.adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), 256)
         self.layouts = [GroupLayout(numels, 1) for numels in GROUPS]
@@ -135,12 +135,12 @@ class Partitions:
             self.flat.append(flat)
             self.states.append(self.adapter.allocate(group, i, segments, layout.partition_size, self.eight_bit[i],
                                                      "cpu"))
-            self.steps.append(self.stepper(i, kernel_reason))
+            self.steps.append(self.stepper(i, kernel))
 
-    def stepper(self, i, kernel_reason) -> PartitionStep:
+    def stepper(self, i, kernel: Route) -> PartitionStep:
         segments = self.layouts[i].segments(0, self.eight_bit[i])
         return PartitionStep(self.adapter, i, segments, [self.adapter.override(p) for p in split(self.params)[i]],
-                             self.eight_bit[i], "cpu", kernel_reason)
+                             self.eight_bit[i], "cpu", kernel)
 
     def step(self, grads, steps=None, states=None, flat=None):
         for i, layout in enumerate(self.layouts):
@@ -279,8 +279,8 @@ def run(cls, variant: Variant) -> Outcome:
     try:
         variant.apply(optimizer, params)
         variant.apply(plain, plain_params)
-        ours = Partitions(optimizer, params, None)
-        teacher = [ours.stepper(i, "zero_optimization.bnb_fused_kernel is false") for i in range(len(GROUPS))]
+        ours = Partitions(optimizer, params, FUSED)
+        teacher = [ours.stepper(i, Route("zero_optimization.bnb_fused_kernel is false")) for i in range(len(GROUPS))]
         checked, breaks = 0, []
         for step in range(STEPS):
             grads = gradients(step)
@@ -397,7 +397,7 @@ def test_control_relation_check_catches_a_wrong_kernel(monkeypatch):
     real = partition_step.PartitionStep.step
 
     def wrong_lr(self, group, *args, **kwargs):
-        if self.kernel_reason is None:  # the default path, not the teacher
+        if self.kernel.fused:  # the default path, not the teacher
             group = {**group, "lr": group["lr"] * 1.1}
         return real(self, group, *args, **kwargs)
 

@@ -90,7 +90,7 @@ def test_control_without_the_contract_the_default_differs(one_rank, factory, mon
     """What the contract prevents: fusing every parameter regardless changes the result (and skips the override)."""
     monkeypatch.setattr(fused_route, "optimizer_reason", lambda optimizer: None)
     monkeypatch.setattr(fused_route, "param_reason", lambda rule, config, eight_bit: None)
-    monkeypatch.setattr(fused_route, "kernel_reason", lambda setting, optimizer, device, master="fp32": None)
+    monkeypatch.setattr(fused_route, "kernel_route", lambda setting, optimizer, device, master="fp32": FUSED)
     CountingAdamW8bit.calls = 0
     forced, _ = trained(factory)
     if factory is _counting:
@@ -170,16 +170,16 @@ def test_gpu_default_is_bnbs_own_update(one_rank, monkeypatch):
     refuses."""
     _, engine = trained(_adamw8bit)
     optimizer = engine.optimizer
-    reason = fused_route.kernel_reason("auto", optimizer.optimizer, torch.device("cuda"))
+    reason = fused_route.kernel_route("auto", optimizer.optimizer, torch.device("cuda")).reason
     assert "opt-in on GPUs until the GPU proof shows them bit for bit with bnb's own update" in reason
     monkeypatch.setattr(self_check, "disagreement",
                         lambda rule, device, master="fp32": None if device.type == "cuda" else "x")
-    assert fused_route.kernel_reason(True, optimizer.optimizer, torch.device("cuda")) is None
+    assert fused_route.kernel_route(True, optimizer.optimizer, torch.device("cuda")) is FUSED
     monkeypatch.setattr(self_check, "disagreement",
                         lambda rule, device, master="fp32": "it raised RuntimeError: no kernel image")
     with pytest.raises(ValueError, match="first-use check on cuda.*no kernel image"):
-        fused_route.kernel_reason(True, optimizer.optimizer, torch.device("cuda"))
-    assert "not on xpu" in fused_route.kernel_reason("auto", optimizer.optimizer, torch.device("xpu"))
+        fused_route.kernel_route(True, optimizer.optimizer, torch.device("cuda"))
+    assert "not on xpu" in fused_route.kernel_route("auto", optimizer.optimizer, torch.device("xpu")).reason
 
 
 def test_gpu_plan_steps_32bit_state_in_the_kernel_too(one_rank):
@@ -190,9 +190,9 @@ def test_gpu_plan_steps_32bit_state_in_the_kernel_too(one_rank):
     _, engine = trained(_adamw8bit)
     optimizer = engine.optimizer
     for step in optimizer.bnb_steps:
-        gpu = fused_route.route_table(optimizer.optimizer, None, step._configs, step.variant, step.eight_bit, None,
+        gpu = fused_route.route_table(optimizer.optimizer, FUSED, step._configs, step.variant, step.eight_bit, None,
                                       rules.BNB_CUDA)
-        cpu = fused_route.route_table(optimizer.optimizer, None, step._configs, step.variant, step.eight_bit, None,
+        cpu = fused_route.route_table(optimizer.optimizer, FUSED, step._configs, step.variant, step.eight_bit, None,
                                       rules.IEEE)
         assert all(route is FUSED for route in gpu)
         assert [route is FUSED for route in cpu] == list(step.eight_bit)

@@ -139,7 +139,7 @@ def test_cli_refuses_devices_it_cannot_check(device, says, capsys):
 
 def test_cli_without_a_build_says_what_steps_instead(capsys, monkeypatch):
     """Without a build, `deepspeed-bnb kernels` says why and what the ZeRO optimizer does then: bitsandbytes' own
-    update (routes.kernel_reason), never the pure-torch reference (exit 1)."""
+    update (route.kernel_route), never the pure-torch reference (exit 1)."""
     from deepspeed_bnb import cli
     from deepspeed_bnb.ops import loader
     monkeypatch.setattr(loader, "load", lambda: False)

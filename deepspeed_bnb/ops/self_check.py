@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import compensated, reference, rules
+from deepspeed_bnb.ops import compensated, master_kinds, reference, rules
 from deepspeed_bnb.state_layout import GroupLayout
 
 STEPS = 3  # steps compared: state starts at zero, so the first step alone would not dequantize anything
@@ -30,7 +30,7 @@ HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
 # dampening); the first decays, the second does not
 CONFIGS = ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
            {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0})
-MASTERS = ("fp32", "bf16", "bf16+8")  # the master weights a kernel steps (optim/master_weights.py's modes)
+MASTERS = master_kinds.MODES  # the master weights a kernel steps
 _verdicts: Dict[Tuple[str, str, str], Optional[str]] = {}  # (rule, device, master) -> disagreement or None
 
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP32, BF16, COMPENSATED = "fp32", "bf16", "bf16+8"
-MODES = (FP32, BF16, COMPENSATED)
+from deepspeed_bnb.ops.master_kinds import BF16, COMPENSATED, FP32, MODES  # noqa: F401  (MODES: this module's API)
 # what converting fp32 master weights to each mode loses (bf16: round to nearest even, half an ulp at most)
 LOSS = {FP32: "nothing", BF16: "up to 2^-9 of each weight", COMPENSATED: "up to 2^-16 of each weight"}
 AUTO = "auto"
@@ -33,6 +32,13 @@ def check_mode(mode: str, where: str) -> str:
     if mode not in MODES:
         raise ValueError(f"{where} must be one of {', '.join(map(repr, MODES))}; got {mode!r}")
     return mode
+
+
+def check_setting(setting: str, where: str = KEY) -> str:
+    """`setting` if it is "auto" or one of MODES (what bnb_master_weights may say); else a ValueError naming `where`."""
+    if setting not in (AUTO,) + MODES:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, (AUTO,) + MODES))}; got {setting!r}")
+    return setting
 
 
 def representable(weights: torch.Tensor, mode: str) -> torch.Tensor:
@@ -62,8 +68,7 @@ class MasterWeights:
 def resolve(setting: str, ds_bf16_master: bool, model_dtype: torch.dtype) -> MasterWeights:
     """The master weights of a run from `bnb_master_weights` (`setting`), DeepSpeed's `bf16_master_weights_and_grads`
     and the dtype of the model's weights; a ValueError naming the keys where they disagree."""
-    if setting not in MODES + (AUTO,):
-        raise ValueError(f"{KEY} must be one of {', '.join(map(repr, (AUTO,) + MODES))}; got {setting!r}")
+    check_setting(setting)
     mode = (BF16 if ds_bf16_master else FP32) if setting == AUTO else setting
     if mode == FP32 and ds_bf16_master:
         raise ValueError(f"{KEY}: \"fp32\" contradicts {DS_KEY}: true. Remove one of the two (\"bf16\" or \"bf16+8\" "

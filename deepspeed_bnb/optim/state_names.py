@@ -25,6 +25,11 @@ ROW_NAMES: Dict[str, Dict[str, Tuple[str, ...]]] = {
 
 TORCH_NAMES: Dict[str, Tuple[str, ...]] = {  # bnb update rule -> torch's names, state1 rows then state2
     rule: tuple(name for names in keys.values() for name in names) for rule, keys in ROW_NAMES.items()}
+# bnb update rules whose state is exactly torch Adam's two moments (exp_avg, exp_avg_sq): what `convert` can hand
+# between Adam-family optimizers; of them, those whose update also needs a per-tensor trust ratio (LAMB), which a
+# torch AdamW (a universal checkpoint's reader) would not apply
+ADAM_STATE_RULES = tuple(rule for rule, names in TORCH_NAMES.items() if names == ("exp_avg", "exp_avg_sq"))
+TRUST_RATIO_RULES = ("lamb",)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from deepspeed_bnb.installer import stock, stock_deepspeed, swapped  # noqa: F40
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS
-from deepspeed_bnb.runtime.zero.config import bnb_settings
+from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 
@@ -83,7 +83,8 @@ def _configure_zero_optimizer(self, optimizer):
     if ours is BnbZeroStage3Optimizer:
         # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one
         compat.import_superoffload()
-    with swapped(swap, functools.partial(ours, **bnb_settings(self._config.zero_config))):
+    # DeepSpeed builds its ZeRO optimizer itself, by this name: the settings reach ours as one typed argument
+    with swapped(swap, functools.partial(ours, bnb_settings=BnbSettings.of(self._config.zero_config))):
         return configure(self, optimizer)
 
 

@@ -32,10 +32,11 @@ from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, univer
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
-ADAM_RULES = ("adam", "lamb")  # bnb update rules whose state is Adam's (exp_avg, exp_avg_sq)
+ADAM_RULES = ADAM_STATE_RULES  # bnb update rules whose state is Adam's (exp_avg, exp_avg_sq)
 
 
 def _load_class(qualified: str):

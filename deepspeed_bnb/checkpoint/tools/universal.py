@@ -28,12 +28,14 @@ from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
+from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, TRUST_RATIO_RULES
 
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"  # DeepSpeed's key for the whole tensor in a per-parameter file (checkpoint.constants.PARAM)
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's names for bnb's state1, state2
-ADAM_RULES = ("adam",)  # bnb update rules whose state is torch Adam's (LAMB's also needs a trust ratio: not exported)
+# bnb update rules whose state a torch AdamW takes as its own (LAMB's also needs a trust ratio: not exported)
+ADAM_RULES = tuple(rule for rule in ADAM_STATE_RULES if rule not in TRUST_RATIO_RULES)
 # Hyper-parameters torch.optim.AdamW shares with bnb's Adam family (bnb's others, alpha/t_alpha/t_beta3, are AdEMAMix's)
 TORCH_ADAM_HYPERPARAMS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 

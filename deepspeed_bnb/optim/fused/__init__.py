@@ -5,8 +5,8 @@ Read in this order (each module uses only those above it):
   hyper row and the get_config values its kernel models.
 - contract.py: whether the kernel computes a given parameter's own bnb update (pure functions of the optimizer class,
   the rule and the parameter's config).
-- route.py: the decision. `kernel_reason` once per optimizer and device (the user's setting, the device, the build,
-  the first-use check), then a `Route` per parameter at every step.
+- route.py: the decision, as `Route`s. `kernel_route` once per optimizer and device (the user's `FusedKernel` setting,
+  the device, the build, the first-use check), then a `Route` per parameter at every step.
 - partition.py: the kernel over the fused segments of one partition.
 - partition_step.py: one partition's step: the kernel where the route says so, bnb's own update elsewhere.
 """

@@ -41,7 +41,7 @@ class NoOwnUpdateError(RuntimeError):
     """A parameter needs bitsandbytes' own update where bitsandbytes has none (own_update.py)."""
 
 
-def no_own_update_error(adapter: BnbAdapter, gindex: int, kernel_reason: Optional[str], no_own_update: str,
+def no_own_update_error(adapter: BnbAdapter, gindex: int, kernel: Route, no_own_update: str,
                         stuck: Sequence[tuple]) -> NoOwnUpdateError:
     """The error for the parameters of param group `gindex` that need bnb's own update where it has none; `stuck`:
     distinct (override, 8-bit?, route) of those parameters."""
@@ -51,8 +51,8 @@ def no_own_update_error(adapter: BnbAdapter, gindex: int, kernel_reason: Optiona
         problem = (f"it cannot step any of them: {whole}. To step them here, use an optimizer the fused kernel steps: "
                    f"bitsandbytes' Adam/AdamW, Lion or SGD with momentum (8-bit or 32-bit state), without an "
                    f"update_step of its own")
-    elif kernel_reason:
-        problem = (f"it does not run here: {kernel_reason}. To step them here, let it run (zero_optimization."
+    elif not kernel.fused:
+        problem = (f"it does not run here: {kernel.reason}. To step them here, let it run (zero_optimization."
                    f"bnb_fused_kernel \"auto\" or true, and a build that passes its first-use check: `deepspeed-bnb "
                    f"kernels` says why it does not)")
     else:
@@ -83,7 +83,7 @@ class PartitionStep:
     parameters in flat order, this rank's segments of them (`Segment.slot` indexes the parameters)."""
 
     def __init__(self, adapter: BnbAdapter, gindex: int, segments: Sequence[Segment], overrides: Sequence[dict],
-                 eight_bit: Sequence[bool], device, kernel_reason: Optional[str],
+                 eight_bit: Sequence[bool], device, kernel: Route,
                  on_reroute: Optional[Callable] = None):
         self.adapter = adapter
         self.gindex = gindex
@@ -91,7 +91,7 @@ class PartitionStep:
         self.variants, self.variant = distinct(overrides)  # distinct per-parameter overrides; each parameter's one
         self.eight_bit = tuple(eight_bit)  # per parameter: 8-bit state?
         self.device = device
-        self.kernel_reason = kernel_reason  # why no parameter may be fused on this device (None: per parameter)
+        self.kernel = kernel  # the optimizer-wide route on this device (FUSED: each parameter's own, route_table)
         self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
         # what the kernel computes on `device` (ieee where there are no kernels: nothing is fused there)
         self.arithmetic = rules.DEVICE_ARITHMETIC.get(torch.device(device).type, rules.IEEE)
@@ -105,7 +105,7 @@ class PartitionStep:
     def route(self, group: dict) -> None:
         """(Re)decide each parameter's path from `group`'s current config; the kernel is rebuilt only on change."""
         self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
-        new = route_table(self.adapter.optimizer, self.kernel_reason, self._configs, self.variant, self.eight_bit,
+        new = route_table(self.adapter.optimizer, self.kernel, self._configs, self.variant, self.eight_bit,
                           self.no_own_update, self.arithmetic)
         if new == self.param_routes:
             return
@@ -113,7 +113,7 @@ class PartitionStep:
             stuck, _ = distinct([(self.variants[v], eight_bit, chosen.reason) for v, eight_bit, chosen
                                  in zip(self.variant, self.eight_bit, new) if not chosen.fused])
             if stuck:
-                raise no_own_update_error(self.adapter, self.gindex, self.kernel_reason, self.no_own_update, stuck)
+                raise no_own_update_error(self.adapter, self.gindex, self.kernel, self.no_own_update, stuck)
             if not all(self.eight_bit):
                 _warn_fp32_path(self.no_own_update)
         old, self.param_routes = self.param_routes, new

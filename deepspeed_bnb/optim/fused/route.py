@@ -1,20 +1,21 @@
 """Which code steps a parameter, the fused kernel or bitsandbytes' own update: the one place that decides.
 
-Two questions, asked in this order:
-1. `kernel_reason`, once per optimizer and device: may the fused kernel step anything here at all? No when the user
-   said `bnb_fused_kernel: false`, when the optimizer's update has no kernel or a subclass overrides it
-   (contract.optimizer_reason), on a device without kernels, on a GPU unless opted in (the CUDA kernels are
-   unproven there: never the silent default), when the compiled kernels cannot be loaded, or when they fail their
-   first-use check against the reference (ops/self_check.py). `true` turns every such reason but the contract's into
-   an error; a kernel that should run and cannot warns once and leaves the step to bnb.
+Two questions, asked in this order, both answered with a `Route` (FUSED, or bnb's own update and why):
+1. `kernel_route`, once per optimizer and device, from the user's `FusedKernel` setting: may the fused kernel step
+   anything here at all? No when the user said `bnb_fused_kernel: false`, when the optimizer's update has no kernel
+   or a subclass overrides it (contract.optimizer_reason), on a device without kernels, on a GPU unless opted in (the
+   CUDA kernels are unproven there: never the silent default), when the compiled kernels cannot be loaded, or when
+   they fail their first-use check (ops/self_check.py). `true` turns every such reason but the contract's into an
+   error; a kernel that should run and cannot warns once and leaves the step to bnb.
 2. `route`, per parameter and at every step (configs change during training): a `Route`, FUSED where the kernel
    computes that parameter's own bnb update (contract.param_reason), else one naming why bnb's `update_step` steps
    it. 32-bit state takes the kernel's fp32 path (contract.fp32_param_reason) where that is bnb's own update (bnb's
    CUDA arithmetic reproduces its 32-bit kernels too, so on a GPU one launch steps the whole partition) or where bnb
    has no update of its own (own_update.py).
-partition_step.py asks `route` through `route_table`; the ZeRO optimizers of every stage ask `kernel_reason`.
+partition_step.py asks `route` through `route_table`; the ZeRO optimizers of every stage ask `kernel_route`.
 """
 
+import enum
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -45,16 +46,39 @@ def _route(reason: Optional[str]) -> Route:
     return FUSED if reason is None else Route(reason)
 
 
-def kernel_reason(setting, optimizer, device, master: str = master_weights.FP32) -> Optional[str]:
-    """Why bnb's own update steps every parameter of the bnb `optimizer` on `device` (None: `route` decides per
-    parameter). `setting`: zero_optimization.bnb_fused_kernel ("auto", True or False); `master`: the master weights'
+class FusedKernel(enum.Enum):
+    """zero_optimization.bnb_fused_kernel, parsed (runtime/zero/config.py documents the key)."""
+
+    AUTO = "auto"  # the kernel where it computes bnb's own update and runs here (CPUs; GPUs once proven)
+    ON = "true"  # the same per-parameter contract, but the kernel must run: an error where it cannot
+    OFF = "false"  # bnb's own update everywhere
+
+    @classmethod
+    def of(cls, value) -> "FusedKernel":
+        """The setting of the key's value ("auto", true or false; a FusedKernel passes); a ValueError naming the key."""
+        if isinstance(value, cls):
+            return value
+        if value == "auto" and isinstance(value, str):
+            return cls.AUTO
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        raise ValueError(f"zero_optimization.bnb_fused_kernel must be \"auto\", true or false; got {value!r}")
+
+
+def kernel_route(setting, optimizer, device, master: str = master_weights.FP32) -> Route:
+    """FUSED where `route` decides per parameter of the bnb `optimizer` on `device`, else the route of every one of
+    them (bnb's own update, and why). `setting`: a FusedKernel (or the key's value); `master`: the master weights'
     mode (optim/master_weights.py)."""
-    if setting is False:
+    return _route(_kernel_reason(FusedKernel.of(setting), optimizer, device, master))
+
+
+def _kernel_reason(setting: FusedKernel, optimizer, device, master: str) -> Optional[str]:
+    if setting is FusedKernel.OFF:
         return "zero_optimization.bnb_fused_kernel is false"
     reason = optimizer_reason(optimizer)
     if reason is None and device.type not in KERNEL_DEVICES:
         reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
-    if reason is None and device.type == "cuda" and setting == "auto":
+    if reason is None and device.type == "cuda" and setting is FusedKernel.AUTO:
         # the CUDA kernels compute bnb's own CUDA arithmetic (and the first-use check holds them to bnb's update on
         # the device), but no GPU run has yet shown them bit for bit with bnb over many steps and faster inside the
         # engine: until the GPU proof does, the default stays with bnb's own update (never an unproven default)
@@ -71,25 +95,27 @@ def kernel_reason(setting, optimizer, device, master: str = master_weights.FP32)
                       f"with {master} master weights "
                       f"against its pure-torch reference ({problem})")
             _fall_back(setting, reason + "; please report it with your CPU/GPU model and torch/CUDA versions")
-    if reason is not None and setting is True:
+    if reason is not None and setting is FusedKernel.ON:
         raise ValueError(f"zero_optimization.bnb_fused_kernel: true, but {reason}. Use \"auto\" (the kernel where it "
                          f"models bnb's update, bnb's own update elsewhere) or false.")
     return reason
 
 
-def _fall_back(setting, reason: str) -> None:
-    if setting is not True:  # `true` raises instead (kernel_reason)
+def _fall_back(setting: FusedKernel, reason: str) -> None:
+    if setting is not FusedKernel.ON:  # `true` raises instead (_kernel_reason)
         warnings.warn(f"deepspeed_bnb: {reason}. bitsandbytes' own update steps this run instead (same optimizer, "
                       f"bnb's speed); zero_optimization.bnb_fused_kernel: false silences this.", RuntimeWarning,
                       stacklevel=5)
 
 
-def route(optimizer, kernel_reason: Optional[str], config: dict, eight_bit: bool,
+def route(optimizer, kernel: Route, config: dict, eight_bit: bool,
           no_own_update: Optional[str], arithmetic: str = rules.IEEE) -> Route:
-    """The route of a parameter of `optimizer` whose bnb config is `config` (8-bit state or not). `kernel_reason`:
-    the optimizer-wide answer above; `no_own_update`: why bnb has no update of its own on the partition's device
-    (own_update.missing), or None; `arithmetic`: what the kernel computes there (rules.arithmetic_for)."""
-    whole = kernel_reason or optimizer_reason(optimizer)
+    """The route of a parameter of `optimizer` whose bnb config is `config` (8-bit state or not). `kernel`: the
+    optimizer-wide answer above (kernel_route); `no_own_update`: why bnb has no update of its own on the partition's
+    device (own_update.missing), or None; `arithmetic`: what the kernel computes there (rules.arithmetic_for)."""
+    if not kernel.fused:
+        return kernel
+    whole = optimizer_reason(optimizer)
     if whole:
         return Route(whole)
     reason = param_reason(optimizer.optimizer_name, config, eight_bit)
@@ -99,7 +125,7 @@ def route(optimizer, kernel_reason: Optional[str], config: dict, eight_bit: bool
     return _route(reason)
 
 
-def route_table(optimizer, kernel_reason: Optional[str], configs: Sequence[dict], variant: Sequence[int],
+def route_table(optimizer, kernel: Route, configs: Sequence[dict], variant: Sequence[int],
                 eight_bit: Sequence[bool], no_own_update: Optional[str] = None,
                 arithmetic: str = rules.IEEE) -> List[Route]:
     """`route` per parameter, given its config variant among `configs` and its precision (computed once per
@@ -107,7 +133,7 @@ def route_table(optimizer, kernel_reason: Optional[str], configs: Sequence[dict]
     memo = {}  # (variant, precision) -> route
     for key in zip(variant, eight_bit):
         if key not in memo:
-            memo[key] = route(optimizer, kernel_reason, configs[key[0]], key[1], no_own_update, arithmetic)
+            memo[key] = route(optimizer, kernel, configs[key[0]], key[1], no_own_update, arithmetic)
     return [memo[key] for key in zip(variant, eight_bit)]
 
 

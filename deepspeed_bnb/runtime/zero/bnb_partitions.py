@@ -117,9 +117,9 @@ class BnbPartitionsMixin:
 
     def _bnb_step_of(self, i: int, params, gindex: int, eight_bit, segments, device) -> PartitionStep:
         """The step of partition i on this rank: its model parameters in flat order with their precisions, this rank's
-        segments of them; routed by optim/fused/route.py under the optimizer-wide `self.bnb_kernel_reason`."""
+        segments of them; routed by optim/fused/route.py under the optimizer-wide `self.bnb_kernel`."""
         return PartitionStep(self.bnb, gindex, segments, [self.bnb.override(p) for p in params], eight_bit, device,
-                             self.bnb_kernel_reason, on_reroute=functools.partial(self._bnb_log_reroute, i))
+                             self.bnb_kernel, on_reroute=functools.partial(self._bnb_log_reroute, i))
 
     def _bnb_param_name(self, param, where: str) -> str:
         return self.param_names.get(param, where)

@@ -6,12 +6,14 @@ not enough: the model itself must know them. The subclass below replaces DeepSpe
 up (overrides.py), so every parser accepts the new keys and still rejects typos such as `bnb_keep_hole`.
 """
 
-from typing import List, Union
+from dataclasses import dataclass
+from typing import List, Tuple, Union
 
 import deepspeed.runtime.zero.config as ds_zero_config
 from pydantic import Field, field_validator
 
 from deepspeed_bnb.optim import master_weights
+from deepspeed_bnb.optim.fused.route import FusedKernel
 from deepspeed_bnb.state_layout import BLOCK_SIZE
 
 DEFAULT_KEEP_WHOLE = ("qmap1", "qmap2")
@@ -56,18 +58,13 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
     @field_validator("bnb_master_weights", mode="before")
     @classmethod
     def _master_weights_is_a_mode(cls, value):
-        if value not in (master_weights.AUTO,) + master_weights.MODES:
-            raise ValueError(f"zero_optimization.bnb_master_weights must be one of "
-                             f"{', '.join(repr(m) for m in (master_weights.AUTO,) + master_weights.MODES)}; got "
-                             f"{value!r}")
-        return value
+        return master_weights.check_setting(value)
 
     @field_validator("bnb_fused_kernel", mode="before")
     @classmethod
     def _fused_is_auto_or_bool(cls, value):
-        if value == "auto" or isinstance(value, bool):
-            return value
-        raise ValueError(f"zero_optimization.bnb_fused_kernel must be \"auto\", true or false; got {value!r}")
+        FusedKernel.of(value)  # the parsed setting is BnbSettings'; the config keeps what the user wrote
+        return value
 
     @field_validator("bnb_keep_whole", mode="before")
     @classmethod
@@ -86,11 +83,21 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
         return value
 
 
-def bnb_settings(zero_config) -> dict:
-    """The bnb keys of a parsed ZeRO config, with defaults for a config parsed before deepspeed_bnb was imported."""
-    return {
-        "bnb_keep_whole": tuple(getattr(zero_config, "bnb_keep_whole", DEFAULT_KEEP_WHOLE)),
-        "bnb_keep_whole_threshold": getattr(zero_config, "bnb_keep_whole_threshold", BLOCK_SIZE),
-        "bnb_fused_kernel": getattr(zero_config, "bnb_fused_kernel", "auto"),
-        "bnb_master_weights": getattr(zero_config, "bnb_master_weights", master_weights.AUTO),
-    }
+@dataclass(frozen=True)
+class BnbSettings:
+    """The deepspeed_bnb keys of one engine's ZeRO config, read once (`of`) and handed to its ZeRO optimizer."""
+
+    keep_whole: Tuple[str, ...] = DEFAULT_KEEP_WHOLE  # bnb_keep_whole: state keys replicated whole
+    keep_whole_threshold: int = BLOCK_SIZE  # bnb_keep_whole_threshold: small unknown keys kept whole
+    fused_kernel: FusedKernel = FusedKernel.AUTO  # bnb_fused_kernel, parsed
+    master_weights: str = master_weights.AUTO  # bnb_master_weights: "auto" or one of master_weights.MODES
+
+    @classmethod
+    def of(cls, zero_config) -> "BnbSettings":
+        """The settings of a parsed ZeRO config (the defaults where it was parsed before deepspeed_bnb was imported,
+        and so lacks the keys)."""
+        return cls(keep_whole=tuple(getattr(zero_config, "bnb_keep_whole", DEFAULT_KEEP_WHOLE)),
+                   keep_whole_threshold=getattr(zero_config, "bnb_keep_whole_threshold", BLOCK_SIZE),
+                   fused_kernel=FusedKernel.of(getattr(zero_config, "bnb_fused_kernel", "auto")),
+                   master_weights=master_weights.check_setting(getattr(zero_config, "bnb_master_weights",
+                                                                        master_weights.AUTO)))

@@ -24,7 +24,7 @@ DeepSpeed's. Configurations whose code paths bypass these overrides are refused 
 
 import contextlib
 import inspect
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List
 
 import deepspeed.runtime.zero.stage3 as ds_stage3
 import torch
@@ -38,6 +38,7 @@ from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.fused import route as fused_route
+from deepspeed_bnb.optim.fused.route import Route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
@@ -47,7 +48,7 @@ from deepspeed_bnb.installer import swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
-from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
+from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, ShardedLayout
 from deepspeed_bnb.utils.tensor_fragment import PARAM_STATE_ATTR, ParamOptimizerState
@@ -84,17 +85,16 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
 class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
-    def __init__(self, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
-                 bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto",
-                 bnb_master_weights: str = master_weights.AUTO, **kwargs):
+    def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(), **kwargs):
         # DeepSpeed's arguments, by name: read and passed on as this release's signature names them (compat.py)
         kwargs = compat.by_name(DeepSpeedZeroOptimizer_Stage3.__init__, args, kwargs)
         module, init_optimizer = kwargs["module"], kwargs["init_optimizer"]
         self._bnb_refuse_unsupported(init_optimizer)
         _refuse_unsupported(init_optimizer, kwargs)
         # Before DeepSpeed replaces each group's params: precision and config overrides per model parameter.
-        self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
-        self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer_Stage3)
+        self.bnb_settings = bnb_settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
+        self.bnb = BnbAdapter(init_optimizer, bnb_settings.keep_whole, bnb_settings.keep_whole_threshold)
+        self._bnb_resolve_master(bnb_settings.master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer_Stage3)
         offload = kwargs.get("offload_optimizer_config")
         if getattr(offload, "device", None) == "nvme" and self.bnb_master.mode != master_weights.FP32:
             raise NotImplementedError(
@@ -119,7 +119,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         group_eight_bit = {g: [self.bnb.eight_bit(p) for j in subs for p in self.fp16_groups[j]]
                            for g, subs in self.bnb_sub_groups.items()}
         device = self._bnb_device()
-        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device,
+        self.bnb_kernel: Route = fused_route.kernel_route(bnb_settings.fused_kernel, self.optimizer, device,
                                                                                   self.bnb_master.mode)
         for i, params in enumerate(self.fp16_groups):
             gindex = self.sub_group_to_group_id[i]

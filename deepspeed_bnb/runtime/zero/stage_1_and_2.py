@@ -18,7 +18,7 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -30,26 +30,24 @@ from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.optim.fused import route as fused_route
+from deepspeed_bnb.optim.fused.route import Route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.ops import compensated
-from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, by_name, padding_mode, require_reduced_grad_accum, \
     wait_for_offload_copies
-from deepspeed_bnb.runtime.zero.config import DEFAULT_KEEP_WHOLE
+from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
-from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, zero_alignment
+from deepspeed_bnb.state_layout import GroupLayout, zero_alignment
 from deepspeed_bnb.utils.tensor_fragment import link_param_states
 
 
 class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
-    def __init__(self, *args, bnb_keep_whole: Iterable[str] = DEFAULT_KEEP_WHOLE,
-                 bnb_keep_whole_threshold: int = BLOCK_SIZE, bnb_fused_kernel="auto",
-                 bnb_master_weights: str = master_weights.AUTO, **kwargs):
+    def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(), **kwargs):
         # DeepSpeed's arguments, by name: read and passed on as this release's signature names them (compat.py)
         kwargs = by_name(DeepSpeedZeroOptimizer.__init__, args, kwargs)
         init_optimizer = kwargs["init_optimizer"]
@@ -60,8 +58,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             padding_tensors.refuse_unsupported(init_optimizer, kwargs)
         # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
         # overrides per model parameter while bnb can still see the parameters.
-        self.bnb = BnbAdapter(init_optimizer, bnb_keep_whole, bnb_keep_whole_threshold)
-        self._bnb_resolve_master(bnb_master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer)  # self.bnb_master
+        self.bnb_settings = bnb_settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
+        self.bnb = BnbAdapter(init_optimizer, bnb_settings.keep_whole, bnb_settings.keep_whole_threshold)
+        self._bnb_resolve_master(bnb_settings.master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer)  # self.bnb_master
         super().__init__(**kwargs)
         # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
@@ -75,7 +74,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # partition's device), folded into the step
         device = self.single_partition_of_fp32_groups[0].device
         # why no parameter may be fused here (None: the contract decides per parameter)
-        self.bnb_kernel_reason: Optional[str] = fused_route.kernel_reason(bnb_fused_kernel, self.optimizer, device,
+        self.bnb_kernel: Route = fused_route.kernel_route(bnb_settings.fused_kernel, self.optimizer, device,
                                                                                   self.bnb_master.mode)
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
