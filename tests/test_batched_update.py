@@ -37,8 +37,8 @@ def test_runs_join_adjacent_32bit_segments_of_one_override():
 
 
 @pytest.mark.parametrize("rule", batched_update.ELEMENT_WISE)
-def test_bnbs_32bit_cpu_update_is_position_invariant_here(rule):
-    batched_update.position_invariant.cache_clear()
+def test_bnbs_32bit_cpu_update_is_position_invariant_here(rule, monkeypatch):
+    monkeypatch.setattr(batched_update, "_probed", {})
     assert batched_update.position_invariant(rule)
     assert batched_update.allowed(rule, "cpu")
     assert not batched_update.allowed(rule, "cuda")  # bnb's CUDA momentum kernel rounds by index mod 4
@@ -53,8 +53,18 @@ def test_control_a_position_dependent_update_is_caught(monkeypatch):
         if p.numel() == sum(batched_update.PROBE_SIZES):  # the concatenation only: one element nudged one ulp
             p[3] = torch.nextafter(p[3], torch.tensor(float("inf")))
     monkeypatch.setattr(F, "optimizer_update_32bit", by_position)
-    batched_update.position_invariant.cache_clear()
-    try:
+    monkeypatch.setattr(batched_update, "_probed", {})
+    assert not batched_update.position_invariant("adam")
+
+
+def test_a_probe_that_cannot_run_is_not_kept(monkeypatch):
+    """Where bnb has no CPU update (0.49, or a test simulating it) nothing is batched, and the probe runs again once
+    there is one."""
+    monkeypatch.setattr(batched_update, "_probed", {})
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("All input tensors need to be on the same GPU")
+    with monkeypatch.context() as patched:
+        patched.setattr(F, "optimizer_update_32bit", refuses)
         assert not batched_update.position_invariant("adam")
-    finally:
-        batched_update.position_invariant.cache_clear()
+    assert batched_update.position_invariant("adam")

@@ -1,19 +1,19 @@
-"""No JIT build lock hangs the suite (tests/support/jit_guard.py): torch's wait for another process's extension
-build is bounded, and a lock whose builder died is removed.
+"""No JIT build lock hangs the suite (tests/support/jit_guard.py): a lock whose builder died is taken over, and a
+wait for a live builder is bounded.
 
 - A lock its builder removes ends the wait; a lock a live process holds open is waited on, then a JitLockTimeout
-  names it and its age (the lock stays: its builder may be slow, not dead); a lock no process holds open (its builder
-  killed) is removed with a warning naming it.
-- End to end, with DeepSpeed's own op builder: a build killed midway leaves torch's lock behind; a process with the
-  guard (every child of the suite has it, through sitecustomize on the PYTHONPATH) then builds and loads the op, and
-  says it removed the lock. Control: a process without the guard still waits on that lock when its time is up.
+  names it and its age (the lock stays: its builder may be slow, not dead); a builder that dies during the wait ends
+  it with a JitBuilderDied; a lock no process holds open (its builder killed before) is removed with a warning naming
+  it, and torch's FileBaton then acquires it (the process builds).
+- End to end, with DeepSpeed's own op builder: a dead build's lock in its folder; a process with the guard (every
+  child of the suite has it, through sitecustomize on the PYTHONPATH) loads the op and says it removed the lock.
+  Control: a process without the guard still waits on that lock when its time is up.
 """
 
 import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -23,13 +23,18 @@ from support import jit_guard
 HOLD = "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(60)"
 
 
+FINISH = ("import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
+          "sys.stdin.readline(); os.close(fd); os.remove(sys.argv[1])")
+
+
 def test_a_lock_its_builder_removes_ends_the_wait(tmp_path):
     lock = tmp_path / "lock"
-    lock.write_text("")
-    threading.Timer(0.5, lock.unlink).start()
-    started = time.monotonic()
-    jit_guard.wait(str(lock), poll=0.05, limit=30)
-    assert not lock.exists() and time.monotonic() - started < 20
+    builder = subprocess.Popen([sys.executable, "-c", FINISH, str(lock)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "held"
+    threading.Timer(0.5, lambda: (builder.stdin.write("done\n"), builder.stdin.flush())).start()
+    jit_guard.wait(str(lock), poll=0.05, limit=600)  # returns (no JitBuilderDied, no timeout)
+    assert builder.wait(timeout=60) == 0 and not lock.exists()
 
 
 def test_a_lock_held_open_by_a_live_process_is_waited_on_then_named(tmp_path):
@@ -47,12 +52,27 @@ def test_a_lock_held_open_by_a_live_process_is_waited_on_then_named(tmp_path):
         holder.wait()
 
 
-def test_a_lock_no_process_holds_is_removed_with_a_warning(tmp_path):
+def test_a_lock_no_process_holds_is_taken_over_with_a_warning(tmp_path):
+    from torch.utils.file_baton import FileBaton
     lock = tmp_path / "lock"
     os.close(os.open(lock, os.O_CREAT | os.O_EXCL))  # a builder that died: the file, no descriptor on it
     assert jit_guard.holders(str(lock)) == set()
+    baton = FileBaton(str(lock))
     with pytest.warns(RuntimeWarning, match=rf"removed {lock}, a JIT build lock \d+ s old that no process holds"):
-        jit_guard.wait(str(lock), poll=0.05, limit=30)
+        assert baton.try_acquire()  # this process builds now
+    assert jit_guard.holders(str(lock)) == {os.getpid()}
+    baton.release()
+    assert not lock.exists()
+
+
+def test_a_builder_that_dies_during_the_wait_ends_it(tmp_path):
+    lock = tmp_path / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    threading.Timer(1.0, holder.kill).start()  # killed mid-"build": its lock stays, held by no one
+    with pytest.raises(jit_guard.JitBuilderDied, match=rf"the process building the extension of {lock} died"):
+        jit_guard.wait(str(lock), poll=0.05, limit=60)
+    holder.wait()
     assert not lock.exists()
 
 

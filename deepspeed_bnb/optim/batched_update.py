@@ -14,8 +14,7 @@ f32 CUDA SGD-momentum kernel rounds an element by its index mod 4 in the call), 
 elements (the copies would cost what the call saves).
 """
 
-import functools
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -24,6 +23,7 @@ from deepspeed_bnb.state_layout import Segment
 ELEMENT_WISE = ("adam", "lion", "momentum", "rmsprop", "adagrad")  # bnb rules whose 32-bit update is element-wise
 MAX_SEGMENT = 1 << 16  # elements of a segment that may join a batch
 PROBE_SIZES = (1, 97, 301, 4099, 40000)  # odd sizes: vector bodies, scalar tails, a chunk split across threads
+_probed: Dict[str, bool] = {}  # rule -> what its probe found (a probe that could not run is not kept)
 
 
 def runs(segments: Sequence[Segment], overrides: Sequence[dict], batchable: Callable[[Segment, dict], bool],
@@ -51,10 +51,19 @@ def allowed(rule: str, device) -> bool:
     return torch.device(device).type == "cpu" and rule in ELEMENT_WISE and position_invariant(rule)
 
 
-@functools.lru_cache(maxsize=None)
 def position_invariant(rule: str) -> bool:
     """bnb's 32-bit CPU update of `rule` gives each element the same bits alone and inside a concatenation (two
-    steps, weight decay on, odd sizes), on this machine with this torch."""
+    steps, weight decay on, odd sizes), on this machine with this torch; probed once per rule (False, and probed
+    again next time, where bnb has no CPU update to probe)."""
+    if rule not in _probed:
+        found = _probe(rule)
+        if found is None:
+            return False
+        _probed[rule] = found
+    return _probed[rule]
+
+
+def _probe(rule: str):
     import bitsandbytes.functional as F
     two = rule == "adam"
     g = torch.Generator().manual_seed(0)
@@ -66,8 +75,8 @@ def position_invariant(rule: str) -> bool:
             for p, grad, s1, s2 in [*parts, joined]:
                 F.optimizer_update_32bit(rule, grad, p, s1, 0.9, 1e-8, step, 1e-3, s2 if two else None, 0.999, 0.0,
                                          0.0, 0.01, 1.0)
-    except Exception:  # bnb without a CPU update here (0.49): nothing to batch
-        return False
+    except Exception:  # bnb without a CPU update here (0.49): nothing to batch, nothing learnt
+        return None
     for k in (0, 2, 3) if two else (0, 2):
         alone = torch.cat([p[k] for p in parts])
         if not torch.equal(alone.view(torch.int32), joined[k].view(torch.int32)):

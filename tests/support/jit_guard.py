@@ -1,16 +1,20 @@
-"""No JIT build lock can hang the suite: torch's wait for an extension build in progress, bounded, and a lock whose
-builder died taken away.
+"""No JIT build lock can hang the suite: a lock whose builder died is taken over, and every wait for a live one is
+bounded.
 
 Why: torch's extension builder (torch.utils.cpp_extension, behind every JIT build: this project's kernels and
 DeepSpeed's own ops, async_io, cpu_adam, fused_adam, shm_comm, pin_memory among them) marks a build in progress with a
 `lock` file in the build folder (torch.utils.file_baton.FileBaton), holds it open while it builds, and removes it after;
 every other process that wants the same extension waits until the file is gone: forever, when the builder was killed
 (a timeout, a deadline, Ctrl-C), since nothing else removes it. One such file once held a whole `make test` asleep.
-`install()` replaces FileBaton.wait for this process: the file held open by no process for WAIT_POLL * 10 seconds on
-end is a dead builder's (a live builder holds its descriptor from the file's creation to just before its removal) and
-is removed, with a warning naming it and its age; and no wait lasts more than `limit` seconds: then a
-JitLockTimeout names the lock, its age and what to do. Whether a process holds the file open is read from
-/proc/<pid>/fd (Linux); where that cannot be read for every process, no lock counts as dead and only the bound applies.
+`patch()` changes FileBaton for this process:
+- try_acquire: a lock held open by no process (its builder is dead: a live one holds its descriptor from the file's
+  creation until just before its removal), on two looks WAIT_POLL apart, is removed with a warning naming it and its
+  age, and this process takes the build over;
+- wait: at most `limit` seconds, then a JitLockTimeout naming the lock, its age and its holders; a builder that dies
+  while this process waits ends the wait with a JitBuilderDied (torch would otherwise import a library that was never
+  built), and the next process that loads the extension builds it.
+Whether a process holds the file open is read from /proc/<pid>/fd (Linux); where that cannot be read for every
+process, no lock counts as dead and only the bound applies.
 The suite installs it in its own process (tests/conftest.py) and, through tests/support/site/sitecustomize.py on the
 PYTHONPATH it hands on, in every child it starts (ranks, launchers, the GPU proof and its rehearsal); it takes
 effect when a process imports torch's FileBaton, and imports nothing before.
@@ -30,6 +34,10 @@ WAIT_POLL = 0.5  # seconds between looks at the lock
 
 class JitLockTimeout(RuntimeError):
     """A wait for another process's JIT build outlasted the bound."""
+
+
+class JitBuilderDied(RuntimeError):
+    """The process building a JIT extension died while this one waited for it."""
 
 
 def holders(path: str):
@@ -63,41 +71,72 @@ def _age(path: str) -> float:
         return 0.0
 
 
+def dead(lock: str, poll: float = WAIT_POLL) -> bool:
+    """Whether `lock` exists and no process holds it open, on two looks `poll` seconds apart (a live builder closes
+    its descriptor a moment before it removes the file)."""
+    for look in range(2):
+        if look:
+            time.sleep(poll)
+        if not os.path.exists(lock) or holders(lock) != set():
+            return False
+    return True
+
+
+def take_over(lock: str, poll: float = WAIT_POLL) -> bool:
+    """Remove `lock` if its builder is dead (with a warning naming it); whether it was removed."""
+    if not dead(lock, poll):
+        return False
+    age = _age(lock)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:
+        return False
+    warnings.warn(f"removed {lock}, a JIT build lock {age:.0f} s old that no process holds open: its builder died "
+                  f"(killed mid-build); building again", RuntimeWarning, stacklevel=3)
+    return True
+
+
 def wait(lock: str, poll: float = WAIT_POLL, limit: float = DEFAULT_LIMIT) -> None:
-    """Until `lock` is gone: removed by its builder, or by this wait once no process has held it open for 10 polls;
-    a JitLockTimeout after `limit` seconds."""
+    """Until `lock` is gone (its builder done); a JitBuilderDied when its builder dies meanwhile, a JitLockTimeout
+    after `limit` seconds."""
     start = time.monotonic()
-    unheld = 0  # consecutive looks at which no process held the lock open
     while os.path.exists(lock):
         time.sleep(poll)
-        held = holders(lock)
-        unheld = unheld + 1 if held == set() else 0
-        if unheld >= 10 and os.path.exists(lock):
+        if dead(lock, poll):
             age = _age(lock)
             try:
                 os.remove(lock)
             except FileNotFoundError:
-                return
-            warnings.warn(f"removed {lock}, a JIT build lock {age:.0f} s old that no process holds open: its builder "
-                          f"died (killed mid-build); building again", RuntimeWarning, stacklevel=3)
-            return
+                pass
+            raise JitBuilderDied(f"the process building the extension of {lock} died while this one waited for it "
+                                 f"(the lock was {age:.0f} s old; removed now): the extension was not built. Load it "
+                                 f"again: the next load builds it.")
         if time.monotonic() - start > limit:
+            held = holders(lock)
             raise JitLockTimeout(f"waited {limit:.0f} s on the JIT build lock {lock} (created {_age(lock):.0f} s "
                                  f"ago, held open by {sorted(held) if held else 'no process we can see'}): another "
                                  f"build of that extension is still running or hung; if none is, remove the file")
 
 
 def patch(file_baton, limit: float = None) -> None:
-    """Replace FileBaton.wait of the module torch.utils.file_baton by `wait` (bounded by `limit`, default from
-    LIMIT_ENV); once."""
-    if getattr(file_baton.FileBaton.wait, "_bounded", False):
+    """Change FileBaton of the module torch.utils.file_baton as the module docstring says (bounded by `limit`,
+    default from LIMIT_ENV); once."""
+    baton = file_baton.FileBaton
+    if getattr(baton.wait, "_bounded", False):
         return
     bound = float(limit if limit is not None else os.environ.get(LIMIT_ENV, DEFAULT_LIMIT))
+    acquire = baton.try_acquire
+
+    def try_acquire(self):
+        if acquire(self):
+            return True
+        return take_over(self.lock_file_path) and acquire(self)
 
     def bounded(self):
         wait(self.lock_file_path, max(self.wait_seconds, WAIT_POLL), bound)
     bounded._bounded = True
-    file_baton.FileBaton.wait = bounded
+    baton.try_acquire = try_acquire
+    baton.wait = bounded
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
