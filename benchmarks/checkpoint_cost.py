@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
+sys.path.insert(0, HERE)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -38,7 +38,7 @@ def one_rank():
 
 
 def demo_model():
-    from gpt import GPT, GPTConfig
+    from deepspeed_bnb.demo.gpt import GPT, GPTConfig
     return GPT(GPTConfig(width=128, depth=4, heads=4))
 
 

@@ -17,16 +17,15 @@ import torch
 import torch.distributed as tdist
 
 import deepspeed_bnb  # noqa: F401  (routes bnb optimizers to BnbZeroOptimizer; leaves the others to DeepSpeed)
+from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
+from deepspeed_bnb.demo.text import ByteBatches, stdlib_bytes
 from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.utils.teardown import finish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 sys.path.insert(0, HERE)
 from compare_adam_configs import CONFIGS
-from gpt import GPT, GPTConfig, decay_groups
-from stdlib_text import ByteBatches, stdlib_bytes
 from tensor_census import PeakSampler, state_bytes_by_key
-from teardown import finish
 
 
 def parse_args():
@@ -279,5 +278,5 @@ def main():
 if __name__ == "__main__":
     main()
     # the result is written: leave the group and exit without the interpreter's teardown, where torch's gloo group can
-    # abort (SIGABRT) a finished job (examples/teardown.py)
+    # abort (SIGABRT) a finished job (deepspeed_bnb/utils/teardown.py)
     finish()

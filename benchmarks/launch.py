@@ -1,15 +1,15 @@
 """Launch a benchmark worker as an N-rank CPU job (torchrun, gloo) in a cleaned environment, one job at a time.
 
-The workers end with teardown.finish() (examples/teardown.py); a job that failed only by gloo's teardown abort after
-every rank had finished counts as finished, any other failure raises.
+The workers end with teardown.finish() (deepspeed_bnb/utils/teardown.py); a job that failed only by gloo's teardown
+abort after every rank had finished counts as finished, any other failure raises.
 """
 
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from teardown import run_ranks, unused_port as free_port  # noqa: E402,F401  (checkpoint_cost imports it here)
+# free_port: checkpoint_cost imports it from here
+from deepspeed_bnb.utils.teardown import run_ranks, unused_port as free_port  # noqa: F401
 
 # Set by an enclosing launcher (or by an in-process one-rank group in tests); a fresh job must pick its own.
 INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",

@@ -11,14 +11,9 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from teardown import finish  # noqa: E402
 
 COUNTS = {"read": 0, "written": 0}
 READS, WRITES = ("async_pread", "sync_pread", "pread", "read"), ("async_pwrite", "sync_pwrite", "pwrite", "write")
@@ -133,4 +128,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # imported only now: importing it imports deepspeed_bnb, which the stock configurations must run without
+    from deepspeed_bnb.utils.teardown import finish
     finish()

@@ -31,7 +31,7 @@ def llama_shapes(layers=32, width=4096, hidden=11008, vocab=32000):
 
 
 def demo_shapes(width=128, depth=4, vocab=256, context=128):
-    """examples/gpt.py defaults."""
+    """deepspeed_bnb/demo/gpt.py defaults."""
     decay, other = [vocab * width, context * width, vocab * width], [width, width]
     for _ in range(depth):
         decay += [width * 3 * width, width * width, width * 4 * width, 4 * width * width]
@@ -39,7 +39,7 @@ def demo_shapes(width=128, depth=4, vocab=256, context=128):
     return [decay, other]
 
 
-MODELS = {"demo GPT (examples/gpt.py)": demo_shapes(), "GPT-2 124M": gpt2_shapes(), "Llama-2 7B": llama_shapes()}
+MODELS = {"demo GPT (deepspeed_bnb/demo/gpt.py)": demo_shapes(), "GPT-2 124M": gpt2_shapes(), "Llama-2 7B": llama_shapes()}
 
 
 def main():

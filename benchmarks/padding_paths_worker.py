@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import bitsandbytes as bnb
@@ -18,13 +17,10 @@ import torch
 import torch.distributed as tdist
 
 import deepspeed_bnb  # noqa: F401
+from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING
 from deepspeed_bnb.runtime.zero.padding_tensors import is_padding
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from gpt import GPT, GPTConfig, decay_groups  # noqa: E402
-from teardown import finish  # noqa: E402
+from deepspeed_bnb.utils.teardown import finish
 
 MODES = (PARAM_PADDING, PADDING_TENSORS)
 

@@ -16,13 +16,12 @@ import torch
 import torch.distributed as tdist
 
 import deepspeed_bnb  # noqa: F401
+from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
+from deepspeed_bnb.utils.teardown import finish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 sys.path.insert(0, HERE)
-from gpt import GPT, GPTConfig, decay_groups
 from tensor_census import PeakSampler, census, live_storages
-from teardown import finish
 
 OPTIMIZERS = {
     "torch_adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95)),
@@ -98,5 +97,5 @@ def main():
 if __name__ == "__main__":
     main()
     # the result is written: leave the group and exit without the interpreter's teardown, where torch's gloo group can
-    # abort (SIGABRT) a finished job (examples/teardown.py)
+    # abort (SIGABRT) a finished job (deepspeed_bnb/utils/teardown.py)
     finish()

@@ -21,7 +21,7 @@ Prints the timeline (holds, kill, restarts, resumed step, world size, lost steps
 at the new size) and how far the elastic run's losses, held-out losses and final weights are from the reference's.
 Processes are started and ended here, by PID, on 127.0.0.1 only. The runs' workers end with teardown.finish(), and a
 `torchrun --standalone` run counts as finished when it failed only by gloo's teardown abort after every rank was
-done (see teardown.py).
+done (see deepspeed_bnb/utils/teardown.py).
 """
 
 import argparse
@@ -34,10 +34,10 @@ import sys
 import time
 from typing import Dict, List
 
+from deepspeed_bnb.utils.teardown import run_ranks, unused_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from teardown import run_ranks, unused_port  # noqa: E402
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -281,7 +281,6 @@ def control_run(args, save_dir, step, control_dir, control_events, world) -> Dic
 
 def weights_diff(reference_dir: str, other_dir: str) -> float:
     """Largest |difference| between the final fp32 master weights of two checkpoints (read offline)."""
-    sys.path.insert(0, ROOT)
     from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
     a, b = SavedCheckpoint(reference_dir), SavedCheckpoint(other_dir)
     worst = 0.0

@@ -16,7 +16,6 @@ a function of the step alone, so the run trains what an uninterrupted one would.
 import argparse
 import json
 import os
-import sys
 import time
 
 import bitsandbytes as bnb
@@ -26,13 +25,11 @@ from deepspeed import comm as dist
 from tqdm import tqdm
 
 import deepspeed_bnb  # noqa: F401  (teaches DeepSpeed the bnb_* keys and the block-aware ZeRO optimizer)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic import (Events, HeldOut, SaveCadence, batch_plan, hold_here, parse_holds, rank_rows,  # noqa: E402
-                     step_windows, windows)
-from gpt import GPT, GPTConfig, decay_groups  # noqa: E402
-from stdlib_text import ByteBatches, stdlib_bytes  # noqa: E402
-from teardown import finish  # noqa: E402
+from deepspeed_bnb.demo.elastic import (Events, HeldOut, SaveCadence, batch_plan, hold_here, parse_holds, rank_rows,
+                                        step_windows, windows)
+from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
+from deepspeed_bnb.demo.text import ByteBatches, stdlib_bytes
+from deepspeed_bnb.utils.teardown import finish
 
 
 def parse_args():

@@ -13,8 +13,6 @@ ranks run, so every step sees the same sequences at any number of ranks.
 
 import argparse
 import json
-import os
-import sys
 
 import bitsandbytes as bnb
 import torch
@@ -23,11 +21,9 @@ from accelerate.utils import InitProcessGroupKwargs
 from deepspeed.accelerator import get_accelerator
 
 import deepspeed_bnb  # noqa: F401  (teaches DeepSpeed the bnb_* keys; keeps bnb optimizers under Accelerate)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, decay_groups
-from stdlib_text import ByteWindows, stdlib_bytes
-from teardown import finish
+from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
+from deepspeed_bnb.demo.text import ByteWindows, stdlib_bytes
+from deepspeed_bnb.utils.teardown import finish
 
 
 def parse_args(argv=None):
@@ -105,5 +101,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     main()
     # torch's gloo group can abort in C++ at interpreter exit (SIGABRT) after a finished run, and the launcher would
-    # report a failure: leave the group and exit without the interpreter's teardown (teardown.py)
+    # report a failure: leave the group and exit without the interpreter's teardown (deepspeed_bnb/utils/teardown.py)
     finish()

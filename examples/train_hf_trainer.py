@@ -14,7 +14,6 @@ however many ranks run, so every step sees the same sequences at any number of r
 import argparse
 import json
 import os
-import sys
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -27,10 +26,8 @@ from transformers import (
 )
 
 import deepspeed_bnb  # noqa: F401  (teaches DeepSpeed the bnb_* keys and the block-aware ZeRO optimizer)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from stdlib_text import ByteWindows, stdlib_bytes
-from teardown import finish
+from deepspeed_bnb.demo.text import ByteWindows, stdlib_bytes
+from deepspeed_bnb.utils.teardown import finish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -156,5 +153,5 @@ def report(trainer, losses: LossLog, args) -> dict:
 if __name__ == "__main__":
     main()
     # torch's gloo group can abort in C++ at interpreter exit (SIGABRT) after a finished run, and the launcher would
-    # report a failure: leave the group and exit without the interpreter's teardown (teardown.py)
+    # report a failure: leave the group and exit without the interpreter's teardown (deepspeed_bnb/utils/teardown.py)
     finish()

@@ -18,19 +18,18 @@ global batch is split over ranks.
 """
 
 import os
-import sys
 
 from datasets import Dataset
 from transformers import AddedToken, ByT5Tokenizer
 from trl import SFTConfig, SFTTrainer
 
 import deepspeed_bnb  # noqa: F401  (teaches DeepSpeed the bnb_* keys and the block-aware ZeRO optimizer)
+from deepspeed_bnb.demo.text import ByteWindows, stdlib_bytes
+from deepspeed_bnb.utils.teardown import finish
+# the HF Trainer example beside this one (a script's own folder is the first entry of sys.path)
+from train_hf_trainer import LossLog, parse_args, report, tiny_gpt2, training_arguments, world_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from stdlib_text import ByteWindows, stdlib_bytes
-from teardown import finish
-from train_hf_trainer import LossLog, parse_args, report, tiny_gpt2, training_arguments, world_size
 
 
 def text_dataset(args) -> Dataset:
@@ -65,5 +64,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     main()
     # torch's gloo group can abort in C++ at interpreter exit (SIGABRT) after a finished run, and the launcher would
-    # report a failure: leave the group and exit without the interpreter's teardown (teardown.py)
+    # report a failure: leave the group and exit without the interpreter's teardown (deepspeed_bnb/utils/teardown.py)
     finish()

@@ -23,12 +23,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny models from configs: nothing to download, and no network here
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-import train_accelerate
-import train_hf_trainer
-from teardown import finish
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+
+from deepspeed_bnb.utils.teardown import finish
+from support import examples
+
+train_accelerate = examples.load("train_accelerate")
+train_hf_trainer = examples.load("train_hf_trainer")
 
 
 @contextlib.contextmanager
@@ -62,7 +64,7 @@ def main():
                                           else []))
         else:
             if example == "trl":
-                import train_trl_sft  # needs trl (and datasets), which the other examples do not
+                train_trl_sft = examples.load("train_trl_sft")  # needs trl (and datasets), as the others do not
             with trainer_resumes_without_optimizer_state() if name.endswith("-weights-only") else \
                     contextlib.nullcontext():
                 (train_trl_sft if example == "trl" else train_hf_trainer).main(argv)
@@ -75,5 +77,5 @@ def main():
 if __name__ == "__main__":
     main()
     # every result is written: leave the group and skip the interpreter's teardown, where gloo can abort an otherwise
-    # finished launch (examples/teardown.py)
+    # finished launch (deepspeed_bnb/utils/teardown.py)
     finish()

@@ -7,7 +7,6 @@ import sys
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
 
 
 def extensions_dir(python: str) -> str:
@@ -26,12 +25,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([GUARD_SITE, *filter(No
 from support import jit_guard  # noqa: E402
 
 jit_guard.install()
-# the rule every multi-rank launch here is judged by, and its retry on a port taken meanwhile
-from teardown import PORT_TAKEN, PORT_TRIES, run_ranks, unused_port  # noqa: E402
+# The rule every multi-rank launch here is judged by, and its retry on a port taken meanwhile, come from
+# deepspeed_bnb.utils.teardown, imported where used: importing it imports deepspeed_bnb, and the GPU proof's parent
+# process imports this module before DeepSpeed is installed there (tests/gpu/proof_common.py).
 
 
 def free_port() -> int:
     """A port free now; launches through run_ranks retry on another when it was taken before they bound it."""
+    from deepspeed_bnb.utils.teardown import unused_port
     return unused_port()
 
 
@@ -79,6 +80,8 @@ def one_rank():
     picked was taken before the store bound it (a busy machine)."""
     import deepspeed
     from deepspeed import comm as dist
+
+    from deepspeed_bnb.utils.teardown import PORT_TAKEN, PORT_TRIES
     for attempt in range(PORT_TRIES):
         if dist.is_initialized():
             break
@@ -116,8 +119,9 @@ def launch_env(python: str = sys.executable) -> dict:
 def run_or_fail(cmd, env: dict, timeout: int, cwd=None, ranks: int = 0) -> subprocess.CompletedProcess:
     """Run `cmd`; fail the test with the tail of its output if it exits non-zero. With `ranks`, `cmd` launches that
     many ranks ending with teardown.finish(), and a launch that failed only by gloo's teardown abort after every
-    rank was done passes (examples/teardown.py)."""
+    rank was done passes (deepspeed_bnb/utils/teardown.py)."""
     if ranks:
+        from deepspeed_bnb.utils.teardown import run_ranks
         launch = run_ranks(cmd, ranks, env=env, timeout=timeout, cwd=cwd)
         if not launch.ok:
             pytest.fail(launch.failure())

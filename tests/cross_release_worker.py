@@ -9,17 +9,13 @@ Rank 0 writes --out/result.json: the losses, the DeepSpeed release and the optim
 import argparse
 import json
 import os
-import sys
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
 
 import bitsandbytes as bnb  # noqa: E402
 import deepspeed  # noqa: E402
-import teardown  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import deepspeed_bnb  # noqa: E402,F401
+from deepspeed_bnb.utils import teardown  # noqa: E402
 from distributed_scenarios import run_steps  # noqa: E402
 from toy import ds_config, make_model, param_groups  # noqa: E402
 

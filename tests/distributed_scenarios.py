@@ -28,7 +28,6 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import bitsandbytes as bnb  # noqa: E402
 import deepspeed  # noqa: E402
@@ -45,7 +44,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
 from bnb_state import bnb_moments  # noqa: E402
-from teardown import finish  # noqa: E402
+from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 from toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model, moment_values,  # noqa: E402
                  param_groups)
 
@@ -803,5 +802,5 @@ if __name__ == "__main__":
     # torch 2.13's gloo group aborts at interpreter exit in ~40% of 3-rank runs without the barrier and destroy that
     # finish() does, and a 4-rank launch that built ZeRO-3 engines still aborted after them in about 1 of 4 suite runs
     # (SIGABRT, "terminate called without an active exception", no Python frame): finish() also skips the
-    # interpreter's teardown, and marks the rank done for the launcher (examples/teardown.py)
+    # interpreter's teardown, and marks the rank done for the launcher (deepspeed_bnb/utils/teardown.py)
     finish()

@@ -28,9 +28,8 @@ from deepspeed import comm as dist
 from deepspeed.utils import safe_get_full_fp32_param
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import deepspeed_bnb  # noqa: E402,F401
-from teardown import finish  # noqa: E402
+from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 
 HIDDEN, CLASSES, GLOBAL_BATCH = 1024, 8, 8  # the batch splits into 2 ranks or 1
 STEPS, SAVE_AT = 6, 3

@@ -14,8 +14,7 @@ import sys
 
 import torch.distributed as tdist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import teardown  # noqa: E402
+from deepspeed_bnb.utils import teardown
 
 
 def main():

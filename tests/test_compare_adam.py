@@ -42,7 +42,7 @@ def scaling(tmp_path_factory):
         return out, json.load(f)["rows"]
 
 
-# ---- independent expectations: from the architecture of examples/gpt.py, not from the code under test ----------
+# ---- independent expectations: from the architecture of deepspeed_bnb/demo/gpt.py, not from the code under test ------
 
 def group_numels(width, depth, context, vocab):
     """Elements of AdamW's two groups: decay (matrices, embeddings) and no-decay (biases, LayerNorm)."""

@@ -13,15 +13,12 @@ the held-out split, checkpoint retention, the hold specs, and the failover plans
 """
 
 import os
-import sys
 
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
-from elastic import batch_plan, parse_holds, rank_rows, step_windows  # noqa: E402
+from deepspeed_bnb.demo.elastic import batch_plan, parse_holds, rank_rows, step_windows
+from support import examples
 
 SAVE_EVERY, STEPS = 3, 30
 KILL_AT, REGROW_AT = 7, 9  # a step after a checkpoint (one step lost), and a checkpoint step (none lost)
@@ -29,7 +26,8 @@ KILL_AT, REGROW_AT = 7, 9  # a step after a checkpoint (one step lost), and a ch
 
 @pytest.fixture(scope="module")
 def failover(tmp_path_factory):
-    from elastic_failover import parser, run
+    script = examples.load("elastic_failover")
+    parser, run = script.parser, script.run
     args = parser().parse_args(["--workdir", str(tmp_path_factory.mktemp("failover")), "--steps", str(STEPS),
                                 "--kill-at", str(KILL_AT), "--regrow-at", str(REGROW_AT),
                                 "--save-every", str(SAVE_EVERY), "--global-batch", "8", "--width", "32", "--depth",
@@ -71,7 +69,8 @@ def test_hold_specs():
     (2, 9, 30),  # no checkpoint before the kill: the smaller job would resume at step 0, a hold of its own
     (9, 9, 30), (7, 30, 30), (0, 9, 30)])
 def test_failover_plans_the_holds_cannot_serve_are_refused(kill_at, regrow_at, steps):
-    from elastic_failover import check_plan, parser
+    script = examples.load("elastic_failover")
+    check_plan, parser = script.check_plan, script.parser
     args = parser().parse_args(["--kill-at", str(kill_at), "--regrow-at", str(regrow_at), "--steps", str(steps),
                                 "--save-every", str(SAVE_EVERY)])
     with pytest.raises(ValueError, match="need"):
@@ -141,7 +140,8 @@ def test_deepspeeds_elasticity_block_is_refused_by_deepspeed(one_rank):
 def test_failover_refuses_a_used_workdir(tmp_path, capsys):
     """A second run in the same workdir would resume the first run's checkpoints: refused before any launch, or
     cleared (saying so) with --fresh."""
-    from elastic_failover import parser, prepare_workdir
+    script = examples.load("elastic_failover")
+    parser, prepare_workdir = script.parser, script.prepare_workdir
     workdir = tmp_path / "failover"
     prepare_workdir(parser().parse_args(["--workdir", str(workdir)]))  # new: made
     (workdir / "elastic").mkdir()

@@ -1,4 +1,4 @@
-"""The rule every multi-rank launch of the repository is judged by (examples/teardown.py).
+"""The rule every multi-rank launch of the repository is judged by (deepspeed_bnb/utils/teardown.py).
 
 torch 2.13's gloo group can abort a finished rank in C++ (SIGABRT, "terminate called without an active exception")
 after its results are written; the launch then fails although nothing is missing. A launch passes when it exits 0,
@@ -13,12 +13,9 @@ import signal
 import sys
 
 import pytest
-from conftest import free_port, launch_env
+from conftest import TESTS, free_port, launch_env
 
-from teardown import DONE_DIR_VAR, aborted_only, run_ranks
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")
+from deepspeed_bnb.utils.teardown import DONE_DIR_VAR, aborted_only, run_ranks
 
 
 def launch(out, mode):
@@ -62,7 +59,7 @@ def test_another_failure_after_every_result_fails_the_launch(tmp_path):
 @pytest.mark.parametrize("marks_done, ok", [(True, True), (False, False)])
 def test_a_single_process_killed_by_sigabrt(marks_done, ok):
     """Without a launcher in between (returncode -6): accepted only after the process marked itself done."""
-    code = (f"import os, sys; sys.path.insert(0, {EXAMPLES!r}); import teardown; "
+    code = ("import os; from deepspeed_bnb.utils import teardown; "
             f"{'teardown.mark_done(0); ' if marks_done else ''}os.abort()")
     done = run_ranks([sys.executable, "-c", code], 1, env=launch_env(), timeout=60)
     assert done.returncode == -signal.SIGABRT and done.done == ([0] if marks_done else [])
@@ -90,7 +87,7 @@ def test_what_counts_as_an_abort(returncode, output, expected):
 
 
 def test_a_launch_that_asked_for_no_markers_marks_nothing(tmp_path, monkeypatch):
-    from teardown import mark_done
+    from deepspeed_bnb.utils.teardown import mark_done
     monkeypatch.delenv(DONE_DIR_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
     mark_done(0)

@@ -23,7 +23,7 @@ import zipfile
 
 import pytest
 
-from conftest import without_launch_vars, unused_port
+from conftest import free_port, without_launch_vars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -51,6 +51,9 @@ print("RESULT " + json.dumps({"package": deepspeed_bnb.__file__, "losses": losse
 
 
 SOURCES = CPU_SOURCES + CUDA_SOURCES + ["csrc/include/dsbnb/adam8bit.h", "csrc/include/dsbnb/master_weights.h"]
+# what the examples and benchmarks import from the package besides its runtime
+MODULES = ["deepspeed_bnb/demo/gpt.py", "deepspeed_bnb/demo/text.py", "deepspeed_bnb/demo/elastic.py",
+           "deepspeed_bnb/utils/teardown.py"]
 
 
 def _archive_names(path) -> set:
@@ -79,6 +82,7 @@ def installed(tmp_path_factory):
     for archive, prefix in ((sdist, ""), (wheel, "deepspeed_bnb/"), (pip_wheel, "deepspeed_bnb/")):
         names = _archive_names(archive)
         missing = [source for source in SOURCES if prefix + source not in names]
+        missing += [module for module in MODULES if module not in names]
         assert not missing, f"{archive.name} lacks {missing}"
 
     venv = folder / "venv"
@@ -106,7 +110,7 @@ def test_the_installed_wheel_builds_its_kernels_and_trains(installed):
     assert kernels.returncode == 0, kernels.stdout[-3000:] + kernels.stderr[-3000:]
     assert "fused kernels: jit build" in kernels.stdout, kernels.stdout
     assert kernels.stdout.count("same bits as the reference") == 9, kernels.stdout  # 3 rules x 3 master modes
-    rank = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_port()))
+    rank = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     train = _run([python, "-c", TRAIN], rank, folder)
     line = [row for row in train.stdout.splitlines() if row.startswith("RESULT ")]
     assert line, train.stdout[-3000:] + train.stderr[-3000:]

@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 
-import proof_common as common  # noqa: F401  (puts tests/ and examples/ on the path: toy.py, teardown.py)
+import proof_common as common  # noqa: F401  (puts tests/ on the path: toy.py)
 
 SAVE_STEP = 3  # steps before the CPU checkpoint
 CONTINUE_STEPS = 3  # steps each continuation takes
@@ -129,7 +129,7 @@ def main():
     import torch
     import torch.distributed as tdist
 
-    import teardown
+    from deepspeed_bnb.utils import teardown
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     if args.mode == "make":
         make(args.dir)

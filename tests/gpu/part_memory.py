@@ -33,7 +33,7 @@ FAMILY = ((768, 12), (1024, 24), (1536, 24), (2048, 24), (2560, 32), (4096, 32),
 
 
 def gpt_params(width: int, depth: int, context: int) -> int:
-    """Parameters of examples/gpt.py's GPT: blocks (12 w^2 + 13 w each), embeddings, final norm, head."""
+    """Parameters of deepspeed_bnb/demo/gpt.py's GPT: blocks (12 w^2 + 13 w each), embeddings, final norm, head."""
     return depth * (12 * width * width + 13 * width) + VOCAB * width + context * width + 2 * width + width * VOCAB
 
 

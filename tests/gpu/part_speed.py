@@ -1,6 +1,6 @@
 """GPU proof, parts f and f3: speed inside the engine, side by side in one process, and the kernels' bandwidth.
 
-A bf16 GPT (examples/gpt.py) trains on the one device with each configuration of a suite:
+A bf16 GPT (deepspeed_bnb/demo/gpt.py) trains on the one device with each configuration of a suite:
   f   ZeRO-2 at about 125M and 1B parameters: bnb AdamW8bit through deepspeed_bnb with bnb's own update and with the
       fused kernel (fp32, bf16 and compensated bf16+8 master weights), stock DeepSpeed stepping a bnb AdamW8bit client
       (what users run today), torch AdamW(fused=True), DeepSpeed FusedAdam, DeepSpeed's bf16 master weights + bf16
@@ -129,8 +129,8 @@ def build(config: Config, stage: int, offload: bool, model_args: dict, device: s
     import deepspeed
     import torch
 
+    from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
     from deepspeed_bnb.runtime.engine import stock_deepspeed
-    from gpt import GPT, GPTConfig, decay_groups
     cfg = GPTConfig(**model_args)
     torch.manual_seed(0)  # the same initial model for every configuration
     with torch.device(device):

@@ -153,9 +153,8 @@ def wheels_for_there(folder: str) -> List[str]:
 
 def cpu_checkpoint(folder: str, python: str = sys.executable, env: Optional[dict] = None) -> str:
     """The 2-rank CPU checkpoint and its DP-1 continuation (cross_device.py) in folder/cpu_checkpoint."""
-    import teardown
-
     import cross_device
+    from deepspeed_bnb.utils import teardown
     target = os.path.join(folder, CHECKPOINT)
     shutil.rmtree(target, ignore_errors=True)
     script = os.path.join(common.GPU, "cross_device.py")

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 GPU = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(GPU)
 ROOT = os.path.dirname(TESTS)
-for folder in (ROOT, TESTS, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")):
+for folder in (ROOT, TESTS, os.path.join(ROOT, "benchmarks")):
     if folder not in sys.path:
         sys.path.append(folder)  # after site-packages: a test helper must not shadow an installed package
 from conftest import free_port, without_launch_vars  # noqa: E402,F401  (the suite's own, re-exported for the parts)

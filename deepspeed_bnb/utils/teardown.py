@@ -11,7 +11,10 @@ launch, the deepspeed launcher) reports the job as failed. One rule for every la
 - a launcher (`run_ranks`) accepts a failed launch only when every failure it reports is a SIGABRT AND every rank
   had marked itself done: an abort before a rank is done, or any other failure, still fails the launch.
 
-It lives in examples/ because the examples, the benchmarks and the tests all launch ranks and all import from here.
+It lives in the package because the examples, the benchmarks and the tests all launch ranks and all import it. The
+module itself needs only the standard library (and torch.distributed when a rank finishes), but importing it runs the
+package's __init__ (the release check, DeepSpeed's overrides): a process that must run stock DeepSpeed, or that may
+lack DeepSpeed, imports it only where it is used.
 """
 
 import os
