@@ -9,7 +9,7 @@ The step is memory-bound, so the table also gives the bytes each implementation 
 28 B) over its time, against a device-to-device copy measured in the same run (bytes read plus written).
 
     python benchmarks/bench_cuda_step.py                    # where deepspeed and bitsandbytes are installed
-    python tests/cuda_kernel_run.py --bench                 # a GPU machine: CUDA tests, then this table
+    python tests/support/cuda_kernel_run.py --bench                 # a GPU machine: CUDA tests, then this table
 """
 
 import argparse

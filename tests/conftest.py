@@ -7,6 +7,9 @@ import sys
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+if TESTS not in sys.path:  # `import support` from every folder of tests (support/__init__.py)
+    sys.path.insert(0, TESTS)
 
 
 def extensions_dir(python: str) -> str:
@@ -142,6 +145,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 900) -> subproc
 
 @pytest.fixture(scope="session")
 def scenario_results(one_rank, tmp_path_factory):
-    """Every multi-rank scenario's result, world -> scenario -> value (tests/scenario_runs.py: shared launches)."""
-    from scenario_runs import run_all
+    """Every multi-rank scenario's result, world -> scenario -> value (tests/support/scenario_runs.py: shared
+    launches)."""
+    from support.scenario_runs import run_all
     return run_all(str(tmp_path_factory.mktemp("scenarios")))

@@ -11,8 +11,8 @@ Two halves:
   update of the same state up to rounding; the refusals say what they should, and without deepspeed_bnb's check the
   same run fails inside bnb as 0.49 does (control);
 - against the real release, when DEEPSPEED_BNB_BNB049_PYTHON names the python of a venv with bnb 0.49.x (else
-  skipped, saying how to make one): tests/legacy_bnb_runs.py trains at DP=2, saves, loads at DP=1 and trains on, in
-  that venv and in this one; every state byte, master weight and loss must be identical (8-bit everywhere: this venv
+  skipped, saying how to make one): tests/support/legacy_bnb_runs.py trains at DP=2, saves, loads at DP=1 and trains on,
+  in that venv and in this one; every state byte, master weight and loss must be identical (8-bit everywhere: this venv
   unmodified; 32-bit state too: this venv with 0.49's refusal planted, the same code path). Control: this venv's own
   32-bit update does differ from it.
 What stays untested without a GPU: bnb 0.49's own CUDA update (on a GPU, "auto" leaves every parameter to it).
@@ -35,9 +35,9 @@ from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.fused import contract as fused_contract, partition_step
 from deepspeed_bnb.optim.fused.route import FUSED
 from deepspeed_bnb.optim.fused.partition_step import NoOwnUpdateError
-from legacy_bnb import CPU_REFUSAL, legacy_python, simulate_049
-from legacy_bnb_runs import OPTIMIZERS, REFUSALS, refusals
-from toy import ds_config, make_model, param_groups, train_steps
+from support.legacy_bnb import CPU_REFUSAL, legacy_python, simulate_049
+from support.legacy_bnb_runs import OPTIMIZERS, REFUSALS, refusals
+from support.toy import ds_config, make_model, param_groups, train_steps
 
 needs_kernel = pytest.mark.skipif(not loader.load(), reason=f"fused kernels unavailable: {loader.error()}")
 REPO = os.path.dirname(TESTS)
@@ -245,7 +245,7 @@ def _env(python) -> dict:
 
 
 def _launch(python, phase, out, scenarios, nproc=1):
-    script = os.path.join(TESTS, "legacy_bnb_runs.py")
+    script = os.path.join(TESTS, "support", "legacy_bnb_runs.py")
     env = _env(python)
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -49,7 +49,7 @@ def test_prebuilt_extension_is_used(tmp_path):
     shutil.rmtree(package / "csrc")
     code = ("import sys, pytest; sys.path.insert(0, %r)\n"
             "from deepspeed_bnb.ops import loader\n"
-            "from kernel_tests import RULE_TEST_FILES\n"
+            "from support.kernel_tests import RULE_TEST_FILES\n"
             "assert loader.load() and loader.source() == 'prebuilt', (loader.source(), loader.error())\n"
             "print('prebuilt', loader.__file__)\n"
             "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-k', 'not cuda', *(%r + '/' + f for f in "
@@ -143,7 +143,7 @@ def test_missing_toolchain_is_reported_not_hidden(monkeypatch):
         assert loader.load() is False
     assert not caught and len(tries) == 1 and "Ninja is required" in loader.error()
 
-    from rule_cases import CASES
+    from support.rule_cases import CASES
     a = CASES["adam"].partition(5)
     with pytest.raises(RuntimeError, match="Ninja is required"):
         a.step(1, a.grads(1), True, 1.0)  # asks for the kernel
@@ -153,11 +153,11 @@ def test_missing_toolchain_is_reported_not_hidden(monkeypatch):
 
 
 def test_device_harness_runs_without_deepspeed_and_bitsandbytes():
-    """tests/cuda_kernel_run.py (for a GPU machine that lacks both) with its stand-ins forced, on the CPU
+    """tests/support/cuda_kernel_run.py (for a GPU machine that lacks both) with its stand-ins forced, on the CPU
     kernels: the kernel-vs-reference tests pass without DeepSpeed or bitsandbytes. Control: where there is no such
     device it fails instead of passing with everything skipped."""
     from conftest import run_or_fail, without_launch_vars
-    harness = os.path.join(TESTS, "cuda_kernel_run.py")
+    harness = os.path.join(TESTS, "support", "cuda_kernel_run.py")
     env = {**without_launch_vars(), "DSBNB_STAND_INS": "deepspeed,bitsandbytes"}
     done = run_or_fail([sys.executable, harness, "--device", "cpu"], env, timeout=600, cwd=ROOT)
     assert "stand-ins for: deepspeed, bitsandbytes" in done.stdout, done.stdout[-3000:]

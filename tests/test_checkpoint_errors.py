@@ -16,8 +16,8 @@ from torch import nn
 
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from fault_injection import differences, engine_state
-from toy import Awkward, build_engine, ds_config, make_model, param_groups, train_steps
+from support.fault_injection import differences, engine_state
+from support.toy import Awkward, build_engine, ds_config, make_model, param_groups, train_steps
 
 
 def build(model=None, optimizer_cls=bnb.optim.AdamW8bit, lr=1e-3, stock=False, bnb_fused_kernel="auto", **kwargs):

@@ -76,7 +76,8 @@ def accelerate_runs(tmp_path_factory):
     resume = f"{args} --resume {ckpt} --save_dir {out}/unused"
     output = accelerate_launch(
         1, "--config_file", "configs/accelerate_zero2.yaml", "--num_processes", "1",
-        "--deepspeed_config_file", "configs/zero2_accelerate_offload.json", "tests/client_runs.py", "accelerate", out,
+        "--deepspeed_config_file", "configs/zero2_accelerate_offload.json", "tests/support/client_runs.py", "accelerate",
+        out,
         f"resume:{resume} --log_json {out}/resume.json",
         f"resume-weights-only:{resume} --log_json {out}/control.json")
     return {name: read(out, name) for name in ("uninterrupted", "resume", "control", "imports")}, output
@@ -109,10 +110,11 @@ def accelerate_zero3_runs(tmp_path_factory):
     args = TINY.replace("--max_steps", "--steps")
     ckpt = os.path.join(out, "state")
     # through client_runs.py, which ends its processes without gloo's C++ teardown (see there)
-    accelerate_launch(2, "--config_file", "configs/accelerate_zero3.yaml", "tests/client_runs.py", "accelerate", out,
+    accelerate_launch(2, "--config_file", "configs/accelerate_zero3.yaml", "tests/support/client_runs.py", "accelerate",
+                      out,
                       f"uninterrupted:{args} --save_at 6 --save_dir {ckpt} --log_json {out}/uninterrupted.json")
     accelerate_launch(1, "--config_file", "configs/accelerate_zero3.yaml", "--num_processes", "1",
-                      "tests/client_runs.py", "accelerate", out,
+                      "tests/support/client_runs.py", "accelerate", out,
                       f"resume:{args} --resume {ckpt} --save_dir {out}/unused --log_json {out}/resume.json")
     return {name: read(out, name) for name in ("uninterrupted", "resume")}
 
@@ -188,14 +190,14 @@ def trainer_runs(tmp_path_factory):
 
     zero3 = f"--deepspeed {os.path.join(ROOT, 'configs', 'zero3_hf_trainer.json')}"
     # ZeRO-3 runs last in a launch: DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process
-    torchrun("client_runs.py", 2, "trainer", out, run("uninterrupted2", "--save_steps 6"),
+    torchrun("support/client_runs.py", 2, "trainer", out, run("uninterrupted2", "--save_steps 6"),
              run("zero3_uninterrupted2", f"--save_steps 6 {zero3}"))
-    torchrun("client_runs.py", 1, "trainer", out, run("uninterrupted1", "--save_steps 6"),
+    torchrun("support/client_runs.py", 1, "trainer", out, run("uninterrupted1", "--save_steps 6"),
              run("resume2to1", f"--resume {out}/uninterrupted2/checkpoint-6"),
              run("resume2to1-weights-only", f"--resume {out}/uninterrupted2/checkpoint-6"),
              run("zero3_resume2to1", f"--resume {out}/zero3_uninterrupted2/checkpoint-6 {zero3}"))
     resume1to2 = run("resume1to2", f"--resume {out}/uninterrupted1/checkpoint-6 --deepspeed {out}/offload.json")
-    offloaded = torchrun("client_runs.py", 2, "trainer", out, resume1to2)
+    offloaded = torchrun("support/client_runs.py", 2, "trainer", out, resume1to2)
     names = ("uninterrupted2", "uninterrupted1", "resume2to1", "resume2to1-weights-only", "resume1to2",
              "zero3_uninterrupted2", "zero3_resume2to1", "imports")
     return {name: read(out, name) for name in names}, offloaded.stdout + offloaded.stderr

@@ -8,7 +8,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 import deepspeed_bnb  # noqa: F401
-from toy import make_model, param_groups
+from support.toy import make_model, param_groups
 
 
 def config(**zero):

@@ -40,7 +40,7 @@ def launch(python: str, ranks: int, *args: str):
     env = launch_env(python)  # each release's own JIT cache
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH", "")]))
     cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-           os.path.join(TESTS, "cross_release_worker.py"), *args]
+           os.path.join(TESTS, "support", "cross_release_worker.py"), *args]
     run_or_fail(cmd, env, timeout=900, ranks=ranks)
 
 

@@ -1,7 +1,7 @@
 """Multi-rank behaviour on CPU ranks (gloo): DP=2 and DP=3 track DP=1, same-DP checkpoints resume bit-exactly.
 
-The scenarios run in tests/distributed_scenarios.py, DP=1 in the test process and DP=2, 3 in torchrun launches shared
-with test_elastic.py (tests/scenario_runs.py).
+The scenarios run in tests/support/distributed_scenarios.py, DP=1 in the test process and DP=2, 3 in torchrun launches
+shared with test_elastic.py (tests/support/scenario_runs.py).
 Controls: stock DeepSpeed does not track DP=1 within the same bar, dropping the optimizer state on resume changes
 the losses, and stock DeepSpeed's elastic checkpoint of a bnb optimizer fails to load.
 DeepSpeed's parameter-level optimizer-state API at DP=2 (param_state): full gets are the ranks' local fragments joined
@@ -13,10 +13,10 @@ import pytest
 import torch
 from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
-from bnb_state import step_ratio
-from distributed_scenarios import stock_cannot_run
+from support.bnb_state import step_ratio
+from support.distributed_scenarios import stock_cannot_run
 from deepspeed_bnb.runtime.zero.compat import has_bf16_master, reduces_grad_accum
-from toy import MIN_8BIT_SIZE, build_engine, moment_values
+from support.toy import MIN_8BIT_SIZE, build_engine, moment_values
 
 FP32_TOL = 1e-5  # issue bar: max |Δloss| over 20 steps
 BF16_TOL = 5e-3  # bf16 rounds the gradients and the model copy: bf16 noise, not the optimizer

@@ -11,16 +11,16 @@ Checks: every parameter's codes, absmax, fp32 moments, step and fp32 master weig
 was saved, byte for byte; the saved lr is restored; 10 more
 steps track the run that never stopped. Control: loading without optimizer state diverges. The ZeRO-3 checkpoints are
 also read by DeepSpeed's own zero_to_fp32 and written as a gathered 16-bit model: both give the saved weights.
-The scenarios run in launches shared with test_distributed.py (tests/scenario_runs.py): DP=1 in the test process,
-then one launch per N in 2..4 that saves and loads from N' <= N, then one per M in 2..3 that loads from the larger N
-(and, at M=3, the DP=1 checkpoints rewritten offline for 3 ranks by `deepspeed-bnb reshape`).
+The scenarios run in launches shared with test_distributed.py (tests/support/scenario_runs.py): DP=1 in the test
+process, then one launch per N in 2..4 that saves and loads from N' <= N, then one per M in 2..3 that loads from the
+larger N (and, at M=3, the DP=1 checkpoints rewritten offline for 3 ranks by `deepspeed-bnb reshape`).
 """
 
 import pytest
 
-from distributed_scenarios import ELASTIC_KINDS, RESHAPED_KINDS, loader_stage
-from scenario_runs import SIZES
-from toy import make_model
+from support.distributed_scenarios import ELASTIC_KINDS, RESHAPED_KINDS, loader_stage
+from support.scenario_runs import SIZES
+from support.toy import make_model
 
 FP32_TOL, BF16_TOL = 1e-5, 5e-3
 

@@ -128,7 +128,7 @@ def test_deepspeeds_elasticity_block_is_refused_by_deepspeed(one_rank):
     from deepspeed.runtime.config import DeepSpeedConfigError
 
     import deepspeed_bnb  # noqa: F401
-    from toy import make_model, param_groups
+    from support.toy import make_model, param_groups
     model = make_model(0)
     config = {"zero_optimization": {"stage": 2},
               "elasticity": {"enabled": True, "max_train_batch_size": 32, "micro_batch_sizes": [2, 4],

@@ -18,7 +18,7 @@ import torch
 from deepspeed_bnb.checkpoint.tools.from_bnb import QUANT_STATE_KEY
 from deepspeed_bnb.cli import main
 from test_matches_bnb import engine_param_states
-from toy import MIN_8BIT_SIZE, build_engine, make_model, param_groups, train_plain, train_steps
+from support.toy import MIN_8BIT_SIZE, build_engine, make_model, param_groups, train_plain, train_steps
 
 STEPS = 3
 
@@ -75,7 +75,7 @@ def test_plain_bnb_run_continues_under_zero(one_rank, plain, tmp_path, layout):
                     assert value == expected[key], (names[p], key)
             assert torch.equal(p.detach(), weights[names[p]]), names[p]
     model, optimizer = plain_run()  # the plain run, continued
-    from toy import global_batch, loss_fn
+    from support.toy import global_batch, loss_fn
     plain_losses = []
     for step in range(STEPS, STEPS + 2):
         tokens, targets = global_batch(step)
@@ -111,7 +111,7 @@ def test_an_engine_with_a_scheduler_loads_it_with_a_warning(one_rank, plain, tmp
     """The plain run's state dict has no DeepSpeed scheduler state: stock DeepSpeed would fail on
     checkpoint['lr_scheduler'] after replacing the weights; here the engine's scheduler is kept, with a warning."""
     import deepspeed
-    from toy import ds_config
+    from support.toy import ds_config
     root, reference, _ = plain
     out = str(tmp_path / "ckpt")
     assert main(["convert", str(root / "new.pt"), out, "--from-bnb", "--weights", str(root / "new.pt"),

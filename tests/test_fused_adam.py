@@ -1,7 +1,7 @@
 """The fused 8-bit AdamW step's own checks (what every rule shares, kernel and reference alike: test_fused_rules.py).
 
-- The rebuilt dynamic map (reference.dynamic_map, for machines without bitsandbytes: tests/cuda_kernel_run.py) is
-  bnb's, bit for bit. Control: the other map differs.
+- The rebuilt dynamic map (reference.dynamic_map, for machines without bitsandbytes: tests/support/cuda_kernel_run.py)
+  is bnb's, bit for bit. Control: the other map differs.
 - A positive second moment far below its block's absmax is never stored as 0: no update grows beyond bnb's own CPU
   update's from the same start, and the kernel applies the same floor bit for bit. Control: with nearest rounding
   only, those v are stored as 0 and the next step moves the element by many times lr.
@@ -13,7 +13,7 @@ import torch
 
 from deepspeed_bnb.ops import reference
 from deepspeed_bnb.ops.reference import AdamHyper
-from kernel_harness import KERNEL, QMAPS, Whole, assert_bit_identical
+from support.kernel_harness import KERNEL, QMAPS, Whole, assert_bit_identical
 
 
 @pytest.mark.parametrize("signed", [True, False])

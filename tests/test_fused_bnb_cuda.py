@@ -19,7 +19,7 @@ import torch
 from deepspeed_bnb.ops import compensated, loader, rules
 from deepspeed_bnb.ops.self_check import bits
 from deepspeed_bnb.state_layout import GroupLayout
-from kernel_harness import QMAPS
+from support.kernel_harness import QMAPS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 STEPS = 10

@@ -23,7 +23,7 @@ import pytest
 import torch
 from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 
-from bnb_state import flat_bnb_state
+from support.bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.ops import rule_fields, rules
 from deepspeed_bnb.optim.fused import partition_step, route as fused_route
@@ -31,7 +31,7 @@ from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused.route import FUSED, Route
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.state_layout import GroupLayout
-from kernel_harness import needs_kernel
+from support.kernel_harness import needs_kernel
 
 GROUPS = ((3000, 700), (1500, 300))  # per param group: with min_8bit_size=1000, one 8-bit and one fp32 parameter
 STEPS = 3

@@ -8,7 +8,7 @@
 import pytest
 
 from deepspeed_bnb.ops.reference import LionHyper
-from kernel_harness import needs_kernel, step_four_elements
+from support.kernel_harness import needs_kernel, step_four_elements
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["reference", "kernel"])

@@ -16,8 +16,8 @@ import torch
 from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import MomentumHyper
 from deepspeed_bnb.state_layout import GroupLayout
-from kernel_harness import QMAP1, needs_kernel, run_both, step_four_elements
-from rule_cases import CASES
+from support.kernel_harness import QMAP1, needs_kernel, run_both, step_four_elements
+from support.rule_cases import CASES
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["reference", "kernel"])

@@ -1,7 +1,8 @@
 """Every fused 8-bit update rule of the registry: compiled kernels bit-identical to the reference, held to bitsandbytes.
 
-Each test runs for every rule of deepspeed_bnb/ops/rules.RULES, on its RuleCase (tests/rule_cases.py; a rule without
-one fails test_every_rule_has_a_case and each of its tests). Rule-specific semantics: tests/test_fused_<rule>.py.
+Each test runs for every rule of deepspeed_bnb/ops/rules.RULES, on its RuleCase (tests/support/rule_cases.py; a rule
+without one fails test_every_rule_has_a_case and each of its tests). Rule-specific semantics:
+tests/test_fused_<rule>.py.
 - CPU kernel == reference, bit for bit (params, codes, absmax, fp32 state of every moment; NaN as any NaN), over
   random partitions (8-bit and fp32 segments, tails that are not a multiple of 256, all-zero blocks, huge, tiny,
   NaN and Inf gradients, three hyper rows, an unscale factor; four steps each), with bf16 and fp16 gradients, with
@@ -26,14 +27,14 @@ import torch
 
 from deepspeed_bnb.ops import compensated, reference, rules
 from deepspeed_bnb.ops.self_check import bits
-from kernel_harness import QMAP1, UNUSED, Whole, assert_bit_identical, maps, needs_cuda, needs_kernel, run_both
-from rule_cases import CASES
+from support.kernel_harness import QMAP1, UNUSED, Whole, assert_bit_identical, maps, needs_cuda, needs_kernel, run_both
+from support.rule_cases import CASES
 
 RULES = list(rules.RULES)
 SEEDS, NON_FINITE_SEEDS = range(12), range(4)
 for_every_rule = pytest.mark.parametrize("rule", RULES)
-# the ids name the device's kernel: tests/cuda_kernel_run.py selects "-k cuda_kernel" (or cpu_kernel), test_build.py
-# "-k 'not cuda'"
+# the ids name the device's kernel: tests/support/cuda_kernel_run.py selects "-k cuda_kernel" (or cpu_kernel),
+# test_build.py "-k 'not cuda'"
 on_each_device = pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_kernel, id="cpu_kernel"),
                                                     pytest.param("cuda", marks=needs_cuda, id="cuda_kernel")])
 

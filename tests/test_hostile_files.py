@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-import hostile_files as attack
+from support import hostile_files as attack
 from conftest import TESTS
 
 # attack -> (what the refusal says, what torch's weights-only unpickler makes of the file: the control)
@@ -41,13 +41,13 @@ CASES = {
     "negative_fragment": (r"fragment_address with .*'start': -5", lambda x: x.start == -5),
 }
 # Loads each file given on the command line in a child whose address space may grow by HEADROOM beyond what its imports
-# mapped (tests/memory_cap.py): prints the outcome as JSON.
+# mapped (tests/support/memory_cap.py): prints the outcome as JSON.
 HEADROOM = 512 << 20
 CHILD = r"""
 import json, sys
 import deepspeed_bnb
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
-from memory_cap import cap_above_imports
+from support.memory_cap import cap_above_imports
 cap_above_imports(HEADROOM)
 out = {}
 for path in sys.argv[1:]:

@@ -1,5 +1,5 @@
-"""ZeRO++ hierarchical partitioning (hpZ) with bnb 8-bit state: the runs of tests/hpz_scenarios.py, in the launches
-shared with test_distributed.py (tests/scenario_runs.py).
+"""ZeRO++ hierarchical partitioning (hpZ) with bnb 8-bit state: the runs of tests/support/hpz_scenarios.py, in the
+launches shared with test_distributed.py (tests/support/scenario_runs.py).
 
 hpZ 2 at DP 4 tracks DP 1 without hpZ (the same bar as every fp32 configuration); its checkpoint resumes bit for bit
 at DP 4 with hpZ 1 and hpZ 4 (the secondary partition size changed), and within the bar at DP 2 with hpZ 2.
@@ -9,8 +9,8 @@ optimizer state diverges.
 
 import pytest
 
-from hpz_scenarios import REFERENCE, RESUME_HPZ, SAVE_AT
-from scenario_runs import HPZ_LOAD, HPZ_SAVE, SIZES
+from support.hpz_scenarios import REFERENCE, RESUME_HPZ, SAVE_AT
+from support.scenario_runs import HPZ_LOAD, HPZ_SAVE, SIZES
 
 FP32_TOL = 1e-5  # as test_distributed.py: max |loss difference| over the run
 

@@ -30,8 +30,9 @@ from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
-from kernel_harness import needs_kernel
-from toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups, train_plain, train_steps
+from support.kernel_harness import needs_kernel
+from support.toy import (MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups, train_plain,
+                         train_steps)
 
 STEPS = 3
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-from bnb_optimizers import FACTORIES
-from bnb_state import bnb_moments, flat_bnb_state
+from support.bnb_optimizers import FACTORIES
+from support.bnb_state import bnb_moments, flat_bnb_state
 from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
@@ -25,7 +25,7 @@ from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
 from deepspeed_bnb.optim.fused.route import FUSED
 from deepspeed_bnb.state_layout import GroupLayout
-from toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_plain, train_steps
+from support.toy import clone, ds_config, global_batch, loss_fn, make_model, param_groups, train_plain, train_steps
 
 STEPS = 3
 FUSED_FACTORIES = {**FACTORIES, "SGD_32bit_momentum": lambda p: bnb.optim.SGD(p, lr=1e-2, momentum=0.9,

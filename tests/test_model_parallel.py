@@ -1,19 +1,19 @@
 """Data-parallel changes under pipeline and tensor parallelism: a checkpoint of 2 pipeline stages (ZeRO-1) or of 2
 AutoTP ranks (ZeRO-2) saved at data-parallel size D loads at D' with the same model-parallel layout, D, D' in {1, 2}.
 
-The runs are tests/parallel_scenarios.py's, in the launches shared with test_distributed.py (tests/scenario_runs.py:
-2 ranks save at DP 1 and load it, 4 ranks save at DP 2 and load both, 2 ranks again load DP 2). Checks, as the
-DP-only matrix (test_elastic.py): every (model-parallel rank, parameter)'s codes, absmax, fp32 moments, step and
-master weights byte-identical to what was saved, the module's weights the master weights, the saved lr restored (the
-loader was built with a 50x larger one), 10 more steps tracking the run that never stopped, bit-exact at the same
-size and stage. Control: loading without optimizer state diverges. A change of the pipeline or tensor-parallel size
-itself is not covered (refused: docs/limitations.md).
+The runs are tests/support/parallel_scenarios.py's, in the launches shared with test_distributed.py
+(tests/support/scenario_runs.py: 2 ranks save at DP 1 and load it, 4 ranks save at DP 2 and load both, 2 ranks again
+load DP 2). Checks, as the DP-only matrix (test_elastic.py): every (model-parallel rank, parameter)'s codes, absmax,
+fp32 moments, step and master weights byte-identical to what was saved, the module's weights the master weights, the
+saved lr restored (the loader was built with a 50x larger one), 10 more steps tracking the run that never stopped,
+bit-exact at the same size and stage. Control: loading without optimizer state diverges. A change of the pipeline or
+tensor-parallel size itself is not covered (refused: docs/limitations.md).
 """
 
 import pytest
 
-from parallel_scenarios import LOADER_STAGES, MODEL_PARALLEL, PARALLEL_KINDS
-from scenario_runs import PARALLEL, SIZES
+from support.parallel_scenarios import LOADER_STAGES, MODEL_PARALLEL, PARALLEL_KINDS
+from support.scenario_runs import PARALLEL, SIZES
 
 FP32_TOL = 1e-5
 WORLDS = [w for w in PARALLEL if w in SIZES]

@@ -1,4 +1,5 @@
-"""ZeRO-Infinity's NVMe offload with bnb 8-bit state, on 2 CPU ranks (tests/nvme_scenarios.py), then loaded at DP 1.
+"""ZeRO-Infinity's NVMe offload with bnb 8-bit state, on 2 CPU ranks (tests/support/nvme_scenarios.py), then loaded at
+DP 1.
 
 NVMe offload of the parameters (`offload_param.device: nvme`), of the optimizer (`offload_optimizer.device: nvme`: fp32
 master partitions, gradients and bnb's 8-bit state on NVMe), and of both, trains exactly as CPU offload: the same losses
@@ -25,7 +26,7 @@ import sys
 import pytest
 
 from conftest import torchrun
-from nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
+from support.nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 
@@ -61,8 +62,8 @@ def require_aio() -> None:
 def results(tmp_path_factory):
     require_aio()
     out = str(tmp_path_factory.mktemp("nvme"))
-    torchrun("nvme_scenarios.py", 2, "--out", out)
-    torchrun("nvme_scenarios.py", 1, "--out", out, "--load-only")
+    torchrun("support/nvme_scenarios.py", 2, "--out", out)
+    torchrun("support/nvme_scenarios.py", 1, "--out", out, "--load-only")
     with open(os.path.join(out, "nvme_results.json")) as f:
         found = json.load(f)
     with open(os.path.join(out, "nvme_loads_world1.json")) as f:
@@ -122,7 +123,7 @@ def faults(tmp_path_factory):
         pytest.skip(f"a full disk is simulated with a 48 MiB tmpfs, which this user cannot mount "
                     f"({mounted.stderr.strip() or mounted.returncode}): run as root")
     try:
-        torchrun("nvme_scenarios.py", 2, "--out", out, "--faults", small)
+        torchrun("support/nvme_scenarios.py", 2, "--out", out, "--faults", small)
     finally:
         subprocess.run(["umount", small], check=False)
     with open(os.path.join(out, "nvme_faults.json")) as f:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import without_launch_vars
-from toy import build_engine, train_steps
+from support.toy import build_engine, train_steps
 
 # Runs `deepspeed_bnb_tools.main(argv)` (or, with "--runtime", `import deepspeed_bnb` only) and prints what it left.
 PROBE = r"""

@@ -20,7 +20,7 @@ import torch
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding
-from toy import ds_config, make_model, param_groups, train_steps
+from support.toy import ds_config, make_model, param_groups, train_steps
 
 pytestmark = pytest.mark.skipif(not has_parameter_padding(), reason="compares with DeepSpeed's per-parameter "
                                 "padding, which this DeepSpeed release lacks (the matrix covers it there)")

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-from bnb_optimizers import FACTORIES
-from bnb_state import step_ratio
+from support.bnb_optimizers import FACTORIES
+from support.bnb_state import step_ratio
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
 from deepspeed_bnb.ops.reference import quantize_blockwise
 from deepspeed_bnb.utils import tensor_fragment
-from toy import MIN_8BIT_SIZE, ds_config, make_model, moment_values, param_groups, train_steps
+from support.toy import MIN_8BIT_SIZE, ds_config, make_model, moment_values, param_groups, train_steps
 
 ROUND_TRIP = {  # optimizer -> (name, holds squares: bnb's unsigned map) to set and get back
     "AdamW8bit": (("exp_avg", False), ("exp_avg_sq", True)),

@@ -1,4 +1,4 @@
-"""One rank's failure fails every rank, promptly, and costs nothing (2 CPU ranks, tests/distributed_scenarios.py
+"""One rank's failure fails every rank, promptly, and costs nothing (2 CPU ranks, tests/support/distributed_scenarios.py
 `rank_failures`, in the launch shared with test_distributed.py):
 - a load step that fails on rank 1 alone (an I/O error reading a file only it reads): both ranks raise the same
   error naming rank 1, neither engine changed, the next load works;
@@ -14,7 +14,7 @@ from the agreement (its message names the failing rank). A hang instead would en
 
 import pytest
 
-from scenario_runs import SIZES, SIZES_ENV
+from support.scenario_runs import SIZES, SIZES_ENV
 
 pytestmark = pytest.mark.skipif(2 not in SIZES, reason=f"{SIZES_ENV} leaves out the 2-rank launch these tests read")
 

@@ -2,8 +2,8 @@
 bnb's own arithmetic: the fused kernel only where the contract allows it, and bnb's own update whenever the kernel
 cannot run (no build, a failed first-use check), never the pure-torch reference.
 
-Each case runs through deepspeed.initialize on one CPU rank (tests/toy.py) and compares with plain bitsandbytes on
-a copy of the model, or with `bnb_fused_kernel: false` (itself held to plain bnb by tests/test_matches_bnb.py).
+Each case runs through deepspeed.initialize on one CPU rank (tests/support/toy.py) and compares with plain bitsandbytes
+on a copy of the model, or with `bnb_fused_kernel: false` (itself held to plain bnb by tests/test_matches_bnb.py).
 """
 
 import logging
@@ -22,7 +22,7 @@ from deepspeed_bnb.optim.fused.route import FUSED
 import deepspeed.runtime.engine as ds_engine
 from deepspeed_bnb import installer
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
-from toy import ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
+from support.toy import ds_config, global_batch, loss_fn, make_model, param_groups, train_steps
 
 STEPS = 3
 

@@ -2,8 +2,8 @@
 
 - A save writes a manifest (format version, layout, per-file bytes and SHA-256) and moves `latest` only once complete.
 - Every step of the publish protocol (PROTOCOL: each call that changes the checkpoint directory, DeepSpeed's own
-  writes included) is made to fail in turn, in-process and deterministically (tests/fault_injection.py), before it
-  happens and, for a non-atomic one, half done; for a new tag and for overwriting the same tag. Each time a fresh
+  writes included) is made to fail in turn, in-process and deterministically (tests/support/fault_injection.py), before
+  it happens and, for a non-atomic one, half done; for a new tag and for overwriting the same tag. Each time a fresh
   engine loads exactly the previous checkpoint or exactly the new one (every weight, master weight and optimizer-state
   byte, and the step count), and a later save succeeds and leaves nothing staged behind.
 - The one non-atomic moment (overwrite, between retiring the old copy and renaming the new one in) is recovered by
@@ -34,8 +34,8 @@ from deepspeed_bnb.checkpoint.format.constants import FORMAT_VERSION
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.publish import RETIRED_SUFFIX, STAGING_SUFFIX, publish, write_json_atomic
-from fault_injection import differences, engine_state, raises_injected, watch
-from toy import MIN_8BIT_SIZE, build_engine, train_steps  # 8-bit and fp32 state side by side
+from support.fault_injection import differences, engine_state, raises_injected, watch
+from support.toy import MIN_8BIT_SIZE, build_engine, train_steps  # 8-bit and fp32 state side by side
 
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
@@ -309,7 +309,7 @@ def test_sigkill_at_the_non_atomic_moment(one_rank, tmp_path):
     """A real SIGKILL (no unwinding, no cleanup) in a child, between retiring `a` and publishing its new copy."""
     folder, reference = str(tmp_path / "killed"), str(tmp_path / "reference.pt")
     index = [s for s, _ in protocol("overwrite")].index("publish-tag")
-    cmd = [sys.executable, os.path.join(TESTS, "save_then_die.py"), "--dir", folder, "--kill-at", str(index),
+    cmd = [sys.executable, os.path.join(TESTS, "support", "save_then_die.py"), "--dir", folder, "--kill-at", str(index),
            "--reference", reference, "--port", str(free_port())]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=without_launch_vars())
     assert done.returncode == -9, f"expected SIGKILL, got {done.returncode}: {(done.stdout + done.stderr)[-3000:]}"

@@ -1,7 +1,7 @@
 """The first-use check (ops/self_check.py) passes the compiled kernels and catches wrong ones.
 
 - The compiled CPU kernels of every rule of the registry (ops/rules.py) pass it here (and the CUDA kernels wherever a
-  GPU is present: the `cuda_kernel` tests run by tests/cuda_kernel_run.py).
+  GPU is present: the `cuda_kernel` tests run by tests/support/cuda_kernel_run.py).
 - Controls, so the check cannot pass vacuously: "kernels" made from the reference with one plausible bug each (one code
   off, the unscale factor ignored, NaN gradients applied as zeros, every segment stepped with the first hyper row, an
   exception such as a build without code for this GPU) are all caught, and the message names what differs.

@@ -10,7 +10,7 @@ slices) at DP=4, where ranks own nothing of the small parameters. Control: shard
 import pytest
 import torch
 
-from bnb_optimizers import FACTORIES
+from support.bnb_optimizers import FACTORIES
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout

@@ -1,6 +1,6 @@
 """ZeRO-3 on one CPU rank: routing, bnb's own arithmetic per parameter, block-aligned partitions, what is refused.
 
-Each case runs through deepspeed.initialize with `"stage": 3` (tests/toy.py's model) and compares with plain
+Each case runs through deepspeed.initialize with `"stage": 3` (tests/support/toy.py's model) and compares with plain
 bitsandbytes on a copy of the model (`bnb_fused_kernel: false`), or with ZeRO-2 (the default path, whose kernel
 relation to bnb tests/test_matches_bnb.py holds). Multi-rank ZeRO-3 (DP 2 and 3 against DP 1, zero.Init,
 sub-groups, offload, stock control, elastic checkpoints) runs in tests/test_distributed.py and tests/test_elastic.py.
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-from bnb_optimizers import FACTORIES
-from bnb_state import engine_param_states as states, flat_bnb_state
+from support.bnb_optimizers import FACTORIES
+from support.bnb_state import engine_param_states as states, flat_bnb_state
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed_bnb import installer
@@ -24,7 +24,7 @@ from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.state_layout import round_up
-from toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
+from support.toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
 
 STEPS = 3
 
@@ -175,7 +175,7 @@ def test_parameter_state_api_gives_the_moments_as_at_stage_2(one_rank, tmp_path)
     and reaches the next checkpoint, which loads into ZeRO-2. Control: stock ZeRO-3 hands out codes."""
     from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
                                  safe_get_local_optimizer_state, safe_set_full_optimizer_state)
-    from toy import moment_values
+    from support.toy import moment_values
     engines = {}
     for stage in (2, 3):
         engines[stage] = engine_of(FACTORIES["AdamW8bit"], make_model(0), stage=stage, bnb_fused_kernel=False)
@@ -223,7 +223,7 @@ def test_frozen_parameter_of_another_shape_is_refused_before_anything_loads(one_
     """A frozen parameter whose saved size differs from the engine's is refused by name, and the engine is unchanged
     (DeepSpeed would have loaded the trained weights first). Control: the same checkpoint loads into the model it
     was saved from, frozen weights included."""
-    from toy import VOCAB
+    from support.toy import VOCAB
     saver = frozen_engine(0, VOCAB)
     train_steps(saver, range(STEPS))
     saver.save_checkpoint(str(tmp_path), tag="t")
@@ -241,7 +241,7 @@ def test_frozen_parameter_of_another_shape_is_refused_before_anything_loads(one_
 def test_frozen_parameters_saved_at_stage_2_load_into_stage_3(one_rank, tmp_path):
     """Stage 1/2 saves frozen weights whole in the module; a ZeRO-3 engine takes them (its own slice of each), the
     trained state as saved. Control: the loading engine's own frozen weights differ."""
-    from toy import VOCAB
+    from support.toy import VOCAB
     saver = frozen_engine(0, VOCAB, stage=2)
     train_steps(saver, range(STEPS))
     saver.save_checkpoint(str(tmp_path), tag="t")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-from bnb_optimizers import FACTORIES
+from support.bnb_optimizers import FACTORIES
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.state_classes import StateClass, StateClassError
-from toy import ds_config, global_batch, loss_fn, make_model, param_groups
+from support.toy import ds_config, global_batch, loss_fn, make_model, param_groups
 
 E, B, W, S = StateClass.ELEMENT, StateClass.BLOCK, StateClass.WHOLE, StateClass.SCALAR
 

@@ -17,11 +17,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deepspeed_bnb  # noqa: F401
-from bnb_optimizers import FACTORIES
+from support.bnb_optimizers import FACTORIES
 from deepspeed_bnb.optim import batched_update
 from deepspeed_bnb.optim.fused import partition_step
 from deepspeed_bnb.runtime.engine import stock_deepspeed
-from toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups
+from support.toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups
 
 HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::equal")
 KERNEL = "deepspeed_bnb::adam8bit_step_"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepspeed_bnb.installer import stock_deepspeed
-from toy import ds_config, make_model, param_groups, train_steps
+from support.toy import ds_config, make_model, param_groups, train_steps
 
 
 def stock_engine(stage: int):

@@ -3,7 +3,7 @@
 torch 2.13's gloo group can abort a finished rank in C++ (SIGABRT, "terminate called without an active exception")
 after its results are written; the launch then fails although nothing is missing. A launch passes when it exits 0,
 or when it failed by SIGABRT alone after every rank had marked itself done (teardown.finish()). Real torchrun launches
-of tests/teardown_worker.py: the abort after the results is accepted; the same abort before a rank's result, or
+of tests/support/teardown_worker.py: the abort after the results is accepted; the same abort before a rank's result, or
 another failure after it, is not (negative controls). No timing is involved: the outcome of each launch is fixed by
 what its ranks do.
 """
@@ -20,7 +20,7 @@ from deepspeed_bnb.utils.teardown import DONE_DIR_VAR, aborted_only, run_ranks
 
 def launch(out, mode):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(TESTS, "teardown_worker.py"), str(out), mode]
+           os.path.join(TESTS, "support", "teardown_worker.py"), str(out), mode]
     return run_ranks(cmd, 2, env=launch_env(), timeout=300)
 
 

@@ -23,16 +23,16 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-import hostile_files
-import tampering
+from support import hostile_files
+from support import tampering
 from conftest import TESTS
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, allowed_globals, trusted
 from deepspeed_bnb.cli import main
-from fault_injection import differences, engine_state
-from tampering import Payload, copy_of, two_rank_checkpoint
-from toy import MIN_8BIT_SIZE, build_engine, train_steps
+from support.fault_injection import differences, engine_state
+from support.tampering import Payload, copy_of, two_rank_checkpoint
+from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
 
 TAG = "t"
 MODEL = "mp_rank_00_model_states.pt"
@@ -279,12 +279,12 @@ def test_failed_runs_leave_nothing_behind(two_ranks, tmp_path, monkeypatch, caps
 # ---- bounded work ------------------------------------------------------------------------------------------------------
 
 # Runs the tools' main for each argv given (JSON) in a child whose address space may grow by 1 GiB beyond what its
-# imports mapped (tests/memory_cap.py): prints each exit code and message; an allocation driven by a count in a file
-# would end there in MemoryError.
+# imports mapped (tests/support/memory_cap.py): prints each exit code and message; an allocation driven by a count in a
+# file would end there in MemoryError.
 CHILD = r"""
 import contextlib, io, json, sys
 import torch, safetensors.torch, deepspeed_bnb_tools  # the tools import these on first use: mapped before the cap
-from memory_cap import cap_above_imports
+from support.memory_cap import cap_above_imports
 cap_above_imports(1 << 30)
 out = []
 for argv in json.loads(sys.argv[1]):

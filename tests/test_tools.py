@@ -26,7 +26,7 @@ from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from deepspeed_bnb.ops.reference import code_gap
-from toy import MIN_8BIT_SIZE, build_engine, train_steps
+from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
 from test_matches_bnb import engine_param_states
 
 

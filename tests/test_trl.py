@@ -3,7 +3,7 @@ DeepSpeed config, trained on 2 ranks, resumed on 1 from the 2-rank checkpoint wi
 stopped.
 
 Two launches of examples/train_trl_sft.py (12 steps of a tiny GPT-2 on text that SFTTrainer tokenizes itself, global
-batch 8, checkpoint-6), through tests/client_runs.py:
+batch 8, checkpoint-6), through tests/support/client_runs.py:
 - torchrun 2 ranks: the ZeRO-2 run (configs/zero2_trl_sft.json), then the ZeRO-3 run (configs/zero3_trl_sft.json);
 - torchrun 1 rank: each resumed from its checkpoint-6 for steps 7-12; control: the ZeRO-2 resume without the optimizer
   state (weights, step and lr schedule only).
@@ -37,9 +37,9 @@ def sft_runs(tmp_path_factory):
         return f"{name}:{TINY} --deepspeed {config} --output_dir {out}/{name} --log_json {out}/{name}.json {extra}"
 
     # ZeRO-3 runs last in a launch: DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process
-    torchrun("client_runs.py", 2, "trl", out, run("zero2_2ranks", "zero2", "--save_steps 6"),
+    torchrun("support/client_runs.py", 2, "trl", out, run("zero2_2ranks", "zero2", "--save_steps 6"),
              run("zero3_2ranks", "zero3", "--save_steps 6"))
-    torchrun("client_runs.py", 1, "trl", out,
+    torchrun("support/client_runs.py", 1, "trl", out,
              run("zero2_resume-weights-only", "zero2", f"--resume {out}/zero2_2ranks/checkpoint-6"),
              run("zero2_resume", "zero2", f"--resume {out}/zero2_2ranks/checkpoint-6"),
              run("zero3_resume", "zero3", f"--resume {out}/zero3_2ranks/checkpoint-6"))

@@ -31,9 +31,9 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, Unsa
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.cli import main
 from deepspeed_bnb.installer import stock_deepspeed
-from fault_injection import differences, engine_state
-from tampering import copy_of, plant
-from toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
+from support.fault_injection import differences, engine_state
+from support.tampering import copy_of, plant
+from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
 
 RANK0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"

@@ -20,14 +20,14 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import deepspeed_bnb  # noqa: F401
-from bnb_state import ROUNDING, bnb_moments
+from support.bnb_state import ROUNDING, bnb_moments
 from conftest import without_launch_vars
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.cli import main
 from deepspeed_bnb.ops.reference import code_gap
 from test_matches_bnb import engine_param_states
-from toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
+from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
 
 STEPS = 3
 

@@ -22,15 +22,15 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
-import tampering
+from support import tampering
 from deepspeed_bnb.checkpoint.format.constants import FORMAT_KEY, FORMAT_VERSION, MASTER_MODE_KEY
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError, UnsafeCheckpointError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV
 from deepspeed_bnb.cli import main
-from fault_injection import differences, engine_state
-from tampering import Payload, copy_of, two_rank_checkpoint
-from toy import MIN_8BIT_SIZE, build_engine, train_steps
+from support.fault_injection import differences, engine_state
+from support.tampering import Payload, copy_of, two_rank_checkpoint
+from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
 
 TAG = "t"
 MODEL_FILE = "mp_rank_00_model_states.pt"

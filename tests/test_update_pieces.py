@@ -13,11 +13,11 @@ import deepspeed
 import pytest
 
 import deepspeed_bnb  # noqa: F401
-from bnb_optimizers import FACTORIES
+from support.bnb_optimizers import FACTORIES
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
 from test_matches_bnb import assert_equals_plain
-from toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
+from support.toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
 
 SMALL_LIMIT = 2 * BLOCK_SIZE
 

@@ -20,7 +20,7 @@ import torch
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.runtime import engine as bnb_engine
 from deepspeed_bnb.runtime.zero.compat import by_name
-from toy import MIN_8BIT_SIZE, ds_config, make_model, param_groups, train_steps
+from support.toy import MIN_8BIT_SIZE, ds_config, make_model, param_groups, train_steps
 
 
 def before(self, init_optimizer, param_names, timers, postscale_gradients=True, gradient_predivide_factor=1.0,

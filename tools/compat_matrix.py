@@ -84,7 +84,7 @@ MASTER = "master"  # DeepSpeed's development head, built from a checkout (--deep
 MASTER_URL = "https://github.com/deepspeedai/DeepSpeed"  # import guard without the opt-in (its number is the next
 # release's, with the commit as local label)
 
-SIZES = "1,2"  # tests/scenario_runs.py: the DP sizes the claims need
+SIZES = "1,2"  # tests/support/scenario_runs.py: the DP sizes the claims need
 
 
 def _elastic(kinds, pairs=((2, 1), (1, 2))):

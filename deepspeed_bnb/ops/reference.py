@@ -58,8 +58,8 @@ References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_b
 `kOptimizer32bit1State`'s MOMENTUM branch), `_optimizer_update_32bit_cpu`, `optim/sgd.py`; Loshchilov & Hutter,
 Decoupled Weight Decay Regularization (AdamW); Chen et al., Symbolic Discovery of Optimization Algorithms (Lion).
 Build/test: pure Python, nothing to build; tests/test_fused_rules.py holds every rule's kernels to it and it to
-bitsandbytes (tests/rule_cases.py: one case per rule); tests/test_fused_{adam,lion,momentum}.py check what is one
-rule's own.
+bitsandbytes (tests/support/rule_cases.py: one case per rule); tests/test_fused_{adam,lion,momentum}.py check what is
+one rule's own.
 """
 
 import math
@@ -143,7 +143,7 @@ class MomentumHyper:
 def dynamic_map(signed: bool = True) -> torch.Tensor:
     """bitsandbytes' default 8-bit dynamic map (create_dynamic_map(signed), 7 exponent bits), rebuilt with the same fp32
     operations so its 256 values are the same bits, for machines without bitsandbytes (a GPU machine without it, unless
-    a trimmed copy is carried there; tests/cuda_kernel_run.py). Signed (Adam's m, Lion, momentum): per decade 10^-6..10^0
+    a trimmed copy is carried there; tests/support/cuda_kernel_run.py). Signed (Adam's m, Lion, momentum): per decade 10^-6..10^0
     the midpoints of 2^i + 1 evenly spaced points in [0.1, 1] (i = 0..6), both signs, plus 0 and 1; unsigned (Adam's
     v): 2^(i+1) + 1 points, positive only. Sorted ascending. tests/test_fused_adam.py holds it to bnb's."""
     values = [0.0, 1.0]

@@ -27,10 +27,10 @@ Adding a rule touches these files (tests/test_rules.py checks that they agree wi
    fused_step.cuh's kernel: the bnb_cuda arithmetic of bnb's own kernels of the rule in
    csrc/include/dsbnb/bnb_cuda_math.h), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
 5. deepspeed_bnb/ops/build_flags.py: its sources.
-6. tests: its RuleCase in tests/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
+6. tests: its RuleCase in tests/support/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
    tests/test_fused_rules.py hold its kernel to the reference and the reference to bnb; its bnb param groups in
    tests/test_fused_bnb_cuda.py (CONFIGS: the bnb_cuda kernel against bnb on a GPU); what is its own alone (its
-   semantics by hand) in a tests/test_fused_<name>.py listed in tests/kernel_tests.py (portable and GPU runs).
+   semantics by hand) in a tests/test_fused_<name>.py listed in tests/support/kernel_tests.py (portable and GPU runs).
 The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
 test need no change: they read this registry or build_flags. Optional: a row in benchmarks/bench_optimizer_step.py
 (CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/test_matches_bnb.py (HYPER_ROWS).

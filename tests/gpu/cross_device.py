@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 
-import proof_common as common  # noqa: F401  (puts tests/ on the path: toy.py)
+import proof_common as common  # noqa: F401  (puts tests/ on the path: support.toy)
 
 SAVE_STEP = 3  # steps before the CPU checkpoint
 CONTINUE_STEPS = 3  # steps each continuation takes
@@ -41,7 +41,7 @@ def build(world: int, device: str):
     import deepspeed
 
     import deepspeed_bnb  # noqa: F401
-    from toy import ds_config, make_model, param_groups
+    from support.toy import ds_config, make_model, param_groups
     model = make_model(0).to(device)
     optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=LR))
     return deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(world, stage=2))[0]
@@ -51,7 +51,7 @@ def train(engine, steps, device: str):
     """One global batch per step, this rank's share of it; returns the global loss of each step."""
     import torch.distributed as tdist
 
-    from toy import global_batch, local_slice, loss_fn
+    from support.toy import global_batch, local_slice, loss_fn
     rank, world = tdist.get_rank(), tdist.get_world_size()
     losses = []
     for step in steps:

@@ -30,7 +30,8 @@ c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the s
 import os
 
 import proof_common as common  # first: it puts tests/ on the path
-from bnb_state import engine_param_states, flat_bnb_state  # name -> bnb-shaped state of an engine / of plain bnb
+# name -> bnb-shaped state of an engine / of plain bnb
+from support.bnb_state import engine_param_states, flat_bnb_state
 
 STAGES = (1, 2, 3)
 PRECISIONS = ("fp32", "bf16")
@@ -45,7 +46,7 @@ BIG_UPDATE = 10.0  # c: an element moving more than this many times its lr in on
 
 
 def batch(step: int, device: str):
-    from toy import global_batch
+    from support.toy import global_batch
     tokens, targets = global_batch(step)
     return tokens.to(device), targets.to(device)
 
@@ -62,7 +63,7 @@ def engine_of(stage: int, bf16: bool, device: str, fused=None, master="auto"):
     import bitsandbytes as bnb
     import deepspeed
 
-    from toy import ds_config, make_model, param_groups
+    from support.toy import ds_config, make_model, param_groups
     model = make_model(0).to(device)
     optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=LR))
     config = ds_config(1, stage=stage, bf16=bf16, bnb_master_weights=master,
@@ -78,7 +79,7 @@ class PlainBnb:
         import bitsandbytes as bnb
         import torch
 
-        from toy import clone, make_model, param_groups
+        from support.toy import clone, make_model, param_groups
         self.compensated = master == "bf16+8"
         self.master = make_model(0).to(device)
         if master == "bf16":
@@ -90,7 +91,7 @@ class PlainBnb:
         self.optimizer = bnb.optim.AdamW8bit(param_groups(self.master, lr=LR))
 
     def step(self, tokens, targets) -> float:
-        from toy import loss_fn
+        from support.toy import loss_fn
         loss = loss_fn(self.compute, tokens, targets)
         loss.backward()
         if self.compute is not self.master:
@@ -136,7 +137,7 @@ def state_differences(mine: dict, theirs: dict) -> list:
 def equals_plain(args, result, stage: int, precision: str, master: str = "fp32", fused: bool = False) -> list:
     """Part b for one configuration (`master`: bnb_master_weights of a bf16 one; `fused`: bnb_fused_kernel true);
     returns the table row."""
-    from toy import make_model
+    from support.toy import make_model
     bf16 = precision == "bf16"
     engine = engine_of(stage, bf16, args.device, fused=True if fused else None,
                        master="auto" if master == "fp32" else master)
@@ -145,7 +146,7 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
     steps = FUSED_STEPS if fused else STEPS
     for step in range(steps):
         tokens, targets = batch(step, args.device)
-        from toy import loss_fn
+        from support.toy import loss_fn
         loss = loss_fn(engine, tokens, targets)
         engine.backward(loss)
         engine.step()
@@ -237,7 +238,7 @@ def fused_against_default(args, result, precision: str, master: str = "auto") ->
     """Part c for one precision (and master weights); returns the table row."""
     from deepspeed_bnb.optim.fused.route import FUSED
     from test_fused_contract import relation_breaks
-    from toy import loss_fn, make_model, param_groups
+    from support.toy import loss_fn, make_model, param_groups
     bf16 = precision == "bf16"
     default, fused = engine_of(2, bf16, args.device, master=master), engine_of(2, bf16, args.device, fused=True,
                                                                                master=master)

@@ -4,9 +4,9 @@ bit there in both arithmetics, and pass the first-use check the ZeRO optimizer r
 References: the ieee arithmetic against deepspeed_bnb/ops/reference.py (pure torch, run on the CPU by the tests'
 harness); the bnb_cuda arithmetic (what the ZeRO step runs on a GPU) against bitsandbytes' own CUDA update on the same
 GPU (ops/bnb_update.py; tests/test_fused_bnb_cuda.py: every rule, fp32/bf16/compensated master weights, odd sizes,
-NaN/Inf gradients, ten steps each). The tests are the suite's own (tests/kernel_tests.py lists the files), selected
-for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to hold to bnb);
-a run where none of them ran fails.
+NaN/Inf gradients, ten steps each). The tests are the suite's own (tests/support/kernel_tests.py lists the files),
+selected for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to hold to
+bnb); a run where none of them ran fails.
 """
 
 import os
@@ -35,7 +35,7 @@ def body(args, result):
     import torch
 
     from deepspeed_bnb.ops import loader, rules, self_check
-    from kernel_tests import RULE_TEST_FILES
+    from support.kernel_tests import RULE_TEST_FILES
 
     start = time.monotonic()
     loaded = loader.load(verbose=False)

@@ -69,7 +69,7 @@ def run_path(args, result, fused: bool):
     from deepspeed_bnb.ops.reference import AdamHyper
     from deepspeed_bnb.optim import own_update
     from deepspeed_bnb.state_layout import GroupLayout
-    from toy import ds_config
+    from support.toy import ds_config
 
     limit, n = sizes(args.device)
     if args.device == "cuda":

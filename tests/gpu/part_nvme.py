@@ -3,10 +3,10 @@
 DeepSpeed's async_io op is built first, against the machine's libaio or, where it has none (no libaio-dev, and no
 network to install it), against the copy the bundle carries (proof_bundle.libaio: gcc finds the header and library
 through CPATH and LIBRARY_PATH, and the library is loaded before the op so the op's dependency resolves).
-Then the MLP of tests/nvme_scenarios.py (bf16, sub-groups of which two are swapped and one is not) trains 6 steps with
-`offload_optimizer: {"device": "nvme"}` and again with `"cpu"`, saving after step 3. Checks: the NVMe run's losses and
-final fp32 weights equal the CPU-offload run's, bit for bit (DeepSpeed's swapper moves the fp32 partitions and
-gradients, deepspeed_bnb's the 8-bit state; the step itself is the same CPU step); the NVMe run's checkpoint, loaded
+Then the MLP of tests/support/nvme_scenarios.py (bf16, sub-groups of which two are swapped and one is not) trains 6
+steps with `offload_optimizer: {"device": "nvme"}` and again with `"cpu"`, saving after step 3. Checks: the NVMe run's
+losses and final fp32 weights equal the CPU-offload run's, bit for bit (DeepSpeed's swapper moves the fp32 partitions
+and gradients, deepspeed_bnb's the 8-bit state; the step itself is the same CPU step); the NVMe run's checkpoint, loaded
 by a CPU-offload engine built with another seed, continues exactly as the run that never stopped. Controls: swap files
 were written, and the weights moved.
 The rehearsal (`--device cpu`) runs the same on a CPU rank with gloo (tests/test_nvme.py runs it at 2 ranks).
@@ -43,7 +43,7 @@ def run(kind: str, folder: str, device: str, seed: int = 0, load_from=None, step
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
 
-    import nvme_scenarios as ns
+    from support import nvme_scenarios as ns
     model = ns.make_model(seed)
     optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
     swap = os.path.join(folder, f"swap_{kind}_{seed}")
@@ -82,7 +82,7 @@ def body(args, result):
     os.makedirs(folder)
     cpu_losses, cpu_final, _ = run("cpu", folder, args.device)
     nvme_losses, nvme_final, files = run("opt_nvme", folder, args.device)
-    import nvme_scenarios as ns
+    from support import nvme_scenarios as ns
     moved = max(common.max_abs(cpu_final[n], p) for n, p in ns.make_model(0).named_parameters())
     weights = max(common.max_abs(nvme_final[n], cpu_final[n]) for n in cpu_final)
     result.check("h: optimizer on NVMe == CPU offload, losses and fp32 weights after each of 6 steps",

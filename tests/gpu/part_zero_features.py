@@ -37,7 +37,7 @@ def optimizer_of(kind: str, model):
     import bitsandbytes as bnb
     import torch
 
-    from toy import param_groups
+    from support.toy import param_groups
     return (bnb.optim.AdamW8bit if kind == "bnb AdamW8bit" else torch.optim.AdamW)(param_groups(model, lr=LR))
 
 
@@ -46,7 +46,7 @@ def engine_of(kind: str, stage: int, zero: dict, device: str):
     and the client optimizer (None for DeepSpeed's own, which its config names)."""
     import deepspeed
 
-    from toy import ds_config, make_model
+    from support.toy import ds_config, make_model
     model = make_model(0).to(device)
     config = ds_config(1, stage=stage, **zero)
     if kind == CONFIGURED:
@@ -60,7 +60,7 @@ def engine_of(kind: str, stage: int, zero: dict, device: str):
 def stock_run(kind: str, stage: int, zero: dict, device: str) -> dict:
     """Losses of STEPS steps under stock DeepSpeed, or the error that stopped it; whether the client holds state."""
     from deepspeed_bnb.installer import stock_deepspeed
-    from toy import global_batch, loss_fn
+    from support.toy import global_batch, loss_fn
     try:
         with stock_deepspeed():
             engine, client = engine_of(kind, stage, zero, device)

@@ -1,6 +1,6 @@
 """Helper for test_teardown.py: a gloo rank that writes its result and ends in a chosen way.
 
-    torchrun --nproc_per_node 2 tests/teardown_worker.py OUT MODE
+    torchrun --nproc_per_node 2 tests/support/teardown_worker.py OUT MODE
 
 Every rank writes OUT/result<rank>, then ends with teardown.finish(), except as MODE says:
 - clean: as is;

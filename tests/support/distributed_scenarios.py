@@ -27,7 +27,8 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 
 import bitsandbytes as bnb  # noqa: E402
 import deepspeed  # noqa: E402
@@ -43,10 +44,10 @@ from deepspeed_bnb.checkpoint.format.param_state import gather_param_states  # n
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
                              safe_set_full_optimizer_state, safe_set_local_optimizer_state)
-from bnb_state import bnb_moments  # noqa: E402
 from deepspeed_bnb.utils.teardown import finish  # noqa: E402
-from toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model, moment_values,  # noqa: E402
-                 param_groups)
+from support.bnb_state import bnb_moments  # noqa: E402
+from support.toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model,  # noqa: E402
+                         moment_values, param_groups)
 
 TRAIN_CONFIGS = {
     # name -> ds_config overrides
@@ -740,28 +741,28 @@ def scenario_rank_failures(world, rank, out):
     return results
 
 
-# ---- pipeline and tensor parallelism (tests/parallel_scenarios.py) -------------------------------------------------
+# ---- pipeline and tensor parallelism (tests/support/parallel_scenarios.py) -------------------------------------------
 
 def scenario_parallel_save(world, rank, out):
-    import parallel_scenarios
+    from support import parallel_scenarios
     return parallel_scenarios.scenario_parallel_save(world, rank, out)
 
 
 def scenario_parallel_load(world, rank, out, sources):
     """`sources`: the elastic sources of this launch; the even ones are the world sizes whose model-parallel runs
     saved checkpoints (at data-parallel size N / 2)."""
-    import parallel_scenarios
+    from support import parallel_scenarios
     saved = [int(n) for n in sources if n.isdigit() and int(n) % parallel_scenarios.MODEL_PARALLEL == 0]
     return parallel_scenarios.scenario_parallel_load(world, rank, out, saved)
 
 
 def scenario_hpz_save(world, rank, out):
-    import hpz_scenarios
+    from support import hpz_scenarios
     return hpz_scenarios.scenario_hpz_save(world, rank, out)
 
 
 def scenario_hpz_load(world, rank, out):
-    import hpz_scenarios
+    from support import hpz_scenarios
     return hpz_scenarios.scenario_hpz_load(world, rank, out)
 
 

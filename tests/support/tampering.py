@@ -61,8 +61,8 @@ def two_rank_checkpoint(root: str, tag: str = "t"):
     """A checkpoint of 2 data-parallel ranks (a 1-rank save of the toy model reshaped offline) under root/dp2, and the
     engine state it holds."""
     from deepspeed_bnb.checkpoint.tools.reshape import reshape
-    from fault_injection import engine_state
-    from toy import MIN_8BIT_SIZE, build_engine, train_steps
+    from support.fault_injection import engine_state
+    from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
     engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)
     train_steps(engine, range(2))
     engine.save_checkpoint(os.path.join(root, "dp1"), tag=tag)

@@ -9,6 +9,10 @@ Rank 0 writes --out/result.json: the losses, the DeepSpeed release and the optim
 import argparse
 import json
 import os
+import sys
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 
 import bitsandbytes as bnb  # noqa: E402
 import deepspeed  # noqa: E402
@@ -16,8 +20,8 @@ from deepspeed import comm as dist  # noqa: E402
 
 import deepspeed_bnb  # noqa: E402,F401
 from deepspeed_bnb.utils import teardown  # noqa: E402
-from distributed_scenarios import run_steps  # noqa: E402
-from toy import ds_config, make_model, param_groups  # noqa: E402
+from support.distributed_scenarios import run_steps  # noqa: E402
+from support.toy import ds_config, make_model, param_groups  # noqa: E402
 
 TRAINED, CONTINUED = range(3), range(3, 5)
 

@@ -1,11 +1,11 @@
 """The fused-kernel tests' harness: a rule's flat partition, stepped by its compiled kernel or its reference.
 
 What it serves: tests/test_fused_rules.py holds every rule of deepspeed_bnb/ops/rules.RULES (its own pieces:
-tests/rule_cases.py) to the same bars: the kernel bit-identical to the pure-torch reference on random partitions
+tests/support/rule_cases.py) to the same bars: the kernel bit-identical to the pure-torch reference on random partitions
 (`Partition`), and the reference against bitsandbytes' own 8-bit optimizer and an exact fp64 update (`run_both`);
 the per-rule test files use it for their own checks. Importable without DeepSpeed, and with only
-bitsandbytes.functional.create_dynamic_map (tests/cuda_kernel_run.py's stand-in): bnb's optimizers are looked up when
-a run against bnb starts.
+bitsandbytes.functional.create_dynamic_map (tests/support/cuda_kernel_run.py's stand-in): bnb's optimizers are looked up
+when a run against bnb starts.
 """
 
 import itertools

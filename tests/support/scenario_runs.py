@@ -1,5 +1,5 @@
-"""The multi-rank scenarios (tests/distributed_scenarios.py), run once per test session for test_distributed.py and
-test_elastic.py together, since each torchrun launch costs ~10 s of imports before any scenario runs.
+"""The multi-rank scenarios (tests/support/distributed_scenarios.py), run once per test session for test_distributed.py
+and test_elastic.py together, since each torchrun launch costs ~10 s of imports before any scenario runs.
 
 DP=1 runs in the test process (one rank), first and last. Between them five launches: one per N in 2..4 that runs
 test_distributed's scenarios of that world size (2 and 3), saves the elastic checkpoints and loads those of
@@ -27,7 +27,7 @@ RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for
 
 
 PARALLEL = (2, 4)  # world sizes of the pipeline / tensor-parallel runs (model-parallel 2 x data-parallel 1 and 2)
-HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/hpz_scenarios.py): saved at 4, loaded at 2
+HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/support/hpz_scenarios.py): saved at 4, loaded at 2
 
 
 def plan():
@@ -50,7 +50,7 @@ def plan():
 def in_this_process(out, world, scenarios, sources):
     """The scenarios distributed_scenarios.py would run at DP=1, run on the test's one-rank group (one thread, as a
     launched rank has)."""
-    from distributed_scenarios import SCENARIOS, TAKES_SOURCES
+    from support.distributed_scenarios import SCENARIOS, TAKES_SOURCES
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -61,7 +61,7 @@ def in_this_process(out, world, scenarios, sources):
 
 
 def launched(out, world, scenarios, sources):
-    torchrun("distributed_scenarios.py", world, "--out", out, "--scenarios", scenarios,
+    torchrun("support/distributed_scenarios.py", world, "--out", out, "--scenarios", scenarios,
              "--elastic-from", ",".join(sources))
     path = os.path.join(out, f"results_world{world}.json")
     with open(path) as f:
@@ -72,7 +72,7 @@ def launched(out, world, scenarios, sources):
 
 def reshape_dp1_for_three(out):
     from deepspeed_bnb.checkpoint.tools.reshape import reshape
-    from distributed_scenarios import RESHAPED_KINDS
+    from support.distributed_scenarios import RESHAPED_KINDS
     for kind, stage in RESHAPED_KINDS.items():
         folder = os.path.join(out, "elastic", kind)
         reshape(os.path.join(folder, "dp1"), os.path.join(folder, "reshaped1"), 3, progress=False, stage=stage)

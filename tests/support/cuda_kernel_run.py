@@ -1,13 +1,15 @@
 """The fused kernels' device checks where DeepSpeed or bitsandbytes is missing: a GPU machine (torch with CUDA,
 nvcc and ninja are there; DeepSpeed is not, and bitsandbytes' wheel is larger than what may be carried there).
 
-    python tests/cuda_kernel_run.py            # kernel == reference, bit for bit, on the GPU (AdamW, Lion, momentum)
-    python tests/cuda_kernel_run.py --bench    # then benchmarks/bench_cuda_step.py's table
-    python tests/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels (tests/test_build.py runs it)
+    python tests/support/cuda_kernel_run.py                # kernel == reference, bit for bit, on the GPU (AdamW,
+                                                           # Lion, momentum)
+    python tests/support/cuda_kernel_run.py --bench        # then benchmarks/bench_cuda_step.py's table
+    python tests/support/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels (tests/test_build.py
+                                                           # runs it)
 
 bitsandbytes itself can travel too, trimmed to one CUDA library (~5 MB of its 125): here, `python
-tests/cuda_kernel_run.py --bundle .device` (the GPU machines' torch is built for CUDA 13.0: --cuda 130, the default);
-there, carry `.device` and add `--site .device/site`. Then the bench's bnb rows run bnb's own CUDA kernels.
+tests/support/cuda_kernel_run.py --bundle .device` (the GPU machines' torch is built for CUDA 13.0: --cuda 130, the
+default); there, carry `.device` and add `--site .device/site`. Then the bench's bnb rows run bnb's own CUDA kernels.
 
 The kernels and their reference need only torch, so where the real packages are missing (or are named in
 DSBNB_STAND_INS, e.g. "deepspeed,bitsandbytes"):
@@ -28,9 +30,10 @@ import types
 
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 ROOT = os.path.dirname(TESTS)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # deepspeed_bnb, where it is not installed
 
 
 def bundle(folder: str, cuda: str) -> None:
@@ -56,7 +59,7 @@ def install_stand_ins(force: list) -> list:
         functional = types.ModuleType("bitsandbytes.functional")
         functional.create_dynamic_map = lambda signed=True: reference.dynamic_map(signed)
         stand_in = types.ModuleType("bitsandbytes")
-        stand_in.functional, stand_in.__version__ = functional, "stand-in (tests/cuda_kernel_run.py)"
+        stand_in.functional, stand_in.__version__ = functional, "stand-in (tests/support/cuda_kernel_run.py)"
         sys.modules["bitsandbytes"], sys.modules["bitsandbytes.functional"] = stand_in, functional
     return missing
 
@@ -92,7 +95,7 @@ def main():
         sys.exit(f"the fused kernels could not be built: {loader.error()}")
     counter = Counter()
     selected = f"{args.device}_kernel"
-    from kernel_tests import RULE_TEST_FILES
+    from support.kernel_tests import RULE_TEST_FILES
     files = (*RULE_TEST_FILES, "test_self_check.py")
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", selected, "-rs",
                         *(os.path.join(TESTS, name) for name in files)], plugins=[counter])

@@ -17,7 +17,7 @@ import torch
 
 from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
-from kernel_harness import Partition
+from support.kernel_harness import Partition
 
 
 @dataclass(frozen=True)

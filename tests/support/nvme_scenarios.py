@@ -27,7 +27,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import safe_get_full_fp32_param
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 import deepspeed_bnb  # noqa: E402,F401
 from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 

@@ -1,9 +1,9 @@
 """The runs tests/test_bnb_049.py compares between a venv with bitsandbytes 0.49.x and this one (0.50.2).
 
-Each scenario trains the toy model (tests/toy.py) 4 steps at DP=2 under ZeRO-2 and saves (`save`, under torchrun with
-2 ranks), then a fresh one-rank engine loads that checkpoint at DP=1 and trains 3 more steps (`load`). The load writes,
-per scenario, every tensor of the optimizer state and the fp32 master weights right after loading and after the 3
-steps, the losses of both phases, each parameter's route and the bitsandbytes version, to <out>/results.pt.
+Each scenario trains the toy model (tests/support/toy.py) 4 steps at DP=2 under ZeRO-2 and saves (`save`, under torchrun
+with 2 ranks), then a fresh one-rank engine loads that checkpoint at DP=1 and trains 3 more steps (`load`). The load
+writes, per scenario, every tensor of the optimizer state and the fp32 master weights right after loading and after the
+3 steps, the losses of both phases, each parameter's route and the bitsandbytes version, to <out>/results.pt.
 A scenario is an optimizer of OPTIMIZERS, optionally with "@stage3" (ZeRO-3 instead) or "@offload" (ZeRO-2 with
 offload_optimizer: the CPU partitions a GPU run with bnb 0.49 would have), and a name ending in "+sim049" runs under
 tests/legacy_bnb.simulate_049 (0.49's CPU refusal planted into the installed bnb), so that 0.50.2 takes the path 0.49
@@ -11,9 +11,9 @@ must take.
 
 `refuse` (one rank) builds and steps the REFUSALS cases and writes what each raised to <out>/refuse.pt.
 
-    torchrun --nproc_per_node 2 tests/legacy_bnb_runs.py save OUT SCENARIO...
-    python tests/legacy_bnb_runs.py load OUT SCENARIO...
-    python tests/legacy_bnb_runs.py refuse OUT
+    torchrun --nproc_per_node 2 tests/support/legacy_bnb_runs.py save OUT SCENARIO...
+    python tests/support/legacy_bnb_runs.py load OUT SCENARIO...
+    python tests/support/legacy_bnb_runs.py refuse OUT
 """
 
 import contextlib
@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 
 import bitsandbytes as bnb  # noqa: E402
 import deepspeed  # noqa: E402
@@ -31,8 +32,8 @@ from bitsandbytes.optim.optimizer import Optimizer2State  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed_bnb.optim import own_update  # noqa: E402
 
-from legacy_bnb import simulate_049  # noqa: E402
-from toy import ds_config, global_batch, local_slice, loss_fn, make_model, param_groups  # noqa: E402
+from support.legacy_bnb import simulate_049  # noqa: E402
+from support.toy import ds_config, global_batch, local_slice, loss_fn, make_model, param_groups  # noqa: E402
 
 SAVE_STEPS, MORE_STEPS = range(4), range(4, 7)
 ALL_8BIT, MIXED = 0, 1000  # min_8bit_size: every parameter 8-bit; biases and LayerNorm (< 1000 elements) 32-bit

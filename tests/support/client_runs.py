@@ -6,7 +6,8 @@ does several runs, one after the other). Each run is `NAME:ARGS` (ARGS as one sh
 example's main; the example is `accelerate`, `trainer` or `trl`); a NAME ending in `-weights-only` resumes without the optimizer state (the negative control).
 Rank 0 writes OUT/imports.json: whether `import deepspeed_bnb` imported Accelerate, and who patches it afterwards.
 
-    torchrun --nproc_per_node 1 tests/client_runs.py trainer OUT "resume:--resume ... --log_json OUT/resume.json"
+    torchrun --nproc_per_node 1 tests/support/client_runs.py trainer OUT \
+        "resume:--resume ... --log_json OUT/resume.json"
 """
 
 import contextlib
@@ -14,6 +15,9 @@ import json
 import os
 import shlex
 import sys
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 
 import deepspeed_bnb  # noqa: F401  (first, before anything imports Accelerate: the patch must arrive lazily)
 

@@ -18,9 +18,9 @@ from deepspeed import comm as dist
 from packaging.version import Version
 from torch import nn
 
-from distributed_scenarios import LOADER_LR, global_state, identical, weights_follow_master
+from support.distributed_scenarios import LOADER_LR, global_state, identical, weights_follow_master
 from deepspeed_bnb.runtime.zero.compat import checkpoint_mp_rank
-from toy import GLOBAL_BATCH, MIN_8BIT_SIZE, VOCAB, ds_config, global_batch, loss_fn
+from support.toy import GLOBAL_BATCH, MIN_8BIT_SIZE, VOCAB, ds_config, global_batch, loss_fn
 
 MODEL_PARALLEL = 2  # pipeline stages / tensor-parallel ranks of every kind
 PARALLEL_KINDS = {"pp2_stage1": dict(pipeline=True, stage=1), "tp2_stage2": dict(pipeline=False, stage=2)}

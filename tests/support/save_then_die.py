@@ -1,6 +1,6 @@
 """Helper for test_safe_checkpoints.py: save tag `a` on one rank, then save it again and SIGKILL itself mid-save.
 
-    python tests/save_then_die.py --dir D --kill-at N --reference R [--port P]
+    python tests/support/save_then_die.py --dir D --kill-at N --reference R [--port P]
 
 Trains the toy model 2 steps, saves `a` into D and writes what that checkpoint must restore to R; trains one more step
 and saves `a` again, killing this process with SIGKILL just before the Nth call that changes D (fault_injection.watch
@@ -12,7 +12,8 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # `import support` (support/__init__.py)
 
 
 def main():
@@ -26,8 +27,8 @@ def main():
 
     import deepspeed
     import torch
-    from fault_injection import engine_state, watch
-    from toy import MIN_8BIT_SIZE, build_engine, train_steps
+    from support.fault_injection import engine_state, watch
+    from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)

@@ -25,7 +25,7 @@ REFERENCE = "fp32_stage3_zero_init_clip"  # the train config (at DP=1, without h
 
 
 def config():
-    from distributed_scenarios import TRAIN_CONFIGS
+    from support.distributed_scenarios import TRAIN_CONFIGS
     return dict(TRAIN_CONFIGS[REFERENCE])
 
 
@@ -36,19 +36,19 @@ def folder(out):
 def build_hpz(world, hpz, seed=0):
     """An engine of the toy with this hpZ size. DeepSpeed keeps the hpZ process group in a module global that refuses
     to be set twice ("ZeRO parameter intra parallel group is already initialized"): each engine here gets its own."""
-    from distributed_scenarios import build
+    from support.distributed_scenarios import build
     ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     return build(world, seed=seed, zero_hpz_partition_size=hpz, **config())
 
 
 def steps(engine, span, world, rank):
-    from distributed_scenarios import run_steps
+    from support.distributed_scenarios import run_steps
     return run_steps(engine, span, world, rank, config().get("micro_steps", 1))
 
 
 def secondary_in_use(engine, world, rank) -> bool:
     """Whether, after one forward, some parameter of this rank is partitioned a second time (hpZ's secondary tensor)."""
-    from toy import global_batch, local_slice, loss_fn
+    from support.toy import global_batch, local_slice, loss_fn
     tokens, targets = global_batch(0)
     with torch.no_grad():
         loss_fn(engine, local_slice(tokens, rank, world), local_slice(targets, rank, world))
@@ -69,7 +69,7 @@ def same_state(a, b) -> bool:
 
 
 def scenario_hpz_save(world, rank, out):
-    from distributed_scenarios import all_ranks
+    from support.distributed_scenarios import all_ranks
     engine = build_hpz(world, HPZ)
     losses = steps(engine, range(SAVE_AT), world, rank)
     engine.save_checkpoint(folder(out), tag=TAG)
