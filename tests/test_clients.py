@@ -26,7 +26,9 @@ import sys
 import warnings
 
 import pytest
-from conftest import free_port, launch_env, run_or_fail, torchrun
+from conftest import ROOT, free_port, launch_env, run_or_fail, torchrun
+
+from support.client_checks import CONTROL_MIN, TINY, max_diff, read
 
 HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -36,9 +38,7 @@ needs_transformers = pytest.mark.skipif(not (HAVE_ACCELERATE and HAVE_TRANSFORME
                                         "accelerate are not installed (pip install transformers accelerate, or the "
                                         "[clients] extra)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = "--max_steps 12 --global_batch 8 --width 64 --depth 2 --context 64 --text_mb 1"
-TOL, CONTROL_MIN = 1e-5, 1e-2
+TOL = 1e-5
 
 
 def accelerate_launch(ranks: int, *args) -> str:
@@ -47,22 +47,6 @@ def accelerate_launch(ranks: int, *args) -> str:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *args]
     done = run_or_fail(cmd, launch_env(), timeout=900, cwd=ROOT, ranks=ranks)
     return done.stdout + done.stderr
-
-
-def read(out, name):
-    with open(os.path.join(out, f"{name}.json")) as f:
-        return json.load(f)
-
-
-def max_diff(run, reference):
-    """Largest |loss difference| over the steps `run` made; `losses` are lists from step `start` or {step: loss}."""
-    def by_step(log):
-        losses = log["losses"]
-        return {str(log.get("start", 0) + 1 + i): v for i, v in enumerate(losses)} if isinstance(losses, list) \
-            else losses
-    mine, theirs = by_step(run), by_step(reference)
-    assert mine and set(mine) <= set(theirs), (sorted(mine), sorted(theirs))
-    return max(abs(value - theirs[step]) for step, value in mine.items())
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 from deepspeed_bnb.checkpoint.tools.from_bnb import QUANT_STATE_KEY
 from deepspeed_bnb.cli import main
-from test_matches_bnb import engine_param_states
+from support.bnb_state import flat_param_states
 from support.toy import MIN_8BIT_SIZE, build_engine, make_model, param_groups, train_plain, train_steps
 
 STEPS = 3
@@ -65,7 +65,7 @@ def test_plain_bnb_run_continues_under_zero(one_rank, plain, tmp_path, layout):
         engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, seed=1, lr=5e-2)
         engine.load_checkpoint(folder)
         names = engine.optimizer.param_names
-        for p, state in engine_param_states(engine).items():
+        for p, state in flat_param_states(engine).items():
             expected = reference[names[p]]
             assert set(state) == set(expected) - {"unorm_vec"}, names[p]
             for key, value in state.items():
@@ -124,7 +124,7 @@ def test_an_engine_with_a_scheduler_loads_it_with_a_warning(one_rank, plain, tmp
     with pytest.warns(RuntimeWarning, match="holds no lr scheduler state"):
         engine.load_checkpoint(out)
     names = engine.optimizer.param_names
-    for p, state in engine_param_states(engine).items():
+    for p, state in flat_param_states(engine).items():
         assert torch.equal(state["state1"], reference[names[p]]["state1"].reshape(state["state1"].shape))
     import deepspeed_bnb.runtime.checkpointing as bnb_engine  # control: without the check, DeepSpeed's own load fails
     monkeypatch.setattr(bnb_engine, "_holds_scheduler", lambda *args: True)

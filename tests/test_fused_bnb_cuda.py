@@ -19,22 +19,10 @@ import torch
 from deepspeed_bnb.ops import compensated, loader, rules
 from deepspeed_bnb.ops.self_check import bits
 from deepspeed_bnb.state_layout import GroupLayout
-from support.kernel_harness import QMAPS
+from support.kernel_harness import BNB_CUDA_CONFIGS as CONFIGS, QMAPS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 STEPS = 10
-# three bnb param groups per rule (get_config dicts); the first decays, the third too, the second does not
-CONFIGS = {
-    "adam": ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
-             {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
-             {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}),
-    "lion": ({"lr": 1e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1},
-             {"lr": 3e-3, "betas": (0.95, 0.98), "eps": 1e-8, "weight_decay": 0.0},
-             {"lr": 1e-3, "betas": (0.5, 0.9), "eps": 1e-8, "weight_decay": 1.0}),
-    "momentum": ({"lr": 1e-2, "betas": (0.9, 0.0), "eps": 1e-8, "weight_decay": 1e-4},
-                 {"lr": 3e-2, "betas": (0.8, 0.0), "eps": 1e-8, "weight_decay": 0.0},
-                 {"lr": 1e-3, "betas": (0.99, 0.0), "eps": 1e-8, "weight_decay": 0.5}),
-}
 MASTERS = ("fp32", "bf16", "bf16+8")
 
 

@@ -115,7 +115,7 @@ def test_control_the_large_parameter_check_catches_misplaced_pieces(one_rank, mo
     import part_large
 
     from deepspeed_bnb.optim import bnb_adapter, own_update
-    from test_update_pieces import split_one_block_early
+    from support.planted_bugs import split_one_block_early
     monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", own_update.MAX_UPDATE_NUMEL)  # restored after the test
     monkeypatch.setattr(bnb_adapter, "split_segment", split_one_block_early)
     result = proof_common.Result("e", "control", "cpu")

@@ -17,9 +17,8 @@ import torch
 
 import deepspeed_bnb  # noqa: F401
 from support.bnb_optimizers import FACTORIES
-from support.bnb_state import bnb_moments, flat_bnb_state
+from support.bnb_state import assert_equals_plain, bnb_moments, flat_bnb_state, flat_param_states
 from deepspeed.utils import safe_get_full_optimizer_state, safe_get_local_optimizer_state
-from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.reference import AdamHyper, LionHyper, MomentumHyper
@@ -30,17 +29,6 @@ from support.toy import clone, ds_config, global_batch, loss_fn, make_model, par
 STEPS = 3
 FUSED_FACTORIES = {**FACTORIES, "SGD_32bit_momentum": lambda p: bnb.optim.SGD(p, lr=1e-2, momentum=0.9,
                                                                               min_8bit_size=1000)}
-
-
-def engine_param_states(engine):
-    """model parameter -> bnb-style state, gathered from the engine's flat partition (DP=1: one rank)."""
-    opt, out = engine.optimizer, {}
-    for i, params in enumerate(opt.bnb_params):  # model parameters in flat order
-        state = opt.optimizer.state[opt.single_partition_of_fp32_groups[i]]
-        per_param = gather_param_states(opt.bnb_layouts[i], opt.bnb_eight_bit[i], opt.bnb.stored_classes(state),
-                                        [state])
-        out.update({p: s for p, s in zip(params, per_param)})
-    return out
 
 
 # The API's names besides bnb's own state1/state2: torch's name of each of bnb's state rows (state1's rows, then
@@ -80,21 +68,6 @@ def test_zero_dp1_matches_plain_bnb(one_rank, name):
     assert_equals_plain(engine, model, reference, plain, name)
     assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), make_model(0).parameters()))
     check_state_api(model, reference, plain, plain.optimizer_name)
-
-
-def assert_equals_plain(engine, model, reference, plain, label):
-    """The ZeRO run's weights and every parameter's state (values and dtypes) equal plain bnb's; returns the state."""
-    states = engine_param_states(engine)
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.detach(), q.detach()), f"{label}: weights of {pname} differ"
-        mine, theirs = states[p], flat_bnb_state(plain.state[q], q.numel())
-        assert mine.keys() == theirs.keys(), pname
-        for key in mine:
-            if torch.is_tensor(mine[key]):
-                assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{pname}.{key}"
-            else:
-                assert mine[key] == theirs[key], f"{pname}.{key}"
-    return states
 
 
 def test_control_stock_zero_differs_from_plain_bnb(one_rank):
@@ -241,7 +214,7 @@ def test_default_zero_dp1_is_kernel_reference_or_plain_bnb(one_rank, name):
         loss_fn(copy, tokens, targets).backward()
         per_parameter.step(step + 1)
     train_plain(bnb_copy, plain)
-    states = engine_param_states(engine)
+    states = flat_param_states(engine)
     for (pname, p), q, r in zip(model.named_parameters(), copy.parameters(), bnb_copy.parameters()):
         mine, theirs = states[p], flat_bnb_state(plain.state[r], r.numel())
         assert mine.keys() == theirs.keys(), pname

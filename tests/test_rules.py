@@ -133,6 +133,6 @@ def test_wrong_moment_count_and_unknown_rule_are_refused():
 
 def test_every_rule_has_bnb_param_groups_for_its_gpu_tests():
     """tests/test_fused_bnb_cuda.py holds every rule's bnb_cuda kernel to bnb on a GPU from its CONFIGS."""
-    from test_fused_bnb_cuda import CONFIGS
+    from support.kernel_harness import BNB_CUDA_CONFIGS as CONFIGS
     assert set(CONFIGS) == set(rules.RULES)
     assert all(len(configs) == 3 for configs in CONFIGS.values())  # one per hyper row of the partitions

@@ -7,7 +7,6 @@ sub-groups, offload, stock control, elastic checkpoints) runs in tests/test_dist
 """
 
 import re
-from contextlib import nullcontext
 
 import bitsandbytes as bnb
 import deepspeed
@@ -24,7 +23,8 @@ from deepspeed_bnb.runtime.engine import stock_deepspeed
 from deepspeed_bnb.runtime.zero.partition_parameters import is_block_aligned
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from deepspeed_bnb.state_layout import round_up
-from support.toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
+from support.toy import (clone, ds_config, gathered_weights as weights, make_model, param_groups, train_plain,
+                         train_steps)
 
 STEPS = 3
 
@@ -32,13 +32,6 @@ STEPS = 3
 def engine_of(factory, model, stage=3, **zero):
     config = {**ds_config(1, stage=stage, **zero), "zero_force_ds_cpu_optimizer": False}  # client optimizer offloaded
     return deepspeed.initialize(model=model, optimizer=factory(param_groups(model)), config=config)[0]
-
-
-def weights(engine):
-    """name -> full weight (gathered at stage 3)."""
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params) if engine.zero_optimization_stage() == 3 else nullcontext():
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def assert_same(mine: dict, theirs: dict, label: str):

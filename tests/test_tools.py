@@ -27,7 +27,7 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from deepspeed_bnb.ops.reference import code_gap
 from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
-from test_matches_bnb import engine_param_states
+from support.bnb_state import flat_param_states
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def saved(one_rank, tmp_path_factory):
 
 
 def snapshot(engine):
-    state = engine_param_states(engine)
+    state = flat_param_states(engine)
     return {engine.optimizer.param_names[p]: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
             for p, s in state.items()}
 
@@ -211,7 +211,8 @@ def test_stage3_inspect_export_reshape_and_convert(saved3, tmp_path):
     stage 3, then to 2 ranks of stage 2, loads back into a stage-3 engine byte-identical; convert to 32-bit loads into
     a stage-3 engine of bnb's 32-bit AdamW with the dequantized moments."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from test_stage3 import states, weights
+    from support.bnb_state import engine_param_states as states
+    from support.toy import gathered_weights as weights
     folder, engine = saved3
     text = summary(folder, verify_checksums=True)
     assert "ZeRO stage 3, 1 data-parallel ranks" in text and "8-bit  fc1.weight  (301, 40)  12,040" in text

@@ -17,8 +17,9 @@ import importlib.util
 import os
 
 import pytest
-from conftest import torchrun
-from test_clients import CONTROL_MIN, ROOT, TINY, max_diff, read
+from conftest import ROOT, torchrun
+
+from support.client_checks import CONTROL_MIN, TINY, max_diff, read
 
 HAVE_TRL = all(importlib.util.find_spec(name) is not None for name in ("trl", "datasets", "transformers"))
 pytestmark = pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed (pip install trl, or the [clients] extra)")

@@ -26,7 +26,7 @@ from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.cli import main
 from deepspeed_bnb.ops.reference import code_gap
-from test_matches_bnb import engine_param_states
+from support.bnb_state import flat_param_states
 from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
 
 STEPS = 3
@@ -46,7 +46,7 @@ def saved(one_rank, tmp_path_factory):
     engine = build_engine(min_8bit_size=MIN_8BIT_SIZE)
     train_steps(engine, range(STEPS))
     engine.save_checkpoint(folder, tag="t")
-    states = engine_param_states(engine)
+    states = flat_param_states(engine)
     names = engine.optimizer.param_names
     opt = engine.optimizer
     masters = {}
@@ -111,7 +111,7 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
     engine.load_checkpoint(str(tmp_path / "eight"))
     names = engine.optimizer.param_names
     eight_bit = 0
-    for p, state in engine_param_states(engine).items():
+    for p, state in flat_param_states(engine).items():
         reference = torch_state[names[p]]
         moments = bnb_moments(state, p.numel())
         for key, torch_key in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
@@ -140,7 +140,7 @@ def test_round_trip_through_universal_is_within_half_a_step(saved, tmp_path, dp,
     engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, lr=5e-2, seed=1)
     engine.load_checkpoint(str(tmp_path / "back"))
     names = engine.optimizer.param_names
-    for p, state in engine_param_states(engine).items():
+    for p, state in flat_param_states(engine).items():
         saved_state, numel = states[names[p]]
         before, after = bnb_moments(saved_state, numel), bnb_moments(state, numel)
         for key in ("state1", "state2"):

@@ -14,9 +14,10 @@ import pytest
 
 import deepspeed_bnb  # noqa: F401
 from support.bnb_optimizers import FACTORIES
+from support.bnb_state import assert_equals_plain
+from support.planted_bugs import split_one_block_early
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
-from test_matches_bnb import assert_equals_plain
 from support.toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
 
 SMALL_LIMIT = 2 * BLOCK_SIZE
@@ -65,15 +66,6 @@ def test_update_in_pieces_equals_plain_bnb(one_rank, monkeypatch, name):
     assert_equals_plain(engine, model, reference, plain, f"{name} in pieces of {SMALL_LIMIT}")
     params = len(list(model.parameters()))
     assert max(calls) <= SMALL_LIMIT and len(calls) > 3 * params  # control: it was cut, into many pieces
-
-
-def split_one_block_early(segment: Segment, max_numel: int):
-    """A planted bug for the controls: split_segment's pieces, each after the first starting one block early (blocks
-    at the piece boundaries stepped twice, the segment's last block never)."""
-    return tuple(p if p.offset == segment.offset else Segment(
-        slot=p.slot, param_start=p.param_start - BLOCK_SIZE, numel=p.numel, offset=p.offset - BLOCK_SIZE,
-        eight_bit=p.eight_bit, fp32_offset=p.fp32_offset - BLOCK_SIZE if p.fp32_offset >= 0 else -1)
-        for p in split_segment(segment, max_numel))
 
 
 def test_control_a_misplaced_split_differs_from_plain_bnb(one_rank, monkeypatch):

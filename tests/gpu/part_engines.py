@@ -237,7 +237,7 @@ def partition_states(engine) -> list:
 def fused_against_default(args, result, precision: str, master: str = "auto") -> list:
     """Part c for one precision (and master weights); returns the table row."""
     from deepspeed_bnb.optim.fused.route import FUSED
-    from test_fused_contract import relation_breaks
+    from support.fused_relation import relation_breaks
     from support.toy import loss_fn, make_model, param_groups
     bf16 = precision == "bf16"
     default, fused = engine_of(2, bf16, args.device, master=master), engine_of(2, bf16, args.device, fused=True,

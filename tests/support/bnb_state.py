@@ -1,6 +1,7 @@
 """Plain bitsandbytes' state as the tests compare it: shaped like the state gathered from a ZeRO partition (and that
-gathered state of a one-rank engine), dequantized by bitsandbytes itself, and how far values came back from a set, in
-quantization steps of bnb's maps."""
+gathered state of a one-rank engine, by parameter name or by parameter), a one-rank engine held to plain bnb bit for
+bit, dequantized by bitsandbytes itself, and how far values came back from a set, in quantization steps of bnb's
+maps."""
 
 import bitsandbytes as bnb
 import torch
@@ -33,6 +34,33 @@ def engine_param_states(engine) -> dict:
         per_param = gather_param_states(record.layout, record.eight_bit, record.key_classes, [record.state])
         out.update(zip(record.param_names, per_param))
     return out
+
+
+def flat_param_states(engine) -> dict:
+    """model parameter -> bnb-shaped state, gathered from a ZeRO-1/2 engine's flat partitions (DP=1: one rank holds
+    all of it)."""
+    opt, out = engine.optimizer, {}
+    for i, params in enumerate(opt.bnb_params):  # model parameters in flat order
+        state = opt.optimizer.state[opt.single_partition_of_fp32_groups[i]]
+        per_param = gather_param_states(opt.bnb_layouts[i], opt.bnb_eight_bit[i], opt.bnb.stored_classes(state),
+                                        [state])
+        out.update({p: s for p, s in zip(params, per_param)})
+    return out
+
+
+def assert_equals_plain(engine, model, reference, plain, label):
+    """The ZeRO run's weights and every parameter's state (values and dtypes) equal plain bnb's; returns the state."""
+    states = flat_param_states(engine)
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.detach(), q.detach()), f"{label}: weights of {pname} differ"
+        mine, theirs = states[p], flat_bnb_state(plain.state[q], q.numel())
+        assert mine.keys() == theirs.keys(), pname
+        for key in mine:
+            if torch.is_tensor(mine[key]):
+                assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{pname}.{key}"
+            else:
+                assert mine[key] == theirs[key], f"{pname}.{key}"
+    return states
 
 
 def bnb_moments(state: dict, numel: int) -> dict:

@@ -27,6 +27,19 @@ UNUSED = slice(1, None, 3)  # of each 64-element row: rows whose gradient is alw
 KERNEL = loader.load()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+# three bnb param groups per rule (get_config dicts) for the bnb_cuda kernels against bnb's own CUDA update
+# (tests/test_fused_bnb_cuda.py); the first decays, the third too, the second does not
+BNB_CUDA_CONFIGS = {
+    "adam": ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+             {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
+             {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}),
+    "lion": ({"lr": 1e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1},
+             {"lr": 3e-3, "betas": (0.95, 0.98), "eps": 1e-8, "weight_decay": 0.0},
+             {"lr": 1e-3, "betas": (0.5, 0.9), "eps": 1e-8, "weight_decay": 1.0}),
+    "momentum": ({"lr": 1e-2, "betas": (0.9, 0.0), "eps": 1e-8, "weight_decay": 1e-4},
+                 {"lr": 3e-2, "betas": (0.8, 0.0), "eps": 1e-8, "weight_decay": 0.0},
+                 {"lr": 1e-3, "betas": (0.99, 0.0), "eps": 1e-8, "weight_decay": 0.5}),
+}
 
 
 def maps(rule: str, shuffled: bool = False) -> list:

@@ -1,4 +1,4 @@
-"""Tiny but awkward model, data and engine builder shared by the single- and multi-rank tests.
+"""Tiny but awkward model, data and engine builder (and an engine's weights) shared by the single- and multi-rank tests.
 
 Awkward on purpose: odd sizes, two param groups with different lr / weight decay, 8-bit and fp32 state side by side
 (min_8bit_size=1000), a parameter smaller than one 256-block (head.bias: 97), and one larger than a whole ZeRO
@@ -8,6 +8,7 @@ partition at DP=3 (fc1.weight: 12040 elements of a ~31k-element group).
 import copy
 import math
 import zlib
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -123,6 +124,14 @@ def build_engine(optimizer_cls=None, seed=0, lr=1e-3, stock=False, zero=None, st
     config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers
     with stock_deepspeed():
         return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def gathered_weights(engine):
+    """name -> full weight of an engine's module (gathered at stage 3)."""
+    import deepspeed
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if engine.zero_optimization_stage() == 3 else nullcontext():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def train_steps(engine, steps):
