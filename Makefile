@@ -29,8 +29,8 @@ demo: $(STAMP)
 test: $(STAMP) libaio
 	$(BIN)/python -m pytest -q tests
 
-# NVMe offload (tests/test_nvme.py) needs libaio for DeepSpeed's async_io op: installed with apt-get where we run as
-# root; elsewhere those tests skip, naming the package
+# NVMe offload (tests/distributed/test_nvme.py) needs libaio for DeepSpeed's async_io op: installed with apt-get where
+# we run as root; elsewhere those tests skip, naming the package
 libaio:
 	@test -f /usr/include/libaio.h || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q libaio-dev >/dev/null 2>&1 || \

@@ -2,7 +2,7 @@
 // csrc/cpu/adam8bit_cpu.cpp, lion8bit_cpu.cpp and momentum8bit_cpu.cpp (CPU), csrc/cuda/adam8bit_cuda.cpp,
 // lion8bit_cuda.cpp and momentum8bit_cuda.cpp (CUDA); the pure-torch references with the same signatures are in
 // deepspeed_bnb/ops/reference.py, the shape-only (fake) implementations in deepspeed_bnb/ops/fake.py. Each operator is
-// one update rule of deepspeed_bnb/ops/rules.py, which gives its argument layout (tests/test_rules.py holds these
+// one update rule of deepspeed_bnb/ops/rules.py, which gives its argument layout (tests/unit/test_rules.py holds these
 // schemas to it). Build: see deepspeed_bnb/ops/loader.py.
 #include <torch/library.h>
 

@@ -9,7 +9,7 @@ swaps go through `installer.swapped()`; the rest are overrides in deepspeed_bnb'
 objects deepspeed_bnb creates or links, and private methods it calls. Release differences are data here (`since`,
 `params_since`); runtime/zero/compat.py turns them into behaviour.
 
-tests/test_overrides.py checks, for the installed release, that every entry that should exist does, with the
+tests/unit/test_overrides.py checks, for the installed release, that every entry that should exist does, with the
 parameters listed (and that a symbol or parameter marked `since` a later release is indeed absent), that every
 DeepSpeed method deepspeed_bnb's ZeRO classes override is registered, and that `stock_deepspeed()` restores every
 replaced symbol. The compatibility matrix (tools/compat_matrix.py) runs that test against every supported release,

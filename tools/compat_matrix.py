@@ -88,40 +88,41 @@ SIZES = "1,2"  # tests/support/scenario_runs.py: the DP sizes the claims need
 
 
 def _elastic(kinds, pairs=((2, 1), (1, 2))):
-    return [f"tests/test_elastic.py::test_load_at_any_dp[{k}-{n}-{m}]" for k in kinds for n, m in pairs]
+    return [f"tests/distributed/test_elastic.py::test_load_at_any_dp[{k}-{n}-{m}]" for k in kinds for n, m in pairs]
 
 
 # claim (table column) -> the test ids that establish it; each test carries its own negative control
 CLAIMS = {
-    "sharded == unsharded": ["tests/test_sharded_update.py"],
-    "DP=1 == plain bnb": ["tests/test_matches_bnb.py::test_zero_dp1_matches_plain_bnb",
-                          "tests/test_matches_bnb.py::test_control_stock_zero_differs_from_plain_bnb",
-                          "tests/test_stage3.py::test_stage3_dp1_equals_plain_bnb"],
+    "sharded == unsharded": ["tests/kernels/test_sharded_update.py"],
+    "DP=1 == plain bnb": ["tests/kernels/test_matches_bnb.py::test_zero_dp1_matches_plain_bnb",
+                          "tests/kernels/test_matches_bnb.py::test_control_stock_zero_differs_from_plain_bnb",
+                          "tests/unit/test_stage3.py::test_stage3_dp1_equals_plain_bnb"],
     "elastic 2->1, 1->2 (ZeRO-1, 2, 3)": _elastic(("fp32_stage1", "bf16_stage2", "fp32_stage3")),
-    "same-DP resume": [f"tests/test_distributed.py::test_same_dp_resume_is_bit_exact[{case}-2]"
+    "same-DP resume": [f"tests/distributed/test_distributed.py::test_same_dp_resume_is_bit_exact[{case}-2]"
                        for case in ("stage1_rigid", "stage1_elastic", "stage2_rigid", "stage2_elastic")],
-    "ZeRO-3 DP invariance": [f"tests/test_distributed.py::test_fp32_tracks_single_rank[{config}-2]"
+    "ZeRO-3 DP invariance": [f"tests/distributed/test_distributed.py::test_fp32_tracks_single_rank[{config}-2]"
                              for config in ("fp32_stage3", "fp32_stage3_zero_init", "fp32_stage3_offload")]
-                            + ["tests/test_distributed.py::test_stage3_matches_stage2[2]",
-                               "tests/test_distributed.py::test_stock_deepspeed_does_not_track_single_rank"
+                            + ["tests/distributed/test_distributed.py::test_stage3_matches_stage2[2]",
+                               "tests/distributed/test_distributed.py::test_stock_deepspeed_does_not_track_single_rank"
                                "[3-DeepSpeedZeroOptimizer_Stage3-2]"],
-    "one checkpoint format": ["tests/test_cross_release.py"],
-    "override register": ["tests/test_overrides.py"],
-    "NVMe offload (ZeRO-3)": ["tests/test_nvme.py::test_nvme_offload_trains_as_cpu_offload",
-                              "tests/test_nvme.py::test_checkpoints_resume_exactly_across_offload_kinds"],
-    "control: stock + torch AdamW": ["tests/test_stock_control.py"],
+    "one checkpoint format": ["tests/distributed/test_cross_release.py"],
+    "override register": ["tests/unit/test_overrides.py"],
+    "NVMe offload (ZeRO-3)": ["tests/distributed/test_nvme.py::test_nvme_offload_trains_as_cpu_offload",
+                              "tests/distributed/test_nvme.py::test_checkpoints_resume_exactly_across_offload_kinds"],
+    "control: stock + torch AdamW": ["tests/unit/test_stock_control.py"],
 }
 # tests that cannot run for a cell, and why: they run bitsandbytes' own update on the CPU, which 0.49 does not have
 # (a claim left with none of its tests is n/a; one left with some says how many were n/a)
 NOT_APPLICABLE = {
-    "bitsandbytes 0.49": (("tests/test_sharded_update.py", "tests/test_matches_bnb.py",
-                           "tests/test_stage3.py::test_stage3_dp1_equals_plain_bnb",
-                           "tests/test_distributed.py::test_stock_deepspeed_does_not_track_single_rank"),
+    "bitsandbytes 0.49": (("tests/kernels/test_sharded_update.py", "tests/kernels/test_matches_bnb.py",
+                           "tests/unit/test_stage3.py::test_stage3_dp1_equals_plain_bnb",
+                           "tests/distributed/test_distributed.py::test_stock_deepspeed_does_not_track_single_rank"),
                           "bitsandbytes 0.49 has no optimizer update on a CPU: plain bnb (the oracle) and stock ZeRO "
                           "(the controls) cannot step there"),
 }
 # claims checked from the reference environment, pointing a test at the cell's Python (claim -> variable, ids)
-FROM_REFERENCE = {"0.49 == 0.50.2 (fused kernel)": ("DEEPSPEED_BNB_BNB049_PYTHON", ["tests/test_bnb_049.py"])}
+FROM_REFERENCE = {"0.49 == 0.50.2 (fused kernel)": ("DEEPSPEED_BNB_BNB049_PYTHON",
+                                                    ["tests/distributed/test_bnb_049.py"])}
 CLAIM_TIMEOUT = 5400  # seconds of pytest per cell: a hung gloo group must not stall the whole matrix
 
 

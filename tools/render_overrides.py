@@ -1,7 +1,7 @@
 """Rewrites the table of DeepSpeed overrides in docs/overrides.md from the register (deepspeed_bnb/overrides.py).
 
 Between its two markers docs/overrides.md holds exactly `section(overrides.table())`, nothing else (no log line):
-tests/test_overrides.py compares the whole text between the markers with it. Run this to update it:
+tests/unit/test_overrides.py compares the whole text between the markers with it. Run this to update it:
     python tools/render_overrides.py
 """
 

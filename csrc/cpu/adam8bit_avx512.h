@@ -14,7 +14,7 @@
 //   their top 24 bits with the bucket's midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
 //
 // Both are exact table look-ups, so the kernels stay bit-identical to deepspeed_bnb/ops/reference.py
-// (tests/test_fused_rules.py, every rule of the registry, including maps the fast path must refuse
+// (tests/kernels/test_fused_rules.py, every rule of the registry, including maps the fast path must refuse
 // and values on and next to midpoints). Used only when the compiler targets these extensions (-march=native on such a
 // CPU: the JIT build); otherwise the portable loops in adam8bit_cpu.cpp, lion8bit_cpu.cpp, momentum8bit_cpu.cpp and
 // fused_cpu.h run.

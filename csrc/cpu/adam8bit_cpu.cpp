@@ -4,13 +4,13 @@
 // Per block, in one pass: gradient unscale/clip factor, dequantize (qmap[code] * absmax), moments, decoupled weight
 // decay and parameter update (fp32 master weights, or bf16 / compensated ones widened per block: fused_cpu.h), then
 // per-block absmax and requantization to the nearest code.
-// Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/test_fused_rules.py); the arithmetic itself lives in
-// csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the partition walk, checks, dispatch and quantizer
-// helpers in fused_cpu.h, shared with the Lion kernel (lion8bit_cpu.cpp).
+// Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/kernels/test_fused_rules.py); the arithmetic itself
+// lives in csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the partition walk, checks, dispatch and
+// quantizer helpers in fused_cpu.h, shared with the Lion kernel (lion8bit_cpu.cpp).
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (kOptimizerStatic8bit2StateBlockwise), llm.c's AdamW kernels.
 // Build: JIT by deepspeed_bnb/ops/loader.py (ninja; cached under TORCH_EXTENSIONS_DIR), or ahead of time with
 // `DEEPSPEED_BNB_BUILD_EXT=1 pip install -e .`. Flags that keep it exact: -ffp-contract=off, no -ffast-math.
-// Test: pytest tests/test_fused_rules.py -k adam, tests/test_fused_adam.py;
+// Test: pytest tests/kernels/test_fused_rules.py -k adam, tests/kernels/test_fused_adam.py;
 // speed: python benchmarks/bench_optimizer_step.py.
 
 #include "fused_cpu.h"

@@ -4,15 +4,15 @@
 // Per block, in one pass: gradient unscale/clip factor, dequantize the momentum (qmap[code] * absmax), decoupled
 // weight decay and the signed step lr * sign(beta1 * m + (1 - beta1) * g) on the fp32 master, the new momentum
 // beta2 * m + (1 - beta2) * g, then per-block absmax and requantization to the nearest code.
-// Semantics: deepspeed_bnb/ops/reference.py (lion8bit_step), bit for bit (tests/test_fused_rules.py); the arithmetic
-// lives in csrc/include/dsbnb/adam8bit.h (lion_param, lion_momentum), shared with the CUDA kernel; the partition
-// walk, checks, dispatch and quantizer in fused_cpu.h and the AVX-512 full-block path in adam8bit_avx512.h, shared
-// with the AdamW kernel (adam8bit_cpu.cpp).
+// Semantics: deepspeed_bnb/ops/reference.py (lion8bit_step), bit for bit (tests/kernels/test_fused_rules.py); the
+// arithmetic lives in csrc/include/dsbnb/adam8bit.h (lion_param, lion_momentum), shared with the CUDA kernel; the
+// partition walk, checks, dispatch and quantizer in fused_cpu.h and the AVX-512 full-block path in adam8bit_avx512.h,
+// shared with the AdamW kernel (adam8bit_cpu.cpp).
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (kOptimizerStatic8bit1StateBlockwise, LION) and
 // backends/cpu/ops.py; Chen et al. 2023, Symbolic Discovery of Optimization Algorithms.
 // Build: with the AdamW kernel (deepspeed_bnb/ops/loader.py JIT, or setup.py with DEEPSPEED_BNB_BUILD_EXT=1); flags
 // that keep it exact: -ffp-contract=off, no -ffast-math.
-// Test: pytest tests/test_fused_rules.py -k lion, tests/test_fused_lion.py;
+// Test: pytest tests/kernels/test_fused_rules.py -k lion, tests/kernels/test_fused_lion.py;
 // speed: python benchmarks/bench_optimizer_step.py.
 
 #include "fused_cpu.h"

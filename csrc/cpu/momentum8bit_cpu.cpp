@@ -5,7 +5,7 @@
 // Per block, in one pass: gradient unscale/clip factor, dequantize the momentum (qmap[code] * absmax), coupled weight
 // decay g + p * wd, the new momentum (g at step 1, else beta1 * m + g), p - lr * m on the fp32 master, then per-block
 // absmax and requantization to the nearest code.
-// Semantics: deepspeed_bnb/ops/reference.py (momentum8bit_step), bit for bit (tests/test_fused_rules.py); the
+// Semantics: deepspeed_bnb/ops/reference.py (momentum8bit_step), bit for bit (tests/kernels/test_fused_rules.py); the
 // arithmetic lives in csrc/include/dsbnb/adam8bit.h (momentum_state, momentum_param), shared with the CUDA kernel;
 // the partition walk, checks, dispatch and quantizer in fused_cpu.h and the AVX-512 full-block path in
 // adam8bit_avx512.h (momentum_update_block), shared with the AdamW and Lion kernels.
@@ -13,7 +13,8 @@
 // MOMENTUM), backends/cpu/ops.py and optim/sgd.py.
 // Build: with the other kernels (deepspeed_bnb/ops/loader.py JIT, or setup.py with DEEPSPEED_BNB_BUILD_EXT=1); flags
 // that keep it exact: -ffp-contract=off, no -ffast-math.
-// Test: pytest tests/test_fused_rules.py -k momentum; tests/test_fused_momentum.py (its semantics by hand).
+// Test: pytest tests/kernels/test_fused_rules.py -k momentum; tests/kernels/test_fused_momentum.py (its semantics by
+// hand).
 
 #include "fused_cpu.h"
 

@@ -10,12 +10,13 @@
 // the bucket and the top 24 bits of that midpoint as an order-preserving integer. The value's own top 24 bits decide
 // above/below; values that share those 24 bits with the midpoint (~1/256 of them) are settled by the exact
 // dsbnb::nearest_sorted. Same answer as dsbnb::nearest_sorted for every fp32 value, bit for bit
-// (tests/test_fused_rules.py, including maps the table must refuse and values on and next to midpoints).
+// (tests/kernels/test_fused_rules.py, including maps the table must refuse and values on and next to midpoints).
 // Where the time goes (AdamW, 4M elements, 1 thread, AVX2 Zen 3, perf): requantizing the two moments is about half of
 // the step, and the 8-lane VPGATHERDD about half of that; dequantization (scalar loads) and the update the rest.
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (dQuantizeDynamic), the quantizer it reproduces; Intel intrinsics
 // guide (VPGATHERDD).
-// Build and test: header-only, compiled into the CPU kernels (see adam8bit_cpu.cpp); pytest tests/test_fused_rules.py.
+// Build and test: header-only, compiled into the CPU kernels (see adam8bit_cpu.cpp); pytest
+// tests/kernels/test_fused_rules.py.
 #pragma once
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 //   nvcc -c -std=c++17 -O3 -fmad=false -Icsrc/include -gencode arch=compute_80,code=sm_80 \
 //        -gencode arch=compute_90,code=sm_90 csrc/cuda/adam8bit.cu -o /tmp/adam8bit.o
 // Flags that keep the ieee arithmetic exact: -fmad=false, and no --use_fast_math (the bnb_cuda one is explicit PTX).
-// Test: pytest tests/test_fused_rules.py -k adam (ieee, where a GPU is present); the GPU proof's kernel part
+// Test: pytest tests/kernels/test_fused_rules.py -k adam (ieee, where a GPU is present); the GPU proof's kernel part
 // (bnb_cuda against bitsandbytes itself).
 
 #include "fused_step.cuh"

@@ -4,8 +4,8 @@
 // segment and each segment's first block) uploaded once per table — both cached per tensor, so a steady-state step
 // never synchronizes with the device —, DeepSpeed's unscale factor (a device tensor's address, never its value), and
 // the launch arguments of every rule (`run`).
-// Build: only with a CUDA build of torch, with the bindings. Test: tests/test_cuda_build.py (syntax, without a GPU);
-// tests/test_fused_rules.py (every rule of the registry) on a machine with a GPU.
+// Build: only with a CUDA build of torch, with the bindings. Test: tests/kernels/test_cuda_build.py (syntax, without a
+// GPU); tests/kernels/test_fused_rules.py (every rule of the registry) on a machine with a GPU.
 #pragma once
 
 #include <ATen/ATen.h>

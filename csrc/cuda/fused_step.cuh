@@ -16,9 +16,9 @@
 // Semantics: "ieee" is deepspeed_bnb/ops/reference.py bit for bit; "bnb_cuda" is bitsandbytes' own CUDA kernels
 // (csrc/include/dsbnb/bnb_cuda_math.h). References: torch's multi_tensor_apply.cuh (host-built block map),
 // bitsandbytes 0.50.2 csrc/kernels.cu, llm.c's AdamW kernel (vectorized loads).
-// Build: nvcc only (no torch headers), with the kernels; tests/test_cuda_build.py compiles it for sm_80 and sm_90.
-// Test: tests/test_fused_rules.py (ieee, against the reference) and the GPU proof's kernel part (bnb_cuda, against
-// bitsandbytes itself) where a GPU is present.
+// Build: nvcc only (no torch headers), with the kernels; tests/kernels/test_cuda_build.py compiles it for sm_80 and
+// sm_90. Test: tests/kernels/test_fused_rules.py (ieee, against the reference) and the GPU proof's kernel part
+// (bnb_cuda, against bitsandbytes itself) where a GPU is present.
 #pragma once
 
 #include <cuda_bf16.h>

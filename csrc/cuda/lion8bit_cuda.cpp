@@ -3,8 +3,8 @@
 // like the other bindings (fused_cuda.h), so a steady-state step never synchronizes with the device.
 // Registered as the CUDA implementation of deepspeed_bnb::lion8bit_step_ (schema: csrc/ops.cpp).
 // Build: only with a CUDA build of torch, by deepspeed_bnb/ops/loader.py (JIT) or setup.py (prebuilt).
-// Test: pytest tests/test_fused_rules.py -k lion on a machine with a GPU; tests/test_cuda_build.py checks its
-// syntax.
+// Test: pytest tests/kernels/test_fused_rules.py -k lion on a machine with a GPU; tests/kernels/test_cuda_build.py
+// checks its syntax.
 
 #include "fused_cuda.h"
 

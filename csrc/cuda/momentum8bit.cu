@@ -12,8 +12,8 @@
 //   nvcc -c -std=c++17 -O3 -fmad=false -Icsrc/include -gencode arch=compute_80,code=sm_80 \
 //        -gencode arch=compute_90,code=sm_90 csrc/cuda/momentum8bit.cu -o /tmp/momentum8bit.o
 // Flags that keep the ieee arithmetic exact: -fmad=false, and no --use_fast_math.
-// Test: pytest tests/test_fused_rules.py -k momentum (ieee, where a GPU is present); tests/test_cuda_build.py; the
-// GPU proof's kernel part (bnb_cuda against bitsandbytes itself).
+// Test: pytest tests/kernels/test_fused_rules.py -k momentum (ieee, where a GPU is present);
+// tests/kernels/test_cuda_build.py; the GPU proof's kernel part (bnb_cuda against bitsandbytes itself).
 
 #include "fused_step.cuh"
 

@@ -5,7 +5,7 @@ Exactness depends on the flags: no FMA contraction, no fast-math, IEEE division 
 ops/reference.py). Source paths are relative to the repository root.
 """
 
-# the operators csrc/ops.cpp defines (one per update rule of ops/rules.py; tests/test_rules.py holds the two equal)
+# the operators csrc/ops.cpp defines (one per update rule of ops/rules.py; tests/unit/test_rules.py holds the two equal)
 OPERATORS = ("adam8bit_step_", "lion8bit_step_", "momentum8bit_step_")
 CPU_SOURCES = ["csrc/ops.cpp", "csrc/cpu/adam8bit_cpu.cpp", "csrc/cpu/lion8bit_cpu.cpp",
                "csrc/cpu/momentum8bit_cpu.cpp"]

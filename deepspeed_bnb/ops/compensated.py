@@ -14,7 +14,8 @@ Exactness: `join` is exact in fp32 (hi has 8 significant bits, lo adds 8 more be
 nearest-even bf16 and the error to nearest-even 1/256 ulp, clamped to +-127 steps (an error within half a step of
 half an ulp, which would round to the tie at 128 steps, keeps 127: off by at most one step); so split(join(hi, lo))
 == (hi, lo) for every pair split produced. Below bf16's normal range the unit stays that of the smallest normals.
-Test: tests/test_master_weights.py (the compensation and the engine), tests/test_fused_rules.py (the kernels).
+Test: tests/unit/test_master_weights.py (the compensation and the engine), tests/kernels/test_fused_rules.py (the
+kernels).
 """
 
 import torch

@@ -57,9 +57,9 @@ References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_b
 (`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION and MOMENTUM branches,
 `kOptimizer32bit1State`'s MOMENTUM branch), `_optimizer_update_32bit_cpu`, `optim/sgd.py`; Loshchilov & Hutter,
 Decoupled Weight Decay Regularization (AdamW); Chen et al., Symbolic Discovery of Optimization Algorithms (Lion).
-Build/test: pure Python, nothing to build; tests/test_fused_rules.py holds every rule's kernels to it and it to
-bitsandbytes (tests/support/rule_cases.py: one case per rule); tests/test_fused_{adam,lion,momentum}.py check what is
-one rule's own.
+Build/test: pure Python, nothing to build; tests/kernels/test_fused_rules.py holds every rule's kernels to it and it to
+bitsandbytes (tests/support/rule_cases.py: one case per rule); tests/kernels/test_fused_{adam,lion,momentum}.py check
+what is one rule's own.
 """
 
 import math
@@ -145,7 +145,7 @@ def dynamic_map(signed: bool = True) -> torch.Tensor:
     operations so its 256 values are the same bits, for machines without bitsandbytes (a GPU machine without it, unless
     a trimmed copy is carried there; tests/support/cuda_kernel_run.py). Signed (Adam's m, Lion, momentum): per decade 10^-6..10^0
     the midpoints of 2^i + 1 evenly spaced points in [0.1, 1] (i = 0..6), both signs, plus 0 and 1; unsigned (Adam's
-    v): 2^(i+1) + 1 points, positive only. Sorted ascending. tests/test_fused_adam.py holds it to bnb's."""
+    v): 2^(i+1) + 1 points, positive only. Sorted ascending. tests/kernels/test_fused_adam.py holds it to bnb's."""
     values = [0.0, 1.0]
     for i in range(7):
         boundaries = torch.linspace(0.1, 1, (2 ** i if signed else 2 ** (i + 1)) + 1, dtype=torch.float32)

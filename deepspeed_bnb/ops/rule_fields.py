@@ -10,8 +10,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-# Every key `Optimizer8bit.get_config` returns in bitsandbytes 0.50 (tests/test_fused_contract.py holds this to the
-# installed bnb, so a field a new release adds is noticed rather than ignored).
+# Every key `Optimizer8bit.get_config` returns in bitsandbytes 0.50 (tests/kernels/test_fused_contract.py holds this to
+# the installed bnb, so a field a new release adds is noticed rather than ignored).
 FIELDS = ("betas", "eps", "weight_decay", "lr", "alpha", "t_alpha", "t_beta3", "optim_bits", "min_8bit_size",
           "max_unorm", "skip_zeros")
 # Fields bitsandbytes 0.49 returns besides those (0.50 removed both options): its update_step reads them only at

@@ -16,7 +16,7 @@ DeepSpeed's unscale/clip factor, read by the kernel so that the host never waits
 error terms of compensated ones; arithmetic: which rounding rules, ARITHMETICS) (`argument_names`); moment 1 (m)
 uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
 
-Adding a rule touches these files (tests/test_rules.py checks that they agree with each other):
+Adding a rule touches these files (tests/unit/test_rules.py checks that they agree with each other):
 1. deepspeed_bnb/ops/reference.py: its semantics, a `<name>8bit_step` function with the argument layout above, and
    its hyper-row class (a frozen dataclass with FIELDS and row()).
 2. deepspeed_bnb/ops/rules.py (here): its UpdateRule in RULES, with the function building its row from get_config
@@ -28,12 +28,13 @@ Adding a rule touches these files (tests/test_rules.py checks that they agree wi
    csrc/include/dsbnb/bnb_cuda_math.h), csrc/cuda/<op>_cuda.cpp, and its launch in csrc/cuda/adam8bit_launch.h.
 5. deepspeed_bnb/ops/build_flags.py: its sources.
 6. tests: its RuleCase in tests/support/rule_cases.py (partition, hyper rows, exact update, bnb class), which makes
-   tests/test_fused_rules.py hold its kernel to the reference and the reference to bnb; its bnb param groups in
-   tests/test_fused_bnb_cuda.py (CONFIGS: the bnb_cuda kernel against bnb on a GPU); what is its own alone (its
-   semantics by hand) in a tests/test_fused_<name>.py listed in tests/support/kernel_tests.py (portable and GPU runs).
+   tests/kernels/test_fused_rules.py hold its kernel to the reference and the reference to bnb; its bnb param groups in
+   tests/kernels/test_fused_bnb_cuda.py (CONFIGS: the bnb_cuda kernel against bnb on a GPU); what is its own alone (its
+   semantics by hand) in a tests/kernels/test_fused_<name>.py listed in tests/support/kernel_tests.py (portable and GPU
+   runs).
 The loader, the fake implementations, the first-use check, the ZeRO step, `deepspeed-bnb kernels` and the CUDA build
 test need no change: they read this registry or build_flags. Optional: a row in benchmarks/bench_optimizer_step.py
-(CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/test_matches_bnb.py (HYPER_ROWS).
+(CONFIGS, IMPLEMENTATIONS) to time it, and its bnb optimizers in tests/kernels/test_matches_bnb.py (HYPER_ROWS).
 """
 
 from dataclasses import dataclass, field
@@ -125,7 +126,7 @@ RULES: Dict[str, UpdateRule] = {rule.name: rule for rule in (
                _ONE_STATE_FIELDS),
 )}
 OPERATORS = tuple(rule.operator for rule in RULES.values())  # every operator a build must register (equal to
-# build_flags.OPERATORS, which the loader checks a build for: tests/test_rules.py)
+# build_flags.OPERATORS, which the loader checks a build for: tests/unit/test_rules.py)
 
 
 def get(rule) -> UpdateRule:

@@ -4,8 +4,8 @@ A checkpoint made by 2 CPU ranks (carried in the bundle: cross_device.py) loads 
 continuation equals the CPU's continuation of the same tag at DP 1 (losses within 1e-4, weights within 2% of what
 Adam can move them; cross_device.py says why two bars). Control: the same steps without the checkpoint are far
 outside both bars. The device then saves its own checkpoint, which a same-size resume on the device continues bit for
-bit, and which comes back (gpu_checkpoint.tar, with the device's continuation) for tests/test_gpu_proof.py to load at
-DP 2 on CPU ranks.
+bit, and which comes back (gpu_checkpoint.tar, with the device's continuation) for tests/gpu/test_gpu_proof.py to load
+at DP 2 on CPU ranks.
 """
 
 import os

@@ -13,13 +13,13 @@ b. ZeRO-1, 2 and 3, fp32 and bf16, default `bnb_fused_kernel: "auto"` (on a GPU:
    The same with `bnb_fused_kernel: true` over FUSED_STEPS steps: the fused kernels compute bnb's own CUDA arithmetic
    (every parameter, 32-bit state included, in one launch per partition), so they too equal plain bnb bit for bit.
    The rehearsal on the CPU skips these (the CPU kernels compute the reference's IEEE arithmetic, within one code of
-   bnb's CPU path: tests/test_fused_contract.py).
+   bnb's CPU path: tests/kernels/test_fused_contract.py).
 c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the same run, ZeRO-2, fp32 and bf16:
    before each step the fused engine takes the default engine's weights and state, both take the step, and the
-   fused one's codes are within one quantization step of the default's (the relation tests/test_fused_contract.py
-   holds the kernel to on the CPU), its absmax within fp32 noise (on CUDA also within bnb's fp32 rounding of
-   1 - beta: test_fused_contract.fp32_one_minus, measured here at 1.29e-5 for beta2), its weights within 1% of the
-   step; over the run, the largest update per element
+   fused one's codes are within one quantization step of the default's (the relation
+   tests/kernels/test_fused_contract.py holds the kernel to on the CPU), its absmax within fp32 noise (on CUDA also
+   within bnb's fp32 rounding of 1 - beta: test_fused_contract.fp32_one_minus, measured here at 1.29e-5 for beta2), its
+   weights within 1% of the step; over the run, the largest update per element
    of the parameters the kernel steps (|update| / lr, the statistic of benchmarks/compare_adam.py) stays within the
    default path's on the same parameters (5% slack), with no update beyond 10 x lr where the default has none.
    Also with compensated master weights ("bf16+8", bf16 model): the weights then within 1% of the step and one

@@ -3,10 +3,10 @@ bit there in both arithmetics, and pass the first-use check the ZeRO optimizer r
 
 References: the ieee arithmetic against deepspeed_bnb/ops/reference.py (pure torch, run on the CPU by the tests'
 harness); the bnb_cuda arithmetic (what the ZeRO step runs on a GPU) against bitsandbytes' own CUDA update on the same
-GPU (ops/bnb_update.py; tests/test_fused_bnb_cuda.py: every rule, fp32/bf16/compensated master weights, odd sizes,
-NaN/Inf gradients, ten steps each). The tests are the suite's own (tests/support/kernel_tests.py lists the files),
-selected for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to hold to
-bnb); a run where none of them ran fails.
+GPU (ops/bnb_update.py; tests/kernels/test_fused_bnb_cuda.py: every rule, fp32/bf16/compensated master weights, odd
+sizes, NaN/Inf gradients, ten steps each). The tests are the suite's own (tests/support/kernel_tests.py lists the
+files), selected for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to
+hold to bnb); a run where none of them ran fails.
 """
 
 import os
@@ -48,7 +48,7 @@ def body(args, result):
     if not loaded:
         return
     outcomes = Outcomes()
-    files = [os.path.join(common.TESTS, name) for name in (*RULE_TEST_FILES, "test_self_check.py")]
+    files = [os.path.join(common.TESTS, name) for name in (*RULE_TEST_FILES, "kernels/test_self_check.py")]
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", f"{args.device}_kernel", "-rs", *files],
                        plugins=[outcomes])
     result.check(f"ieee kernels == reference, bit for bit, on {args.device} (the suite's {args.device}_kernel tests)",
@@ -59,9 +59,10 @@ def body(args, result):
     if args.device == "cuda":
         outcomes = Outcomes()
         code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", "cuda_kernel", "-rs",
-                            os.path.join(common.TESTS, "test_fused_bnb_cuda.py")], plugins=[outcomes])
+                            os.path.join(common.TESTS, "kernels", "test_fused_bnb_cuda.py")], plugins=[outcomes])
         result.check("bnb_cuda kernels == bitsandbytes' own CUDA update, bit for bit, ten steps per partition "
-                     "(tests/test_fused_bnb_cuda.py)", code == 0 and outcomes.passed > 0 and not outcomes.failed,
+                     "(tests/kernels/test_fused_bnb_cuda.py)",
+                     code == 0 and outcomes.passed > 0 and not outcomes.failed,
                      f"{outcomes.passed} passed, {len(outcomes.failed)} failed, {outcomes.skipped} skipped"
                      + (f" (failed: {', '.join(outcomes.failed[:8])})" if outcomes.failed else ""),
                      "all pass, at least one ran")

@@ -9,7 +9,8 @@ losses and final fp32 weights equal the CPU-offload run's, bit for bit (DeepSpee
 and gradients, deepspeed_bnb's the 8-bit state; the step itself is the same CPU step); the NVMe run's checkpoint, loaded
 by a CPU-offload engine built with another seed, continues exactly as the run that never stopped. Controls: swap files
 were written, and the weights moved.
-The rehearsal (`--device cpu`) runs the same on a CPU rank with gloo (tests/test_nvme.py runs it at 2 ranks).
+The rehearsal (`--device cpu`) runs the same on a CPU rank with gloo (tests/distributed/test_nvme.py runs it at 2
+ranks).
 """
 
 import ctypes

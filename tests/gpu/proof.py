@@ -7,7 +7,7 @@ It installs DeepSpeed and the trimmed bitsandbytes from .device/ (proof_bundle.p
 process of its own under one deadline (default 450 s: the parts are ordered by what they prove, and one that no
 longer fits is reported as not run), and writes into OUT: report.md and report.json (every check with what it
 measured and its bar), proof.log (every child's output) and gpu_checkpoint.tar (part d's checkpoint, which
-tests/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under benchmarks/results/gpu/).
+tests/gpu/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under benchmarks/results/gpu/).
 
 Here:
     .venv/bin/python tests/gpu/proof.py --prepare                    # build .device/ (needs the network; ~1 min)

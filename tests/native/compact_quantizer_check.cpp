@@ -5,8 +5,9 @@
 //   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint, a map value, a
 //   bucket edge or an exponent edge, special values and 2^24 random bit patterns; all: every one of the 2^32 floats.
 // Prints one line "checked N mismatches M usable U" and the first mismatches; exit code 1 on any mismatch.
-// Build: g++ -O2 -std=c++17 -Icsrc/include tests/native/compact_quantizer_check.cpp (tests/test_compact_quantizer.py;
-// -DCOMPACT_CHECK_MUTANT builds its control, which applies the wrong tie rule).
+// Build: g++ -O2 -std=c++17 -Icsrc/include tests/native/compact_quantizer_check.cpp
+// (tests/kernels/test_compact_quantizer.py; -DCOMPACT_CHECK_MUTANT builds its control, which applies the wrong tie
+// rule).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

@@ -1,7 +1,7 @@
 """Runs the client examples (examples/train_accelerate.py, examples/train_hf_trainer.py, examples/train_trl_sft.py)
 several times in one process.
 
-For tests/test_clients.py and tests/test_trl.py, under `accelerate launch` or torchrun (a launch costs seconds on 2 cores, so one launch
+For tests/distributed/test_clients.py and tests/distributed/test_trl.py, under `accelerate launch` or torchrun (a launch costs seconds on 2 cores, so one launch
 does several runs, one after the other). Each run is `NAME:ARGS` (ARGS as one shell-quoted string, passed to the
 example's main; the example is `accelerate`, `trainer` or `trl`); a NAME ending in `-weights-only` resumes without the optimizer state (the negative control).
 Rank 0 writes OUT/imports.json: whether `import deepspeed_bnb` imported Accelerate, and who patches it afterwards.

@@ -1,5 +1,5 @@
-"""One side of a checkpoint's trip between two DeepSpeed releases (tests/test_cross_release.py), under whichever
-DeepSpeed this Python has; launched under torchrun (any number of ranks).
+"""One side of a checkpoint's trip between two DeepSpeed releases (tests/distributed/test_cross_release.py), under
+whichever DeepSpeed this Python has; launched under torchrun (any number of ranks).
 
   save    train 3 steps at --stage, save tag "a", train 2 more (the uninterrupted run), save tag "a_later" (control)
   reload  load --src (tag --src-tag) at --stage, save tag "b" at once, train the 2 steps the saving run trained next

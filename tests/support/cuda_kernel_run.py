@@ -4,8 +4,8 @@ nvcc and ninja are there; DeepSpeed is not, and bitsandbytes' wheel is larger th
     python tests/support/cuda_kernel_run.py                # kernel == reference, bit for bit, on the GPU (AdamW,
                                                            # Lion, momentum)
     python tests/support/cuda_kernel_run.py --bench        # then benchmarks/bench_cuda_step.py's table
-    python tests/support/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels (tests/test_build.py
-                                                           # runs it)
+    python tests/support/cuda_kernel_run.py --device cpu   # the same harness on the CPU kernels
+                                                           # (tests/kernels/test_build.py runs it)
 
 bitsandbytes itself can travel too, trimmed to one CUDA library (~5 MB of its 125): here, `python
 tests/support/cuda_kernel_run.py --bundle .device` (the GPU machines' torch is built for CUDA 13.0: --cuda 130, the
@@ -16,7 +16,7 @@ DSBNB_STAND_INS, e.g. "deepspeed,bitsandbytes"):
 - the deepspeed_bnb package is registered without running its __init__, which installs the DeepSpeed integration and
   refuses to import without DeepSpeed and bitsandbytes;
 - a stand-in `bitsandbytes` with only functional.create_dynamic_map (reference.dynamic_map, held to bnb's bit for bit
-  by tests/test_fused_adam.py) takes bitsandbytes' place: the selected tests use nothing else of it.
+  by tests/kernels/test_fused_adam.py) takes bitsandbytes' place: the selected tests use nothing else of it.
 Then it runs the kernel-vs-reference tests of the fused rules' test files (kernel_tests.py) for the device and the
 first-use check the ZeRO optimizer runs there (test_self_check.py), and fails when none ran (a machine without a GPU
 skips them all).
@@ -96,7 +96,7 @@ def main():
     counter = Counter()
     selected = f"{args.device}_kernel"
     from support.kernel_tests import RULE_TEST_FILES
-    files = (*RULE_TEST_FILES, "test_self_check.py")
+    files = (*RULE_TEST_FILES, "kernels/test_self_check.py")
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", selected, "-rs",
                         *(os.path.join(TESTS, name) for name in files)], plugins=[counter])
     print(f"{counter.passed} kernel-vs-reference tests passed on {args.device}", flush=True)

@@ -1,4 +1,5 @@
-"""Multi-rank scenarios, run under `torchrun --nproc_per_node N` by tests/test_distributed.py (one launch per N).
+"""Multi-rank scenarios, run under `torchrun --nproc_per_node N` by tests/distributed/test_distributed.py (one launch
+per N).
 
 One process group runs every scenario (launches cost seconds each on 2 cores); rank 0 writes a JSON of results that
 the pytest side compares across world sizes. Scenarios:
@@ -173,7 +174,7 @@ def scenario_train(world, rank, out):
         cannot = stock_cannot_run(name, cfg["stage"], world)
         if (cfg.get("bf16_master") or "bnb_master_weights" in cfg) and not has_bf16_master():
             # DeepSpeed before 0.18.3 has no bf16 master weights: its config refuses DeepSpeed's own key, and
-            # deepspeed_bnb refuses its bf16 modes (tests/test_master_weights.py)
+            # deepspeed_bnb refuses its bf16 modes (tests/unit/test_master_weights.py)
             cannot = f"DeepSpeed {deepspeed.__version__} keeps no bf16 master weights (0.18.3 on)"
         if cannot:
             results[name] = {"refused": cannot}
@@ -364,7 +365,7 @@ ELASTIC_KINDS = {"fp32_stage1": dict(stage=1, elastic=True), "bf16_stage2": dict
                  # weights and error terms at another stage for even M
                  "bf16c_stage3": dict(stage=3, bf16=True, bnb_master_weights="bf16+8",
                                       stage3_gather_16bit_weights_on_model_save=True)}
-if not has_bf16_master():  # DeepSpeed before 0.18.3 refuses bf16 master weights (tests/test_master_weights.py)
+if not has_bf16_master():  # DeepSpeed before 0.18.3 refuses bf16 master weights (tests/unit/test_master_weights.py)
     del ELASTIC_KINDS["bf16c_stage3"]
 # kind -> the ZeRO stage `deepspeed-bnb reshape` writes its DP=1 checkpoint for 3 ranks at (None: the same)
 RESHAPED_KINDS = {"fp32_stage1": 3, "bf16_stage2": None, "fp32_stage3": 2}

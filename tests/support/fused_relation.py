@@ -1,5 +1,5 @@
 """The fused kernel's documented relation to bitsandbytes' own update (optim/fused/contract.py): one fused step
-against bnb's step from the same state. Held by tests/test_fused_contract.py on the CPU, and by the GPU proof's
+against bnb's step from the same state. Held by tests/kernels/test_fused_contract.py on the CPU, and by the GPU proof's
 engines part (tests/gpu/part_engines.py) on a GPU."""
 
 from typing import List

@@ -1,6 +1,6 @@
 """The fused-kernel tests' harness: a rule's flat partition, stepped by its compiled kernel or its reference.
 
-What it serves: tests/test_fused_rules.py holds every rule of deepspeed_bnb/ops/rules.RULES (its own pieces:
+What it serves: tests/kernels/test_fused_rules.py holds every rule of deepspeed_bnb/ops/rules.RULES (its own pieces:
 tests/support/rule_cases.py) to the same bars: the kernel bit-identical to the pure-torch reference on random partitions
 (`Partition`), and the reference against bitsandbytes' own 8-bit optimizer and an exact fp64 update (`run_both`);
 the per-rule test files use it for their own checks. Importable without DeepSpeed, and with only
@@ -28,7 +28,7 @@ KERNEL = loader.load()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 # three bnb param groups per rule (get_config dicts) for the bnb_cuda kernels against bnb's own CUDA update
-# (tests/test_fused_bnb_cuda.py); the first decays, the third too, the second does not
+# (tests/kernels/test_fused_bnb_cuda.py); the first decays, the third too, the second does not
 BNB_CUDA_CONFIGS = {
     "adam": ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
              {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},

@@ -1,5 +1,5 @@
-"""bitsandbytes 0.49.x for the tests (tests/test_bnb_049.py): its CPU refusal, simulated under the installed 0.50, and
-the venv that has the real release.
+"""bitsandbytes 0.49.x for the tests (tests/distributed/test_bnb_049.py): its CPU refusal, simulated under the installed
+0.50, and the venv that has the real release.
 
 bnb 0.49 differs from 0.50 where deepspeed_bnb meets it in two ways (read from its source): `functional.is_on_gpu`,
 called first by `optimizer_update_8bit_blockwise` and `optimizer_update_32bit`, raises for CPU tensors (0.50 accepts

@@ -1,4 +1,4 @@
-"""The runs tests/test_bnb_049.py compares between a venv with bitsandbytes 0.49.x and this one (0.50.2).
+"""The runs tests/distributed/test_bnb_049.py compares between a venv with bitsandbytes 0.49.x and this one (0.50.2).
 
 Each scenario trains the toy model (tests/support/toy.py) 4 steps at DP=2 under ZeRO-2 and saves (`save`, under torchrun
 with 2 ranks), then a fresh one-rank engine loads that checkpoint at DP=1 and trains 3 more steps (`load`). The load

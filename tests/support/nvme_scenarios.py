@@ -1,4 +1,4 @@
-"""NVMe offload scenarios (ZeRO-Infinity), run by tests/test_nvme.py under `torchrun --nproc_per_node 2`.
+"""NVMe offload scenarios (ZeRO-Infinity), run by tests/distributed/test_nvme.py under `torchrun --nproc_per_node 2`.
 
 A bf16 MLP whose two large weights give each rank partitions of 1 MiB and more (DeepSpeed swaps nothing smaller:
 `min_aio_bytes`), with bnb AdamW8bit under ZeRO-3. Each offload kind trains STEPS steps, saving after SAVE_AT:

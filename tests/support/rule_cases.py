@@ -1,10 +1,11 @@
 """What the shared fused-kernel tests need to know of each update rule: one RuleCase per rule of rules.RULES.
 
-tests/test_fused_rules.py runs every check it holds for all rules on these cases (and fails when a rule of the
-registry has none): a new rule adds its RuleCase here, and its own semantics tests in tests/test_fused_<name>.py. The
-pieces: its random partition (hyper rows, start state), a hyper row under which its first step quantizes the
-gradient unchanged, the expressions an FMA-contracting build would change, bitsandbytes' optimizer of the rule and
-an exact fp64 update in bnb's ordering (the yardsticks the reference is held to), and the tolerances against bnb.
+tests/kernels/test_fused_rules.py runs every check it holds for all rules on these cases (and fails when a rule of the
+registry has none): a new rule adds its RuleCase here, and its own semantics tests in
+tests/kernels/test_fused_<name>.py. The pieces: its random partition (hyper rows, start state), a hyper row under which
+its first step quantizes the gradient unchanged, the expressions an FMA-contracting build would change, bitsandbytes'
+optimizer of the rule and an exact fp64 update in bnb's ordering (the yardsticks the reference is held to), and the
+tolerances against bnb.
 """
 
 import math

@@ -12,10 +12,10 @@
 // kTiesEven takes the entry of even sorted index, which is what bnb's quantize_2D returns (its binary search always
 // ends on an even pivot and keeps the pivot on a tie); a NaN u gives entry 0 under bnb's rule.
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (quantize_2D); torchao's branchless 8-step code search.
-// Build: header only, host and device (no torch, no CUDA runtime). Test: tests/test_compact_quantizer.py compiles
-// tests/native/compact_quantizer_check.cpp with g++ and compares both rules with the literal searches around every
-// midpoint and map value, on special values and on random floats; tools/compact_quantizer_exhaustive.py compares all
-// 2^32 floats for bnb's two maps (minutes).
+// Build: header only, host and device (no torch, no CUDA runtime). Test: tests/kernels/test_compact_quantizer.py
+// compiles tests/native/compact_quantizer_check.cpp with g++ and compares both rules with the literal searches around
+// every midpoint and map value, on special values and on random floats; tools/compact_quantizer_exhaustive.py compares
+// all 2^32 floats for bnb's two maps (minutes).
 #pragma once
 
 #include <cmath>

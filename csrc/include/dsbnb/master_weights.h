@@ -9,8 +9,8 @@
 // 0x7FC0 (torch's scalar conversion; its vectorized one writes 0xFFFF: the reference canonicalizes the same way).
 // References: torch's c10::BFloat16 round_to_nearest_even; FlashOptim's 24-bit master weights (bf16 + 8 error bits).
 // Build: header only, included by the kernels (see csrc/cpu/adam8bit_cpu.cpp and csrc/cuda/adam8bit.cu).
-// Test: pytest tests/test_fused_rules.py -k "master_weights or rounding" (kernel == reference, bit for bit, per rule
-// and kind; the reference within one rounding of bnb), tests/test_master_weights.py (the engine).
+// Test: pytest tests/kernels/test_fused_rules.py -k "master_weights or rounding" (kernel == reference, bit for bit, per
+// rule and kind; the reference within one rounding of bnb), tests/unit/test_master_weights.py (the engine).
 #pragma once
 
 #include <cmath>

@@ -8,11 +8,10 @@ venv's dependencies (torch, DeepSpeed, bitsandbytes: a .pth file, which does not
 checkout is not importable there); its own `deepspeed-bnb kernels` command, run elsewhere with a JIT cache of its own,
 builds the installed csrc/ and passes the first-use check of every rule and master mode, and a ZeRO-2 engine takes
 three steps with the fused kernel. Control: the same install without its csrc/ says so, names the folder, and says
-that bitsandbytes' own update steps instead. (DEEPSPEED_BNB_BUILD_EXT=1 wheels: tests/test_build.py.)
+that bitsandbytes' own update steps instead. (DEEPSPEED_BNB_BUILD_EXT=1 wheels: tests/kernels/test_build.py.)
 """
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -23,9 +22,8 @@ import zipfile
 
 import pytest
 
-from conftest import free_port, without_launch_vars
+from conftest import ROOT, free_port, without_launch_vars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from deepspeed_bnb.ops.build_flags import CPU_SOURCES, CUDA_SOURCES  # noqa: E402
 

@@ -3,7 +3,8 @@ bnb's own arithmetic: the fused kernel only where the contract allows it, and bn
 cannot run (no build, a failed first-use check), never the pure-torch reference.
 
 Each case runs through deepspeed.initialize on one CPU rank (tests/support/toy.py) and compares with plain bitsandbytes
-on a copy of the model, or with `bnb_fused_kernel: false` (itself held to plain bnb by tests/test_matches_bnb.py).
+on a copy of the model, or with `bnb_fused_kernel: false` (itself held to plain bnb by
+tests/kernels/test_matches_bnb.py).
 """
 
 import logging

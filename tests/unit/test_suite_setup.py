@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import conftest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def test_the_checked_modules_are_the_test_extra():
@@ -30,12 +29,13 @@ def test_a_missing_extra_is_named_with_the_fix(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
-    for args in (("tests",), (), ("tests", "tests/test_self_check.py")):
+    for args in (("tests",), (), ("tests", "tests/kernels/test_self_check.py")):
         with pytest.raises(pytest.UsageError, match=r"the test suite needs trl \(setup.py's `test` extra\): run "
                                                     r"`pip install -e \.\[test\]`"):
             conftest.pytest_sessionstart(session(*args))
     # named files only (the GPU proof's kernel tests on a machine without the extra): not held to it
-    conftest.pytest_sessionstart(session("tests/test_self_check.py::test_x", "tests/test_fused_adam.py"))
+    conftest.pytest_sessionstart(session("tests/kernels/test_self_check.py::test_x",
+                                         "tests/kernels/test_fused_adam.py"))
     monkeypatch.setattr(importlib.util, "find_spec", real)
     conftest.pytest_sessionstart(session("tests"))  # control: all there, no error
 
@@ -49,7 +49,8 @@ def _collected(*args) -> int:
 
 
 def test_markers_select_what_they_say():
-    launches = os.path.join("tests", "test_teardown.py")  # every test there launches ranks
+    launches = os.path.join("tests", "distributed", "test_teardown.py")  # every test there launches ranks
     assert _collected("-m", "multi_rank", launches) > 0
     assert _collected("-m", "not multi_rank", launches) == 0
-    assert _collected("-m", "multi_rank", os.path.join("tests", "test_state_layout.py")) == 0  # control: no ranks
+    no_ranks = os.path.join("tests", "unit", "test_state_layout.py")
+    assert _collected("-m", "multi_rank", no_ranks) == 0  # control: no ranks

@@ -14,9 +14,8 @@ import subprocess
 import sys
 import time
 
-from conftest import without_launch_vars
+from conftest import ROOT, without_launch_vars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOAD = ("import sys; from deepspeed_bnb.ops import loader, self_check; ok = loader.load(); "
         "print(loader.source(), loader.error()); "
         "sys.exit(0 if ok and self_check.disagreement('adam', 'cpu') is None else 1)")

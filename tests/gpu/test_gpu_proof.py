@@ -40,7 +40,7 @@ PROOF = os.path.join(TESTS, "gpu", "proof.py")
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
 ALL_PARTS = ("env", "a", "b+c", "d", "e", "f", "f3", "m", "p", "o", "g", "h")
 # part h builds DeepSpeed's async_io op, which needs libaio: without it here (not root, so make test could not
-# install it) the rehearsal leaves that part out, as tests/test_nvme.py skips
+# install it) the rehearsal leaves that part out, as tests/distributed/test_nvme.py skips
 PARTS = ALL_PARTS if os.path.isfile("/usr/include/libaio.h") else ALL_PARTS[:-1]
 
 

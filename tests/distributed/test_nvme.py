@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from conftest import torchrun
+from conftest import ROOT, torchrun
 from support.nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
@@ -158,9 +158,8 @@ def test_the_nvme_benchmark_counts_the_bytes_the_state_sizes_give(tmp_path):
     (two 8-bit codes and their absmax per 256-element block), within 2% (partition padding). Control: the two counts
     differ, so a counter that saw nothing, or only DeepSpeed's swapper, would fail."""
     require_aio()
-    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
-                                                        "nvme_offload.py"), "--quick", "--configs", "bnb8",
-                           "torch_adamw", "--out", str(tmp_path / "out"), "--nvme", str(tmp_path)],
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "nvme_offload.py"), "--quick", "--configs",
+                           "bnb8", "torch_adamw", "--out", str(tmp_path / "out"), "--nvme", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with open(tmp_path / "out" / "nvme_offload.json") as f:

@@ -6,8 +6,8 @@ every byte of optimizer state after training (fp32 and bf16, stage 1 and 2, with
 checkpoint files (per-parameter state, master weights, parameter shapes, paddings), and loads across the two. The
 padding tensors stay exactly zero, carry no hp mapping, and are hidden from the names DeepSpeed saves.
 Control: with the padding tensors not placed, the layout check refuses the engine. (The compatibility matrix runs the
-whole claim set on releases that only have padding tensors; tests/test_distributed.py trains with them on 2 and 3
-ranks.)
+whole claim set on releases that only have padding tensors; tests/distributed/test_distributed.py trains with them on 2
+and 3 ranks.)
 """
 
 import os

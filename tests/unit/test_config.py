@@ -67,7 +67,7 @@ def test_other_optimizers_keep_stock_behaviour(one_rank):
 
 def test_fused_kernel_setting(one_rank):
     """`auto` fuses the 8-bit parameters of rules with a kernel, `true` requires a kernel for the rule, `false` never
-    fuses (which parameters and why: tests/test_fused_contract.py, tests/test_routing.py)."""
+    fuses (which parameters and why: tests/kernels/test_fused_contract.py, tests/unit/test_routing.py)."""
     assert DeepSpeedConfig(config()).zero_config.bnb_fused_kernel == "auto"
     model = make_model()
 

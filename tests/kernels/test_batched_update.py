@@ -6,8 +6,8 @@ every element the bits of its own call.
   start a run of their own.
 - The probe of torch's position invariance passes for every element-wise rule here, and fails (control) when an
   update rounds an element by where it sits in the call, as a vectorized body and a scalar tail could.
-- End to end, engines with batching equal plain bnb bit for bit (tests/test_matches_bnb.py and
-  tests/test_update_pieces.py run with it on); tests/test_step_launches.py counts the calls it saves.
+- End to end, engines with batching equal plain bnb bit for bit (tests/kernels/test_matches_bnb.py and
+  tests/kernels/test_update_pieces.py run with it on); tests/kernels/test_step_launches.py counts the calls it saves.
 """
 
 import bitsandbytes.functional as F

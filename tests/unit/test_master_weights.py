@@ -131,7 +131,7 @@ def test_fused_kernel_steps_bf16_and_compensated_master_weights_as_bnb_does(one_
     """"auto" steps the 8-bit parameters with the fused kernel (bf16 or compensated weights read and written in its
     pass), the 32-bit-state ones with bnb; after STEPS steps its weights are where bnb's own update
     (bnb_fused_kernel: false) takes them, to within 5% of the distance they moved (kernel and bnb differ in fp32 arithmetic and quantizer
-    ties, each step one rounding at most: tests/test_fused_rules.py). Control: the other master mode is not."""
+    ties, each step one rounding at most: tests/kernels/test_fused_rules.py). Control: the other master mode is not."""
     model, fused = engine_of(mode)
     routes = fused.optimizer.bnb_routes
     assert {n for n, r in routes.items() if r.fused} == {"emb.weight", "fc1.weight", "fc2.weight", "head.weight"}

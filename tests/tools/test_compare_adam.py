@@ -11,9 +11,8 @@ import os
 import sys
 
 import pytest
-from conftest import run_or_fail, without_launch_vars
+from conftest import ROOT, run_or_fail, without_launch_vars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 QUICK = {"width": 64, "depth": 2, "context": 64, "vocab": 256}  # compare_adam.py / scaling.py --quick
 DP = 2

@@ -21,8 +21,8 @@ import torch
 
 from deepspeed_bnb.ops import build_flags, loader, rules, self_check
 from deepspeed_bnb.ops import rule_fields
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = loader.load()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
 
@@ -132,7 +132,7 @@ def test_wrong_moment_count_and_unknown_rule_are_refused():
 
 
 def test_every_rule_has_bnb_param_groups_for_its_gpu_tests():
-    """tests/test_fused_bnb_cuda.py holds every rule's bnb_cuda kernel to bnb on a GPU from its CONFIGS."""
+    """tests/kernels/test_fused_bnb_cuda.py holds every rule's bnb_cuda kernel to bnb on a GPU from its CONFIGS."""
     from support.kernel_harness import BNB_CUDA_CONFIGS as CONFIGS
     assert set(CONFIGS) == set(rules.RULES)
     assert all(len(configs) == 3 for configs in CONFIGS.values())  # one per hyper row of the partitions

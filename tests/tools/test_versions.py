@@ -15,6 +15,7 @@ from packaging.specifiers import SpecifierSet
 
 from deepspeed_bnb._versions import ALLOW_UNTESTED_ENV, BITSANDBYTES, DEEPSPEED_RANGE, TORCH, UnsupportedVersionError, \
     check_versions, is_tested, require_torch_floor
+from conftest import ROOT
 
 ACCEPTED = [("deepspeed", "0.16.4"), ("deepspeed", "0.17.3"), ("deepspeed", "0.18.4"), ("deepspeed", "0.18.9"),
             ("deepspeed", "0.19.5"), ("deepspeed", "0.19.7"), ("deepspeed", "0.19.8"), ("deepspeed", "0.19.8+cpu"),
@@ -109,9 +110,6 @@ def test_import_fails_on_untested_version():
     env = {k: v for k, v in os.environ.items() if k != ALLOW_UNTESTED_ENV}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode != 0 and "deepspeed 0.16.0 is installed; deepspeed_bnb is tested with" in done.stderr
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def setup_keyword(name: str):
@@ -218,8 +216,9 @@ def test_flattening_with_autograd_is_recognised_from_the_source():
     ("0.19.7", True, 1, False), ("0.19.7", False, 2, False), ("0.19.8", True, 2, False)])
 def test_zero1_fp32_grad_accum_refused_where_deepspeed_does_not_average_it(deepspeed_version, grad_accum, world,
                                                                            refused):
-    """DeepSpeed 0.19.7 steps ZeRO-1's separate fp32 gradient accumulator unreduced (tests/test_distributed.py shows
-    the divergence there): refused on more than one rank, naming the release that fixed it; allowed everywhere else."""
+    """DeepSpeed 0.19.7 steps ZeRO-1's separate fp32 gradient accumulator unreduced
+    (tests/distributed/test_distributed.py shows the divergence there): refused on more than one rank, naming the
+    release that fixed it; allowed everywhere else."""
     from deepspeed_bnb.runtime.zero.compat import require_reduced_grad_accum
     if not refused:
         require_reduced_grad_accum(grad_accum, world, deepspeed_version)

@@ -9,8 +9,8 @@ gradients with the bf16 ones, as the engine hands them); with segments of 1, 255
 partition whose first rank owns nothing of a parameter. Control: the ieee arithmetic, which rounds differently, does
 not agree with bnb (so the comparison can fail).
 
-Without a GPU these tests skip; tests/test_bnb_update.py holds the oracle itself to plain bnb optimizers here, and
-tests/test_compact_quantizer.py the kernels' quantizer to bnb's quantize_2D for every float.
+Without a GPU these tests skip; tests/kernels/test_bnb_update.py holds the oracle itself to plain bnb optimizers here,
+and tests/kernels/test_compact_quantizer.py the kernels' quantizer to bnb's quantize_2D for every float.
 """
 
 import pytest

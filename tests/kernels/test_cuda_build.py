@@ -1,8 +1,8 @@
 """The CUDA kernels compile here, without a GPU: nvcc builds every kernel of build_flags.CUDA_SOURCES (csrc/cuda/*.cu)
 for sm_80 and sm_90, and their torch bindings (csrc/cuda/*_cuda.cpp) pass a syntax check against this torch's headers
 (the CPU wheel lacks one generated CUDA header, supplied by tests/cuda_shim). Running the kernels needs a GPU:
-tests/test_fused_rules.py does it for every rule where one is present. Every CUDA source is one or the other
-(test_every_cuda_source_is_checked); every rule has its CUDA implementation there (tests/test_rules.py)."""
+tests/kernels/test_fused_rules.py does it for every rule where one is present. Every CUDA source is one or the other
+(test_every_cuda_source_is_checked); every rule has its CUDA implementation there (tests/unit/test_rules.py)."""
 
 import os
 import shutil
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deepspeed_bnb.ops.build_flags import CUDA_SOURCES, NVCC_FLAGS
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from deepspeed_bnb.ops import reference
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "tests", "native", "compact_quantizer_check.cpp")
 
 

@@ -2,7 +2,7 @@
 
 Each test runs for every rule of deepspeed_bnb/ops/rules.RULES, on its RuleCase (tests/support/rule_cases.py; a rule
 without one fails test_every_rule_has_a_case and each of its tests). Rule-specific semantics:
-tests/test_fused_<rule>.py.
+tests/kernels/test_fused_<rule>.py.
 - CPU kernel == reference, bit for bit (params, codes, absmax, fp32 state of every moment; NaN as any NaN), over
   random partitions (8-bit and fp32 segments, tails that are not a multiple of 256, all-zero blocks, huge, tiny,
   NaN and Inf gradients, three hyper rows, an unscale factor; four steps each), with bf16 and fp16 gradients, with

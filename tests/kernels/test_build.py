@@ -6,7 +6,7 @@
   kernels are shown bit-identical to the reference on that path too (this machine's own JIT build runs the AVX2 or
   AVX-512 paths).
 - Without a working build the loader says why (loader.error()) and the operators refuse to run: the ZeRO optimizer
-  then steps with bnb's own update after one warning (tests/test_routing.py); nothing silently runs the reference.
+  then steps with bnb's own update after one warning (tests/unit/test_routing.py); nothing silently runs the reference.
 - A build is only ever loaded on a CPU with the instruction sets it was compiled for: setup.py records them beside
   _C and the loader refuses a prebuilt build this CPU cannot run (it would die with SIGILL); JIT builds are cached
   per set of instruction sets, so a shared cache never hands one CPU another's build.

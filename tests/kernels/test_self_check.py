@@ -6,7 +6,7 @@
   off, the unscale factor ignored, NaN gradients applied as zeros, every segment stepped with the first hyper row, an
   exception such as a build without code for this GPU) are all caught, and the message names what differs.
 - The ZeRO optimizer steps with bnb's own update, after one warning naming the disagreement, when its kernel fails
-  the check (tests/test_routing.py holds the engine-level test).
+  the check (tests/unit/test_routing.py holds the engine-level test).
 """
 
 import pytest

@@ -2,8 +2,9 @@
 
 Each case runs through deepspeed.initialize with `"stage": 3` (tests/support/toy.py's model) and compares with plain
 bitsandbytes on a copy of the model (`bnb_fused_kernel: false`), or with ZeRO-2 (the default path, whose kernel
-relation to bnb tests/test_matches_bnb.py holds). Multi-rank ZeRO-3 (DP 2 and 3 against DP 1, zero.Init,
-sub-groups, offload, stock control, elastic checkpoints) runs in tests/test_distributed.py and tests/test_elastic.py.
+relation to bnb tests/kernels/test_matches_bnb.py holds). Multi-rank ZeRO-3 (DP 2 and 3 against DP 1, zero.Init,
+sub-groups, offload, stock control, elastic checkpoints) runs in tests/distributed/test_distributed.py and
+tests/distributed/test_elastic.py.
 """
 
 import re
@@ -150,8 +151,9 @@ def test_unsupported_stage3_settings_are_refused_by_name(one_rank, zero, named):
 
 @pytest.mark.parametrize("master", ["bf16", "bf16+8"])
 def test_nvme_optimizer_offload_with_bf16_master_weights_is_refused_by_name(one_rank, tmp_path, master):
-    """NVMe offload of the optimizer keeps fp32 master weights (tests/test_nvme.py): the bf16 modes are refused
-    before anything is built, naming both settings and the fixes. Control: fp32 master weights are accepted."""
+    """NVMe offload of the optimizer keeps fp32 master weights (tests/distributed/test_nvme.py): the bf16 modes are
+    refused before anything is built, naming both settings and the fixes. Control: fp32 master weights are
+    accepted."""
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
     with pytest.raises(NotImplementedError, match=rf"bnb_master_weights '{re.escape(master)}' with "
                                                   r"offload_optimizer.device \"nvme\" is not supported yet.*set "
