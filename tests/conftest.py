@@ -1,4 +1,6 @@
-"""Shared fixtures: a one-rank gloo process group for in-process engines, and torchrun launches for multi-rank runs."""
+"""What every kind of test shares (tests/unit, kernels, distributed, tools, gpu): tests/ on sys.path for the support
+package, the JIT guard, a one-rank gloo process group for in-process engines, and torchrun launches for multi-rank
+runs."""
 
 import os
 import subprocess
@@ -39,13 +41,9 @@ def free_port() -> int:
     return unused_port()
 
 
-# Markers (pytest.ini): `make test-quick` runs what is neither multi_rank nor slow, `make test` everything.
-MULTI_RANK_MODULES = {"test_bnb_049", "test_clients", "test_cross_release", "test_distributed", "test_elastic",
-                      "test_elastic_training", "test_gpu_proof", "test_hpz", "test_model_parallel", "test_nvme", "test_rank_failures",
-                      "test_teardown", "test_trl"}  # modules that launch ranks (torchrun, deepspeed, accelerate)
-# modules that build an extension or a wheel, or run a benchmark
-SLOW_MODULES = {"test_build", "test_cuda_build", "test_jit_build_lock", "test_compare_adam", "test_wheel"}
-
+# Markers (pytest.ini: multi_rank, slow, gpu) are declared by the test modules themselves, at their top
+# (`pytestmark`) or on a test; tests/unit/test_suite_setup.py checks that every module launching ranks declares
+# multi_rank. `make test-quick` runs what is neither multi_rank nor slow, `make test` everything.
 
 TEST_EXTRA = ("accelerate", "transformers", "trl", "datasets", "matplotlib", "build")  # setup.py's "test" extra
 
@@ -64,17 +62,6 @@ def pytest_sessionstart(session):
     if missing:
         raise pytest.UsageError(f"the test suite needs {', '.join(missing)} (setup.py's `test` extra): run "
                                 f"`pip install -e .[test]`, or `make test`, which sets up a venv with it")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        if module in MULTI_RANK_MODULES or "scenario_results" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.multi_rank)
-        if module in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
-        if any(mark.name == "skipif" and "CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers()):
-            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ from support.legacy_bnb import CPU_REFUSAL, legacy_python, simulate_049
 from support.legacy_bnb_runs import OPTIMIZERS, REFUSALS, refusals
 from support.toy import ds_config, make_model, param_groups, train_steps
 
+pytestmark = pytest.mark.multi_rank
 needs_kernel = pytest.mark.skipif(not loader.load(), reason=f"fused kernels unavailable: {loader.error()}")
 REPO = os.path.dirname(TESTS)
 

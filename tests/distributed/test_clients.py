@@ -30,6 +30,7 @@ from conftest import ROOT, free_port, launch_env, run_or_fail, torchrun
 
 from support.client_checks import CONTROL_MIN, TINY, max_diff, read
 
+pytestmark = pytest.mark.multi_rank
 HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_accelerate = pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is not installed (pip install "

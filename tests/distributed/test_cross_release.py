@@ -28,8 +28,9 @@ from conftest import TESTS, free_port, launch_env, run_or_fail
 
 OTHER_ENV = "DEEPSPEED_BNB_OTHER_PYTHON"
 OTHER = os.environ.get(OTHER_ENV, "")
-pytestmark = pytest.mark.skipif(not OTHER, reason=f"needs {OTHER_ENV}: a Python with another DeepSpeed release "
-                                                   "(the compatibility matrix sets it)")
+pytestmark = [pytest.mark.multi_rank,
+              pytest.mark.skipif(not OTHER, reason=f"needs {OTHER_ENV}: a Python with another DeepSpeed release "
+                                                   "(the compatibility matrix sets it)")]
 ROOT = os.path.dirname(TESTS)
 # saving stage -> (the stage the other release loads at, the stage this one loads back at)
 TRIPS = {2: (1, 3), 3: (2, 1)}

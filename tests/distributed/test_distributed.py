@@ -18,6 +18,7 @@ from support.distributed_scenarios import stock_cannot_run
 from deepspeed_bnb.runtime.zero.compat import has_bf16_master, reduces_grad_accum
 from support.toy import MIN_8BIT_SIZE, build_engine, moment_values
 
+pytestmark = pytest.mark.multi_rank
 FP32_TOL = 1e-5  # issue bar: max |Δloss| over 20 steps
 BF16_TOL = 5e-3  # bf16 rounds the gradients and the model copy: bf16 noise, not the optimizer
 @pytest.fixture(scope="module")

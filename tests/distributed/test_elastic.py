@@ -22,6 +22,7 @@ from support.distributed_scenarios import ELASTIC_KINDS, RESHAPED_KINDS, loader_
 from support.scenario_runs import SIZES
 from support.toy import make_model
 
+pytestmark = pytest.mark.multi_rank
 FP32_TOL, BF16_TOL = 1e-5, 5e-3
 
 

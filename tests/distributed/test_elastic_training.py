@@ -20,6 +20,7 @@ import torch
 from deepspeed_bnb.demo.elastic import batch_plan, parse_holds, rank_rows, step_windows
 from support import examples
 
+pytestmark = pytest.mark.multi_rank
 SAVE_EVERY, STEPS = 3, 30
 KILL_AT, REGROW_AT = 7, 9  # a step after a checkpoint (one step lost), and a checkpoint step (none lost)
 

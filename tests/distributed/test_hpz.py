@@ -14,8 +14,9 @@ from support.scenario_runs import HPZ_LOAD, HPZ_SAVE, SIZES
 
 FP32_TOL = 1e-5  # as test_distributed.py: max |loss difference| over the run
 
-pytestmark = pytest.mark.skipif(HPZ_SAVE not in SIZES, reason=f"the hpZ runs need DP {HPZ_SAVE} (scenario sizes "
-                                                               f"{SIZES})")
+pytestmark = [pytest.mark.multi_rank,
+              pytest.mark.skipif(HPZ_SAVE not in SIZES, reason=f"the hpZ runs need DP {HPZ_SAVE} (scenario sizes "
+                                                               f"{SIZES})")]
 
 
 def apart(a, b) -> float:

@@ -15,6 +15,7 @@ import pytest
 from support.parallel_scenarios import LOADER_STAGES, MODEL_PARALLEL, PARALLEL_KINDS
 from support.scenario_runs import PARALLEL, SIZES
 
+pytestmark = pytest.mark.multi_rank
 FP32_TOL = 1e-5
 WORLDS = [w for w in PARALLEL if w in SIZES]
 CASES = [(kind, saved // MODEL_PARALLEL, loaded) for kind in PARALLEL_KINDS for saved in WORLDS for loaded in WORLDS]

@@ -30,7 +30,7 @@ from support.nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.multi_rank, pytest.mark.slow]
 
 
 FIRST_CPU_SWAPPING = "0.19.8"  # the first DeepSpeed release seen swapping to NVMe on CPU ranks

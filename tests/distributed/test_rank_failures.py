@@ -16,7 +16,8 @@ import pytest
 
 from support.scenario_runs import SIZES, SIZES_ENV
 
-pytestmark = pytest.mark.skipif(2 not in SIZES, reason=f"{SIZES_ENV} leaves out the 2-rank launch these tests read")
+pytestmark = [pytest.mark.multi_rank,
+              pytest.mark.skipif(2 not in SIZES, reason=f"{SIZES_ENV} leaves out the 2-rank launch these tests read")]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from conftest import TESTS, free_port, launch_env
 
 from deepspeed_bnb.utils.teardown import DONE_DIR_VAR, aborted_only, run_ranks
 
+pytestmark = pytest.mark.multi_rank
+
 
 def launch(out, mode):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

@@ -22,7 +22,8 @@ from conftest import ROOT, torchrun
 from support.client_checks import CONTROL_MIN, TINY, max_diff, read
 
 HAVE_TRL = all(importlib.util.find_spec(name) is not None for name in ("trl", "datasets", "transformers"))
-pytestmark = pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed (pip install trl, or the [clients] extra)")
+pytestmark = [pytest.mark.multi_rank,
+              pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed (pip install trl, or the [clients] extra)")]
 
 CONFIGS = {"zero2": "zero2_trl_sft.json", "zero3": "zero3_trl_sft.json"}
 OPTIMIZERS = {"zero2": "BnbZeroOptimizer", "zero3": "BnbZeroStage3Optimizer"}

@@ -35,6 +35,7 @@ import proof_bundle  # noqa: E402
 import proof_common  # noqa: E402
 import proof_report  # noqa: E402
 
+pytestmark = pytest.mark.multi_rank  # the rehearsal launches ranks
 ROOT = os.path.dirname(TESTS)
 PROOF = os.path.join(TESTS, "gpu", "proof.py")
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")

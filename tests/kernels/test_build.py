@@ -27,6 +27,7 @@ from conftest import TESTS, without_launch_vars
 from deepspeed_bnb.ops import cpu_features, loader
 from deepspeed_bnb.ops.build_flags import CPU_FLAGS, PORTABLE_ENV, prebuilt_cpu_flags
 
+pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(TESTS)
 X86 = platform.machine() in ("x86_64", "AMD64")
 PREBUILT_LEVEL = "x86-64-v2" if X86 else ""  # elsewhere: this machine's CPU

@@ -15,6 +15,7 @@ import torch
 from deepspeed_bnb.ops.build_flags import CUDA_SOURCES, NVCC_FLAGS
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow
 CSRC = os.path.join(ROOT, "csrc")
 
 

@@ -21,6 +21,7 @@ from deepspeed_bnb.ops.self_check import bits
 from deepspeed_bnb.state_layout import GroupLayout
 from support.kernel_harness import BNB_CUDA_CONFIGS as CONFIGS, QMAPS
 
+pytestmark = pytest.mark.gpu  # every test here runs on a CUDA device (skipped without one)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 STEPS = 10
 MASTERS = ("fp32", "bf16", "bf16+8")

@@ -27,7 +27,8 @@ import torch
 
 from deepspeed_bnb.ops import compensated, reference, rules
 from deepspeed_bnb.ops.self_check import bits
-from support.kernel_harness import QMAP1, UNUSED, Whole, assert_bit_identical, maps, needs_cuda, needs_kernel, run_both
+from support.kernel_harness import (QMAP1, UNUSED, Whole, assert_bit_identical, maps, needs_cuda, needs_kernel,
+                                    run_both)
 from support.rule_cases import CASES
 
 RULES = list(rules.RULES)
@@ -36,7 +37,8 @@ for_every_rule = pytest.mark.parametrize("rule", RULES)
 # the ids name the device's kernel: tests/support/cuda_kernel_run.py selects "-k cuda_kernel" (or cpu_kernel),
 # test_build.py "-k 'not cuda'"
 on_each_device = pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_kernel, id="cpu_kernel"),
-                                                    pytest.param("cuda", marks=needs_cuda, id="cuda_kernel")])
+                                                    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda],
+                                                                 id="cuda_kernel")])
 
 
 def test_every_rule_has_a_case():

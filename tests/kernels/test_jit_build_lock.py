@@ -14,7 +14,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, without_launch_vars
+
+pytestmark = pytest.mark.slow
 
 LOAD = ("import sys; from deepspeed_bnb.ops import loader, self_check; ok = loader.load(); "
         "print(loader.source(), loader.error()); "

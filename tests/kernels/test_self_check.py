@@ -105,6 +105,7 @@ def test_cpu_kernel_passes_self_check():
     _passes_on("cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_kernel_passes_self_check():
     _passes_on("cuda")

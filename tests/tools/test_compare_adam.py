@@ -13,6 +13,7 @@ import sys
 import pytest
 from conftest import ROOT, run_or_fail, without_launch_vars
 
+pytestmark = pytest.mark.slow
 BENCH = os.path.join(ROOT, "benchmarks")
 QUICK = {"width": 64, "depth": 2, "context": 64, "vocab": 256}  # compare_adam.py / scaling.py --quick
 DP = 2

@@ -27,6 +27,7 @@ from conftest import ROOT, free_port, without_launch_vars
 sys.path.insert(0, ROOT)
 from deepspeed_bnb.ops.build_flags import CPU_SOURCES, CUDA_SOURCES  # noqa: E402
 
+pytestmark = pytest.mark.slow
 TRAIN = r"""
 import json, os, torch
 import bitsandbytes as bnb, deepspeed
