@@ -168,14 +168,18 @@ OVERRIDES: Tuple[Override, ...] = (
     _subclass(ZERO12, MIXIN_PY, "_restore_from_bit16_weights", "the master weights become the model's bf16 weights: "
               "compensated ones lose their error terms", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "flatten_dense_tensors_aligned", "chooses the block-aligned layout when __init__ "
-              "flattens a group: rewrites the per-parameter padding, or places padding tensors; flattens without "
-              "autograd (0.18.7-0.18.9 flatten the parameters themselves: a buffer requiring grad)",
+              "flattens a group (every call during DeepSpeed's __init__ is one: the group is found by identity in "
+              "round_robin_bit16_groups, anything else is refused): rewrites the per-parameter padding, or places "
+              "padding tensors; flattens without autograd (0.18.7-0.18.9 flatten the parameters themselves: a buffer "
+              "requiring grad); later calls pass through",
               ("self", "tensor_list", "alignment", "use_cpu_data"), params_since={"param_padding": "0.19.7"}),
     _subclass(ZERO12, ZERO12_PY, "_link_all_hp_params", "state keys answered from bnb state, dequantized; with "
               "padding tensors, linked along the flat order", ("self",)),
-    _subclass(ZERO12, ZERO12_PY, "unscale_and_clip_grads", "the combined unscale/clip factor is folded into the "
-              "fused step instead of a separate pass: DeepSpeed's method multiplies a stand-in that records the factor "
-              "(it calls grad.data.mul_(factor) on each gradient), so the host never reads it back",
+    _subclass(ZERO12, ZERO12_PY, "unscale_and_clip_grads", "owned: the combined unscale/clip factor, computed as "
+              "each release range computes it (stage_1_and_2.combined_unscale_factor; the ranges in compat.py), is "
+              "folded into the partition's step instead of a separate pass, without a host read of the norm; "
+              "tests/kernels/test_matches_bnb.py holds it equal to DeepSpeed's own method on every release the "
+              "matrix runs",
               ("self", "grad_groups_flat", "total_norm")),
     _subclass(ZERO12, ZERO12_PY, "_optimizer_step", "steps the partition segment by segment (fused kernel or bnb's "
               "update per parameter)", ("self", "group_no")),
@@ -239,11 +243,13 @@ OVERRIDES: Tuple[Override, ...] = (
     Override(ZERO3, "_optimizer_states_and_gradient_swap_out", CALL, CALL_SCOPE, "", "and back to NVMe",
              ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "
-              "gradient by ceil(numel / dp): marked parameters' gradients are padded to their partitions first",
+              "gradient, read from param.grad, by ceil(numel / dp): for the call, marked parameters' gradients are "
+              "shown padded to their partitions (param.grad.data)",
               ("self", "params_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads", "reduce_scatter: "
-              "false all-reduces a bucket and cuts each gradient at rank * ceil(numel / dp): the bucket is laid out "
-              "with marked parameters' gradients padded to their partitions first",
+              "false all-reduces a bucket and cuts each gradient at rank * ceil(numel / dp), sizes read from "
+              "param.grad: the bucket is laid out with marked parameters' gradients padded to their partitions, shown as their "
+              "gradients for the call",
               ("self", "buffer_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
               ("self", "sub_group_id")),
@@ -279,10 +285,6 @@ OVERRIDES: Tuple[Override, ...] = (
              "it, every sub-group is partitioned over the DP group)", ("self", "sub_group_id"), since="0.19.3"),
     Override(ZERO3, "param_names", CALL, OBJECT_SCOPE, "", "names of the parameters (before it, built from the "
              "module)", since="0.18.0"),
-    Override("deepspeed.runtime.zero.stage3", "reduce_scatter_coalesced", SWAP, CALL_SCOPE,
-             f"{ZERO3_PY}:BnbZeroStage3Optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
-             "pads marked gradients to their block-aligned partitions for the duration of __avg_scatter_grads",
-             ("tensors", "group")),
     # ---- ZeRO-3 parameter partitions --------------------------------------------------------------------------
     Override(f"{PARTITION}.Init", "_padding_size", REPLACE, IMPORT_SCOPE,
              "deepspeed_bnb.runtime.zero.partition_parameters:_padding_size", "pads marked parameters to a multiple "

@@ -6,10 +6,18 @@ compute those (they rest on the GPU's approximate reciprocal, square root and po
 `step_` walks the same segment table and hyper rows as the operator and calls bnb's functional update on every
 segment, exactly as bnb's `update_step` would for that parameter piece (optim/bnb_adapter.py does the same through
 the optimizer): 8-bit segments through `optimizer_update_8bit_blockwise` on their codes and absmax, 32-bit ones through
-`optimizer_update_32bit` on their packed fp32 state, pieces of at most own_update.MAX_UPDATE_NUMEL elements, the
+`optimizer_update_32bit` on their packed fp32 state, pieces of at most MAX_UPDATE_NUMEL elements, the
 unscale factor applied to a copy of the gradient as DeepSpeed's mul_ applies it, compensated master weights widened to
 fp32 and split back. The first-use check (ops/self_check.py) and the GPU proof hold the kernels to it.
 
+bitsandbytes' CUDA update counts elements in 32 bits: `optimizer_update_8bit_blockwise` and `optimizer_update_32bit`
+(0.49 and 0.50) pass `ctypes.c_int32(g.numel())`, so a tensor of 2^31 elements or more reaches the kernel with a
+negative count ("invalid configuration argument", or part of the tensor left unstepped), and its kernels round counts
+up to whole thread blocks in `int`. A ZeRO partition of one huge parameter (an embedding of 2^31 elements, a
+partition at DP 1) is such a tensor, so bnb's update is called on block-aligned pieces of at most
+MAX_UPDATE_NUMEL elements (here and in optim/bnb_adapter.py): its 8-bit update is block-wise and its 32-bit update element-wise, so
+the pieces' updates are the update of the whole, except a per-tensor trust ratio (max_unorm > 0 with 32-bit state),
+which is refused for such a parameter.
 BnbHyper is one row of the bnb_cuda hyper table: bnb's kernel arguments for one param group (every rule alike; a rule
 ignores what it does not read), rounded to fp32 as bnb's ctypes.c_float arguments are.
 """
@@ -22,6 +30,7 @@ import torch
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
 
+MAX_UPDATE_NUMEL = 1 << 30  # elements per call of bnb's update: every int bnb's CUDA kernels derive stays < 2^31
 BNB_HYPER_FIELDS = 7  # columns of a bnb_cuda hyper row (csrc/include/dsbnb/adam8bit.h: BnbRow)
 
 
@@ -62,7 +71,6 @@ def step_(rule: str, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[
     """bnb's update of every segment of a flat partition in place, arguments as the fused operator's (ops/rules.py,
     one tensor per moment in codes/absmax/state/qmaps; hyper: BnbHyper rows). Needs bnb's update on params' device."""
     import bitsandbytes.functional as F
-    from deepspeed_bnb.optim.own_update import MAX_UPDATE_NUMEL
     two = len(codes) == 2
     rows = hyper.detach().cpu().double().tolist()
     for whole, row in _segments(segments.detach().cpu()):

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from deepspeed_bnb.ops import compensated
-from deepspeed_bnb.optim import batched_update, own_update
+from deepspeed_bnb.ops import bnb_update, compensated
+from deepspeed_bnb.optim import batched_update
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, StateClassError, classify, \
     zeros_like_partitioned
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment, uses_8bit_state
@@ -76,14 +76,14 @@ def _refuse_whole_tensor_options(optimizer, config: dict, gindex: int, pindex: i
 
 
 def _refuse_split_trust_ratio(optimizer, param, name: str, eight_bit: bool, max_unorm: float) -> None:
-    """bnb's update is called on pieces of at most own_update.MAX_UPDATE_NUMEL elements; a per-tensor trust ratio
+    """bnb's update is called on pieces of at most bnb_update.MAX_UPDATE_NUMEL elements; a per-tensor trust ratio
     (max_unorm > 0 on 32-bit state) would be computed per piece, i.e. not bnb's."""
     numel = model_numel(param)
-    if not eight_bit and max_unorm > 0 and numel > own_update.MAX_UPDATE_NUMEL:
+    if not eight_bit and max_unorm > 0 and numel > bnb_update.MAX_UPDATE_NUMEL:
         raise NotImplementedError(
             f"deepspeed_bnb: parameter {name} has {numel:,} elements, 32-bit state and a per-tensor trust ratio "
             f"(max_unorm={max_unorm}) under {type(optimizer).__name__}; bitsandbytes' update counts elements in 32 "
-            f"bits, so deepspeed_bnb steps tensors of more than {own_update.MAX_UPDATE_NUMEL:,} elements in pieces, "
+            f"bits, so deepspeed_bnb steps tensors of more than {bnb_update.MAX_UPDATE_NUMEL:,} elements in pieces, "
             f"and a trust ratio needs the whole tensor in one call. Give it 8-bit state (optim_bits=8 and a "
             f"min_8bit_size below its size) or max_unorm=0.")
 
@@ -242,7 +242,7 @@ class BnbAdapter:
         (batched_update.py)."""
         step = state["step"]
         # bnb counts elements in 32 bits; compensated pieces are widened to fp32 scratch
-        piece = own_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
+        piece = bnb_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
         scalars = {"step": step + 1}  # what bnb's update_step leaves; also right for a partition of pure padding
         batching = batched_update.allowed(self.optimizer_name, params.device)
         trust_ratio: List[tuple] = []  # (override, whether its config bounds updates by a trust ratio), memoized

@@ -9,15 +9,6 @@ fused/partition_step.py routes accordingly and refuses, by name, what nothing he
 
 The check probes that very function with a CPU tensor instead of comparing version numbers: it is the cause, and it
 holds for any release that has it. GPUs are not probed: there bitsandbytes' CUDA kernels are its own update.
-
-bitsandbytes' CUDA update counts elements in 32 bits: `optimizer_update_8bit_blockwise` and `optimizer_update_32bit`
-(0.49 and 0.50) pass `ctypes.c_int32(g.numel())`, so a tensor of 2^31 elements or more reaches the kernel with a
-negative count ("invalid configuration argument", or part of the tensor left unstepped), and its kernels round counts
-up to whole thread blocks in `int`. A ZeRO partition of one huge parameter (an embedding of 2^31 elements, a
-partition at DP 1) is such a tensor, so bnb's update is called on block-aligned pieces of at most
-MAX_UPDATE_NUMEL elements (bnb_adapter.py): its 8-bit update is block-wise and its 32-bit update element-wise, so
-the pieces' updates are the update of the whole, except a per-tensor trust ratio (max_unorm > 0 with 32-bit state),
-which is refused for such a parameter.
 """
 
 import functools
@@ -27,7 +18,6 @@ from typing import Optional
 import torch
 
 FIRST_CPU_RELEASE = "0.50.0"  # the first bitsandbytes release with CPU optimizer updates (for messages)
-MAX_UPDATE_NUMEL = 1 << 30  # elements per call of bnb's update: every int bnb's CUDA kernels derive stays < 2^31
 
 
 @functools.lru_cache(maxsize=None)

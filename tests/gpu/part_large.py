@@ -3,7 +3,7 @@ buffers at DP 1) steps correctly, under bnb's own update (the default on a GPU) 
 
 Why: bitsandbytes' CUDA update passes the element count as `ctypes.c_int32(numel)`, so a ZeRO partition that large
 reaches its kernel with a negative count; deepspeed_bnb calls bnb's update on block-aligned pieces of at most
-own_update.MAX_UPDATE_NUMEL (2^30) elements, and the fused kernel indexes in 64 bits. Reference, per window of the
+bnb_update.MAX_UPDATE_NUMEL (2^30) elements, and the fused kernel indexes in 64 bits. Reference, per window of the
 parameter (the start, each piece boundary, the 2^31 boundary, the end): plain bnb AdamW8bit on that window alone on
 the device (a block-wise update makes a window's result independent of the rest), for bnb's path and for the fused
 kernel on a GPU (it computes bnb's own CUDA arithmetic); on the CPU rehearsal the fused kernel's pure-torch
@@ -23,7 +23,7 @@ import proof_common as common
 WINDOW = 4096  # elements each side of a boundary (8-bit state: bnb's min_8bit_size is 4096)
 STEPS = 2
 LR = 1e-3
-GPU_LIMIT = 1 << 30  # own_update.MAX_UPDATE_NUMEL, as shipped (checked below)
+GPU_LIMIT = 1 << 30  # bnb_update.MAX_UPDATE_NUMEL, as shipped (checked below)
 STAND_IN_LIMIT = 1 << 14  # the rehearsal's
 
 
@@ -67,16 +67,16 @@ def run_path(args, result, fused: bool):
     import deepspeed_bnb  # noqa: F401
     from deepspeed_bnb.ops import rules
     from deepspeed_bnb.ops.reference import AdamHyper
-    from deepspeed_bnb.optim import own_update
+    from deepspeed_bnb.ops import bnb_update
     from deepspeed_bnb.state_layout import GroupLayout
     from support.toy import ds_config
 
     limit, n = sizes(args.device)
     if args.device == "cuda":
-        result.check("e: bnb's update is cut at 2^30 elements as shipped", own_update.MAX_UPDATE_NUMEL == GPU_LIMIT,
-                     own_update.MAX_UPDATE_NUMEL, GPU_LIMIT)
+        result.check("e: bnb's update is cut at 2^30 elements as shipped", bnb_update.MAX_UPDATE_NUMEL == GPU_LIMIT,
+                     bnb_update.MAX_UPDATE_NUMEL, GPU_LIMIT)
     else:
-        own_update.MAX_UPDATE_NUMEL = limit  # the stand-in
+        bnb_update.MAX_UPDATE_NUMEL = limit  # the stand-in
     dev = torch.device(args.device)
     inject = Injected.make()
 

@@ -115,9 +115,10 @@ def test_control_the_engine_check_catches_another_update(one_rank, monkeypatch, 
 def test_control_the_large_parameter_check_catches_misplaced_pieces(one_rank, monkeypatch):
     import part_large
 
-    from deepspeed_bnb.optim import bnb_adapter, own_update
+    from deepspeed_bnb.ops import bnb_update
+    from deepspeed_bnb.optim import bnb_adapter
     from support.planted_bugs import split_one_block_early
-    monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", own_update.MAX_UPDATE_NUMEL)  # restored after the test
+    monkeypatch.setattr(bnb_update, "MAX_UPDATE_NUMEL", bnb_update.MAX_UPDATE_NUMEL)  # restored after the test
     monkeypatch.setattr(bnb_adapter, "split_segment", split_one_block_early)
     result = proof_common.Result("e", "control", "cpu")
     part_large.run_path(types.SimpleNamespace(device="cpu"), result, fused=False)

@@ -155,7 +155,24 @@ def test_fused_unscale_factor_is_deepspeeds(one_rank):
         torch.testing.assert_close(grad * factor, theirs, rtol=0, atol=0, equal_nan=True)
         factors[norm] = float(factor)
     assert factors[123.0] < 1.0 and factors[0.01] == 1.0  # control: clipping is active for the large norm only
+    # gradients that are not a partition's are multiplied here, by the same factor DeepSpeed's method uses
+    other, theirs = grad.clone(), grad.clone()
+    opt.unscale_and_clip_grads([[other]], torch.tensor(123.0))
+    DeepSpeedZeroOptimizer.unscale_and_clip_grads(opt, [[theirs]], torch.tensor(123.0))
+    assert torch.equal(other, theirs) and not torch.equal(other, grad)
+    # neither clipping nor a loss scale: nothing to fold in
+    opt.clip_grad = 0.0
+    partition.grad = grad.clone()
+    opt.unscale_and_clip_grads([partition.grad], torch.tensor(123.0))
+    assert opt._bnb_inv_scale.pop(0) is None and torch.equal(partition.grad, grad)
     partition.grad = None
+
+
+def test_invalid_norm_clipping_follows_the_release():
+    """Where DeepSpeed's unscale_and_clip_grads changed (compat.py): 0.19.8 clips an invalid norm as an infinite one."""
+    from deepspeed_bnb.runtime.zero.compat import clips_invalid_norm_as_inf
+    assert not clips_invalid_norm_as_inf("0.19.7") and not clips_invalid_norm_as_inf("0.16.4")
+    assert clips_invalid_norm_as_inf("0.19.8") and clips_invalid_norm_as_inf("0.20.0rc1")
 
 
 class PerParameterReference:

@@ -1,4 +1,4 @@
-"""bitsandbytes' own update is called on block-aligned pieces of at most own_update.MAX_UPDATE_NUMEL elements (its CUDA
+"""bitsandbytes' own update is called on block-aligned pieces of at most bnb_update.MAX_UPDATE_NUMEL elements (its CUDA
 update counts elements in 32 bits), and the pieces' updates are the update of the whole tensor.
 
 The limit is 2^30 in training; here it is lowered to 512 elements so that the toy model's 8-bit parameters (about
@@ -16,7 +16,7 @@ import deepspeed_bnb  # noqa: F401
 from support.bnb_optimizers import FACTORIES
 from support.bnb_state import assert_equals_plain
 from support.planted_bugs import split_one_block_early
-from deepspeed_bnb.optim import own_update
+from deepspeed_bnb.ops import bnb_update
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
 from support.toy import clone, ds_config, make_model, param_groups, train_plain, train_steps
 
@@ -52,7 +52,7 @@ def counting_update_steps(monkeypatch, optimizer_cls):
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW_32bit", "Lion8bit"])
 def test_update_in_pieces_equals_plain_bnb(one_rank, monkeypatch, name):
-    monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
+    monkeypatch.setattr(bnb_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
     model = make_model(0)
     reference = clone(model)
     optimizer = FACTORIES[name](param_groups(model))
@@ -71,7 +71,7 @@ def test_update_in_pieces_equals_plain_bnb(one_rank, monkeypatch, name):
 def test_control_a_misplaced_split_differs_from_plain_bnb(one_rank, monkeypatch):
     """Pieces shifted by one block do not match plain bnb."""
     from deepspeed_bnb.optim import bnb_adapter
-    monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
+    monkeypatch.setattr(bnb_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
     monkeypatch.setattr(bnb_adapter, "split_segment", split_one_block_early)
     model = make_model(0)
     reference = clone(model)
@@ -85,7 +85,7 @@ def test_control_a_misplaced_split_differs_from_plain_bnb(one_rank, monkeypatch)
 
 
 def test_trust_ratio_on_a_parameter_cut_into_pieces_is_refused(one_rank, monkeypatch):
-    monkeypatch.setattr(own_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
+    monkeypatch.setattr(bnb_update, "MAX_UPDATE_NUMEL", SMALL_LIMIT)
     model = make_model(0)
     optimizer = bnb.optim.LAMB(param_groups(model), lr=1e-3, max_unorm=1.0)  # 32-bit state
     with pytest.raises(NotImplementedError, match=r"emb\.weight has 3,880 elements.*max_unorm=1\.0.*max_unorm=0"):

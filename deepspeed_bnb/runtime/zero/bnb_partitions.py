@@ -6,6 +6,7 @@ describe each partition as (its model parameters, the bnb param group, their pre
 and the methods here work on that description only. Which code steps a parameter is optim/fused/route.py's decision.
 """
 
+import contextlib
 import functools
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -18,12 +19,16 @@ from deepspeed.utils import logger
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records, saved_master_mode
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.bnb_adapter import check_steppable
+from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
+from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.fused.route import Route, describe_routes
 from deepspeed_bnb.optim.master_weights import MasterWeights, resolve
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.runtime.zero.compat import BF16_MASTER_VALIDATORS, autocast_gradscaler, require_bf16_master
+from deepspeed_bnb.runtime.zero.compat import BF16_MASTER_VALIDATORS, autocast_gradscaler, by_name, \
+    require_bf16_master
+from deepspeed_bnb.runtime.zero.config import BnbSettings
+from deepspeed_bnb.state_layout import Segment
 
 
 DS_BF16_MASTER = "bf16_master_weights_and_gradients"  # DeepSpeed's ZeRO keyword for bf16 master weights
@@ -31,9 +36,65 @@ DS_BF16_STATES = "bf16_optimizer_states"  # DeepSpeed's ZeRO keyword for bf16 Ad
 
 
 class BnbPartitionsMixin:
-    """Shared by BnbZeroOptimizer (ZeRO-1/2) and BnbZeroStage3Optimizer. The class using it sets `self.bnb`
-    (BnbAdapter), `self.bnb_eight_bit`, `self.bnb_segments` and `self.bnb_steps` (`_bnb_step_of`), and implements
-    `_bnb_partitions`."""
+    """Shared by BnbZeroOptimizer (ZeRO-1/2) and BnbZeroStage3Optimizer. Both build themselves the same way:
+    `_bnb_before_deepspeed` (arguments, refusals, bnb's view of the client optimizer), DeepSpeed's own __init__,
+    `_bnb_after_deepspeed` (refusals, master-weight error terms, the kernel route), then `_bnb_add_partition` for each
+    partition this rank steps; the class using it implements `_bnb_partitions` and the partition accessors below."""
+
+    def _bnb_before_deepspeed(self, deepspeed_class: type, args: tuple, kwargs: dict, settings: BnbSettings) -> dict:
+        """The keyword arguments for DeepSpeed's `deepspeed_class.__init__`, every one by this release's name for it
+        (compat.by_name), once what no stage supports is refused and bnb has seen the client optimizer: precision and
+        config overrides per model parameter, and the master weights, while its param groups still hold the model
+        parameters (DeepSpeed replaces them with flat partitions)."""
+        kwargs = by_name(deepspeed_class.__init__, args, kwargs)
+        optimizer = kwargs["init_optimizer"]
+        check_steppable(optimizer)
+        self.bnb_settings = settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
+        self.bnb = BnbAdapter(optimizer, settings.keep_whole, settings.keep_whole_threshold)
+        self._bnb_resolve_master(settings.master_weights, optimizer, kwargs, deepspeed_class)  # self.bnb_master
+        return kwargs
+
+    def _bnb_after_deepspeed(self, master_partitions: Sequence[torch.Tensor]) -> None:
+        """Once DeepSpeed's __init__ has built the fp32 master partitions: what no stage supports then, their error
+        terms, the optimizer-wide kernel route, and the empty per-partition tables `_bnb_add_partition` fills."""
+        self._bnb_refuse_built()
+        self._bnb_allocate_master_errors(master_partitions)  # self.bnb_master_errors
+        self.bnb_layouts = []  # per partition: where its parameters lie on every rank (state_layout.py)
+        self.bnb_eight_bit: List[List[bool]] = []  # per partition, per parameter in flat order: 8-bit state?
+        self.bnb_segments: List[List[Segment]] = []  # per partition: this rank's segment table
+        self.bnb_steps: List[PartitionStep] = []  # per partition: this rank's step (fused kernel and/or bnb's update)
+        # why no parameter may be fused here (None: the contract decides per parameter)
+        self.bnb_kernel: Route = fused_route.kernel_route(self.bnb_settings.fused_kernel, self.optimizer,
+                                                          self._bnb_device(), self.bnb_master.mode)
+
+    def _bnb_add_partition(self, i: int, params, gindex: int, layout, rank: int,
+                           state_eight_bit: Optional[Sequence[bool]] = None) -> None:
+        """Partition i (its model parameters in flat order, in bnb param group `gindex`, laid out by `layout`):
+        this rank's segments, bnb state (for the precisions `state_eight_bit`: by default the partition's own) and
+        step, routed before the first step (for the log and for inspection)."""
+        eight_bit = [self.bnb.eight_bit(p) for p in params]
+        segments = layout.segments(rank, eight_bit)
+        self._bnb_check_trust_ratio(i, layout, eight_bit)
+        self.bnb_layouts.append(layout)
+        self.bnb_eight_bit.append(eight_bit)
+        self.bnb_segments.append(segments)
+        partition = self.bnb_partition_tensor(i)
+        group = self.optimizer.param_groups[gindex]
+        with self._bnb_placing(i, layout, segments):
+            self.optimizer.state[partition] = self.bnb.allocate(
+                group, gindex, segments, layout.partition_size,
+                eight_bit if state_eight_bit is None else state_eight_bit, partition.device)
+            step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
+            step.route(group)
+        self.bnb_steps.append(step)
+
+    def _bnb_placing(self, i: int, layout, segments):
+        """Around the allocation of partition i's state (a context manager): what the stage needs then."""
+        return contextlib.nullcontext()
+
+    def _bnb_check_trust_ratio(self, i: int, layout, eight_bit) -> None:
+        """Refuse a per-tensor trust ratio (bnb's fp32 LAMB/LARS) on a parameter this stage splits across ranks."""
+        raise NotImplementedError
 
     def bnb_check_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True) -> None:
         """Raise CheckpointMismatchError unless `bnb_load_checkpoint(source, ...)` would load; changes nothing.
@@ -103,11 +164,6 @@ class BnbPartitionsMixin:
         if self.bnb_master.dtype == torch.bfloat16:
             settings.update({key: None for key in BF16_MASTER_VALIDATORS if key in settings})
         return super()._configure_master_weights(**settings)
-
-    @staticmethod
-    def _bnb_refuse_unsupported(optimizer) -> None:
-        """What no stage supports, before DeepSpeed builds anything: a bnb optimizer this package cannot step."""
-        check_steppable(optimizer)
 
     def _bnb_refuse_built(self) -> None:
         """What no stage supports, once DeepSpeed's optimizer is built."""

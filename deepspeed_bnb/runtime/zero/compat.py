@@ -18,6 +18,10 @@ release that added it; the functions below read them):
   `param.grad_accum.to(self.dtype)`, a copy, so the reduced values land in the copy and the step reads the rank's own
   `grad_accum`. 0.19.8 reduces `grad_accum` itself. Stock DeepSpeedZeroOptimizer with torch.optim.AdamW shows the same
   divergence at DP=2, so it is refused here.
+- DeepSpeed 0.19.8 clips the ZeRO-1/2 gradient with an infinite norm where the norm is invalid (inf, NaN or its -1
+  sentinel: the gradient is zeroed); earlier releases clamp what the formula gives (-1: no clipping, NaN: NaN).
+  0.19.7 skips unscale_and_clip_grads when there is neither clipping nor a loss scale (earlier releases multiply by
+  1.0). deepspeed_bnb computes that factor itself (stage_1_and_2.combined_unscale_factor), per release.
 - DeepSpeed before 0.19.8 waits on the last of the asynchronous all-gathers of a coalesced ZeRO-3 gather only,
   which races on gloo (a wrapper waits on each: runtime/zero/partition_parameters.py).
 - DeepSpeed 0.18.7-0.18.9 flatten each ZeRO-1/2 group from the parameters themselves wherever the accelerator
@@ -137,6 +141,11 @@ def require_reduced_grad_accum(use_grad_accum_attribute: bool, dp_world_size: in
             f"fp16): it reduces a copy of each accumulated gradient and steps with the unreduced one (fixed in "
             f"DeepSpeed 0.19.8). Install DeepSpeed 0.19.8, or use zero_optimization.stage 2, or drop "
             f"data_types.grad_accum_dtype.")
+
+
+def clips_invalid_norm_as_inf(deepspeed_version: str = deepspeed.__version__) -> bool:
+    """Whether ZeRO-1/2's unscale_and_clip_grads clips an invalid gradient norm as an infinite one (0.19.8)."""
+    return Version(Version(deepspeed_version).base_version) >= Version("0.19.8")
 
 
 def waits_every_gather_handle(deepspeed_version: str = deepspeed.__version__) -> bool:

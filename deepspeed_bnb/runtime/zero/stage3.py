@@ -8,10 +8,9 @@ checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
 - before DeepSpeed partitions anything, the parameters the bnb optimizer steps are marked for block-aligned
   partitions (runtime/zero/partition_parameters.py; those `zero.Init` already partitioned are partitioned again), so
   every slice is whole 256-element blocks of its parameter (state_layout.ShardedLayout);
-- `__avg_scatter_grads`: the gradient reduce-scatter chunks each gradient by ceil(numel / dp); marked parameters'
-  gradients are padded to their partitions first, so each rank receives the gradient of its own slice;
-  `__avg_scatter_contiguous_grads` (`reduce_scatter: false`: the bucket is all-reduced, then cut the same way): the
-  bucket is laid out with those gradients padded the same way;
+- `__avg_scatter_grads` / `__avg_scatter_contiguous_grads` (`reduce_scatter` true / false): the reduction cuts each
+  gradient by ceil(numel / dp), read from `param.grad`; for the call, marked parameters show their gradients padded
+  to their partitions, so each rank receives the gradient of its own slice;
 - `_optimizer_step`: per sub-group, the same PartitionStep as stages 1/2 (fused kernel where it is bnb's own
   arithmetic, bnb's `update_step` elsewhere, segment by segment; 8-bit vs fp32 state per model parameter; padding
   never updated);
@@ -26,7 +25,6 @@ import contextlib
 import inspect
 from typing import Dict, List
 
-import deepspeed.runtime.zero.stage3 as ds_stage3
 import torch
 import torch.nn.functional as F
 from deepspeed import comm as dist
@@ -37,14 +35,9 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
-from deepspeed_bnb.optim.fused import route as fused_route
-from deepspeed_bnb.optim.fused.route import Route
-from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
-from deepspeed_bnb.installer import swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
@@ -86,31 +79,20 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
     def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(), **kwargs):
-        # DeepSpeed's arguments, by name: read and passed on as this release's signature names them (compat.py)
-        kwargs = compat.by_name(DeepSpeedZeroOptimizer_Stage3.__init__, args, kwargs)
+        kwargs = self._bnb_before_deepspeed(DeepSpeedZeroOptimizer_Stage3, args, kwargs, bnb_settings)
         module, init_optimizer = kwargs["module"], kwargs["init_optimizer"]
-        self._bnb_refuse_unsupported(init_optimizer)
         _refuse_unsupported(init_optimizer, kwargs)
-        # Before DeepSpeed replaces each group's params: precision and config overrides per model parameter.
-        self.bnb_settings = bnb_settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
-        self.bnb = BnbAdapter(init_optimizer, bnb_settings.keep_whole, bnb_settings.keep_whole_threshold)
-        self._bnb_resolve_master(bnb_settings.master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer_Stage3)
         offload = kwargs.get("offload_optimizer_config")
         if getattr(offload, "device", None) == "nvme" and self.bnb_master.mode != master_weights.FP32:
             raise NotImplementedError(
                 f"deepspeed_bnb: zero_optimization.bnb_master_weights {self.bnb_master.mode!r} with "
                 f"offload_optimizer.device \"nvme\" is not supported yet (the NVMe swap of bnb state keeps fp32 master "
                 f"weights): set bnb_master_weights to \"fp32\", or offload the optimizer to \"cpu\".")
-        # Before DeepSpeed flattens this rank's slices: every slice whole blocks of its parameter.
+        # Before DeepSpeed partitions this rank's slices: every slice whole blocks of its parameter.
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
         super().__init__(**kwargs)
         compat.name_stage3_params(self, module)  # DeepSpeed < 0.18.0 keeps no parameter names
-        self._bnb_refuse_built()
-        self._bnb_allocate_master_errors(self.fp32_partitioned_groups_flat)  # self.bnb_master_errors
-        self.bnb_layouts: List[ShardedLayout] = []  # per sub-group: the slices of its parameters on every rank
-        self.bnb_eight_bit: List[List[bool]] = []  # per sub-group, per parameter: 8-bit state?
-        self.bnb_segments = []  # per sub-group: this rank's segment table (state_layout.Segment)
-        self.bnb_steps: List[PartitionStep] = []  # per sub-group: this rank's step
+        self._bnb_after_deepspeed(self.fp32_partitioned_groups_flat)
         self.bnb_sub_groups: Dict[int, List[int]] = {}  # bnb param-group index -> its sub-groups, in order
         for i in range(len(self.fp16_groups)):
             self.bnb_sub_groups.setdefault(self.sub_group_to_group_id[i], []).append(i)
@@ -118,30 +100,11 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         # the sub-groups' tensors joined: param-group index -> precisions of all its parameters
         group_eight_bit = {g: [self.bnb.eight_bit(p) for j in subs for p in self.fp16_groups[j]]
                            for g, subs in self.bnb_sub_groups.items()}
-        device = self._bnb_device()
-        self.bnb_kernel: Route = fused_route.kernel_route(bnb_settings.fused_kernel, self.optimizer, device,
-                                                                                  self.bnb_master.mode)
         for i, params in enumerate(self.fp16_groups):
             gindex = self.sub_group_to_group_id[i]
-            layout = self._bnb_check_layout(i)
-            rank = dist.get_rank(group=compat.sub_group_process_group(self, i))
-            eight_bit = [self.bnb.eight_bit(p) for p in params]
-            segments = layout.segments(rank, eight_bit)
-            self._bnb_check_trust_ratio(i, layout, eight_bit)
-            self.bnb_layouts.append(layout)
-            self.bnb_eight_bit.append(eight_bit)
-            self.bnb_segments.append(segments)
-            with self._bnb_resident(i):  # on NVMe: the state is written there once allocated
-                self._bnb_zero_padding(i, layout, segments)
-                partition = self.fp32_partitioned_groups_flat[i]
-                group = self.optimizer.param_groups[gindex]
-                step = self._bnb_step_of(i, params, gindex, eight_bit, segments, partition.device)
-                with self._bnb_holding(i):
-                    self.optimizer.state[partition] = self.bnb.allocate(group, gindex, segments,
-                                                                        layout.partition_size,
-                                                                        group_eight_bit[gindex], partition.device)
-                    step.route(group)
-            self.bnb_steps.append(step)
+            self._bnb_add_partition(i, params, gindex, self._bnb_check_layout(i),
+                                    dist.get_rank(group=compat.sub_group_process_group(self, i)),
+                                    group_eight_bit[gindex])
         self._bnb_agree_swaps("initialize")  # with the optimizer on NVMe: every rank's writes so far were whole
         with self._bnb_holding():
             self._bnb_log_routes()
@@ -150,6 +113,15 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                 setattr(param, PARAM_STATE_ATTR, ParamOptimizerState(
                     self, i, slot, self._bnb_param_name(param, f"#{slot} of sub-group {i}"),
                     gindex=self.sub_group_to_group_id[i]))
+
+    @contextlib.contextmanager
+    def _bnb_placing(self, i, layout: ShardedLayout, segments):
+        # on NVMe the sub-group's state is in memory while it is allocated, and written there after; DeepSpeed
+        # leaves the padding of its slices unset; bnb's get_config looks the partition up in its param group
+        with self._bnb_resident(i):
+            self._bnb_zero_padding(i, layout, segments)
+            with self._bnb_holding(i):
+                yield
 
     @contextlib.contextmanager
     def _bnb_holding(self, sub_group_id=None):
@@ -226,46 +198,40 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
 
     # ---- gradients ----------------------------------------------------------------------------------------------
 
+    # Both reductions (reduce_scatter true and false) cut each gradient at rank * ceil(numel / dp), reading each
+    # size from `param.grad`. A block-aligned parameter's slice starts at rank * aligned_size() / dp instead: show
+    # DeepSpeed, for the call, each such gradient padded to aligned_size() (zeros after the gradient), and its cut
+    # is then exactly each rank's slice; the reduction itself (dtype, averaging, predivide) stays DeepSpeed's.
+
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
-        # DeepSpeed's reduce_scatter_coalesced cuts each gradient into `dp` chunks of ceil(numel / dp): pad the
-        # gradients of block-aligned parameters to their partitions (`aligned_size()`), whose chunks are then exactly
-        # the ranks' slices. Everything else about the reduction (dtype, averaging, predivide) stays DeepSpeed's.
-        # (its other argument, communication_data_type, arrived in DeepSpeed 0.17.2: passed through as given)
-        aligned = [p.aligned_size() if is_block_aligned(p) else None for p in params_to_reduce]
-        stock_scatter = ds_stage3.reduce_scatter_coalesced
-
-        def padded_scatter(tensors, group=None):
-            tensors = [t if n is None or t.numel() == n else F.pad(t.reshape(-1), (0, n - t.numel()))
-                       for t, n in zip(tensors, aligned)]
-            return stock_scatter(tensors, group)
-
-        with swapped("stage3.reduce_scatter_coalesced", padded_scatter):
-            return DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(
-                self, params_to_reduce, *args, **kwargs)
+        # reduce_scatter: true (reduce_scatter_coalesced on each gradient). Costs a padded copy of the gradients
+        # whose size changes. (its other argument, communication_data_type, arrived in DeepSpeed 0.17.2: passed
+        # through as given)
+        stock_scatter = DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads
+        sizes = _aligned_sizes(params_to_reduce)
+        padded = [g if g.numel() == n else F.pad(g.reshape(-1), (0, n - g.numel()))
+                  for g, n in zip((p.grad.data for p in params_to_reduce), sizes)]
+        with _showing_grads(params_to_reduce, padded):
+            return stock_scatter(self, params_to_reduce, *args, **kwargs)
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads(self, buffer_to_reduce, *args, **kwargs):
-        # reduce_scatter: false. DeepSpeed all-reduces the bucket (its gradients back to back) and cuts each gradient
-        # at rank * ceil(numel / dp), reading each size from `param.grad`. Lay the bucket out with the gradients of
-        # block-aligned parameters padded to their partitions (`aligned_size()`, zeros after the gradient) and show
-        # DeepSpeed those padded pieces as the gradients for the call: its cut is then exactly each rank's slice, and
-        # the reduction (dtype, averaging, predivide) stays DeepSpeed's. Costs one padded copy of the bucket.
-        # (`communication_data_type`, its other argument, arrived in DeepSpeed 0.17.2 with the per-dtype buckets)
+        # reduce_scatter: false: DeepSpeed all-reduces the bucket (its gradients back to back) and cuts it. Lay the
+        # bucket out with the padded gradients instead: one padded copy of the bucket. (`communication_data_type`,
+        # its other argument, arrived in DeepSpeed 0.17.2 with the per-dtype buckets)
         stock_reduce = DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads
         params = compat.ipg_bucket_params(self, *args, **kwargs)
-        aligned = [p.aligned_size() if is_block_aligned(p) else p.grad.numel() for p in params]
-        if all(n == p.grad.numel() for p, n in zip(params, aligned)):
+        sizes = _aligned_sizes(params)
+        if all(n == p.grad.numel() for p, n in zip(params, sizes)):
             return stock_reduce(self, buffer_to_reduce, *args, **kwargs)
-        padded = buffer_to_reduce.new_zeros(sum(aligned))
-        grads, at, to = [p.grad.data for p in params], 0, 0
-        for param, grad, size in zip(params, grads, aligned):
-            padded.narrow(0, to, grad.numel()).copy_(buffer_to_reduce.narrow(0, at, grad.numel()))
-            param.grad.data = padded.narrow(0, to, size)
-            at, to = at + grad.numel(), to + size
-        try:
+        padded = buffer_to_reduce.new_zeros(sum(sizes))
+        views, at, to = [], 0, 0
+        for param, size in zip(params, sizes):
+            numel = param.grad.numel()
+            padded.narrow(0, to, numel).copy_(buffer_to_reduce.narrow(0, at, numel))
+            views.append(padded.narrow(0, to, size))
+            at, to = at + numel, to + size
+        with _showing_grads(params, views):
             return stock_reduce(self, padded, *args, **kwargs)
-        finally:
-            for param, grad in zip(params, grads):
-                param.grad.data = grad
 
     # ---- step ---------------------------------------------------------------------------------------------------
 
@@ -543,6 +509,26 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         if self.persistent_parameters:  # gathered again by checkpoint_event_epilogue, from the new slices
             self.persistent_parameters[0].partition(self.persistent_parameters)
         self._bnb_agree_swaps("a checkpoint load")
+
+
+def _aligned_sizes(params) -> List[int]:
+    """Per parameter: the size DeepSpeed's reduction should see its gradient at (its partitions' total when block
+    aligned, else the gradient's own)."""
+    return [p.aligned_size() if is_block_aligned(p) else p.grad.numel() for p in params]
+
+
+@contextlib.contextmanager
+def _showing_grads(params, grads):
+    """`param.grad` of each of `params` holds the matching one of `grads` for the block (through `.data`: a size
+    other than the parameter's), and its own gradient again after it."""
+    own = [p.grad.data for p in params]
+    try:
+        for param, grad in zip(params, grads):
+            param.grad.data = grad
+        yield
+    finally:
+        for param, grad in zip(params, own):
+            param.grad.data = grad
 
 
 def _joined(tensors: List[torch.Tensor]) -> torch.Tensor:

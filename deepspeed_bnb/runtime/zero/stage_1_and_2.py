@@ -18,6 +18,7 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
+import math
 from typing import List, Optional
 
 import torch
@@ -29,14 +30,10 @@ from deepspeed_bnb.checkpoint.format.constants import MASTER_WEIGHTS_KEY, PARAM_
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
-from deepspeed_bnb.optim.fused import route as fused_route
-from deepspeed_bnb.optim.fused.route import Route
-from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.ops import compensated
-from deepspeed_bnb.optim.fused.partition_step import PartitionStep
-from deepspeed_bnb.runtime.zero import padding_tensors
+from deepspeed_bnb.runtime.zero import compat, padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
-from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, by_name, padding_mode, require_reduced_grad_accum, \
+from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
@@ -47,35 +44,25 @@ from deepspeed_bnb.utils.tensor_fragment import link_param_states
 class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 whose base optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
+    # True while DeepSpeed's __init__ runs: its only calls of flatten_dense_tensors_aligned then flatten param groups
+    _bnb_in_deepspeed_init = False
+
     def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(), **kwargs):
-        # DeepSpeed's arguments, by name: read and passed on as this release's signature names them (compat.py)
-        kwargs = by_name(DeepSpeedZeroOptimizer.__init__, args, kwargs)
-        init_optimizer = kwargs["init_optimizer"]
-        self._bnb_refuse_unsupported(init_optimizer)
+        kwargs = self._bnb_before_deepspeed(DeepSpeedZeroOptimizer, args, kwargs, bnb_settings)
         # how the block-aligned layout is placed in DeepSpeed's flat groups (compat.py)
         self.bnb_padding_mode = padding_mode()
         if self.bnb_padding_mode == PADDING_TENSORS:
-            padding_tensors.refuse_unsupported(init_optimizer, kwargs)
-        # Before DeepSpeed replaces each group's params with one flat partition: resolve precision and config
-        # overrides per model parameter while bnb can still see the parameters.
-        self.bnb_settings = bnb_settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
-        self.bnb = BnbAdapter(init_optimizer, bnb_settings.keep_whole, bnb_settings.keep_whole_threshold)
-        self._bnb_resolve_master(bnb_settings.master_weights, init_optimizer, kwargs, DeepSpeedZeroOptimizer)  # self.bnb_master
-        super().__init__(**kwargs)
+            padding_tensors.refuse_unsupported(kwargs["init_optimizer"], kwargs)
+        self._bnb_in_deepspeed_init = True
+        try:
+            super().__init__(**kwargs)
+        finally:
+            self._bnb_in_deepspeed_init = False
         # DeepSpeed before 0.19.8 does not average ZeRO-1's fp32 gradient accumulator across ranks (compat.py)
         require_reduced_grad_accum(self.use_grad_accum_attribute, dist.get_world_size(group=self.dp_process_group))
-        self._bnb_refuse_built()
-        self._bnb_allocate_master_errors(self.single_partition_of_fp32_groups)  # self.bnb_master_errors
-        self.bnb_layouts: List[GroupLayout] = []  # per param group: block-aligned layout of the flat buffer
-        self.bnb_eight_bit: List[List[bool]] = []  # per group, per parameter in flat order: 8-bit state?
-        self.bnb_segments = []  # per group: this rank's segment table (state_layout.Segment)
-        self.bnb_steps: List[PartitionStep] = []  # per group: this rank's step (fused kernel and/or bnb's update)
+        self._bnb_after_deepspeed(self.single_partition_of_fp32_groups)
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
         # partition's device), folded into the step
-        device = self.single_partition_of_fp32_groups[0].device
-        # why no parameter may be fused here (None: the contract decides per parameter)
-        self.bnb_kernel: Route = fused_route.kernel_route(bnb_settings.fused_kernel, self.optimizer, device,
-                                                                                  self.bnb_master.mode)
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -83,19 +70,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             rank = dist.get_rank(group=self.real_dp_process_group[i])
             # DeepSpeed derived its padding bookkeeping from its own layout; ours pads more.
             self.groups_padding[i] = layout.tail_padding(rank)
-            eight_bit = [self.bnb.eight_bit(p) for p in params]
-            segments = layout.segments(rank, eight_bit)
-            self._bnb_check_trust_ratio(i, layout, eight_bit)
-            partition = self.single_partition_of_fp32_groups[i]
-            group = self.optimizer.param_groups[i]
-            self.optimizer.state[partition] = self.bnb.allocate(group, i, segments, layout.partition_size,
-                                                                eight_bit, partition.device)
-            self.bnb_layouts.append(layout)
-            self.bnb_eight_bit.append(eight_bit)
-            self.bnb_segments.append(segments)
-            step = self._bnb_step_of(i, params, i, eight_bit, segments, partition.device)
-            step.route(group)  # known before the first step, for the log below and for inspection
-            self.bnb_steps.append(step)
+            self._bnb_add_partition(i, params, i, layout, rank)
         self._bnb_log_routes()  # self.bnb_routes: parameter name -> its Route
         # per param group: where an expert group's experts live (None: not an expert group), and the names its
         # record gives the parameters (global expert names)
@@ -122,13 +97,21 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     # ---- layout -------------------------------------------------------------------------------------------------
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
-        # DeepSpeedZeroOptimizer.__init__ flattens each param group right after appending its lists (flat order,
-        # meta tensors, and from 0.19.7 on the per-parameter padding and offsets); every later consumer (gradient
-        # partitioning, hp mapping, offload, checkpoint) follows those lists. Rewriting them here chooses the layout
-        # without copying __init__. Other calls (gradient flattening) pass through.
-        i = len(self.round_robin_bit16_groups) - 1
-        if i < 0 or len(self.bit16_groups_flat) != i or tensor_list is not self.round_robin_bit16_groups[i]:
+        # DeepSpeedZeroOptimizer.__init__ calls this for one thing only, in every supported release (the register
+        # records it): to flatten param group i, the list round_robin_bit16_groups[i], right after appending the
+        # group's lists (flat order, meta tensors, and from 0.19.7 on the per-parameter padding and offsets); every
+        # later consumer (gradient partitioning, hp mapping, offload, checkpoint) follows those lists. Rewriting them
+        # here chooses the layout without copying __init__. Calls after __init__ (the step's gradient partition)
+        # pass through.
+        if not self._bnb_in_deepspeed_init:
             return self._bnb_stock_flatten(tensor_list, alignment, use_cpu_data, param_padding)
+        i = next((k for k, group in enumerate(self.round_robin_bit16_groups) if group is tensor_list), None)
+        if i is None:
+            import deepspeed
+            raise RuntimeError(f"deepspeed_bnb: DeepSpeed {deepspeed.__version__}'s DeepSpeedZeroOptimizer.__init__ "
+                               f"flattened a list that is not one of its param groups ({len(tensor_list)} tensors): "
+                               f"this release builds its flat groups another way than deepspeed_bnb supports. Use a "
+                               f"DeepSpeed version listed in docs/versions.md.")
         with torch.no_grad():  # a leaf buffer on every release (0.18.7-0.18.9 flatten the parameters: compat.py)
             return self._bnb_flatten_group(i, tensor_list, alignment, use_cpu_data, param_padding)
 
@@ -207,19 +190,21 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     # ---- step ---------------------------------------------------------------------------------------------------
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-        # DeepSpeed multiplies the gradient partition by 1 / (loss scale * clip) just before _optimizer_step; the
-        # factor is handed to the partition's step instead, which folds it into the kernel's single pass (and
-        # multiplies only the segments bnb steps), saving one pass over the partition. DeepSpeed's own method computes
-        # it: its formula differs between releases (0.19.8 clips an invalid norm as inf), and the step's product must
-        # stay bit-identical to its mul_. It multiplies a stand-in that records the factor (a 0-dim tensor on the
-        # device when it clips) instead of a tensor the host would have to read back.
+        # DeepSpeed's step multiplies the gradient partition of group i by 1 / (loss scale * clip) here, just before
+        # _optimizer_step(i). deepspeed_bnb computes that factor itself, as each release does (combined_unscale_factor)
+        # and hands it to the partition's step instead, which folds it into the kernel's single pass (and multiplies
+        # only the segments bnb steps): one pass over the partition saved, and the factor, a 0-dim tensor on the
+        # device when it clips, is never read back by the host. Any other gradients are multiplied here, as
+        # DeepSpeed does.
+        factor = combined_unscale_factor(self, total_norm)
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
             if len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
-                recorder = _FactorRecorder()
-                super().unscale_and_clip_grads([recorder], total_norm)
-                self._bnb_inv_scale[i] = recorder.scale(partition.grad.device)
+                self._bnb_inv_scale[i] = _as_step_scale(factor, partition.grad.device)
                 return
-        super().unscale_and_clip_grads(grad_groups_flat, total_norm)
+        if factor is not None:
+            for grad in grad_groups_flat:
+                for g in grad if isinstance(grad, list) else [grad]:
+                    g.data.mul_(factor)
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
@@ -286,30 +271,41 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             self._link_all_hp_params()
 
 
-class _FactorRecorder:
-    """Stands in for a gradient partition in DeepSpeed's unscale_and_clip_grads, which multiplies each one in place by
-    its factor (`grad.data.mul_(1. / combined_scale)` in every supported release; registered in overrides.py):
-    records the factor, a Python number or (when it clips) a 0-dim tensor on the device, without reading it."""
+def combined_unscale_factor(zero_optimizer, total_norm):
+    """What DeepSpeed's unscale_and_clip_grads multiplies a gradient partition by (`1. / combined_scale`), computed
+    as the installed release computes it: None where it multiplies by nothing or by exactly 1; else a Python number
+    (the loss scale alone) or, with clipping, a tensor on the norm's device. The releases differ (compat.py):
+    0.19.7 returns early without clipping or loss scale (earlier ones multiply by 1.0, which changes no value),
+    and 0.19.8 clips an invalid norm (inf, NaN, DeepSpeed's -1) as an infinite one, zeroing the gradient, where
+    earlier releases clamp whatever the formula gives; 0.19.8's check reads the norm back to the host
+    (is_invalid_grad_norm), this one selects on the device."""
+    loss_scale, clip_grad = zero_optimizer.loss_scale, zero_optimizer.clip_grad
+    if clip_grad == 0.0 and loss_scale == 1.0:
+        return None
+    combined_scale = loss_scale
+    if clip_grad > 0.:
+        norm = total_norm
+        if compat.clips_invalid_norm_as_inf():
+            if torch.is_tensor(norm):
+                norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm,
+                                   torch.full_like(norm, float("inf"), dtype=torch.float))
+            elif not math.isfinite(float(norm)) or norm < 0:
+                norm = torch.tensor(float("inf"), dtype=torch.float)
+        # DeepSpeed's formula (its norm is the norm of the scaled gradients)
+        clip = ((norm / loss_scale) + 1e-6) / clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * loss_scale
+    return 1. / combined_scale
 
-    def __init__(self):
-        self.factor = None  # None: DeepSpeed multiplied nothing (no clipping, no loss scale)
 
-    @property
-    def data(self) -> "_FactorRecorder":
-        return self
-
-    def mul_(self, factor) -> "_FactorRecorder":
-        self.factor = factor
-        return self
-
-    def scale(self, device) -> Optional[torch.Tensor]:
-        """The recorded factor as the fused step takes it: None, or a 0-dim float32 tensor on `device` (a number
-        rounded to float32 once, as DeepSpeed's mul_ of a float32 gradient rounds it)."""
-        if self.factor is None:
-            return None
-        if torch.is_tensor(self.factor):
-            return self.factor.to(device=device, dtype=torch.float32).reshape(())
-        return torch.full((), float(self.factor), dtype=torch.float32, device=device)
+def _as_step_scale(factor, device) -> Optional[torch.Tensor]:
+    """`factor` as the fused step takes it: None, or a 0-dim float32 tensor on `device` (a number rounded to float32
+    once, as DeepSpeed's mul_ of a float32 gradient rounds it)."""
+    if factor is None:
+        return None
+    if torch.is_tensor(factor):
+        return factor.to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(factor), dtype=torch.float32, device=device)
 
 
 def _running_offsets(metas) -> List[int]:
