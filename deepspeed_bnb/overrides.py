@@ -248,8 +248,8 @@ OVERRIDES: Tuple[Override, ...] = (
               ("self", "params_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads", "reduce_scatter: "
               "false all-reduces a bucket and cuts each gradient at rank * ceil(numel / dp), sizes read from "
-              "param.grad: the bucket is laid out with marked parameters' gradients padded to their partitions, shown as their "
-              "gradients for the call",
+              "param.grad: the bucket is laid out with marked parameters' gradients padded to their partitions, "
+              "shown as their gradients for the call",
               ("self", "buffer_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
               ("self", "sub_group_id")),
