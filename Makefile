@@ -38,7 +38,7 @@ libaio:
 		echo "libaio-dev is not installed and cannot be installed here (needs root and apt-get):" \
 		     "the NVMe offload tests will skip; install it with 'apt-get install libaio-dev'"
 
-test-quick: $(STAMP)  # what launches no ranks and builds nothing: under 2 minutes on 2 cores
+test-quick: $(STAMP)  # in-process tests only (no ranks, builds or fresh processes): under 2 minutes on 2 cores
 	$(BIN)/python -m pytest -q -m "not multi_rank and not slow" tests
 
 clean:

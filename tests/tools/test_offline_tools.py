@@ -15,6 +15,8 @@ import pytest
 from conftest import without_launch_vars
 from support.toy import build_engine, train_steps
 
+pytestmark = pytest.mark.slow  # every test runs a tool in a fresh process
+
 # Runs `deepspeed_bnb_tools.main(argv)` (or, with "--runtime", `import deepspeed_bnb` only) and prints what it left.
 PROBE = r"""
 import importlib.metadata, json, sys

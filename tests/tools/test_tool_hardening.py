@@ -313,6 +313,7 @@ def verb_argvs(folder, tmp_path):
             for verb, args in VERBS.items()]
 
 
+@pytest.mark.slow  # fresh processes under a memory cap
 def test_a_dp_size_of_a_billion_is_refused(two_ranks, tmp_path):
     source, _ = two_ranks
     folder = copy_of(source, tmp_path)
@@ -324,6 +325,7 @@ def test_a_dp_size_of_a_billion_is_refused(two_ranks, tmp_path):
         assert code == 2 and needle in err and MODEL in err, (argv, code, err)
 
 
+@pytest.mark.slow  # fresh processes under a memory cap
 def test_layouts_larger_than_the_files_are_refused(two_ranks, tmp_path):
     source, _ = two_ranks
     folder = copy_of(source, tmp_path)
@@ -343,6 +345,7 @@ def test_layouts_larger_than_the_files_are_refused(two_ranks, tmp_path):
         build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE).load_checkpoint(folder)
 
 
+@pytest.mark.slow  # fresh processes under a memory cap
 def test_inputs_of_from_bnb_and_convert_are_bounded(two_ranks, tmp_path):
     source, _ = two_ranks
     bomb = hostile_files.zip_bomb(str(tmp_path / "bomb.pt"))

@@ -91,9 +91,11 @@ def test_the_suite_and_its_children_have_the_guard():
 
 
 LOAD_SHM = ("from deepspeed.accelerator import get_accelerator; "
-            "get_accelerator().create_op_builder('ShareMemCommBuilder').load(); print('loaded', flush=True)")
+            "builder = get_accelerator().create_op_builder('ShareMemCommBuilder'); print('loading', flush=True); "
+            "builder.load(); print('loaded', flush=True)")
 
 
+@pytest.mark.slow  # loads DeepSpeed's op in fresh processes
 def test_deepspeeds_own_op_loads_past_a_dead_builders_lock(tmp_path):
     """DeepSpeed's CPU comm op (its builder, torch's FileBaton) with a dead build's lock in its folder: a process with
     the guard loads it and says it removed the lock; control: one without the guard is still waiting when its time is
@@ -109,8 +111,17 @@ def test_deepspeeds_own_op_loads_past_a_dead_builders_lock(tmp_path):
     env = dict(env, TORCH_EXTENSIONS_DIR=str(folder))
     bare = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     os.close(os.open(lock, os.O_CREAT | os.O_EXCL))  # what a build killed midway leaves
-    with pytest.raises(subprocess.TimeoutExpired):  # control: torch's own wait never ends
-        subprocess.run([sys.executable, "-c", LOAD_SHM], env=bare, capture_output=True, timeout=20)
+    # control: torch's own wait never ends (still waiting well after the child reached the load)
+    control = subprocess.Popen([sys.executable, "-c", LOAD_SHM], env=bare, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = iter(control.stdout.readline, "")  # DeepSpeed logs to stdout too
+        assert any(line.strip() == "loading" for line in lines), "control: the child did not get to the load"
+        with pytest.raises(subprocess.TimeoutExpired):
+            control.wait(timeout=10)
+    finally:
+        control.kill()
+        control.wait()
     done = subprocess.run([sys.executable, "-W", "always", "-c", LOAD_SHM], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "loaded" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]

@@ -27,6 +27,7 @@ def _modules_loaded_after(code: str) -> set:
     return set(done.stdout.split())
 
 
+@pytest.mark.slow  # imports the package in a fresh process
 def test_import_does_not_load_bitsandbytes():
     loaded = _modules_loaded_after("import deepspeed_bnb")
     assert "deepspeed_bnb.runtime.zero.stage_1_and_2" in loaded

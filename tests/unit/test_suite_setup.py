@@ -63,6 +63,7 @@ def _collected(*args) -> int:
     return int(found.group(1)) if found else 0
 
 
+@pytest.mark.slow  # three pytest collections in fresh processes
 def test_markers_select_what_they_say():
     launches = os.path.join("tests", "distributed", "test_teardown.py")  # every test there launches ranks
     assert _collected("-m", "multi_rank", launches) > 0
