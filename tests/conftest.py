@@ -64,6 +64,18 @@ def pytest_sessionstart(session):
                                 f"`pip install -e .[test]`, or `make test`, which sets up a venv with it")
 
 
+def pytest_collection_finish(session):
+    """Start the fresh-process jobs the collected tests will read (tests/support/background.py) beside them."""
+    if not session.config.option.collectonly:
+        from support import background
+        background.start_for(session.items)
+
+
+def pytest_sessionfinish(session):
+    from support import background
+    background.stop()
+
+
 @pytest.fixture(scope="session")
 def one_rank():
     """deepspeed.comm initialised as rank 0 of 1 (gloo, CPU), once per test session; on another port when the one

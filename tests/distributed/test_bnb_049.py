@@ -225,7 +225,7 @@ def test_a_per_parameter_override_names_only_that_parameter(one_rank):
     finally:
         manager.pid2config.pop(id(model.fc1.weight), None)
     assert re.search(r"it cannot step these: fc1\.weight \(param group 0, 8-bit state\): skip_zeros=True is not "
-                     r"False; to step them here, give them a config the kernel models\.", str(refused.value))
+                     r"False; to step them here, give them a config the kernel models\.", str(refused.value)), str(refused.value)
 
 
 # ---- the real bnb 0.49.x, in its own venv ---------------------------------------------------------------------------

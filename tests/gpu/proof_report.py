@@ -24,9 +24,10 @@ def verdict(part: dict) -> str:
 
 
 def render(report: dict) -> str:
+    deadline = "no overall deadline" if report["deadline"] is None else f"deadline {report['deadline']:.0f} s"
     lines = [f"# GPU proof: {report['device']}", "",
-             f"{report['started']}, mode {report['mode']}, {report['seconds']:.0f} s in all "
-             f"(deadline {report['deadline']:.0f} s); command `{report['command']}`.", "",
+             f"{report['started']}, mode {report['mode']}, {report['seconds']:.0f} s in all ({deadline}); command "
+             f"`{report['command']}`.", "",
              "Every check compares with an independent reference (plain bitsandbytes, the kernels' pure-torch "
              "reference, the CPU's continuation); the speed and memory tables are measurements, not claims.", ""]
     lines += markdown_table(["part", "what", "verdict", "seconds"],

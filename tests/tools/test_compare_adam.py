@@ -8,10 +8,12 @@ element, and the 8-bit state is 0.2x-0.3x of the fp32 state. Negative controls s
 
 import json
 import os
+import pathlib
 import sys
 
 import pytest
-from conftest import ROOT, run_or_fail, without_launch_vars
+from conftest import ROOT, without_launch_vars
+from support import background
 
 pytestmark = pytest.mark.slow
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -22,22 +24,39 @@ FP32 = ("torch_adamw", "ds_adamw")
 EIGHT_BIT = ("bnb8_fused", "bnb8_fallback")
 
 
-def run_script(*args, timeout=600):  # a fresh machine first JIT-builds DeepSpeed's CPU fused_adam (~85 s)
-    return run_or_fail([sys.executable, *args], without_launch_vars(), timeout).stdout
+def _script(fixture: str, script: str, *args: str) -> background.Job:
+    """benchmarks/<script> as the job `fixture` reads, beside the earlier tests (tests/support/background.py), writing
+    into the job's folder. A fresh machine first JIT-builds DeepSpeed's CPU fused_adam (~85 s); the timeout only ends
+    a hang."""
+    return background.Job(fixture, lambda folder: [sys.executable, os.path.join(BENCH, script), *args, "--out", folder],
+                          without_launch_vars, timeout=1800)
+
+
+COMPARE = _script("compare", "compare_adam.py", "--quick")
+SCALING = _script("scaling", "scaling.py", "--quick", "--dp", str(DP))
+COMPARE_BF16 = _script("bf16_compare", "compare_adam.py", "--quick", "--bf16")
+BACKGROUND_JOBS = (COMPARE, SCALING, COMPARE_BF16)
+
+
+def finished(job: background.Job) -> pathlib.Path:
+    """The folder of the job's results; the test fails with its output when it did not exit 0."""
+    done = background.result(job)
+    if done.returncode != 0:
+        why = "ran past its hang guard" if done.returncode is None else f"exited with {done.returncode}"
+        pytest.fail(f"{job.name} {why}:\n{(done.stdout + done.stderr)[-6000:]}")
+    return pathlib.Path(done.folder)
 
 
 @pytest.fixture(scope="module")
-def compare(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare_adam")
-    run_script(os.path.join(BENCH, "compare_adam.py"), "--quick", "--out", str(out))
+def compare():
+    out = finished(COMPARE)
     with open(out / "compare_adam.json") as f:
         return out, json.load(f)["results"]
 
 
 @pytest.fixture(scope="module")
-def scaling(tmp_path_factory):
-    out = tmp_path_factory.mktemp("scaling")
-    run_script(os.path.join(BENCH, "scaling.py"), "--quick", "--dp", str(DP), "--out", str(out))
+def scaling():
+    out = finished(SCALING)
     with open(out / "scaling.json") as f:
         return out, json.load(f)["rows"]
 
@@ -230,10 +249,8 @@ MOMENT_BYTES = {"torch_adamw": 8, "ds_bf16_states": 4}
 
 
 @pytest.fixture(scope="module")
-def bf16_compare(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare_adam_bf16")
-    run_script(os.path.join(BENCH, "compare_adam.py"), "--quick", "--bf16", "--out", str(out))
-    with open(out / "compare_adam.json") as f:
+def bf16_compare():
+    with open(finished(COMPARE_BF16) / "compare_adam.json") as f:
         return json.load(f)["results"]
 
 
