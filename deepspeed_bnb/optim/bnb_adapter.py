@@ -10,7 +10,7 @@ config overrides) is decided here per *model* parameter, once, before ZeRO repla
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -91,7 +91,10 @@ def _refuse_split_trust_ratio(optimizer, param, name: str, eight_bit: bool, max_
 class BnbAdapter:
     """Per-parameter precision and config of one bnb optimizer, and its update run segment by segment."""
 
-    def __init__(self, optimizer: "Optimizer8bit", keep_whole: Iterable[str], keep_whole_threshold: int):
+    def __init__(self, optimizer: "Optimizer8bit", keep_whole: Iterable[str], keep_whole_threshold: int,
+                 param_names: Optional[Mapping] = None):
+        """`param_names`: the engine's {model parameter: name} (what DeepSpeed hands its ZeRO optimizers), to name
+        parameters in errors; without it, DeepSpeed's process-wide debug map (deepspeed.utils.debug)."""
         self.optimizer = optimizer
         self.optimizer_name = optimizer.optimizer_name
         self.keep_whole = frozenset(keep_whole)
@@ -119,7 +122,7 @@ class BnbAdapter:
                 self._overrides[id(p)] = {k: v for k, v in config.items() if k not in plain or plain[k] != v}
                 self._eight_bit[id(p)] = uses_8bit_state(model_numel(p), config["optim_bits"], config["min_8bit_size"])
                 self._max_unorm[id(p)] = float(config.get("max_unorm", 0.0))
-                name = _param_name(p, f"#{pindex} of param group {gindex}")
+                name = _param_name(p, f"#{pindex} of param group {gindex}", param_names)
                 self._described.setdefault(gindex, []).append((self._overrides[id(p)], self._eight_bit[id(p)], name))
                 _refuse_whole_tensor_options(optimizer, config, gindex, pindex, self._eight_bit[id(p)])
                 _refuse_split_trust_ratio(optimizer, p, name, self._eight_bit[id(p)], self._max_unorm[id(p)])
@@ -313,9 +316,15 @@ class BnbAdapter:
         return views
 
 
-def _param_name(param: torch.Tensor, fallback: str) -> str:
-    """The model's name of a parameter, from the map DeepSpeed's engine fills before it builds the optimizer
-    (deepspeed.utils.debug); `fallback` outside an engine."""
+def _param_name(param: torch.Tensor, fallback: str, names: Optional[Mapping] = None) -> str:
+    """The model's name of a parameter: from the engine's own `names` where given, else from the map DeepSpeed's
+    engine fills before it builds the optimizer (deepspeed.utils.debug); `fallback` outside an engine.
+
+    The engine's own names come first because DeepSpeed's debug map is one per process, and every engine's
+    destroy() clears it, from `__del__` too (DeepSpeed 0.19.8): an earlier engine that the garbage collector frees
+    while a new one is being built empties the new engine's names, and errors then said "#1 of param group 0"."""
+    if names is not None and param in names:
+        return names[param]
     lookup = getattr(sys.modules.get("deepspeed.utils.debug"), "debug_param2name", None)
     name = lookup(param) if lookup is not None else "unknown"
     return fallback if name == "unknown" else name

@@ -214,9 +214,24 @@ def test_control_with_bnbs_cpu_update_nothing_is_refused(one_rank):
 
 
 @needs_kernel
-def test_a_per_parameter_override_names_only_that_parameter(one_rank):
+@pytest.mark.parametrize("debug_map", ["kept", "cleared"])
+def test_a_per_parameter_override_names_only_that_parameter(one_rank, monkeypatch, debug_map):
+    """The refusal names the parameter, also when DeepSpeed's process-wide map of parameter names is emptied while
+    the engine is built ("cleared": what an earlier engine's destroy() does when the garbage collector frees it then;
+    control: DeepSpeed's own lookup then no longer knows the name)."""
+    from deepspeed.utils import debug
+
+    from deepspeed_bnb.runtime.zero import bnb_partitions
     manager = bnb.optim.GlobalOptimManager.get_instance()
     model = make_model(0)
+    if debug_map == "cleared":
+        adapter = bnb_partitions.BnbAdapter
+
+        def after_clearing(*args, **kwargs):
+            debug.debug_clear_module_and_param_names()
+            assert debug.debug_param2name(model.fc1.weight) == "unknown"  # control
+            return adapter(*args, **kwargs)
+        monkeypatch.setattr(bnb_partitions, "BnbAdapter", after_clearing)
     manager.pid2config[id(model.fc1.weight)] = {"skip_zeros": True}  # bnb 0.50 reads pid2config in get_config
     try:
         with simulate_049(), pytest.raises(NoOwnUpdateError) as refused:

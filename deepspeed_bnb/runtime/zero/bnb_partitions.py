@@ -50,7 +50,8 @@ class BnbPartitionsMixin:
         optimizer = kwargs["init_optimizer"]
         check_steppable(optimizer)
         self.bnb_settings = settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
-        self.bnb = BnbAdapter(optimizer, settings.keep_whole, settings.keep_whole_threshold)
+        # the engine's names of the model parameters (ZeRO-3 takes them from DeepSpeed 0.18.0 on; else None)
+        self.bnb = BnbAdapter(optimizer, settings.keep_whole, settings.keep_whole_threshold, kwargs.get("param_names"))
         self._bnb_resolve_master(settings.master_weights, optimizer, kwargs, deepspeed_class)  # self.bnb_master
         return kwargs
 
