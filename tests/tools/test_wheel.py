@@ -16,86 +16,64 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import sysconfig
-import tarfile
-import zipfile
 
 import pytest
 
-from conftest import ROOT, free_port, without_launch_vars
+from conftest import ROOT, without_launch_vars
+from support import background, wheel_install
 
 sys.path.insert(0, ROOT)
 from deepspeed_bnb.ops.build_flags import CPU_SOURCES, CUDA_SOURCES  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TRAIN = r"""
-import json, os, torch
-import bitsandbytes as bnb, deepspeed
-import deepspeed_bnb
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
-optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
-config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2, "bnb_fused_kernel": True}}
-engine = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
-losses = []
-for _ in range(3):
-    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))  # one batch: the loss must fall
-    loss = ((engine(x) - x) ** 2).mean()
-    engine.backward(loss)
-    engine.step()
-    losses.append(float(loss))
-routes = {name: str(route) for name, route in engine.optimizer.bnb_routes.items()}
-print("RESULT " + json.dumps({"package": deepspeed_bnb.__file__, "losses": losses, "routes": routes}))
-"""
-
-
 SOURCES = CPU_SOURCES + CUDA_SOURCES + ["csrc/include/dsbnb/adam8bit.h", "csrc/include/dsbnb/master_weights.h"]
 # what the examples and benchmarks import from the package besides its runtime
 MODULES = ["deepspeed_bnb/demo/gpt.py", "deepspeed_bnb/demo/text.py", "deepspeed_bnb/demo/elastic.py",
            "deepspeed_bnb/utils/teardown.py"]
-
-
-def _archive_names(path) -> set:
-    if str(path).endswith(".whl"):
-        with zipfile.ZipFile(path) as archive:
-            return set(archive.namelist())
-    with tarfile.open(path) as archive:  # the sdist: every name under its top folder, deepspeed_bnb-0.1.0/
-        return {name.partition("/")[2] for name in archive.getnames()}
-
-
-def _check(done):
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+# tests/support/wheel_install.py builds, installs and uses the wheel beside the earlier tests (support/background.py);
+# the timeout only ends a hang
+INSTALLED = background.Job("installed", lambda folder: [sys.executable, wheel_install.__file__, folder],
+                           without_launch_vars, timeout=3600)
+BACKGROUND_JOBS = (INSTALLED,)
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """(fresh venv's Python, its site-packages, the environment of a child run from it, a work folder) for the wheel
-    `python -m build` made from this checkout's sdist."""
-    folder = tmp_path_factory.mktemp("wheel")
-    _check(subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(folder / "dist"), ROOT],
-                          capture_output=True, text=True, timeout=900, check=False))
-    sdist, wheel = next((folder / "dist").glob("deepspeed_bnb-*.tar.gz")), next((folder / "dist").glob("*.whl"))
-    _check(subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(folder / "pip")], capture_output=True, text=True, timeout=900, check=False))
-    pip_wheel = next((folder / "pip").glob("*.whl"))
-    for archive, prefix in ((sdist, ""), (wheel, "deepspeed_bnb/"), (pip_wheel, "deepspeed_bnb/")):
-        names = _archive_names(archive)
+def installed():
+    """What wheel_install.py recorded (wheel.json), with the venv's Python, its site-packages, the environment of a
+    child run from it and the job's folder as paths."""
+    done = background.result(INSTALLED)
+    path = pathlib.Path(done.folder) / wheel_install.RESULT
+    assert path.is_file(), f"wheel_install.py wrote nothing (exit {done.returncode}):\n{done.stdout[-3000:]}" \
+                           f"{done.stderr[-3000:]}"
+    record = json.loads(path.read_text())
+    failed = record["failed"]
+    assert not failed, f"{failed}:\n" + "\n".join(f"{step}: {run['stdout'][-2000:]}{run['stderr'][-2000:]}"
+                                                   for step, run in record["steps"].items() if run["returncode"])
+    return record, pathlib.Path(record["python"]), pathlib.Path(record["site"]), record["env"], \
+        pathlib.Path(done.folder)
+
+
+def test_every_archive_holds_the_kernel_sources(installed):
+    record = installed[0]
+    for archive, prefix in (("sdist", ""), ("wheel", "deepspeed_bnb/"), ("pip wheel", "deepspeed_bnb/")):
+        names = set(record["archives"][archive])
         missing = [source for source in SOURCES if prefix + source not in names]
         missing += [module for module in MODULES if module not in names]
-        assert not missing, f"{archive.name} lacks {missing}"
+        assert not missing, f"the {archive} lacks {missing}"
 
-    venv = folder / "venv"
-    _check(subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True,
-                          check=False))
-    python = venv / "bin" / "python"
-    site = pathlib.Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                       capture_output=True, text=True, check=True).stdout.strip())
-    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _check(subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                           str(wheel)], capture_output=True, text=True, timeout=600, check=False))
-    env = dict(without_launch_vars(), TORCH_EXTENSIONS_DIR=str(folder / "extensions"))
-    env.pop("PYTHONPATH", None)
-    return python, site, env, folder
+
+def test_the_installed_wheel_builds_its_kernels_and_trains(installed):
+    record, _, site, _, _ = installed
+    kernels, train = record["steps"]["kernels"], record["steps"]["train"]
+    assert kernels["returncode"] == 0, kernels["stdout"][-3000:] + kernels["stderr"][-3000:]
+    assert "fused kernels: jit build" in kernels["stdout"], kernels["stdout"]
+    assert kernels["stdout"].count("same bits as the reference") == 9, kernels["stdout"]  # 3 rules x 3 master modes
+    line = [row for row in train["stdout"].splitlines() if row.startswith("RESULT ")]
+    assert line, train["stdout"][-3000:] + train["stderr"][-3000:]
+    result = json.loads(line[0][len("RESULT "):])
+    assert result["package"].startswith(str(site)), result["package"]  # the install, not the checkout
+    assert "the fused kernel" in result["routes"].values(), result["routes"]
+    assert all(loss == loss for loss in result["losses"]) and result["losses"][-1] < result["losses"][0]
 
 
 def _run(command, env, cwd, timeout=1200):
@@ -103,24 +81,8 @@ def _run(command, env, cwd, timeout=1200):
                           check=False)
 
 
-def test_the_installed_wheel_builds_its_kernels_and_trains(installed):
-    python, site, env, folder = installed
-    kernels = _run([python.parent / "deepspeed-bnb", "kernels", "--device", "cpu"], env, folder)  # its own command
-    assert kernels.returncode == 0, kernels.stdout[-3000:] + kernels.stderr[-3000:]
-    assert "fused kernels: jit build" in kernels.stdout, kernels.stdout
-    assert kernels.stdout.count("same bits as the reference") == 9, kernels.stdout  # 3 rules x 3 master modes
-    rank = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    train = _run([python, "-c", TRAIN], rank, folder)
-    line = [row for row in train.stdout.splitlines() if row.startswith("RESULT ")]
-    assert line, train.stdout[-3000:] + train.stderr[-3000:]
-    result = json.loads(line[0][len("RESULT "):])
-    assert result["package"].startswith(str(site)), result["package"]  # the install, not the checkout
-    assert "the fused kernel" in result["routes"].values(), result["routes"]
-    assert all(loss == loss for loss in result["losses"]) and result["losses"][-1] < result["losses"][0]
-
-
 def test_control_an_install_without_its_sources_says_so(installed, tmp_path):
-    python, site, env, folder = installed
+    _, python, site, env, _ = installed
     bare = tmp_path / "site"
     shutil.copytree(site / "deepspeed_bnb", bare / "deepspeed_bnb")
     shutil.rmtree(bare / "deepspeed_bnb" / "csrc")
