@@ -13,6 +13,7 @@
 """
 
 import os
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from conftest import TESTS, without_launch_vars
+from support import background
 from deepspeed_bnb.ops import cpu_features, loader
 from deepspeed_bnb.ops.build_flags import CPU_FLAGS, PORTABLE_ENV, prebuilt_cpu_flags
 
@@ -33,15 +35,27 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 PREBUILT_LEVEL = "x86-64-v2" if X86 else ""  # elsewhere: this machine's CPU
 
 
-def test_prebuilt_extension_is_used(tmp_path):
+# The wheel's build (the extension compiled, about 30 s on 2 cores) runs beside the earlier tests
+# (tests/support/background.py); the timeout only ends a hang.
+PREBUILT = background.Job("prebuilt_wheel", lambda folder: [
+    sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q", "-w", folder],
+    lambda: {**os.environ, "DEEPSPEED_BNB_BUILD_EXT": "1", PORTABLE_ENV: PREBUILT_LEVEL}, timeout=1800)
+BACKGROUND_JOBS = (PREBUILT,)
+
+
+@pytest.fixture
+def prebuilt_wheel():
+    """The wheel `DEEPSPEED_BNB_BUILD_EXT=1 pip wheel .` built (for PREBUILT_LEVEL)."""
+    built = background.result(PREBUILT)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-4000:]
+    return next(pathlib.Path(built.folder).glob("deepspeed_bnb-*.whl"))
+
+
+def test_prebuilt_extension_is_used(prebuilt_wheel, tmp_path):
     """A wheel built with DEEPSPEED_BNB_BUILD_EXT=1 (`pip wheel .`), on x86 for x86-64-v2 (SSE4.2: no AVX2, no
     AVX-512, so the portable loops and KeyTable::lookup run everywhere), holds deepspeed_bnb._C; its package without
     the C++ sources (so no JIT is possible) loads it, and every rule's kernel-vs-reference test passes against it."""
-    env = {**os.environ, "DEEPSPEED_BNB_BUILD_EXT": "1", PORTABLE_ENV: PREBUILT_LEVEL}
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist")], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-4000:]
-    wheel = next((tmp_path / "dist").glob("deepspeed_bnb-*.whl"))
+    wheel = prebuilt_wheel
     assert "py3-none-any" not in wheel.name, wheel.name  # a platform wheel: it holds a compiled extension
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path / "pkg")
