@@ -4,10 +4,11 @@ On a machine with a GPU (prepare .device/ on a machine with network access first
 checkout; see DEVELOPERS.md), from the repository root:
     python3 tests/gpu/proof.py --out OUT [--parts a,b+c]
 It installs DeepSpeed and the trimmed bitsandbytes from .device/ (proof_bundle.py), runs each part below in a child
-process of its own under one deadline (default 450 s on a GPU, none in the rehearsal: the parts are ordered by
-what they prove, and one that no longer fits is reported as not run), and writes into OUT: report.md and report.json (every check with what it
-measured and its bar), proof.log (every child's output) and gpu_checkpoint.tar (part d's checkpoint, which
-tests/gpu/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under benchmarks/results/gpu/).
+process of its own under one deadline (default 450 s on a GPU, none in the rehearsal: the parts are ordered by what
+they prove, and one that no longer fits is reported as not run), and writes into OUT: report.md and report.json
+(every check with what it measured and its bar), proof.log (every child's output) and gpu_checkpoint.tar (part d's
+checkpoint, which tests/gpu/test_gpu_proof.py loads at DP 2 on CPU ranks once it is committed under
+benchmarks/results/gpu/).
 
 Here:
     .venv/bin/python tests/gpu/proof.py --prepare                    # build .device/ (needs the network; ~1 min)
@@ -43,7 +44,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import proof_common as common
 import proof_report
+from support import process_tree
 
 TIME_FORMAT = "%Y-%m-%d %H:%M UTC"
 
@@ -129,15 +130,15 @@ def child_env(pythonpath, extensions: str) -> dict:
 
 def run_child(cmd, env: dict, timeout: float, log) -> int:
     """Run `cmd` in a session of its own, its output into `log`; on timeout kill the whole session (its children,
-    ninja and nvcc included). Returns its exit code, or None when it timed out."""
+    ninja and the compilers included: tests/support/process_tree.py). Returns its exit code, or None when it timed
+    out."""
     log.flush()
     child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                              cwd=common.ROOT)
     try:
         return child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+        process_tree.kill_session(child)  # its session: ninja gives each compiler a process group of its own
         return None
 
 
@@ -188,7 +189,8 @@ def main():
     report = {"device": "CPU rehearsal (stand-ins for the GPU)" if args.dry_run else "GPU (named in part env)",
               "mode": "dry run" if args.dry_run else "GPU", "command": " ".join(sys.argv),
               "started": datetime.datetime.now(datetime.timezone.utc).strftime(TIME_FORMAT),
-              "deadline": deadline if math.isfinite(deadline) else None, "seconds": 0.0, "install": None, "builds": None, "parts": []}
+              "deadline": deadline if math.isfinite(deadline) else None, "seconds": 0.0, "install": None,
+              "builds": None, "parts": []}
     log_path = os.path.join(args.out, "proof.log")
     bundle, pythonpath, extensions = args.bundle, [], None
     with open(log_path, "a") as log:

@@ -9,7 +9,6 @@ torch's lock behind, and torch's own lock would not let anyone in (FileBaton ref
 
 import glob
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, without_launch_vars
+from support import process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +43,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
             time.sleep(0.2)
             waited += 0.2
     finally:
-        os.killpg(child.pid, signal.SIGKILL)  # the child and its ninja and compilers
-        child.wait()
+        process_tree.kill_session(child)  # the child and its ninja and compilers
     stale = _torch_locks(folder)
     assert stale, "control: the killed build left torch's lock behind"
     # Without the suite's guard on JIT locks (tests/support/jit_guard.py): what a user's process has is the loader

@@ -7,20 +7,21 @@ run, and its fixture then waits for it. One job at a time, so the suite never as
 beyond what its foreground test uses. A job nobody started early (its module run alone, `-k`) starts when its fixture
 asks for it; nothing starts for `--collect-only`.
 
-A test module declares its jobs as `BACKGROUND_JOBS = (Job(...), ...)`; a job starts early when a collected test
-uses the fixture of its name. Each job gets a folder of its own (removed at the session's end), its environment is
-read when it is queued (in the main thread: a test's monkeypatched environment never leaks into it), and its timeout
-only guards against a hang (it kills the job's whole process group): a busy machine makes it slower, never failed.
+A test module declares its jobs as `BACKGROUND_JOBS = (Job(...), ...)`; a job starts early when a collected test uses
+the fixture of its name. Each job gets a folder of its own (removed at the session's end), its environment is read
+when it is queued (in the main thread: a test's monkeypatched environment never leaks into it), and its timeout only
+guards against a hang (it kills the job's whole session: support/process_tree.py): a busy machine makes it slower,
+never failed.
 """
 
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
+
+from support import process_tree
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,14 @@ class _Queue:
                     return
                 entry = self._entries[self._pending.pop(0)]
                 child = subprocess.Popen(entry.argv, env=entry.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, start_new_session=True)  # its own group: killed whole
+                                         text=True, start_new_session=True)  # its own session: killed whole
                 self._running = child
             began = time.monotonic()
             try:
                 out, err = child.communicate(timeout=entry.job.timeout)
                 code = child.returncode
             except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+                process_tree.kill_session(child)
                 out, err = child.communicate()
                 code = None
             with self._lock:
@@ -105,8 +106,9 @@ class _Queue:
         with self._lock:
             self._stopped = True
             self._pending.clear()
-            if self._running is not None and self._running.poll() is None:
-                os.killpg(self._running.pid, signal.SIGKILL)
+            running = self._running
+        if running is not None:
+            process_tree.kill_session(running)
         if self._thread is not None:
             self._thread.join(timeout=60)
         for entry in self._entries.values():
