@@ -9,7 +9,8 @@ every other process that wants the same extension waits until the file is gone: 
 `patch()` changes FileBaton for this process:
 - try_acquire: a lock held open by no process (its builder is dead: a live one holds its descriptor from the file's
   creation until just before its removal), on two looks WAIT_POLL apart, is removed with a warning naming it and its
-  age, and this process takes the build over;
+  age, what the dead build left running in its folder (compilers ninja started) is killed, and this process takes
+  the build over;
 - wait: at most `limit` seconds, then a JitLockTimeout naming the lock, its age and its holders; a builder that dies
   while this process waits ends the wait with a JitBuilderDied (torch would otherwise import a library that was never
   built), and the next process that loads the extension builds it.
@@ -23,6 +24,7 @@ effect when a process imports torch's FileBaton, and imports nothing before.
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 import warnings
@@ -82,17 +84,52 @@ def dead(lock: str, poll: float = WAIT_POLL) -> bool:
     return True
 
 
+def working_in(folder: str):
+    """Processes other than this one whose working folder is `folder` (a set of pids)."""
+    target = os.path.realpath(folder)
+    found = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+    except OSError:
+        return found  # no /proc: nothing can be named
+    for pid in pids:
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == target:
+                found.add(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _kill_leftovers(lock: str) -> str:
+    """Kill what a dead build left running in its folder; a clause naming them for the warning ("" if none).
+
+    torch runs ninja in the build folder, and ninja gives each compiler a process group of its own: a builder killed
+    by its process group (a timeout, a launcher stopping its ranks) dies with ninja, while its compilers keep running
+    in that folder and write their objects after the next build has started on the same files. Once the lock is dead,
+    whatever works in the folder is such a leftover (a live build would hold the lock open)."""
+    left = working_in(os.path.dirname(lock))
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return f"; killed what it left running there (pids {sorted(left)})" if left else ""
+
+
 def take_over(lock: str, poll: float = WAIT_POLL) -> bool:
-    """Remove `lock` if its builder is dead (with a warning naming it); whether it was removed."""
+    """Remove `lock` if its builder is dead (with a warning naming it, and killing what that build left running in
+    its folder); whether it was removed."""
     if not dead(lock, poll):
         return False
     age = _age(lock)
+    killed = _kill_leftovers(lock)
     try:
         os.remove(lock)
     except FileNotFoundError:
         return False
     warnings.warn(f"removed {lock}, a JIT build lock {age:.0f} s old that no process holds open: its builder died "
-                  f"(killed mid-build); building again", RuntimeWarning, stacklevel=3)
+                  f"(killed mid-build){killed}; building again", RuntimeWarning, stacklevel=3)
     return True
 
 
@@ -104,13 +141,14 @@ def wait(lock: str, poll: float = WAIT_POLL, limit: float = DEFAULT_LIMIT) -> No
         time.sleep(poll)
         if dead(lock, poll):
             age = _age(lock)
+            killed = _kill_leftovers(lock)
             try:
                 os.remove(lock)
             except FileNotFoundError:
                 pass
             raise JitBuilderDied(f"the process building the extension of {lock} died while this one waited for it "
-                                 f"(the lock was {age:.0f} s old; removed now): the extension was not built. Load it "
-                                 f"again: the next load builds it.")
+                                 f"(the lock was {age:.0f} s old; removed now{killed}): the extension was not built. "
+                                 f"Load it again: the next load builds it.")
         if time.monotonic() - start > limit:
             held = holders(lock)
             raise JitLockTimeout(f"waited {limit:.0f} s on the JIT build lock {lock} (created {_age(lock):.0f} s "

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -63,6 +64,30 @@ def test_a_lock_no_process_holds_is_taken_over_with_a_warning(tmp_path):
     assert jit_guard.holders(str(lock)) == {os.getpid()}
     baton.release()
     assert not lock.exists()
+
+
+def test_taking_over_kills_what_the_dead_build_left_running_in_its_folder(tmp_path):
+    """A compiler its dead builder's ninja started (a process working in the build folder) is killed with the take
+    over; control: a process working elsewhere is left alone."""
+    from torch.utils.file_baton import FileBaton
+    folder, elsewhere = tmp_path / "build", tmp_path / "other"
+    folder.mkdir(), elsewhere.mkdir()
+    lock = folder / "lock"
+    os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    leftover = subprocess.Popen(["sleep", "300"], cwd=folder)
+    bystander = subprocess.Popen(["sleep", "300"], cwd=elsewhere)
+    try:
+        while jit_guard.working_in(str(folder)) != {leftover.pid}:  # until it has started (a busy machine)
+            assert leftover.poll() is None
+            time.sleep(0.05)
+        with pytest.warns(RuntimeWarning, match=rf"killed what it left running there \(pids \[{leftover.pid}\]\)"):
+            assert FileBaton(str(lock)).try_acquire()
+        assert leftover.wait(timeout=60) == -9
+        assert bystander.poll() is None  # control
+    finally:
+        for child in (leftover, bystander):
+            child.kill()
+            child.wait()
 
 
 def test_a_builder_that_dies_during_the_wait_ends_it(tmp_path):
