@@ -13,12 +13,14 @@ every other process that wants the same extension waits until the file is gone: 
   the build over;
 - wait: at most `limit` seconds, then a JitLockTimeout naming the lock, its age and its holders; a builder that dies
   while this process waits ends the wait with a JitBuilderDied (torch would otherwise import a library that was never
-  built), and the next process that loads the extension builds it.
+  built);
+- `patch_compile`: torch's `_jit_compile` then tries again, finds no lock and builds the extension in this process
+  (a test waiting on a build the GPU proof's rehearsal was killed in now builds instead of failing).
 Whether a process holds the file open is read from /proc/<pid>/fd (Linux); where that cannot be read for every
 process, no lock counts as dead and only the bound applies.
 The suite installs it in its own process (tests/conftest.py) and, through tests/support/site/sitecustomize.py on the
 PYTHONPATH it hands on, in every child it starts (ranks, launchers, the GPU proof and its rehearsal); it takes
-effect when a process imports torch's FileBaton, and imports nothing before.
+effect when a process imports torch's cpp_extension (or FileBaton), and imports nothing before.
 """
 
 import importlib.abc
@@ -32,6 +34,7 @@ import warnings
 LIMIT_ENV = "DEEPSPEED_BNB_TEST_JIT_WAIT"  # seconds a wait may last (the children read it)
 DEFAULT_LIMIT = 900.0  # a build of DeepSpeed's async_io on two busy cores takes minutes; no wait takes longer
 WAIT_POLL = 0.5  # seconds between looks at the lock
+BUILD_TRIES = 3  # loads of one extension in a process: the first, and after each builder that died while it waited
 
 
 class JitLockTimeout(RuntimeError):
@@ -148,7 +151,7 @@ def wait(lock: str, poll: float = WAIT_POLL, limit: float = DEFAULT_LIMIT) -> No
                 pass
             raise JitBuilderDied(f"the process building the extension of {lock} died while this one waited for it "
                                  f"(the lock was {age:.0f} s old; removed now{killed}): the extension was not built. "
-                                 f"Load it again: the next load builds it.")
+                                 f"Load it again: the next load builds it.")  # patch_compile does
         if time.monotonic() - start > limit:
             held = holders(lock)
             raise JitLockTimeout(f"waited {limit:.0f} s on the JIT build lock {lock} (created {_age(lock):.0f} s "
@@ -177,30 +180,74 @@ def patch(file_baton, limit: float = None) -> None:
     baton.wait = bounded
 
 
+def patch_compile(cpp_extension) -> None:
+    """torch.utils.cpp_extension's `_jit_compile` (behind `load` and `load_inline`, DeepSpeed's builders and this
+    project's loader) builds the extension itself when the build it waited for died: torch would only import a
+    library that was never built, so the wait raises JitBuilderDied, and a second try then finds no lock and builds.
+    Once."""
+    compile_ = cpp_extension._jit_compile
+    if getattr(compile_, "_retrying", False):
+        return
+
+    def retrying(*args, **kwargs):
+        for attempt in range(BUILD_TRIES):
+            try:
+                return compile_(*args, **kwargs)
+            except JitBuilderDied as exc:
+                if attempt == BUILD_TRIES - 1:
+                    raise
+                warnings.warn(f"{exc} Building it in this process.", RuntimeWarning, stacklevel=2)
+    retrying._retrying = True
+    cpp_extension._jit_compile = retrying
+
+
+PATCHES = {"torch.utils.file_baton": patch, "torch.utils.cpp_extension": patch_compile}  # module -> its patch
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches torch.utils.file_baton right after this process imports it (nothing is imported before then: a
+    """Patches each module of PATCHES right after this process imports it (nothing is imported before then: a
     child's own imports, and what they cost, stay its own)."""
 
+    def __init__(self):
+        self.waiting = dict(PATCHES)
+
     def find_spec(self, name, path, target=None):
-        if name != "torch.utils.file_baton":
+        apply = self.waiting.pop(name, None)
+        if apply is None:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        if not self.waiting:
+            sys.meta_path.remove(self)
+        spec = _find_without(self, name)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            patch(module)
+            apply(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
+def _find_without(finder, name):
+    """The spec the other finders give `name` (this one stepped aside meanwhile)."""
+    present = finder in sys.meta_path
+    if present:
+        sys.meta_path.remove(finder)
+    try:
+        return importlib.util.find_spec(name)
+    finally:
+        if present:
+            sys.meta_path.insert(0, finder)
+
+
 def install() -> None:
-    """`patch` torch's FileBaton in this process: now if torch has imported it, else when it does."""
-    module = sys.modules.get("torch.utils.file_baton")
-    if module is not None:
-        patch(module)
-    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    """Apply PATCHES in this process: now to the modules torch has imported, to the others when it does."""
+    pending = {name: apply for name, apply in PATCHES.items() if name not in sys.modules}
+    for name, apply in PATCHES.items():
+        if name in sys.modules:
+            apply(sys.modules[name])
+    if pending and not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        finder = _PatchOnImport()
+        finder.waiting = pending
+        sys.meta_path.insert(0, finder)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -101,18 +102,44 @@ def test_a_builder_that_dies_during_the_wait_ends_it(tmp_path):
     assert not lock.exists()
 
 
+def test_a_load_whose_builder_died_builds_in_this_process():
+    """torch's `_jit_compile` patched: a first try whose wait ended with a JitBuilderDied is followed by a second,
+    which builds (here: returns), with a warning; control: unpatched, the error reaches the caller."""
+    died = jit_guard.JitBuilderDied("the process building the extension of x/lock died")
+
+    def module():
+        calls = []
+
+        def _jit_compile(name):
+            calls.append(name)
+            if len(calls) == 1:
+                raise died
+            return f"built {name}"
+        return types.SimpleNamespace(_jit_compile=_jit_compile, calls=calls)
+    patched = module()
+    jit_guard.patch_compile(patched)
+    with pytest.warns(RuntimeWarning, match=r"died Building it in this process"):
+        assert patched._jit_compile("op") == "built op"
+    assert patched.calls == ["op", "op"]
+    with pytest.raises(jit_guard.JitBuilderDied):  # control
+        module()._jit_compile("op")
+
+
 def test_the_suite_and_its_children_have_the_guard():
+    import torch.utils.cpp_extension
     from torch.utils.file_baton import FileBaton
     assert getattr(FileBaton.wait, "_bounded", False)  # this process (tests/conftest.py)
+    assert getattr(torch.utils.cpp_extension._jit_compile, "_retrying", False)
     assert GUARD_SITE in os.environ["PYTHONPATH"].split(os.pathsep)
-    probe = "import sys, torch.utils.file_baton as f; print(getattr(f.FileBaton.wait, '_bounded', False))"
+    probe = ("import sys, torch.utils.cpp_extension as c, torch.utils.file_baton as f; "
+             "print(getattr(f.FileBaton.wait, '_bounded', False), getattr(c._jit_compile, '_retrying', False))")
     child = subprocess.run([sys.executable, "-c", probe], env=without_launch_vars(), capture_output=True, text=True,
                            check=True)
-    assert child.stdout.strip() == "True"
-    # control: a child without the folder on its path keeps torch's own wait
+    assert child.stdout.strip() == "True True"
+    # control: a child without the folder on its path keeps torch's own wait and build
     bare = {k: v for k, v in without_launch_vars().items() if k != "PYTHONPATH"}
     child = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, check=True)
-    assert child.stdout.strip() == "False"
+    assert child.stdout.strip() == "False False"
 
 
 LOAD_SHM = ("from deepspeed.accelerator import get_accelerator; "
