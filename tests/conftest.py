@@ -65,10 +65,23 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_finish(session):
-    """Start the fresh-process jobs the collected tests will read (tests/support/background.py) beside them."""
-    if not session.config.option.collectonly:
-        from support import background
-        background.start_for(session.items)
+    """Before any test: where tests that launch ranks or start fresh processes were collected, every JIT build they
+    load (tests/support/prebuild.py, no deadline); then start the fresh-process jobs the collected tests will read
+    (tests/support/background.py) beside them."""
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("multi_rank") or item.get_closest_marker("slow") for item in session.items):
+        from support import prebuild
+        report = session.config.pluginmanager.get_plugin("terminalreporter")
+        if report is not None:
+            report.write_line("building (or finding built) the JIT ops the suite's launches load ...")
+        done = prebuild.build(prebuild.SUITE_OPS, without_launch_vars())
+        if report is not None:
+            for line in done.stdout.splitlines():
+                if line.startswith(("deepspeed_bnb kernels:", *prebuild.SUITE_OPS)) or "killed after" in line:
+                    report.write_line("  " + line)
+    from support import background
+    background.start_for(session.items)
 
 
 def pytest_sessionfinish(session):

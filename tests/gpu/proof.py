@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import proof_common as common
 import proof_report
-from support import process_tree
+from support import prebuild, process_tree
 
 TIME_FORMAT = "%Y-%m-%d %H:%M UTC"
 
@@ -89,19 +89,6 @@ PART_OPS = {"cpu": {"a": ("ShareMemCommBuilder",), "b+c": ("ShareMemCommBuilder"
                     "h": ("AsyncIOBuilder",)},
             "cuda": {"f": ("FusedAdamBuilder",), "f3": ("CPUAdamBuilder",), "m": ("FusedAdamBuilder",),
                      "o": ("CPUAdamBuilder",)}}  # a GPU's async_io builds in part h, against the bundle's libaio
-BUILD = """import sys, time
-from deepspeed_bnb.ops import loader
-t = time.monotonic(); loader.load(); print("deepspeed_bnb kernels:", loader.source() or loader.error(),
-                                             f"{time.monotonic() - t:.0f} s", flush=True)
-from deepspeed.accelerator import get_accelerator
-for name in sys.argv[1:]:
-    t = time.monotonic()
-    try:
-        get_accelerator().create_op_builder(name).load()
-        print(name + ":", "built", f"{time.monotonic() - t:.0f} s", flush=True)
-    except Exception as exc:  # the part that needs it reports it
-        print(name + ":", "failed:", type(exc).__name__, str(exc)[:200], flush=True)
-"""
 
 
 def cuda_home():
@@ -225,7 +212,7 @@ def main():
         print(f"--- up-front builds: deepspeed_bnb's kernels, {', '.join(ops) or 'no DeepSpeed op'}", file=log,
               flush=True)
         began = time.monotonic()
-        code = run_child([sys.executable, "-c", BUILD, *ops], build_env,
+        code = run_child([sys.executable, "-c", prebuild.BUILD, *ops], build_env,
                          min(BUILD_BUDGET, deadline - RESERVE), log)
         report["builds"] = {"ops": ["deepspeed_bnb kernels", *ops], "seconds": round(time.monotonic() - began, 1),
                             "exit": "timed out" if code is None else code}

@@ -1,0 +1,47 @@
+"""Every JIT build the suite's launches and background jobs load, done once, before anything with a deadline starts.
+
+Why: DeepSpeed's async_io takes minutes to build on two busy cores. Built inside a launch (its 900 s timeout) or a
+part of the GPU proof's rehearsal (its budget), the build is killed with them at their deadline and starts again in
+the next one: on a machine running a second suite the same build was started and killed in turn by the rehearsal and
+by the NVMe launches, and 29 NVMe tests errored. Built here first, with no deadline but the JIT guard's bounded
+waits, every later load only finds it built (a load of a built op takes a second).
+
+BUILD is the script (deepspeed_bnb's kernels, then the named DeepSpeed op builders, each one's outcome printed, none
+raising: whoever needs an op that failed reports it); the GPU proof runs it for its parts too (tests/gpu/proof.py).
+"""
+
+import subprocess
+import sys
+from typing import Sequence
+
+# DeepSpeed's CPU ops the suite's ranks and jobs load: the CPU comm op (every launch), CPU Adam (offload), fused Adam
+# (DeepSpeed's Adam in the benchmarks and the proof), async_io (NVMe offload; it reports itself where libaio is missing)
+SUITE_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder")
+BUILD = """import sys, time
+from deepspeed_bnb.ops import loader
+t = time.monotonic(); loader.load(); print("deepspeed_bnb kernels:", loader.source() or loader.error(),
+                                             f"{time.monotonic() - t:.0f} s", flush=True)
+from deepspeed.accelerator import get_accelerator
+for name in sys.argv[1:]:
+    t = time.monotonic()
+    try:
+        get_accelerator().create_op_builder(name).load()
+        print(name + ":", "built", f"{time.monotonic() - t:.0f} s", flush=True)
+    except Exception as exc:  # the part or test that needs it reports it
+        print(name + ":", "failed:", type(exc).__name__, str(exc)[:200], flush=True)
+"""
+HANG_GUARD = 3600  # seconds: a first build of every op on two busy cores takes minutes; only a hang takes this long
+
+
+def build(ops: Sequence[str], env: dict) -> subprocess.CompletedProcess:
+    """Run BUILD for `ops` in a fresh process (its output captured); killed, with all it started, only at HANG_GUARD."""
+    from support import process_tree
+    child = subprocess.Popen([sys.executable, "-c", BUILD, *ops], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = child.communicate(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        process_tree.kill_session(child)
+        out, _ = child.communicate()
+        out += f"\nkilled after {HANG_GUARD} s"
+    return subprocess.CompletedProcess(child.args, child.returncode, out, "")
