@@ -124,13 +124,7 @@ def run_child(cmd, env: dict, timeout: float, log) -> int:
     ninja and the compilers included: tests/support/process_tree.py). Returns its exit code, or None when it timed
     out."""
     log.flush()
-    child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=common.ROOT)
-    try:
-        return child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process_tree.kill_session(child)  # its session: ninja gives each compiler a process group of its own
-        return None
+    return process_tree.run(cmd, timeout, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
 
 
 def part_result(part: Part, path: str, code, seconds: float, log_path: str) -> dict:

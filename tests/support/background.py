@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -29,7 +30,7 @@ class Job:
     name: str  # the fixture that reads its result (a test using that fixture starts the job early)
     command: Callable[[str], List[str]]  # the argv, given the job's own folder
     env: Callable[[], dict]  # its environment, read when it is queued
-    timeout: float  # seconds before its process group is killed: a hang guard, not a bar
+    timeout: float  # seconds before its whole session is killed: a hang guard, not a bar
 
 
 @dataclass
@@ -79,7 +80,6 @@ class _Queue:
         return entry.done
 
     def _work(self) -> None:
-        import time
         while True:
             with self._lock:
                 if not self._pending or self._stopped:

@@ -49,9 +49,8 @@ def holders(path: str):
     """Processes that hold `path` open (a set of pids), or None when some process's descriptors cannot be read."""
     target = os.path.realpath(path)
     found = set()
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
+    pids = _pids()
+    if pids is None:
         return None
     for pid in pids:
         try:
@@ -87,17 +86,21 @@ def dead(lock: str, poll: float = WAIT_POLL) -> bool:
     return True
 
 
+def _pids():
+    """Every process's pid as /proc names it, or None where /proc cannot be listed."""
+    try:
+        return [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+
+
 def working_in(folder: str):
-    """Processes other than this one whose working folder is `folder` (a set of pids)."""
+    """Processes other than this one whose working folder is `folder` (a set of pids; empty without /proc)."""
     target = os.path.realpath(folder)
     found = set()
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
-    except OSError:
-        return found  # no /proc: nothing can be named
-    for pid in pids:
+    for pid in _pids() or ():
         try:
-            if os.readlink(f"/proc/{pid}/cwd") == target:
+            if int(pid) != os.getpid() and os.readlink(f"/proc/{pid}/cwd") == target:
                 found.add(int(pid))
         except OSError:
             continue
@@ -208,8 +211,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches each module of PATCHES right after this process imports it (nothing is imported before then: a
     child's own imports, and what they cost, stay its own)."""
 
-    def __init__(self):
-        self.waiting = dict(PATCHES)
+    def __init__(self, waiting: dict):
+        self.waiting = dict(waiting)  # module name -> its patch, for the modules not imported yet
 
     def find_spec(self, name, path, target=None):
         apply = self.waiting.pop(name, None)
@@ -248,6 +251,4 @@ def install() -> None:
         if name in sys.modules:
             apply(sys.modules[name])
     if pending and not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        finder = _PatchOnImport()
-        finder.waiting = pending
-        sys.meta_path.insert(0, finder)
+        sys.meta_path.insert(0, _PatchOnImport(pending))

@@ -34,14 +34,11 @@ HANG_GUARD = 3600  # seconds: a first build of every op on two busy cores takes 
 
 
 def build(ops: Sequence[str], env: dict) -> subprocess.CompletedProcess:
-    """Run BUILD for `ops` in a fresh process (its output captured); killed, with all it started, only at HANG_GUARD."""
+    """Run BUILD for `ops` in a fresh process (its output captured); killed, with all it started, only at HANG_GUARD
+    (returncode None, and a last line saying so)."""
     from support import process_tree
-    child = subprocess.Popen([sys.executable, "-c", BUILD, *ops], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = child.communicate(timeout=HANG_GUARD)
-    except subprocess.TimeoutExpired:
-        process_tree.kill_session(child)
-        out, _ = child.communicate()
-        out += f"\nkilled after {HANG_GUARD} s"
-    return subprocess.CompletedProcess(child.args, child.returncode, out, "")
+    done = process_tree.run([sys.executable, "-c", BUILD, *ops], HANG_GUARD, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if done.returncode is None:
+        done.stdout += f"\nkilled after {HANG_GUARD} s"
+    return done

@@ -52,3 +52,16 @@ def kill_session(child: subprocess.Popen) -> None:
             pass
         child.poll()
     child.wait()
+
+
+def run(cmd, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """Run `cmd` in a session of its own (Popen keywords `popen`: env, cwd, stdout, ...); past `timeout` seconds kill
+    that session whole (kill_session). Its returncode is None when it was killed; stdout as Popen's pipes give it."""
+    child = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        out, err = child.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, child.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        kill_session(child)
+        out, err = child.communicate()
+        return subprocess.CompletedProcess(cmd, None, out, err)

@@ -47,3 +47,13 @@ def test_control_killing_the_process_group_leaves_the_grandchildren():
     finally:
         for pid in left:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_run_past_its_timeout_kills_the_session_and_says_so():
+    """process_tree.run: a command still running at its timeout comes back with returncode None, its grandchildren
+    killed too (their output pipe closes: without that, reading it would wait for them); control: one that finishes
+    gives its exit code and output."""
+    done = process_tree.run(CHILD, 1, stdout=subprocess.PIPE, text=True)
+    assert done.returncode is None
+    finished = process_tree.run(["bash", "-c", "echo ran; exit 3"], 600, stdout=subprocess.PIPE, text=True)
+    assert (finished.returncode, finished.stdout) == (3, "ran\n")
