@@ -28,6 +28,8 @@ rendered as the table in tools/compat_matrix.md, with a failure excerpt per fail
   tools/compat_matrix.sh --only deepspeed==master --deepspeed-master ~/src/DeepSpeed  # DeepSpeed's head, from a
                                                                    # checkout (default: a clone from GitHub)
   tools/compat_matrix.sh --resume                                  # skip cells already in the results
+  tools/compat_matrix.sh --resume --since 8ff8373                  # ... tested at that commit or a later one (a
+                                                                   # whole rerun, interrupted, goes on where it was)
   tools/compat_matrix.sh --list                                    # the selected cells, without running them
 """
 
@@ -536,6 +538,22 @@ def key(cell: dict) -> tuple:
     return cell["deepspeed"], cell["bitsandbytes"], cell.get("torch", TORCH), cell.get("python", PYTHON)
 
 
+def tested_since(cell: dict, since: str) -> bool:
+    """Whether the cell's result counts as current for --resume: any result without --since; with it, a result recorded
+    at that commit or a descendant (a dirty tree's result never counts: what it tested is not in history)."""
+    if not since:
+        return True
+    commit = cell.get("commit", "")
+    if not commit or commit.endswith("-dirty"):
+        return False
+    known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{since}^{{commit}}"], capture_output=True,
+                           cwd=REPO)
+    if known.returncode != 0:
+        sys.exit(f"compat_matrix: --since {since}: not a commit of this repository (use one from `git log`)")
+    return subprocess.run(["git", "merge-base", "--is-ancestor", since, commit], capture_output=True,
+                          cwd=REPO).returncode == 0
+
+
 def load_results() -> tuple:
     """(cell key -> its result, the disk footprint last measured)."""
     if not os.path.exists(RESULTS_JSON):
@@ -658,6 +676,8 @@ def main():
     parser.add_argument("--only", action="append", default=[], metavar="REQS",
                         help="run only the cells matching all of these pkg==version terms (repeatable: any of them)")
     parser.add_argument("--resume", action="store_true", help="skip cells already in tools/compat_matrix.json")
+    parser.add_argument("--since", default="", metavar="COMMIT", help="with --resume: count as done only the cells "
+                        "tested at COMMIT or at a commit that contains it")
     parser.add_argument("--list", action="store_true", help="print the selected cells and exit")
     parser.add_argument("--render", action="store_true", help="only rewrite tools/compat_matrix.md from the json")
     parser.add_argument("--python", default=None, help=f"interpreter the Python {PYTHON} venvs are made from (default: "
@@ -675,8 +695,10 @@ def main():
         write_atomically(RESULTS_MD, render(results, disk))
         return
     cells = select(default_cells(sys.executable), args.only)
+    if args.since and not args.resume:
+        parser.error("--since COMMIT only narrows --resume: add --resume")
     if args.resume:
-        cells = [c for c in cells if c not in results]
+        cells = [c for c in cells if c not in results or not tested_since(results[c], args.since)]
     if args.list:
         print("\n".join(" ".join(f"{axis}=={value}" for axis, value in zip(AXES, cell)) for cell in cells))
         return
