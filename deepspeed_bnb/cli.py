@@ -27,7 +27,7 @@ def _migrate(args):
 def _export(args):
     from deepspeed_bnb.checkpoint.tools.export import export
     for kind, path in export(args.checkpoint, args.out, args.optimizer_state, progress=not args.quiet,
-                             universal=args.universal).items():
+                             universal=args.universal, stock=args.stock).items():
         print(f"{kind:>12}: {path}")
 
 
@@ -144,8 +144,12 @@ def parser() -> argparse.ArgumentParser:
                                                  "optimizer.json (hyper-parameters)")
     commands.choices["export"].add_argument("--universal", action="store_true",
                                             help="write a DeepSpeed universal checkpoint instead (OUT/<tag>/zero/..., "
-                                                 "OUT/latest_universal): fp32 weights and torch AdamW state "
-                                                 "(exp_avg, exp_avg_sq, step) that a stock engine loads with "
+                                                 "OUT/latest_universal): fp32 weights and every parameter's bnb "
+                                                 "state as it is (8-bit codes, block scales, the maps once), for "
+                                                 "an engine of deepspeed_bnb at any layout")
+    commands.choices["export"].add_argument("--stock", action="store_true",
+                                            help="with --universal: torch AdamW's fp32 state (exp_avg, exp_avg_sq, "
+                                                 "step) instead, which a stock engine loads with "
                                                  '"checkpoint": {"load_universal": true}')
     kernels = commands.add_parser("kernels", help="check the compiled fused kernels against their reference here "
                                                   "(the first-use check the optimizer runs); exit 1 if one fails",

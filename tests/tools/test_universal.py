@@ -1,12 +1,12 @@
 """DeepSpeed universal checkpoints, both ways, against DeepSpeed's own converter and loader.
 
-- Out: `deepspeed-bnb export --universal` of an AdamW8bit checkpoint loads, through DeepSpeed's `load_universal`
+- Out: `deepspeed-bnb export --universal --stock` of an AdamW8bit checkpoint loads, through DeepSpeed's `load_universal`
   path, into a stock engine with torch.optim.AdamW at ZeRO stage 1, 2 and 3: every parameter's fp32 weights equal
   the saved master weights and exp_avg / exp_avg_sq equal bitsandbytes' own dequantization of the saved state, bit
   for bit; step and hyper-parameters come from the checkpoint; the engine trains on.
 - In: a stock torch.optim.AdamW run, converted by DeepSpeed's ds_to_universal, then `convert --to 8bit`: an
   AdamW8bit engine loads it with the weights exact and every moment within half a quantization step of torch's
-  (reported). Round trip 8-bit -> universal -> 8-bit: every moment within half a quantization step, weights exact.
+  (reported). Round trip 8-bit -> stock universal -> 8-bit: every moment within half a quantization step, weights exact.
 - Control: DeepSpeed's ds_to_universal on a deepspeed_bnb checkpoint fails (it cannot read bnb state).
 """
 
@@ -61,7 +61,7 @@ def saved(one_rank, tmp_path_factory):
 def test_export_universal_loads_into_stock_adamw(saved, tmp_path, stage):
     folder, states, masters, original = saved
     out = str(tmp_path / "universal")
-    assert main(["export", folder, out, "--universal", "--quiet"]) == 0
+    assert main(["export", folder, out, "--universal", "--stock", "--quiet"]) == 0
     engine = torch_adamw_engine(stage, universal=True)
     engine.load_checkpoint(out)
     for name, param in engine.module.named_parameters():
@@ -132,7 +132,7 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
 @pytest.mark.parametrize("dp, stage", [(None, None), (3, 3)])  # the files of one rank, or of 3 ZeRO-3 ranks
 def test_round_trip_through_universal_is_within_half_a_step(saved, tmp_path, dp, stage):
     folder, states, masters, original = saved
-    export(folder, str(tmp_path / "universal"), universal=True, progress=False)
+    export(folder, str(tmp_path / "universal"), universal=True, stock=True, progress=False)
     convert(str(tmp_path / "universal"), str(tmp_path / "back"), "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False,
             dp=dp, stage=stage)
     written = [n for n in os.listdir(tmp_path / "back" / "t") if "optim_states" in n]

@@ -17,6 +17,7 @@ from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, tag_files, verify
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
+from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, SavedPart, check_record, check_saved_records, \
     empty_group_record, is_record, saved_master, saved_master_mode, saved_parts
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
@@ -260,8 +261,8 @@ class SavedCheckpoint:
                 saved[g] = {name: shape for part in parts for name, shape in zip(part.names, shapes)}
         return saved
 
-    def param_states(self, g: int) -> List[dict]:
-        """bnb-style state of every parameter of group g, part by part (see param_state.gather_param_states)."""
+    def param_states(self, g: int) -> List[ParamState]:
+        """The state of every parameter of group g, part by part (see param_state.gather_param_states)."""
         whole = {k: v for k, v in self.groups[g][C.STATE_KEY].items()
                  if self.key_classes(g).get(k) == StateClass.WHOLE}
         out = []

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
+from deepspeed_bnb.checkpoint.format.param_state import held_keys, scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
@@ -203,7 +203,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
                                       f"stock ZeRO-1/2 engine of the same DP size and save again, or train on from "
                                       f"its weights (load_optimizer_states=False).")
     shapes = ckpt.param_shapes()
-    report = {"params": 0, "8bit": 0, "fp32": 0, "worst_step_ratio": 0.0, "worst_abs_error": 0.0}
+    report = {"params": 0, "8bit": 0, "fp32": 0, "kept": 0, "worst_step_ratio": 0.0, "worst_abs_error": 0.0}
 
     plans = []  # per group: eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
     for g, group_shapes in enumerate(shapes):
@@ -234,8 +234,18 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
         key_classes, templates = target_keys(adapter, group, eight_bit)
         per_param = []
         qmaps = {name: templates[name] for name in ("qmap1", "qmap2") if name in templates}
-        for (rows, step), is8, numel in tqdm(list(zip(moments, eight_bit, (s.numel() for s in group_shapes.values()))),
-                                             desc=f"group {g}", disable=not progress):
+        # an 8-bit universal source of the same update rule: each parameter's state as saved, where the target holds
+        # it at the same precision with the same maps (bit for bit; anything else goes through its moments)
+        saved = ckpt.param_states(g) if universal and ckpt.optimizer_name == rule else [None] * len(eight_bit)
+        for (rows, step), is8, numel, state in tqdm(
+                list(zip(moments, eight_bit, (s.numel() for s in group_shapes.values()), saved)),
+                desc=f"group {g}", disable=not progress):
+            if state is not None and state.eight_bit == is8 and set(state) == held_keys(key_classes, is8) and all(
+                    torch.equal(state[name], qmap) for name, qmap in qmaps.items() if name in state):
+                per_param.append(state)
+                report.update(params=report["params"] + 1, kept=report["kept"] + 1,
+                              **{"8bit" if is8 else "fp32": report["8bit" if is8 else "fp32"] + 1})
+                continue
             state = {"step": step}
             for i, value in enumerate(rows[:2], start=1):
                 value = value.reshape(-1).float()
@@ -257,6 +267,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
 
     written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress,
                                master_mode=master_mode)
+    kept = f", {report['kept']} kept as saved, bit for bit" if report["kept"] else ""
     return (f"wrote {written}: {report['params']} parameters for {target} ({report['8bit']} with 8-bit state, "
-            f"{report['fp32']} fp32); round-trip error of the quantized moments: max {report['worst_abs_error']:.3g}"
+            f"{report['fp32']} fp32{kept}); round-trip error of the quantized moments: max {report['worst_abs_error']:.3g}"
             f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")

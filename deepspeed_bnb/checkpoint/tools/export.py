@@ -25,14 +25,16 @@ from deepspeed_bnb.optim.state_names import TORCH_NAMES
 
 
 def export(path: str, out_dir: str, optimizer_state: bool = False, progress: bool = True,
-           universal: bool = False) -> Dict[str, str]:
+           universal: bool = False, stock: bool = False) -> Dict[str, str]:
     """Write `model.safetensors` (and `optimizer.safetensors` + `optimizer.json`) into `out_dir`, or with `universal`
-    a DeepSpeed universal checkpoint (universal.py); returns paths. Every input file is checked against its SHA-256
+    a DeepSpeed universal checkpoint (universal.py: the 8-bit kind, or with `stock` torch AdamW's); returns paths. Every input file is checked against its SHA-256
     first."""
+    if stock and not universal:
+        raise ValueError("export: --stock chooses the kind of universal checkpoint; add --universal")
     ckpt = SavedCheckpoint(path, verify_checksums=True)
     if universal:
         from deepspeed_bnb.checkpoint.tools.universal import write_universal
-        return {"universal": write_universal(ckpt, out_dir, progress),
+        return {"universal": write_universal(ckpt, out_dir, progress, stock),
                 "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
     check_output(ckpt, out_dir)
     weights = consolidated_weights(ckpt)

@@ -6,11 +6,17 @@ true}` reads it) keeps every parameter whole and unpartitioned, one folder per p
 a state key) and `step.pt`; `zero/optimizer_state.pt` carries the param groups (stage 1/2 read `param_groups` and
 `ds_version`, stage 3 `optimizer_state_dict`), `latest_universal` names the tag. ds_to_universal cannot read bnb
 state (`KeyError: 'exp_avg'`: it expects torch's moment names, and bnb's 8-bit codes are not element-wise values
-anyway). Here:
-- `write_universal`: each parameter's bnb state dequantized to fp32 under torch's Adam names (exp_avg, exp_avg_sq),
-  its fp32 master weights and step, so a stock engine with torch.optim.AdamW loads it with DeepSpeed's own loader at
-  any DP size, stage and tensor-parallel layout DeepSpeed supports. Only plain tensors and builtins are written.
-- `UniversalCheckpoint`: a universal folder (ours or ds_to_universal's) as a source for `convert --to 8bit`.
+anyway). Here, two kinds:
+- 8-bit (the default): each parameter's state as bnb holds it, whole (8-bit codes, block scales, step; 32-bit state
+  for bnb's small parameters), in `<parameter>/bnb/state.pt` (a ParamState record), the quantization maps once in
+  `zero/optimizer_state.pt`, beside DeepSpeed's `fp32.pt`. Any bnb optimizer's state names, a quarter of the bytes of
+  fp32 moments. The state lives in a sub-folder because DeepSpeed's loader takes every `*.pt` file of the parameter
+  folder as a torch state key; and `optimizer_state.pt` has no `param_groups`, so a stock engine stops there instead
+  of loading the weights with fresh moments.
+- stock (`stock=True`): each parameter's bnb state dequantized to fp32 under torch's Adam names (exp_avg,
+  exp_avg_sq), its fp32 master weights and step, so a stock engine with torch.optim.AdamW loads it with DeepSpeed's
+  own loader at any DP size, stage and tensor-parallel layout DeepSpeed supports.
+Only plain tensors and builtins are written. `UniversalCheckpoint` reads either (or ds_to_universal's) as a source.
 """
 
 import os
@@ -28,9 +34,15 @@ from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
+from deepspeed_bnb.optim.param_state import ParamState
+from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, TRUST_RATIO_RULES
 
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
+BNB_DIR = "bnb"  # a parameter folder's sub-folder holding its 8-bit state (not a `*.pt` name DeepSpeed's loader takes)
+BNB_STATE = "state.pt"  # the ParamState record in it
+BNB_UNIVERSAL = "deepspeed_bnb_universal"  # optimizer_state.pt's entry of an 8-bit universal checkpoint
+BNB_UNIVERSAL_VERSION = 1  # of that entry and the per-parameter layout; goes up when an older reader would misread it
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"  # DeepSpeed's key for the whole tensor in a per-parameter file (checkpoint.constants.PARAM)
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's names for bnb's state1, state2
@@ -49,28 +61,60 @@ def _whole(value, where: str) -> torch.Tensor:
     return tensor
 
 
-def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True) -> str:
-    """Write `ckpt` (deepspeed_bnb, Adam family) as a DeepSpeed universal checkpoint in `out_dir`; returns the tag
-    directory. The moments are bnb's dequantized ones (exact for fp32 state); the weights the fp32 master weights."""
+def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True, stock: bool = False) -> str:
+    """Write `ckpt` (deepspeed_bnb) as a DeepSpeed universal checkpoint in `out_dir`; returns the tag directory.
+    8-bit by default: every parameter's bnb state as it is, for engines of deepspeed_bnb. `stock`: torch AdamW's
+    fp32 moments (an Adam-family optimizer only; bnb's dequantized ones, exact for fp32 state) for a stock engine.
+    Either way the weights are the fp32 master weights."""
     record = ckpt.record(0)
-    if record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
+    if stock and record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "
-                                      f"({ckpt.optimizer_class}); a universal export writes torch AdamW state "
-                                      f"(exp_avg, exp_avg_sq) and needs an Adam-family optimizer.")
+                                      f"({ckpt.optimizer_class}); a universal export for a stock engine writes torch "
+                                      f"AdamW state (exp_avg, exp_avg_sq) and needs an Adam-family optimizer. Leave "
+                                      f"out --stock to keep the bnb state for an engine of deepspeed_bnb.")
     ckpt.refuse_experts("deepspeed-bnb export --universal")
     check_output(ckpt, out_dir)
     tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
-        _write_universal_files(ckpt, record, staged, progress)
-        written = publish_staged(out_dir, tag, {"universal": True, "source_optimizer_class": ckpt.optimizer_class},
-                                 save_latest=False)
+        (_write_stock_files if stock else _write_8bit_files)(ckpt, record, staged, progress)
+        _write_model_states(ckpt, staged)
+        written = publish_staged(out_dir, tag, {"universal": True, "state": "fp32" if stock else "8bit",
+                                                "source_optimizer_class": ckpt.optimizer_class}, save_latest=False)
     write_json_atomic(os.path.join(out_dir, LATEST_UNIVERSAL), tag)
     return written
 
 
-def _write_universal_files(ckpt: SavedCheckpoint, record: dict, staged: str, progress: bool) -> None:
-    """The universal layout of `ckpt` in the staging tag directory `staged`: zero/<parameter>/{fp32, exp_avg,
-    exp_avg_sq, step}.pt, zero/optimizer_state.pt, and model states for the stage-1/2 and stage-3 loaders."""
+def _parameter_folder(staged: str, name: str, ckpt) -> str:
+    folder = os.path.join(staged, ZERO_DIR, safe_name(name, ckpt.tag_dir, "parameter"))
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def _write_8bit_files(ckpt: SavedCheckpoint, record: dict, staged: str, progress: bool) -> None:
+    """zero/<parameter>/{fp32.pt, bnb/state.pt} and zero/optimizer_state.pt (param groups, maps) in `staged`."""
+    whole: Dict[str, torch.Tensor] = {}  # whole keys (maps) stored once: the first parameter's, where they agree
+    groups = []
+    for g, shapes in enumerate(ckpt.param_shapes()):
+        masters, states = ckpt.master_weights(g), ckpt.param_states(g)
+        for (name, shape), master, state in tqdm(list(zip(shapes.items(), masters, states)), desc=f"group {g}",
+                                                 disable=not progress):
+            folder = _parameter_folder(staged, name, ckpt)
+            torch.save({PARAM: master.reshape(shape).clone()}, os.path.join(folder, "fp32.pt"))
+            shared = [k for k, cls in state.classes.items() if cls == StateClass.WHOLE
+                      and torch.equal(whole.setdefault(k, state[k]), state[k])]
+            os.makedirs(os.path.join(folder, BNB_DIR))
+            torch.save(state.to_record(leave_out=shared), os.path.join(folder, BNB_DIR, BNB_STATE))
+        groups.append(record[C.GROUPS_KEY][g][C.HYPERPARAMS_KEY])
+    version = ckpt.model_states.get("ds_version") or ckpt.source.blob(0).get("ds_version")
+    torch.save({"ds_version": version,
+                BNB_UNIVERSAL: {"version": BNB_UNIVERSAL_VERSION, "optimizer_class": ckpt.optimizer_class,
+                                "optimizer_name": record[C.OPTIMIZER_NAME_KEY], "param_groups": groups,
+                                "whole": whole}},
+               os.path.join(staged, ZERO_DIR, OPTIMIZER_STATE))
+
+
+def _write_stock_files(ckpt: SavedCheckpoint, record: dict, staged: str, progress: bool) -> None:
+    """zero/<parameter>/{fp32, exp_avg, exp_avg_sq, step}.pt and zero/optimizer_state.pt in `staged`."""
     groups, steps = [], []
     for g, shapes in enumerate(ckpt.param_shapes()):
         masters, states = ckpt.master_weights(g), ckpt.param_states(g)
@@ -81,8 +125,7 @@ def _write_universal_files(ckpt: SavedCheckpoint, record: dict, staged: str, pro
         step = float(group_steps.pop()) if group_steps else 0.0
         for (name, shape), master, state in tqdm(list(zip(shapes.items(), masters, states)), desc=f"group {g}",
                                                  disable=not progress):
-            folder = os.path.join(staged, ZERO_DIR, safe_name(name, ckpt.tag_dir, "parameter"))
-            os.makedirs(folder, exist_ok=True)
+            folder = _parameter_folder(staged, name, ckpt)
             torch.save({PARAM: master.reshape(shape).clone()}, os.path.join(folder, "fp32.pt"))
             for key, value in zip(MOMENTS, fp32_moments(state)):
                 torch.save({PARAM: value.reshape(shape).contiguous()}, os.path.join(folder, f"{key}.pt"))
@@ -97,6 +140,11 @@ def _write_universal_files(ckpt: SavedCheckpoint, record: dict, staged: str, pro
                 "optimizer_state_dict": {"state": {0: {"step": torch.tensor(steps[0] if steps else 0.0)}},
                                          "param_groups": groups}},
                os.path.join(staged, ZERO_DIR, OPTIMIZER_STATE))
+
+
+def _write_model_states(ckpt: SavedCheckpoint, staged: str) -> None:
+    """Model states for the stage-1/2 and stage-3 loaders (both kinds)."""
+    source = ckpt.model_states
     states = {k: source[k] for k in ("global_steps", "skipped_steps", "global_samples", "lr_scheduler",
                                      "ds_version", "param_shapes", "buffer_names", "ds_config") if k in source}
     # The universal loader restores weights from zero/, never from `module`: none are copied (a stage-3 source has
@@ -107,8 +155,9 @@ def _write_universal_files(ckpt: SavedCheckpoint, record: dict, staged: str, pro
 
 
 class UniversalCheckpoint(RanklessSource):
-    """A DeepSpeed universal checkpoint (ours or ds_to_universal's), read through the safe loader: per param group
-    the parameter names and shapes, fp32 weights, Adam moments, step and hyper-parameters."""
+    """A DeepSpeed universal checkpoint (ours of either kind, or ds_to_universal's), read through the safe loader: per
+    param group the parameter names and shapes, fp32 weights, Adam moments (or, 8-bit, each parameter's bnb state),
+    step and hyper-parameters."""
 
     def __init__(self, path: str, dp: int = 1, stage: int = 2):
         """`dp`, `stage`: what a writer (convert) lays the state out for; the universal format has neither."""
@@ -134,8 +183,52 @@ class UniversalCheckpoint(RanklessSource):
         else:
             raise CheckpointMismatchError(f"{self.tag_dir} has no model-states file ({MODEL_STATES}).")
         self.zero_stage, self.dp = stage, dp
+        self.bnb = self._bnb_entry(optimizer_path)
+
+    def _bnb_entry(self, optimizer_path: str):
+        """The 8-bit kind's entry of optimizer_state.pt, checked; None for the fp32 kinds."""
+        entry = self.optimizer_state.get(BNB_UNIVERSAL)
+        if entry is None:
+            return None
+        fields = {"version", "optimizer_class", "optimizer_name", "param_groups", "whole"}
+        if not isinstance(entry, dict) or set(entry) != fields:
+            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise CheckpointMismatchError(f"{optimizer_path}: its {BNB_UNIVERSAL} entry should hold "
+                                          f"{sorted(fields)}, not {got}")
+        if entry["version"] != BNB_UNIVERSAL_VERSION:
+            raise CheckpointMismatchError(f"{optimizer_path}: 8-bit universal checkpoint version "
+                                          f"{entry['version']!r}; this deepspeed_bnb reads version "
+                                          f"{BNB_UNIVERSAL_VERSION}. Upgrade deepspeed_bnb to read it.")
+        if not (isinstance(entry["param_groups"], list) and all(isinstance(g, dict) for g in entry["param_groups"])
+                and isinstance(entry["whole"], dict) and all(torch.is_tensor(v) for v in entry["whole"].values())
+                and isinstance(entry["optimizer_name"], str) and isinstance(entry["optimizer_class"], str)):
+            raise CheckpointMismatchError(f"{optimizer_path}: its {BNB_UNIVERSAL} entry holds values of the wrong "
+                                          f"types (param_groups: a list of dicts, whole: tensors, names: strings)")
+        return entry
+
+    @property
+    def optimizer_name(self):
+        """bnb's update rule of an 8-bit universal checkpoint (None for the fp32 kinds: torch Adam's state)."""
+        return self.bnb["optimizer_name"] if self.bnb else None
+
+    def param_states(self, g: int) -> List[ParamState]:
+        """Every parameter's bnb state, as the 8-bit kind holds it (the fp32 kinds hold Adam moments: `moments`)."""
+        if not self.bnb:
+            raise CheckpointMismatchError(f"{self.tag_dir} holds fp32 Adam moments, not bnb state")
+        states = []
+        for name, shape in self.param_shapes()[g].items():
+            path = os.path.join(self.tag_dir, ZERO_DIR, safe_name(name, self.tag_dir, "parameter"), BNB_DIR,
+                                BNB_STATE)
+            try:
+                states.append(ParamState.from_record(load_file(path), torch.Size(shape).numel(), path,
+                                                     self.bnb["whole"]))
+            except ValueError as exc:
+                raise CheckpointMismatchError(str(exc)) from None
+        return states
 
     def _param_groups(self) -> List[dict]:
+        if self.bnb:
+            return [dict(group) for group in self.bnb["param_groups"]]
         groups = self.optimizer_state.get("param_groups")  # stage 1/2 form; stage 3's lives one level down
         if groups is None:
             groups = self.optimizer_state.get("optimizer_state_dict", {}).get("param_groups", [])
@@ -179,6 +272,11 @@ class UniversalCheckpoint(RanklessSource):
         return int(value.item() if torch.is_tensor(value) else value)
 
     def moments(self, g: int) -> List[Tuple[List[torch.Tensor], int]]:
+        if self.bnb:
+            if self.optimizer_name not in ADAM_STATE_RULES:
+                raise CheckpointMismatchError(f"{self.tag_dir} holds '{self.optimizer_name}' state "
+                                              f"({self.bnb['optimizer_class']}), not Adam's two moments")
+            return [(state.rows(), int(state["step"])) for state in self.param_states(g)]
         return [([self._tensor(name, key, shape) for key in MOMENTS], self._step(name))
                 for name, shape in self.param_shapes()[g].items()]
 

@@ -1,0 +1,126 @@
+"""The 8-bit universal checkpoint: `deepspeed-bnb export --universal` keeps every parameter's bnb state as it is.
+
+Against the saved checkpoint itself (read through SavedCheckpoint, whose per-parameter state test_matches_bnb.py holds
+to plain bitsandbytes): each parameter's state read back from the universal folder is the saved state bit for bit,
+for Adam's two moments, Lion's one, AdEMAMix's three rows and the 32-bit state of small parameters; a conversion back
+into ZeRO files keeps it bit for bit; the state files are at most 0.3x the bytes of the fp32 (stock) kind's for a
+model of realistic parameter sizes. Controls: the stock kind of the same checkpoint is not bit for bit (its moments
+are requantized on the way back), and a stock engine is refused on the 8-bit kind instead of starting fresh moments.
+"""
+
+import os
+
+import bitsandbytes as bnb
+import deepspeed
+import pytest
+import torch
+
+import deepspeed_bnb  # noqa: F401
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.tools.convert import convert
+from deepspeed_bnb.checkpoint.tools.export import export
+from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
+from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, train_steps
+
+STEPS = 3
+OPTIMIZERS = {
+    "AdamW8bit": dict(optimizer_cls=bnb.optim.AdamW8bit),
+    "Lion8bit": dict(optimizer_cls=bnb.optim.Lion8bit),
+    "AdEMAMix8bit": dict(optimizer_cls=bnb.optim.AdEMAMix8bit, t_alpha=5, t_beta3=5),
+}
+
+
+def same_states(a, b, label):
+    assert len(a) == len(b), label
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert set(x) == set(y), (label, i, sorted(x), sorted(y))
+        for key in x:
+            if torch.is_tensor(x[key]):
+                assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), (label, i, key)
+            else:
+                assert x[key] == y[key], (label, i, key)
+
+
+@pytest.fixture(scope="module")
+def saved(one_rank, tmp_path_factory):
+    folders = {}
+    for name, kwargs in OPTIMIZERS.items():
+        folder = str(tmp_path_factory.mktemp(name))
+        engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, lr=1e-2, **kwargs)
+        train_steps(engine, range(STEPS))
+        engine.save_checkpoint(folder, tag="t")
+        folders[name] = folder
+    return folders
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_parameters_state_comes_back_bit_for_bit(saved, tmp_path, name):
+    out = str(tmp_path / "universal")
+    export(saved[name], out, universal=True, progress=False)
+    ckpt, universal = SavedCheckpoint(saved[name]), UniversalCheckpoint(out)
+    assert universal.optimizer_name == ckpt.record(0)["optimizer_name"]
+    kinds = set()
+    for g in range(len(ckpt.param_shapes())):
+        mine, theirs = universal.param_states(g), ckpt.param_states(g)
+        same_states(mine, theirs, f"group {g}")
+        kinds |= {state.eight_bit for state in mine}
+        for got, want in zip(universal.master_weights(g), ckpt.master_weights(g)):
+            assert torch.equal(got, want.float())
+    assert kinds == {True, False}  # 8-bit and 32-bit parameters both exercised
+    if name == "AdEMAMix8bit":
+        assert any(state["state1"].dim() == 2 for state in universal.param_states(0))
+
+
+@pytest.mark.parametrize("kind", ["8bit", "stock"])
+def test_converted_back_the_8bit_kind_is_bit_for_bit_and_the_stock_kind_is_not(saved, tmp_path, kind):
+    out, back = str(tmp_path / "universal"), str(tmp_path / "back")
+    export(saved["AdamW8bit"], out, universal=True, stock=kind == "stock", progress=False)
+    report = convert(out, back, "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False)
+    ckpt, again = SavedCheckpoint(saved["AdamW8bit"]), SavedCheckpoint(back)
+    params = sum(len(shapes) for shapes in ckpt.param_shapes())
+    if kind == "8bit":
+        assert f"{params} kept as saved, bit for bit" in report, report
+        for g in range(len(ckpt.param_shapes())):
+            same_states(again.param_states(g), ckpt.param_states(g), f"group {g}")
+    else:  # control: the fp32 moments are quantized again, so some 8-bit state differs
+        assert "kept as saved" not in report
+        with pytest.raises(AssertionError):
+            for g in range(len(ckpt.param_shapes())):
+                same_states(again.param_states(g), ckpt.param_states(g), f"group {g}")
+
+
+def state_bytes(folder):
+    """Bytes of the optimizer-state files of a universal checkpoint (all but the weights and model states)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                     if f.endswith(".pt") and f != "fp32.pt" and "model_states" not in f)
+    return total
+
+
+def test_the_8bit_kind_is_under_a_third_of_the_stock_kinds_bytes(one_rank, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(model.parameters(), lr=1e-3),
+                                  config=ds_config(1))[0]
+    for _ in range(2):
+        loss = engine(torch.randn(4, 256)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "eight"), universal=True, progress=False)
+    export(str(tmp_path / "ckpt"), str(tmp_path / "stock"), universal=True, stock=True, progress=False)
+    ratio = state_bytes(tmp_path / "eight") / state_bytes(tmp_path / "stock")
+    print(f"8-bit / fp32 universal state bytes: {ratio:.3f}")
+    assert 0.2 < ratio <= 0.3
+
+
+def test_a_stock_engine_is_refused_on_the_8bit_kind(saved, tmp_path):
+    out = str(tmp_path / "universal")
+    export(saved["AdamW8bit"], out, universal=True, progress=False)
+    model = build_engine(stock=True).module  # any model of the toy's names
+    config = {**ds_config(1), "checkpoint": {"load_universal": True}}
+    engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  config=config)[0]
+    with pytest.raises(Exception, match="--stock"):
+        engine.load_checkpoint(out)
