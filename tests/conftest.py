@@ -75,10 +75,11 @@ def pytest_collection_finish(session):
         report = session.config.pluginmanager.get_plugin("terminalreporter")
         if report is not None:
             report.write_line("building (or finding built) the JIT ops the suite's launches load ...")
-        done = prebuild.build(prebuild.SUITE_OPS, without_launch_vars())
+        ops = prebuild.suite_ops()
+        done = prebuild.build(ops, without_launch_vars())
         if report is not None:
             for line in done.stdout.splitlines():
-                if line.startswith(("deepspeed_bnb kernels:", *prebuild.SUITE_OPS)) or "killed after" in line:
+                if line.startswith(("deepspeed_bnb kernels:", *ops)) or "killed after" in line:
                     report.write_line("  " + line)
     from support import background
     background.start_for(session.items)

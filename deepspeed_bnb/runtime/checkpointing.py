@@ -50,7 +50,7 @@ from deepspeed_bnb.checkpoint.format.safe_load import forced_weights_only, load_
 from deepspeed_bnb.checkpoint.format.sources import FileSource, rank_file_paths
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, consolidated_weights, \
     frozen_zero3_weights
-from deepspeed_bnb.checkpoint.tools.universal import BNB_UNIVERSAL, OPTIMIZER_STATE, ZERO_DIR
+from deepspeed_bnb.checkpoint.tools.universal import refuse_for_stock_engine
 from deepspeed_bnb.installer import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
@@ -341,7 +341,7 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
     if manifest is not None:
         verify(tag_dir, manifest, _shared_share(engine, sorted(manifest["files"])))
     if universal:  # a stock engine reading deepspeed_bnb's universal export: the files are checked, DeepSpeed reads
-        _refuse_8bit_universal(tag_dir)
+        refuse_for_stock_engine(tag_dir)
         return plan
     plan.model_states_path = os.path.join(tag_dir, model_states_name(tag_dir))
     plan.model_states = check_model_states(load_file(plan.model_states_path), plan.model_states_path)
@@ -371,20 +371,6 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
         plan.weights = consolidated_weights(saved)
     plan.frozen = _frozen_weights(engine, plan, lambda: saved or SavedCheckpoint(tag_dir))
     return plan
-
-
-def _refuse_8bit_universal(tag_dir: str) -> None:
-    """A stock engine cannot take the 8-bit kind of universal checkpoint: DeepSpeed's loader would read the weights
-    and (the state being in no file it reads) start every moment afresh."""
-    path = os.path.join(tag_dir, ZERO_DIR, OPTIMIZER_STATE)
-    held = load_file(path) if os.path.isfile(path) else {}
-    if isinstance(held, dict) and BNB_UNIVERSAL in held:
-        entry = held[BNB_UNIVERSAL] if isinstance(held[BNB_UNIVERSAL], dict) else {}
-        raise CheckpointMismatchError(
-            f"{tag_dir} is an 8-bit universal checkpoint: it holds bitsandbytes optimizer state "
-            f"({entry.get('optimizer_class', '?')}) that this stock engine cannot take. Build the engine with that "
-            f"bitsandbytes optimizer, or write a universal checkpoint for a stock engine with `deepspeed-bnb export "
-            f"CHECKPOINT OUT --universal --stock`.")
 
 
 def _frozen_weights(engine, plan: TagLoad, checkpoint) -> Dict:

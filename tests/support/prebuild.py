@@ -10,6 +10,7 @@ BUILD is the script (deepspeed_bnb's kernels, then the named DeepSpeed op builde
 raising: whoever needs an op that failed reports it); the GPU proof runs it for its parts too (tests/gpu/proof.py).
 """
 
+import os
 import subprocess
 import sys
 from typing import Sequence
@@ -17,6 +18,7 @@ from typing import Sequence
 # DeepSpeed's CPU ops the suite's ranks and jobs load: the CPU comm op (every launch), CPU Adam (offload), fused Adam
 # (DeepSpeed's Adam in the benchmarks and the proof), async_io (NVMe offload; it reports itself where libaio is missing)
 SUITE_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder")
+OPS_ENV = "DEEPSPEED_BNB_PREBUILD_OPS"  # a run that loads fewer (the compatibility matrix's claims) names them here
 BUILD = """import sys, time
 from deepspeed_bnb.ops import loader
 t = time.monotonic(); loader.load(); print("deepspeed_bnb kernels:", loader.source() or loader.error(),
@@ -31,6 +33,12 @@ for name in sys.argv[1:]:
         print(name + ":", "failed:", type(exc).__name__, str(exc)[:200], flush=True)
 """
 HANG_GUARD = 3600  # seconds: a first build of every op on two busy cores takes minutes; only a hang takes this long
+
+
+def suite_ops() -> Sequence[str]:
+    """The DeepSpeed ops to build up front: OPS_ENV's comma-separated builder names where set, else SUITE_OPS."""
+    chosen = os.environ.get(OPS_ENV, "")
+    return tuple(name.strip() for name in chosen.split(",") if name.strip()) if chosen else SUITE_OPS
 
 
 def build(ops: Sequence[str], env: dict) -> subprocess.CompletedProcess:

@@ -71,12 +71,17 @@ def test_every_parameters_state_comes_back_bit_for_bit(saved, tmp_path, name):
         assert any(state["state1"].dim() == 2 for state in universal.param_states(0))
 
 
-@pytest.mark.parametrize("kind", ["8bit", "stock"])
-def test_converted_back_the_8bit_kind_is_bit_for_bit_and_the_stock_kind_is_not(saved, tmp_path, kind):
+CLASSES = {"AdamW8bit": "bitsandbytes.optim.adamw.AdamW8bit", "Lion8bit": "bitsandbytes.optim.lion.Lion8bit",
+           "AdEMAMix8bit": "bitsandbytes.optim.ademamix.AdEMAMix8bit"}
+
+
+@pytest.mark.parametrize("name,kind", [("AdamW8bit", "8bit"), ("Lion8bit", "8bit"), ("AdEMAMix8bit", "8bit"),
+                                       ("AdamW8bit", "stock")])
+def test_converted_back_the_8bit_kind_is_bit_for_bit_and_the_stock_kind_is_not(saved, tmp_path, name, kind):
     out, back = str(tmp_path / "universal"), str(tmp_path / "back")
-    export(saved["AdamW8bit"], out, universal=True, stock=kind == "stock", progress=False)
-    report = convert(out, back, "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False)
-    ckpt, again = SavedCheckpoint(saved["AdamW8bit"]), SavedCheckpoint(back)
+    export(saved[name], out, universal=True, stock=kind == "stock", progress=False)
+    report = convert(out, back, "8bit", optimizer_class=CLASSES[name], min_8bit_size=MIN_8BIT_SIZE, progress=False)
+    ckpt, again = SavedCheckpoint(saved[name]), SavedCheckpoint(back)
     params = sum(len(shapes) for shapes in ckpt.param_shapes())
     if kind == "8bit":
         assert f"{params} kept as saved, bit for bit" in report, report

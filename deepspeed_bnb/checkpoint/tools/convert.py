@@ -207,8 +207,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
 
     plans = []  # per group: eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
     for g, group_shapes in enumerate(shapes):
-        if universal:
-            moments, master, hyper = ckpt.moments(g), ckpt.master_weights(g), ckpt.hyperparams(g)
+        if universal:  # moments read below, only for what an 8-bit universal source does not carry over as it is
+            moments, master, hyper = None, ckpt.master_weights(g), ckpt.hyperparams(g)
         elif ours:
             moments, master = _moments_of_record(ckpt, g), ckpt.master_weights(g)
             hyper = ckpt.groups[g][C.HYPERPARAMS_KEY]
@@ -217,7 +217,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
             hyper = _stock_hyperparams(ckpt, g)
         optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
-        if rule not in ADAM_RULES:
+        carries_over = universal and ckpt.optimizer_name == rule  # an 8-bit universal source of the same rule
+        if rule not in ADAM_RULES and not carries_over:
             raise ValueError(f"convert: {target} is not an Adam-family bnb optimizer (update rule "
                              f"'{getattr(optimizer, 'optimizer_name', '?')}'); Adam state cannot be given to it.")
         group = optimizer.param_groups[0]
@@ -236,15 +237,19 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
         qmaps = {name: templates[name] for name in ("qmap1", "qmap2") if name in templates}
         # an 8-bit universal source of the same update rule: each parameter's state as saved, where the target holds
         # it at the same precision with the same maps (bit for bit; anything else goes through its moments)
-        saved = ckpt.param_states(g) if universal and ckpt.optimizer_name == rule else [None] * len(eight_bit)
-        for (rows, step), is8, numel, state in tqdm(
-                list(zip(moments, eight_bit, (s.numel() for s in group_shapes.values()), saved)),
-                desc=f"group {g}", disable=not progress):
-            if state is not None and state.eight_bit == is8 and set(state) == held_keys(key_classes, is8) and all(
-                    torch.equal(state[name], qmap) for name, qmap in qmaps.items() if name in state):
+        saved = ckpt.param_states(g) if carries_over else [None] * len(eight_bit)
+        kept = [state is not None and state.eight_bit == is8 and set(state) == held_keys(key_classes, is8) and all(
+            torch.equal(state[name], qmap) for name, qmap in qmaps.items() if name in state)
+            for state, is8 in zip(saved, eight_bit)]
+        if moments is None:
+            moments = [(None, None)] * len(kept) if all(kept) else ckpt.moments(g)
+        for (rows, step), is8, state, keep in tqdm(list(zip(moments, eight_bit, saved, kept)), desc=f"group {g}",
+                                                   disable=not progress):
+            report["params"] += 1
+            report["8bit" if is8 else "fp32"] += 1
+            if keep:
                 per_param.append(state)
-                report.update(params=report["params"] + 1, kept=report["kept"] + 1,
-                              **{"8bit" if is8 else "fp32": report["8bit" if is8 else "fp32"] + 1})
+                report["kept"] += 1
                 continue
             state = {"step": step}
             for i, value in enumerate(rows[:2], start=1):
@@ -259,8 +264,6 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
                 else:
                     state[f"state{i}"] = value.clone()
             per_param.append(state)
-            report["params"] += 1
-            report["8bit" if is8 else "fp32"] += 1
         plans.append((eight_bit, key_classes, templates, hyperparams, per_param, master))
 
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)

@@ -287,7 +287,6 @@ class UniversalCheckpoint(RanklessSource):
         return self._param_groups()[g]
 
 
-
 def universal_tag_dir(path: str):
     """The tag directory of a universal checkpoint at `path` (a directory with latest_universal, or the tag itself),
     or None when `path` is not one."""
@@ -297,3 +296,17 @@ def universal_tag_dir(path: str):
     if os.path.isfile(os.path.join(path, ZERO_DIR, OPTIMIZER_STATE)):
         return path
     return None
+
+
+def refuse_for_stock_engine(tag_dir: str) -> None:
+    """A stock engine cannot take the 8-bit kind: DeepSpeed's loader would read the weights and (the state being in
+    no file it reads) start every moment afresh. Raises for that kind, naming the export for stock engines."""
+    path = os.path.join(tag_dir, ZERO_DIR, OPTIMIZER_STATE)
+    held = load_file(path) if os.path.isfile(path) else {}
+    if isinstance(held, dict) and BNB_UNIVERSAL in held:
+        entry = held[BNB_UNIVERSAL] if isinstance(held[BNB_UNIVERSAL], dict) else {}
+        raise CheckpointMismatchError(
+            f"{tag_dir} is an 8-bit universal checkpoint: it holds bitsandbytes optimizer state "
+            f"({entry.get('optimizer_class', '?')}) that this stock engine cannot take. Build the engine with that "
+            f"bitsandbytes optimizer, or write a universal checkpoint for a stock engine with `deepspeed-bnb export "
+            f"CHECKPOINT OUT --universal --stock`.")
