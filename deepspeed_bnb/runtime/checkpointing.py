@@ -17,8 +17,8 @@ Loads: a bnb engine loading any tag, and any engine loading a tag deepspeed_bnb 
   from the safe loader, the fp32 weights it would rebuild with zero_to_fp32 (ZeRO-3 weights-only loads; it would
   also read `latest` itself, whatever tag was asked for) are the tag's own, read through the safe loader, and every
   other torch.load it makes is forced weights-only with the same allow-list (safe_load.forced_weights_only).
-Stock tags loaded by stock engines keep DeepSpeed's behaviour. A bnb engine configured for universal checkpoints is
-refused before anything is read (`deepspeed-bnb convert` turns a universal checkpoint into one it loads).
+Stock tags loaded by stock engines keep DeepSpeed's behaviour. A bnb engine configured for universal checkpoints loads
+them through runtime/universal_load.py (written once as a tag of ours, then this route).
 
 Every step before DeepSpeed's own load or after its save that can fail on one rank alone runs inside `agree`: each
 rank learns every rank's outcome, and a failure anywhere raises on every rank, instead of leaving the others in the
@@ -52,6 +52,7 @@ from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHA
     frozen_zero3_weights
 from deepspeed_bnb.checkpoint.tools.universal import refuse_for_stock_engine
 from deepspeed_bnb.installer import given_kwargs, stock, swapped
+from deepspeed_bnb.runtime.universal_load import load_universal
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 
@@ -266,16 +267,12 @@ def _written_by_deepspeed_bnb(load_dir: str, tag: str) -> bool:
 def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
     stock_load = stock("DeepSpeedEngine.load_checkpoint")
     bnb, universal = is_bnb_zero(self.optimizer), self.load_universal_checkpoint()
-    if bnb and universal:  # refused before anything is read or changed
-        raise NotImplementedError(
-            f"deepspeed_bnb: this engine's config sets checkpoint.load_universal, but a DeepSpeed universal "
-            f"checkpoint holds fp32 Adam moments, not bitsandbytes state: loading it would replace the module weights "
-            f"and then fail. Convert it once with `deepspeed-bnb convert {load_dir} OUT --to 8bit` (fp32 weights "
-            f"exact, moments within half a quantization step) and load OUT without load_universal; deepspeed_bnb "
-            f"checkpoints themselves load at any data-parallel size without it.")
     call = inspect.signature(stock_load).bind(self, load_dir, tag, *args, **kwargs)
     call.apply_defaults()
     arguments = {k: v for k, v in call.arguments.items() if k != "self"}
+    if bnb and universal:  # DeepSpeed's universal loader cannot cut bnb state: written once as a tag of ours
+        arguments.pop("load_dir"), arguments.pop("tag")
+        return load_universal(self, load_dir, tag, arguments, agree, _publisher(self))
     pointer = None
     if tag is None:  # read as DeepSpeed reads it; checked as a name once it leads to a tag of ours or a bnb engine
         pointer = os.path.join(load_dir, LATEST_UNIVERSAL if universal else LATEST)

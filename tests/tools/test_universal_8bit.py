@@ -3,9 +3,10 @@
 Against the saved checkpoint itself (read through SavedCheckpoint, whose per-parameter state test_matches_bnb.py holds
 to plain bitsandbytes): each parameter's state read back from the universal folder is the saved state bit for bit,
 for Adam's two moments, Lion's one, AdEMAMix's three rows and the 32-bit state of small parameters; a conversion back
-into ZeRO files keeps it bit for bit; the state files are at most 0.3x the bytes of the fp32 (stock) kind's for a
+into ZeRO files keeps it bit for bit; an engine of ours with `load_universal` loads it at ZeRO 1, 2 and 3 with the
+state bit for bit and then trains exactly as the uninterrupted run does; the state files are at most 0.3x the bytes of the fp32 (stock) kind's for a
 model of realistic parameter sizes. Controls: the stock kind of the same checkpoint is not bit for bit (its moments
-are requantized on the way back), and a stock engine is refused on the 8-bit kind instead of starting fresh moments.
+are requantized on the way back: the resumed losses differ, slightly), and a stock engine is refused on the 8-bit kind instead of starting fresh moments.
 """
 
 import os
@@ -20,7 +21,7 @@ from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
-from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, train_steps
+from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
 
 STEPS = 3
 OPTIMIZERS = {
@@ -41,6 +42,10 @@ def same_states(a, b, label):
                 assert x[key] == y[key], (label, i, key)
 
 
+MORE = range(STEPS, STEPS + 3)  # the steps a resumed run takes
+CONTINUED = {}  # optimizer -> the losses of the uninterrupted run over MORE
+
+
 @pytest.fixture(scope="module")
 def saved(one_rank, tmp_path_factory):
     folders = {}
@@ -50,6 +55,7 @@ def saved(one_rank, tmp_path_factory):
         train_steps(engine, range(STEPS))
         engine.save_checkpoint(folder, tag="t")
         folders[name] = folder
+        CONTINUED[name] = train_steps(engine, MORE)
     return folders
 
 
@@ -118,6 +124,40 @@ def test_the_8bit_kind_is_under_a_third_of_the_stock_kinds_bytes(one_rank, tmp_p
     ratio = state_bytes(tmp_path / "eight") / state_bytes(tmp_path / "stock")
     print(f"8-bit / fp32 universal state bytes: {ratio:.3f}")
     assert 0.2 < ratio <= 0.3
+
+
+def universal_engine(name, stage):
+    model = make_model(1)  # other weights than the saved run's: the load must replace them
+    optimizer = OPTIMIZERS[name]["optimizer_cls"](param_groups(model, lr=1e-2), min_8bit_size=MIN_8BIT_SIZE,
+                                                  **{k: v for k, v in OPTIMIZERS[name].items() if k != "optimizer_cls"})
+    config = {**ds_config(1, stage=stage), "checkpoint": {"load_universal": True}}
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+@pytest.mark.parametrize("name,stage", [("AdamW8bit", 2), ("AdamW8bit", 3), ("Lion8bit", 1), ("AdEMAMix8bit", 2)])
+def test_an_engine_of_ours_loads_the_8bit_kind_and_tracks_the_uninterrupted_run(saved, tmp_path, name, stage):
+    out = str(tmp_path / "universal")
+    export(saved[name], out, universal=True, progress=False)
+    engine = universal_engine(name, stage)
+    engine.load_checkpoint(out)
+    assert not [n for n in os.listdir(out) if n.startswith(".")], "the scratch tag is removed"
+    engine.save_checkpoint(str(tmp_path / "again"), tag="t")  # what the engine holds now, read back
+    ckpt, again = SavedCheckpoint(saved[name]), SavedCheckpoint(str(tmp_path / "again"))
+    for g in range(len(ckpt.param_shapes())):
+        same_states(again.param_states(g), ckpt.param_states(g), f"group {g}")
+        for got, want in zip(again.master_weights(g), ckpt.master_weights(g)):
+            assert torch.equal(got.float(), want.float())
+    assert train_steps(engine, MORE) == CONTINUED[name]  # bit for bit: same state, same stage family at DP 1
+
+
+def test_control_the_stock_kind_resumes_close_but_not_exactly(saved, tmp_path):
+    out = str(tmp_path / "universal")
+    export(saved["AdamW8bit"], out, universal=True, stock=True, progress=False)
+    engine = universal_engine("AdamW8bit", 2)
+    engine.load_checkpoint(out)  # its fp32 moments quantized again
+    losses = train_steps(engine, MORE)
+    assert losses != CONTINUED["AdamW8bit"]
+    assert max(abs(a - b) for a, b in zip(losses, CONTINUED["AdamW8bit"])) < 1e-2
 
 
 def test_a_stock_engine_is_refused_on_the_8bit_kind(saved, tmp_path):

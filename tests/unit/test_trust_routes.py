@@ -6,7 +6,8 @@ Routes (one rank each; a payload planted as an attacker would, the manifest rewr
   engine), where DeepSpeed rebuilds the weights with zero_to_fp32: the payload never runs, and the weights come from
   the tag asked for, not from the one `latest` names. Controls: DeepSpeed's own zero_to_fp32 runs the payload, and
   called as DeepSpeed calls it (no tag) returns the other tag's weights.
-- A bnb engine configured for universal checkpoints: refused before any file is read or any weight changes.
+- A bnb engine configured for universal checkpoints: read through the safe loader (its rewrite into a tag of ours
+  stops at the planted payload), no weight changed, nothing left behind.
 - Engines without a bnb optimizer (torch AdamW, none at all for evaluation): weights-only loads go through the safe
   loader, optimizer-state loads are refused clearly before anything changes. Control: with deepspeed_bnb's overrides
   switched off, the same load runs the payload.
@@ -130,16 +131,17 @@ def universal_engine(tmp_path):
                                 config=config)[0]
 
 
-def test_bnb_engine_with_load_universal_is_refused_before_reading(zero2_tag, tmp_path):
+def test_bnb_engine_with_load_universal_reads_through_the_safe_loader(zero2_tag, tmp_path):
     source, _ = zero2_tag
     out, marker = str(tmp_path / "universal"), str(tmp_path / "marker")
     assert main(["export", source, out, "--universal", "--quiet"]) == 0
     plant(os.path.join(out, "t"), MODEL, marker)
     engine = universal_engine(tmp_path)
     before = engine_state(engine)
-    with pytest.raises(NotImplementedError, match="convert .* --to 8bit"):
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):
         engine.load_checkpoint(out)
     assert not os.path.exists(marker) and not differences(engine_state(engine), before)
+    assert sorted(os.listdir(out)) == ["latest_universal", "t"]  # the scratch tag is gone
     with stock_deepspeed(), pytest.raises(Exception):  # control: DeepSpeed's own route unpickles the files
         engine.load_checkpoint(out)
     assert os.path.exists(marker)

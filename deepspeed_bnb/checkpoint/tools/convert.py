@@ -169,7 +169,7 @@ def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = T
             + (f" (largest relative change {largest:.3g})" if rounded else " (exact)"))
 
 
-def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = None, min_8bit_size: int = 4096,
+def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_size: int = 4096,
             progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None,
             allow_large_dp: bool = False, master_mode: Optional[str] = None) -> str:
     """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
@@ -182,8 +182,11 @@ def convert(path: str, out_dir: str, to: str, optimizer_class: Optional[str] = N
     if min_8bit_size < 0:
         raise ValueError(f"convert: --min-8bit-size must be 0 or more elements (bnb's min_8bit_size), got "
                          f"{min_8bit_size}")
-    target = optimizer_class or DEFAULT_CLASS[to]
-    cls = _load_class(target)
+    if isinstance(optimizer_class, type):  # a live engine's own class (runtime/universal_load.py), not a name typed in
+        cls, target = optimizer_class, f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    else:
+        target = optimizer_class or DEFAULT_CLASS[to]
+        cls = _load_class(target)
     universal = universal_tag_dir(path) is not None
     if (dp is not None or stage is not None) and not universal:
         raise ValueError("convert: --dp and --stage apply to universal (and --from-bnb) inputs, which have no DP size "

@@ -81,7 +81,7 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
 def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
     """The checkpoint's model states for `dp` ranks at `stage`. Module weights the source does not hold (universal
     checkpoints and plain bnb runs carry none; stage-3 files empty ones, which a stage-3 target keeps as DeepSpeed
-    writes them) become the fp32 master weights, in the module's dtype where known."""
+    writes them) become the fp32 master weights, in the module's dtype where known (for a stage-3 target: empty ones)."""
     states = dict(ckpt.model_states)
     states["dp_world_size"] = dp
     config = copy.deepcopy(states.get("ds_config"))
@@ -96,8 +96,12 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
         if all(held(name, shape) for name, shape in shapes.items()):
             continue
         for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
-            if not held(name, shape):
-                module[name] = master.reshape(shape).to(module[name].dtype if name in module else torch.float32)
+            if held(name, shape):
+                continue
+            dtype = module[name].dtype if name in module else torch.float32
+            # a ZeRO-3 target: the empty placeholder DeepSpeed's ZeRO-3 save writes (its engine takes the weights from
+            # fp32_flat_groups, and refuses a whole tensor for a partitioned parameter)
+            module[name] = master.new_empty(0, dtype=dtype) if stage == 3 else master.reshape(shape).to(dtype)
     states["module"] = module
     return states
 

@@ -1,0 +1,73 @@
+"""`"checkpoint": {"load_universal": true}` for an engine of deepspeed_bnb: a DeepSpeed universal checkpoint loaded at
+this engine's DP size and ZeRO stage (the 8-bit kind with every parameter's state bit for bit; torch AdamW's fp32
+moments, ours or ds_to_universal's, quantized to the nearest code).
+
+DeepSpeed's own universal loader (`load_hp_checkpoint_state_from_checkpoint_dir`) takes every file of a parameter
+folder as an element-wise tensor and cuts it by tensor-parallel rank and by the rank's fragment; 8-bit codes, block
+scales and maps cannot be cut that way, and bnb partitions are not DeepSpeed's fragments. So the publishing rank writes
+the checkpoint once as a deepspeed_bnb tag of one rank (`convert`, into a scratch folder beside it), and every rank
+loads that through the ordinary route (manifest, safe loader, block-aligned resharding to any DP size and stage). The
+scratch folder is removed afterwards, whatever happens.
+"""
+
+import os
+import shutil
+
+from deepspeed import comm as dist
+
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL, read_pointer, safe_name
+from deepspeed_bnb.checkpoint.tools.convert import convert
+
+SCRATCH = ".{tag}.from-universal.deepspeed_bnb"  # beside the tag, the same path on every rank (and node)
+
+
+def load_universal(engine, load_dir: str, tag, arguments: dict, agree, publisher: bool):
+    """Load the universal checkpoint `load_dir`/`tag` (None: the one latest_universal names) into `engine`, a bnb
+    ZeRO engine; `arguments`: load_checkpoint's other arguments; `agree`: checkpointing.agree (one outcome on every
+    rank); `publisher`: whether this rank writes. Returns what load_checkpoint returns."""
+    what = f"load_checkpoint({load_dir!r}, tag={tag!r}) with checkpoint.load_universal failed: "
+    if tag is None:
+        tag = read_pointer(load_dir, LATEST_UNIVERSAL)
+        if tag is None:
+            raise CheckpointMismatchError(f"{what}{os.path.join(load_dir, LATEST_UNIVERSAL)} does not exist: pass "
+                                          f"the tag, or the directory DeepSpeed's ds_to_universal (or `deepspeed-bnb "
+                                          f"export --universal`) wrote.")
+        agree(lambda: safe_name(tag, os.path.join(load_dir, LATEST_UNIVERSAL), "tag", one_component=True),
+              context=what)
+    tag = str(tag)
+    if engine.mpu is not None and engine.mpu.get_model_parallel_world_size() > 1:
+        raise NotImplementedError(f"{what}this engine is tensor- or pipeline-parallel; deepspeed_bnb loads universal "
+                                  f"checkpoints into data-parallel engines only so far. Load it at model-parallel "
+                                  f"size 1, or convert it with `deepspeed-bnb convert`.")
+    scratch = os.path.join(load_dir, SCRATCH.format(tag=tag))
+    bnb_optimizer = engine.optimizer.optimizer
+    stage = engine.zero_optimization_stage()
+
+    def write():
+        if not publisher:
+            return None
+        if os.path.lexists(scratch):  # left by a load that was killed
+            shutil.rmtree(scratch)
+        try:
+            return convert(os.path.join(load_dir, tag), scratch, "8bit", optimizer_class=type(bnb_optimizer),
+                           min_8bit_size=bnb_optimizer.args.min_8bit_size, progress=False, dp=1, stage=stage)
+        except OSError as exc:
+            raise CheckpointMismatchError(
+                f"{exc}: the universal checkpoint is rewritten once into {scratch} for this engine, and that "
+                f"failed. Convert it yourself (`deepspeed-bnb convert {os.path.join(load_dir, tag)} OUT --to 8bit "
+                f"--optimizer-class ...`) and load OUT without load_universal.") from exc
+
+    try:
+        report = agree(write, context=what)
+        if report:
+            print(f"deepspeed_bnb: universal checkpoint {os.path.join(load_dir, tag)}: {report}", flush=True)
+        engine._config.load_universal_checkpoint = False  # the scratch tag is a deepspeed_bnb one
+        try:
+            return engine.load_checkpoint(scratch, tag=tag, **arguments)
+        finally:
+            engine._config.load_universal_checkpoint = True
+    finally:
+        dist.barrier()
+        if publisher:
+            shutil.rmtree(scratch, ignore_errors=True)
