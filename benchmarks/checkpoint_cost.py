@@ -148,5 +148,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from deepspeed_bnb.utils.teardown import release_shm_buffer
+    release_shm_buffer(0)  # DeepSpeed's CPU comm op leaves its buffer in /dev/shm otherwise
     sys.stdout.flush()
     os._exit(0)  # gloo's C++ teardown can abort after the table is printed

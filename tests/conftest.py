@@ -108,7 +108,9 @@ def one_rank():
         except Exception as exc:  # the TCP store's bind: DistNetworkError / RuntimeError naming EADDRINUSE
             if not PORT_TAKEN.search(str(exc)) or attempt == PORT_TRIES - 1:
                 raise
-    return dist
+    yield dist
+    from deepspeed_bnb.utils.teardown import release_shm_buffer
+    release_shm_buffer(0)  # DeepSpeed's CPU comm op leaves its 66 MB buffer in /dev/shm otherwise
 
 
 # The in-process one-rank group (fixture above) set these; a launcher's ranks must not inherit them.

@@ -94,6 +94,8 @@ def _elastic(kinds, pairs=((2, 1), (1, 2))):
 
 
 # claim (table column) -> the test ids that establish it; each test carries its own negative control
+NVME_IDS = ("tests/distributed/test_nvme.py::test_nvme_offload_trains_as_cpu_offload",
+            "tests/distributed/test_nvme.py::test_checkpoints_resume_exactly_across_offload_kinds")
 CLAIMS = {
     "sharded == unsharded": ["tests/kernels/test_sharded_update.py"],
     "DP=1 == plain bnb": ["tests/kernels/test_matches_bnb.py::test_zero_dp1_matches_plain_bnb",
@@ -111,8 +113,7 @@ CLAIMS = {
     # the register's entries, and the owned copy of DeepSpeed's unscale/clip factor against DeepSpeed's own method
     "override register": ["tests/unit/test_overrides.py",
                           "tests/kernels/test_matches_bnb.py::test_fused_unscale_factor_is_deepspeeds"],
-    "NVMe offload (ZeRO-3)": ["tests/distributed/test_nvme.py::test_nvme_offload_trains_as_cpu_offload",
-                              "tests/distributed/test_nvme.py::test_checkpoints_resume_exactly_across_offload_kinds"],
+    "NVMe offload (ZeRO-3)": list(NVME_IDS),
     "control: stock + torch AdamW": ["tests/unit/test_stock_control.py"],
 }
 # tests that cannot run for a cell, and why: they run bitsandbytes' own update on the CPU, which 0.49 does not have
@@ -452,6 +453,26 @@ def not_applicable(bnb: str):
     return (), ""
 
 
+def release_limits() -> dict:
+    """tests/support/release_limits.py's values, read without importing the test suite (it needs torch)."""
+    limits = {}
+    with open(os.path.join(REPO, "tests", "support", "release_limits.py")) as f:
+        exec(compile(f.read(), f.name, "exec"), limits)  # plain assignments of this repository's own file
+    return limits
+
+
+def release(version: str) -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def deepspeed_cannot(deepspeed: str):
+    """(test ids that cannot run with this DeepSpeed release on CPU ranks, why) or ((), ""); DeepSpeed's head can."""
+    limits = release_limits()
+    if deepspeed != MASTER and release(deepspeed) < release(limits["FIRST_CPU_SWAPPING"]):
+        return NVME_IDS, f"DeepSpeed {deepspeed}'s {limits['NO_CPU_SWAPPING']}"
+    return (), ""
+
+
 def partners(cell) -> tuple:
     """(the cell whose Python is the other side of the cross-release claim, the cell whose Python checks the claims
     FROM_REFERENCE). The first has another DeepSpeed: REFERENCE, or the oldest release for cells of REFERENCE's own
@@ -466,9 +487,14 @@ def run_claims(cell, python: str, work: str, log) -> dict:
     """Every claim of the cell: one pytest in the cell's venv, and the claims checked from the reference venv."""
     deepspeed, bnb = cell[:2]
     other, reference = (python_of(os.path.join(ENVS, cell_name(*c))) for c in partners(cell))
-    excluded, why = not_applicable(bnb)
-    here = {claim: [i for i in ids if not i.startswith(excluded)] for claim, ids in CLAIMS.items()}
-    skipped = {claim for claim, ids in here.items() if not ids}
+    excluded, _ = not_applicable(bnb)
+    limits = [limit for limit in (not_applicable(bnb), deepspeed_cannot(deepspeed)) if limit[0]]
+
+    def why_not(test_id):
+        return next((why for ids, why in limits if test_id.startswith(ids)), None)
+
+    here = {claim: [i for i in ids if why_not(i) is None] for claim, ids in CLAIMS.items()}
+    skipped = {claim: why_not(CLAIMS[claim][0]) for claim, ids in here.items() if not ids}
     here = {claim: ids for claim, ids in here.items() if ids}
     cases, output, _ = pytest_run(python, sorted({i for ids in here.values() for i in ids}), work, log,
                                   TORCH_EXTENSIONS_DIR=extensions_dir(python), DEEPSPEED_BNB_OTHER_PYTHON=other)
@@ -476,7 +502,7 @@ def run_claims(cell, python: str, work: str, log) -> dict:
     for claim, ids in here.items():
         if len(ids) < len(CLAIMS[claim]):
             results[claim]["not_applicable"] = [i for i in CLAIMS[claim] if i not in ids]
-    results.update({claim: {"outcome": "n/a", "why": why} for claim in skipped})
+    results.update({claim: {"outcome": "n/a", "why": why} for claim, why in skipped.items()})
     if excluded:  # the cell's own release cannot be its oracle: check it against the reference's
         for claim, (variable, ids) in FROM_REFERENCE.items():
             cases, output, seconds = pytest_run(reference, ids, work, log, **{variable: python},
@@ -659,6 +685,9 @@ def render(results: dict, disk=None) -> str:
               for claim, (var, ids) in FROM_REFERENCE.items()]
     lines += [f"- n/a for {prefix}: " + ", ".join(f"`{i}`" for i in ids) + f" ({why})"
               for prefix, (ids, why) in NOT_APPLICABLE.items()]
+    limits = release_limits()
+    lines += [f"- n/a for DeepSpeed before {limits['FIRST_CPU_SWAPPING']}: " + ", ".join(f"`{i}`" for i in NVME_IDS)
+              + f" (their {limits['NO_CPU_SWAPPING']})"]
     failures = []
     for cell in cells:
         name = f"DeepSpeed {deepspeed_label(cell)}, bitsandbytes {cell['bitsandbytes']}, torch {cell['torch']}, " \

@@ -27,28 +27,31 @@ import pytest
 
 from conftest import ROOT, torchrun
 from support.nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
+from support.release_limits import FIRST_CPU_SWAPPING, NO_CPU_SWAPPING
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 
 pytestmark = [pytest.mark.multi_rank, pytest.mark.slow]
 
 
-FIRST_CPU_SWAPPING = "0.19.8"  # the first DeepSpeed release seen swapping to NVMe on CPU ranks
 
 
 def aio_missing():
-    """Why NVMe offload cannot run here, or None: DeepSpeed's async_io op cannot be built, or this DeepSpeed's
-    swappers cannot run on CPU ranks (0.16.4 and 0.18.4, stock alike: the parameter swapper asserts its buffers are
-    pinned, which CPU memory never is, and the optimizer swapper waits on an empty queue, a C++ assertion)."""
+    """Why NVMe offload cannot run here, or None: this DeepSpeed's swappers cannot run on CPU ranks
+    (support/release_limits.py), or its async_io op cannot be built."""
     import deepspeed
     from deepspeed.ops.op_builder import AsyncIOBuilder
     from packaging.version import Version
+    if Version(Version(deepspeed.__version__).base_version) < Version(FIRST_CPU_SWAPPING):
+        return f"DeepSpeed {deepspeed.__version__}'s {NO_CPU_SWAPPING}"
     if not AsyncIOBuilder().is_compatible(verbose=False):
+        if os.path.isfile("/usr/include/libaio.h"):  # the builder's own compile-and-link check failed
+            return (f"DeepSpeed {deepspeed.__version__}'s async_io builder finds no usable libaio although "
+                    f"/usr/include/libaio.h is installed (its check compiles and links a call of io_submit): see "
+                    f"`python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder as B; "
+                    f"B().is_compatible(verbose=True)'`")
         return ("NVMe offload needs DeepSpeed's async_io op, which needs libaio's headers and library: install them "
                 "(Debian/Ubuntu: `apt-get install libaio-dev`; `make test` does so when run as root), then rerun")
-    if Version(Version(deepspeed.__version__).base_version) < Version(FIRST_CPU_SWAPPING):
-        return (f"DeepSpeed {deepspeed.__version__}'s NVMe swappers cannot run on CPU ranks (pinned-memory "
-                f"assertions, stock DeepSpeed alike); {FIRST_CPU_SWAPPING} and later can")
     return None
 
 

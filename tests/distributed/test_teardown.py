@@ -20,10 +20,10 @@ from deepspeed_bnb.utils.teardown import DONE_DIR_VAR, aborted_only, run_ranks
 pytestmark = pytest.mark.multi_rank
 
 
-def launch(out, mode):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+def launch(out, mode, port=None, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port or free_port()}",
            os.path.join(TESTS, "support", "teardown_worker.py"), str(out), mode]
-    return run_ranks(cmd, 2, env=launch_env(), timeout=300)
+    return run_ranks(cmd, 2, env={**launch_env(), **env}, timeout=300)
 
 
 def results(out):
@@ -116,3 +116,27 @@ def test_a_launch_whose_port_was_taken_meanwhile_runs_again_on_another():
         plain = run_ranks([sys.executable, "-c", BINDS_ITS_PORT.replace("sys.argv[1].split('=')[1]", "sys.argv[1]"),
                            str(port)], 0, timeout=120)
         assert not plain.ok and "Address already in use" in plain.output
+
+
+def shm_buffers(port):
+    """DeepSpeed's CPU comm op buffers of a launch on `port` left in /dev/shm."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer_")
+                  and f"_127.0.0.1_{port}_" in n)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: DeepSpeed's CPU comm op keeps no buffer there")
+@pytest.mark.parametrize("mode", ["deepspeed", "deepspeed_without_release"])
+def test_finish_removes_deepspeeds_shared_memory_buffers(tmp_path, mode):
+    """DeepSpeed's CPU comm op never unlinks its 66 MB per-rank buffer; finish() does. The op makes one where
+    LOCAL_SIZE (the deepspeed launcher sets it) equals the world size. Control: the same launch ended without
+    finish() leaves both behind (removed here)."""
+    port = free_port()
+    done = launch(tmp_path, mode, port, LOCAL_SIZE="2")
+    left = shm_buffers(port)
+    for name in left:
+        os.unlink(os.path.join("/dev/shm", name))
+    if mode == "deepspeed":
+        assert done.ok, done.failure()
+        assert left == [], left
+    else:
+        assert len(left) == 2, (left, done.failure())

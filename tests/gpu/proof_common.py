@@ -7,6 +7,7 @@ on a machine without a GPU (the same code, gloo instead of NCCL, stand-ins where
 """
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -99,6 +100,8 @@ def one_rank(device: str):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+    from deepspeed_bnb.utils.teardown import release_shm_buffer
+    atexit.register(release_shm_buffer, 0)  # DeepSpeed's CPU comm op leaves its buffer in /dev/shm otherwise
 
 
 def deterministic(device: str) -> None:

@@ -31,6 +31,7 @@ import deepspeed_bnb  # noqa: E402,F401
 from bitsandbytes.optim.optimizer import Optimizer2State  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed_bnb.optim import own_update  # noqa: E402
+from deepspeed_bnb.utils.teardown import release_shm_buffer  # noqa: E402
 
 from support.legacy_bnb import simulate_049  # noqa: E402
 from support.toy import ds_config, global_batch, local_slice, loss_fn, make_model, param_groups  # noqa: E402
@@ -134,6 +135,7 @@ def run(phase: str, out: str, scenarios) -> None:
     if rank == 0:
         torch.save(results, os.path.join(out, f"{phase}.pt"))
     dist.barrier()
+    release_shm_buffer(rank)
 
 
 if __name__ == "__main__":

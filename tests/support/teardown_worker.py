@@ -6,7 +6,11 @@ Every rank writes OUT/result<rank>, then ends with teardown.finish(), except as 
 - clean: as is;
 - abort_after: rank 1's final exit is a SIGABRT instead (what gloo's C++ teardown does to a finished rank);
 - abort_before: rank 1 dies of SIGABRT before writing its result;
-- error_after: rank 1's final exit is exit code 3 instead (a failure that is not the teardown abort).
+- error_after: rank 1's final exit is exit code 3 instead (a failure that is not the teardown abort);
+- deepspeed: the group is DeepSpeed's (its CPU comm op creates a shared-memory buffer per rank) and one all-reduce
+  runs before the end;
+- deepspeed_without_release: as deepspeed, but each rank leaves the group and exits as DeepSpeed's own code would,
+  without teardown's release of that buffer (the control that shows DeepSpeed leaves it behind).
 """
 
 import os
@@ -19,7 +23,13 @@ from deepspeed_bnb.utils import teardown
 
 def main():
     out, mode = sys.argv[1:]
-    tdist.init_process_group("gloo")
+    if mode.startswith("deepspeed"):
+        import deepspeed
+        import torch
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        deepspeed.comm.all_reduce(torch.ones(4))
+    else:
+        tdist.init_process_group("gloo")
     rank = tdist.get_rank()
     if mode == "abort_before" and rank == 1:
         os.abort()
@@ -29,6 +39,10 @@ def main():
         # finish() still marks the rank done, meets the others and destroys the group; only its last act changes
         exit_now = os._exit
         os._exit = (lambda code: os.abort()) if mode == "abort_after" else (lambda code: exit_now(3))
+    if mode == "deepspeed_without_release":
+        tdist.barrier()
+        tdist.destroy_process_group()
+        os._exit(0)
     teardown.finish()
 
 
