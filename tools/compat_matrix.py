@@ -461,10 +461,6 @@ def release_limits() -> dict:
     return limits
 
 
-def release(version: str) -> tuple:
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 def deepspeed_cannot(deepspeed: str):
     """(test ids that cannot run with this DeepSpeed release on CPU ranks, why) or ((), ""); DeepSpeed's head can."""
     limits = release_limits()
@@ -487,8 +483,9 @@ def run_claims(cell, python: str, work: str, log) -> dict:
     """Every claim of the cell: one pytest in the cell's venv, and the claims checked from the reference venv."""
     deepspeed, bnb = cell[:2]
     other, reference = (python_of(os.path.join(ENVS, cell_name(*c))) for c in partners(cell))
-    excluded, _ = not_applicable(bnb)
-    limits = [limit for limit in (not_applicable(bnb), deepspeed_cannot(deepspeed)) if limit[0]]
+    bnb_limit = not_applicable(bnb)
+    excluded = bnb_limit[0]
+    limits = [limit for limit in (bnb_limit, deepspeed_cannot(deepspeed)) if limit[0]]
 
     def why_not(test_id):
         return next((why for ids, why in limits if test_id.startswith(ids)), None)
