@@ -107,8 +107,7 @@ class ParamState(Mapping):
     @classmethod
     def from_record(cls, record, numel: int, where: str, shared: Optional[Dict[str, object]] = None) -> "ParamState":
         """The state of a record written by to_record, for a parameter of `numel` elements; `shared`: the values of
-        the whole keys it left out. Anything else than what to_record writes is refused,
-        naming `where`."""
+        the whole keys it left out. Anything else than what to_record writes is refused, naming `where`."""
         fields = {"version", "numel", "block", "classes", "values"}
         if not isinstance(record, dict) or set(record) != fields:
             got = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -182,14 +181,6 @@ class ParamState(Mapping):
         absmax = self.values[self.partner(key, StateClass.BLOCK)]
         qmap = self.values[self.partner(key, StateClass.WHOLE)]
         return dequantize_blockwise(value, absmax, qmap, self.block)
-
-    def rows(self) -> List[torch.Tensor]:
-        """Every element key's rows in fp32, in key order (state1's rows, then state2's): torch's exp_avg, ..."""
-        out = []
-        for key in sorted(k for k, c in self.classes.items() if c == StateClass.ELEMENT):
-            value = self.dequantized(key)
-            out.extend(value.unbind(0) if value.dim() == 2 else [value])
-        return out
 
     @classmethod
     def assemble(cls, sources: Sequence["ParamState"], runs: Sequence[Run],

@@ -34,8 +34,6 @@ BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 pytestmark = [pytest.mark.multi_rank, pytest.mark.slow]
 
 
-
-
 def aio_missing():
     """Why NVMe offload cannot run here, or None: this DeepSpeed's swappers cannot run on CPU ranks
     (support/release_limits.py), or its async_io op cannot be built."""

@@ -20,8 +20,8 @@ from deepspeed_bnb.utils.teardown import DONE_DIR_VAR, aborted_only, run_ranks
 pytestmark = pytest.mark.multi_rank
 
 
-def launch(out, mode, port=None, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port or free_port()}",
+def launch(out, mode, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(TESTS, "support", "teardown_worker.py"), str(out), mode]
     return run_ranks(cmd, 2, env={**launch_env(), **env}, timeout=300)
 
@@ -130,8 +130,8 @@ def test_finish_removes_deepspeeds_shared_memory_buffers(tmp_path, mode):
     """DeepSpeed's CPU comm op never unlinks its 66 MB per-rank buffer; finish() does. The op makes one where
     LOCAL_SIZE (the deepspeed launcher sets it) equals the world size. Control: the same launch ended without
     finish() leaves both behind (removed here)."""
-    port = free_port()
-    done = launch(tmp_path, mode, port, LOCAL_SIZE="2")
+    done = launch(tmp_path, mode, LOCAL_SIZE="2")
+    port = next(arg.split("=")[1] for arg in done.cmd if arg.startswith("--master_port="))  # after any retry
     left = shm_buffers(port)
     for name in left:
         os.unlink(os.path.join("/dev/shm", name))

@@ -17,11 +17,11 @@ from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, tag_files, verify
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
-from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, SavedPart, check_record, check_saved_records, \
     empty_group_record, is_record, saved_master, saved_master_mode, saved_parts
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
 from deepspeed_bnb.checkpoint.format.sources import FileSource
+from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
 

@@ -245,7 +245,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
             torch.equal(state[name], qmap) for name, qmap in qmaps.items() if name in state)
             for state, is8 in zip(saved, eight_bit)]
         if moments is None:
-            moments = [(None, None)] * len(kept) if all(kept) else ckpt.moments(g)
+            moments = [(None, None)] * len(kept) if all(kept) else ckpt.moments(g, saved if carries_over else None)
         for (rows, step), is8, state, keep in tqdm(list(zip(moments, eight_bit, saved, kept)), desc=f"group {g}",
                                                    disable=not progress):
             report["params"] += 1

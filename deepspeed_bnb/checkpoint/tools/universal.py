@@ -271,12 +271,13 @@ class UniversalCheckpoint(RanklessSource):
             value = self.optimizer_state.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step", 0)
         return int(value.item() if torch.is_tensor(value) else value)
 
-    def moments(self, g: int) -> List[Tuple[List[torch.Tensor], int]]:
+    def moments(self, g: int, states=None) -> List[Tuple[List[torch.Tensor], int]]:
+        """Every parameter's Adam moments and step; `states`: the 8-bit kind's param_states(g), if already read."""
         if self.bnb:
             if self.optimizer_name not in ADAM_STATE_RULES:
                 raise CheckpointMismatchError(f"{self.tag_dir} holds '{self.optimizer_name}' state "
                                               f"({self.bnb['optimizer_class']}), not Adam's two moments")
-            return [(state.rows(), int(state["step"])) for state in self.param_states(g)]
+            return [(fp32_moments(state), int(state["step"])) for state in states or self.param_states(g)]
         return [([self._tensor(name, key, shape) for key in MOMENTS], self._step(name))
                 for name, shape in self.param_shapes()[g].items()]
 
