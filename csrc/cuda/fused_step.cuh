@@ -257,15 +257,128 @@ __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem&
 }
 
 // --- the kernel ----------------------------------------------------------------------------------------------------
+// The launch shape: what benchmarks/kernel_variants/ varies (the GPU proof's part k holds every variant to bnb's own
+// update bit for bit and times them side by side); the kernels' own builds compile DefaultTuning only.
+template <int MinBlocks, bool SplitFull, bool PrefetchSegment>
+struct Tuning {
+    static constexpr int kMinBlocks = MinBlocks;   // thread blocks per SM the register budget must allow
+    static constexpr bool kSplitFull = SplitFull;  // full, aligned blocks run a copy of the body compiled for 8
+                                                   // valid elements per lane (no per-element bounds checks)
+    static constexpr bool kPrefetchSegment = PrefetchSegment;  // the next block's segment index is loaded before
+                                                               // this block is stepped (one dependent load hidden)
+};
+using DefaultTuning = Tuning<3, false, false>;
+
+// One 256-element block (`start` within segment `seg`, `len` of its elements valid) stepped by one warp. Full: the
+// caller knows len == kBlock and every array aligned, so each lane's 8 elements are valid and use wide accesses.
 // Rule: kStates (1 or 2), kBnb (which arithmetic), Consts and prepare(row pointer), and per element
 // update8(c, p, g, s) (s: dequantized old states in, new ones out) and update32(c, p, g, s, slot) (the fp32 state
 // path; slot = index in the segment mod 4); for Ieee, kFloor (Adam's second moment floored). A non-finite gradient
 // is the rule's to handle (Ieee keeps p and state; bnb's kernels differ per rule).
-template <typename Rule, MasterKind K>
-__global__ void __launch_bounds__(kWarps * 32, 3) fused_step_kernel(StepArgs a) {
+template <typename Rule, MasterKind K, bool Full>
+__device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
+                                           const Scale& scale, const Segment& seg, int64_t start, int len,
+                                           int lane) {
     constexpr int S = Rule::kStates;
     constexpr bool kBnb = Rule::kBnb;
     constexpr bool kBf16 = K == MasterKind::kBFloat16;  // bnb's T = bf16 kernel
+    const typename Rule::Consts c = Rule::prepare(a.hyper + seg.hyper_row * a.hyper_fields);
+    const int first = lane * kPerLane;
+    const int n = Full ? kPerLane : max(0, min(kPerLane, len - first));  // this lane's valid elements
+    const int64_t i = seg.offset + start + first;                          // its first element in the partition
+    const bool vec = Full || (a.aligned && len == kBlock);
+
+    float p[8], g[8], s[S][8];
+    load_weights<K>(a.params, i, n, vec, p);
+    load_grads(a.grads, a.grad_type, i, n, vec, g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = unscale<kBnb>(g[k], a.grad_type, scale);
+
+    if (!seg.eight_bit) {  // 32-bit state: fp32 arrays packed in segment order
+        const int64_t f = seg.fp32_offset + start + first;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k < n) {
+#pragma unroll
+                for (int j = 0; j < S; ++j) s[j][k] = a.state[j][f + k];
+                Rule::template update32<kBf16>(c, p[k], g[k], s, k, first + k);
+#pragma unroll
+                for (int j = 0; j < S; ++j) a.state[j][f + k] = s[j][k];
+            }
+        }
+        store_weights<K, kBnb && kBf16>(a.params, i, n, false, p);
+        return;
+    }
+
+    const int64_t block = (seg.offset + start) / kBlock;
+    float absmax_old[S], best[S];
+    uint8_t codes[S][8];
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        absmax_old[j] = a.absmax[j][block];
+        if (vec) {
+            load_bytes(a.codes[j], i, codes[j]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) codes[j][k] = k < n ? a.codes[j][i + k] : 0;
+        }
+        best[j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k >= n) continue;
+#pragma unroll
+        for (int j = 0; j < S; ++j) s[j][k] = Rule::dequantize(maps[j].q[codes[j][k]], absmax_old[j]);
+        Rule::template update8<kBf16>(c, p[k], g[k], s, k);
+#pragma unroll
+        for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], s[j][k]);
+    }
+    store_weights<K, kBnb && kBf16>(a.params, i, n, vec, p);
+    if (kBnb && !Full && len < kBlock && lane == 31) {
+        // bnb's kernel steps the missing elements of a partial block too (g = 0, codes 128 and 0, p = 0), and
+        // their states enter its absmax
+        float pad_s[S][8], pad_p = 0.0f;
+#pragma unroll
+        for (int j = 0; j < S; ++j) pad_s[j][0] = Rule::dequantize(maps[j].q[fill_code(j)], absmax_old[j]);
+        Rule::template update8<kBf16>(c, pad_p, 0.0f, pad_s, 0);
+#pragma unroll
+        for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], pad_s[j][0]);
+    }
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            best[j] = Rule::absmax_reduce(best[j], __shfl_xor_sync(0xFFFFFFFFu, best[j], offset));
+        }
+    }
+    if (lane == 0) {  // every lane has read absmax_old (above) before this write
+#pragma unroll
+        for (int j = 0; j < S; ++j) a.absmax[j][block] = best[j];
+    }
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        const float r = kBnb ? bnbmath::rcp(best[j]) : reciprocal(best[j]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k < n) {
+                codes[j][k] = kBnb ? quantize_bnb(s[j][k], r, maps[j], a.tables[j], j == 0)
+                                   : quantize_ieee(s[j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
+            }
+        }
+        if (vec) {
+            store_bytes(a.codes[j], i, codes[j]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (k < n) a.codes[j][i + k] = codes[j][k];
+            }
+        }
+    }
+}
+
+template <typename Rule, MasterKind K, typename Tune>
+__global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kernel(StepArgs a) {
+    constexpr int S = Rule::kStates;
     __shared__ MapSmem maps[S];
 #pragma unroll
     for (int k = 0; k < S; ++k) fill_map(maps[k], a.qmap[k], a.tables[k]);
@@ -275,103 +388,23 @@ __global__ void __launch_bounds__(kWarps * 32, 3) fused_step_kernel(StepArgs a) 
 
     const int lane = threadIdx.x & 31;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-    for (int64_t work = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); work < a.total_blocks;
-         work += warps) {
-        const int32_t index = a.block_segment[work];
+    int64_t work = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    int32_t upcoming = Tune::kPrefetchSegment && work < a.total_blocks ? a.block_segment[work] : 0;
+    for (; work < a.total_blocks; work += warps) {
+        int32_t index;
+        if (Tune::kPrefetchSegment) {
+            index = upcoming;
+            if (work + warps < a.total_blocks) upcoming = a.block_segment[work + warps];
+        } else {
+            index = a.block_segment[work];
+        }
         const Segment seg = a.segments[index];
-        const typename Rule::Consts c = Rule::prepare(a.hyper + seg.hyper_row * a.hyper_fields);
         const int64_t start = (work - a.block_starts[index]) * kBlock;
         const int len = static_cast<int>(min(static_cast<int64_t>(kBlock), seg.numel - start));
-        const int first = lane * kPerLane;
-        const int n = max(0, min(kPerLane, len - first));  // this lane's valid elements
-        const int64_t i = seg.offset + start + first;       // its first element in the partition
-        const bool vec = a.aligned && len == kBlock;
-
-        float p[8], g[8], s[S][8];
-        load_weights<K>(a.params, i, n, vec, p);
-        load_grads(a.grads, a.grad_type, i, n, vec, g);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] = unscale<kBnb>(g[k], a.grad_type, scale);
-
-        if (!seg.eight_bit) {  // 32-bit state: fp32 arrays packed in segment order
-            const int64_t f = seg.fp32_offset + start + first;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                if (k < n) {
-#pragma unroll
-                    for (int j = 0; j < S; ++j) s[j][k] = a.state[j][f + k];
-                    Rule::template update32<kBf16>(c, p[k], g[k], s, k, first + k);
-#pragma unroll
-                    for (int j = 0; j < S; ++j) a.state[j][f + k] = s[j][k];
-                }
-            }
-            store_weights<K, kBnb && kBf16>(a.params, i, n, false, p);
-            continue;
-        }
-
-        const int64_t block = (seg.offset + start) / kBlock;
-        float absmax_old[S], best[S];
-        uint8_t codes[S][8];
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-            absmax_old[j] = a.absmax[j][block];
-            if (vec) {
-                load_bytes(a.codes[j], i, codes[j]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) codes[j][k] = k < n ? a.codes[j][i + k] : 0;
-            }
-            best[j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            if (k >= n) continue;
-#pragma unroll
-            for (int j = 0; j < S; ++j) s[j][k] = Rule::dequantize(maps[j].q[codes[j][k]], absmax_old[j]);
-            Rule::template update8<kBf16>(c, p[k], g[k], s, k);
-#pragma unroll
-            for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], s[j][k]);
-        }
-        store_weights<K, kBnb && kBf16>(a.params, i, n, vec, p);
-        if (kBnb && len < kBlock && lane == 31) {
-            // bnb's kernel steps the missing elements of a partial block too (g = 0, codes 128 and 0, p = 0), and
-            // their states enter its absmax
-            float pad_s[S][8], pad_p = 0.0f;
-#pragma unroll
-            for (int j = 0; j < S; ++j) pad_s[j][0] = Rule::dequantize(maps[j].q[fill_code(j)], absmax_old[j]);
-            Rule::template update8<kBf16>(c, pad_p, 0.0f, pad_s, 0);
-#pragma unroll
-            for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], pad_s[j][0]);
-        }
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) {
-                best[j] = Rule::absmax_reduce(best[j], __shfl_xor_sync(0xFFFFFFFFu, best[j], offset));
-            }
-        }
-        if (lane == 0) {  // every lane has read absmax_old (above) before this write
-#pragma unroll
-            for (int j = 0; j < S; ++j) a.absmax[j][block] = best[j];
-        }
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-            const float r = kBnb ? bnbmath::rcp(best[j]) : reciprocal(best[j]);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                if (k < n) {
-                    codes[j][k] = kBnb ? quantize_bnb(s[j][k], r, maps[j], a.tables[j], j == 0)
-                                       : quantize_ieee(s[j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
-                }
-            }
-            if (vec) {
-                store_bytes(a.codes[j], i, codes[j]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    if (k < n) a.codes[j][i + k] = codes[j][k];
-                }
-            }
+        if (Tune::kSplitFull && a.aligned && len == kBlock) {
+            step_block<Rule, K, true>(a, maps, scale, seg, start, len, lane);
+        } else {
+            step_block<Rule, K, false>(a, maps, scale, seg, start, len, lane);
         }
     }
 }
@@ -388,28 +421,23 @@ inline int grid_for(Kernel kernel, int64_t total_blocks) {
     return static_cast<int>(needed < resident ? needed : resident);
 }
 
-// Launches Rule's kernel for the master kind of `a` on `stream`; returns the CUDA error code (0: none).
-template <typename Rule>
-int launch(const StepArgs& a, void* stream) {
+// Launches Rule's kernel for master kind K on `stream`; returns the CUDA error code (0: none).
+template <typename Rule, MasterKind K, typename Tune = DefaultTuning>
+int launch_kind(const StepArgs& a, void* stream) {
     if (a.total_blocks == 0) return 0;
-    const auto s = static_cast<cudaStream_t>(stream);
-    switch (a.params.kind) {
-        case MasterKind::kBFloat16: {
-            auto kernel = fused_step_kernel<Rule, MasterKind::kBFloat16>;
-            kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, s>>>(a);
-            break;
-        }
-        case MasterKind::kCompensated: {
-            auto kernel = fused_step_kernel<Rule, MasterKind::kCompensated>;
-            kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, s>>>(a);
-            break;
-        }
-        default: {
-            auto kernel = fused_step_kernel<Rule, MasterKind::kFloat32>;
-            kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, s>>>(a);
-        }
-    }
+    auto kernel = fused_step_kernel<Rule, K, Tune>;
+    kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(a);
     return static_cast<int>(cudaGetLastError());
+}
+
+// Launches Rule's kernel for the master kind of `a` on `stream`; returns the CUDA error code (0: none).
+template <typename Rule, typename Tune = DefaultTuning>
+int launch(const StepArgs& a, void* stream) {
+    switch (a.params.kind) {
+        case MasterKind::kBFloat16: return launch_kind<Rule, MasterKind::kBFloat16, Tune>(a, stream);
+        case MasterKind::kCompensated: return launch_kind<Rule, MasterKind::kCompensated, Tune>(a, stream);
+        default: return launch_kind<Rule, MasterKind::kFloat32, Tune>(a, stream);
+    }
 }
 
 // --- pieces the rules share -------------------------------------------------------------------------------------

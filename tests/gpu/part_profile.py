@@ -4,8 +4,9 @@ Profiled, one step each after a warm-up: deepspeed_bnb's fused AdamW kernel in b
 step runs on a GPU) and in the IEEE one, bitsandbytes' AdamW8bit (its blockwise kernel), torch's fused fp32 AdamW,
 and a device-to-device copy (the bandwidth yardstick).
 - With Nsight Compute (`ncu`, where it is installed and allowed to read the GPU's counters): per kernel, DRAM
-  throughput as a share of peak, achieved occupancy, registers per thread, the occupancy limit and the top warp
-  stall reasons (sections SpeedOfLight, Occupancy, LaunchStats, WarpStateStats), from `ncu --csv`.
+  throughput as a share of peak, achieved occupancy, registers per thread, the occupancy limit (sections SpeedOfLight,
+  Occupancy, LaunchStats, WarpStateStats, from `ncu --csv`); and, from a second run of the fused kernels alone, where
+  their warps wait (the smsp__average_warps_issue_stalled_* metrics: cycles per issued instruction by reason).
 - Otherwise torch.profiler: per kernel, its name, launches and device time, and the bandwidth that time implies for
   the bytes the step must move.
 - Registers, shared memory and spills of the built kernels: `cuobjdump -res-usage` on the extension, where found.
@@ -29,6 +30,10 @@ METRICS = (("dram throughput", "DRAM % of peak"), ("achieved occupancy", "achiev
            ("registers per thread", "registers / thread"), ("block limit registers", "block limit (registers)"),
            ("duration", "duration"))
 KERNELS = r"regex:fused_step_kernel|kOptimizerStatic8bit2StateBlockwise|multi_tensor|copy"
+LAUNCHES = 64  # profiled launches: torch's fused AdamW takes one per chunk of the 256M elements, the others one each
+# the warp stall breakdown (cycles per issued instruction, per reason), asked for by name pattern in a second ncu run
+# of the fused kernels alone: a pattern this ncu does not know costs that table only
+STALLS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 
 
 def steps(device: str, n: int) -> dict:
@@ -95,9 +100,10 @@ def ncu_profile(args, result) -> bool:
         result.note("p: Nsight Compute (ncu) is not installed here: torch.profiler instead")
         return False
     path = os.path.join(args.work, "profile_ncu.json")
-    cmd = [ncu, "--csv", "--page", "details", "--kernel-name", KERNELS, "--launch-skip", "0", "--launch-count", "12",
-           *[x for s in SECTIONS for x in ("--section", s)], sys.executable, os.path.abspath(__file__), "--device",
-           args.device, "--result", path, "--work", args.work, "--bundle", args.bundle, "--under-ncu"]
+    child = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--result", path, "--work", args.work,
+             "--bundle", args.bundle, "--under-ncu"]
+    cmd = [ncu, "--csv", "--page", "details", "--kernel-name", KERNELS, "--launch-skip", "0", "--launch-count",
+           str(LAUNCHES), *[x for s in SECTIONS for x in ("--section", s)], *child]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
     if "ERR_NVGPUCTRPERM" in done.stdout + done.stderr or done.returncode != 0:
         result.note(f"p: ncu could not profile (exit {done.returncode}; "
@@ -105,25 +111,52 @@ def ncu_profile(args, result) -> bool:
                     f"torch.profiler instead")
         return False
     table = {}
-    lines = [line for line in done.stdout.splitlines() if line.startswith('"')]
-    for row in csv.DictReader(io.StringIO("\n".join(lines))):
+    for row in csv_rows(done.stdout):
         kernel = row.get("Kernel Name", "?")[:70]
         metric = (row.get("Metric Name") or "").lower()
+        values = table.setdefault(kernel, {"launches": set()})
+        values["launches"].add(row.get("ID"))
         for key, title in METRICS:
             if key in metric:
-                table.setdefault(kernel, {})[title] = f"{row.get('Metric Value')} {row.get('Metric Unit', '')}".strip()
-        if "stall" in metric and row.get("Metric Value"):
-            table.setdefault(kernel, {}).setdefault("stalls", []).append((metric, row["Metric Value"]))
-    rows = []
-    for kernel, values in table.items():
-        stalls = sorted(values.get("stalls", []), key=lambda s: -float(str(s[1]).replace(",", "") or 0))[:3]
-        rows.append([kernel, *[values.get(title, "-") for _, title in METRICS],
-                     "; ".join(f"{m.replace('warp cycles per issued instruction', '').strip()} {v}"
-                               for m, v in stalls) or "-"])
-    result.table("p: Nsight Compute, per kernel (one optimizer step over 256M elements each)",
-                 ["kernel", *[title for _, title in METRICS], "top stall reasons"], rows)
+                values[title] = f"{row.get('Metric Value')} {row.get('Metric Unit', '')}".strip()
+    rows = [[kernel, len(values["launches"]), *[values.get(title, "-") for _, title in METRICS]]
+            for kernel, values in table.items()]
+    result.table("p: Nsight Compute, per kernel (one optimizer step over 256M elements each; the last launch's "
+                 "counters where a step takes several)", ["kernel", "launches", *[title for _, title in METRICS]],
+                 rows)
     result.check("p: Nsight Compute profiled the kernels", bool(rows), f"{len(rows)} kernels", ">= 1")
+    stalls = subprocess.run([ncu, "--csv", "--page", "raw", "--kernel-name", "regex:fused_step_kernel",
+                             "--launch-count", "2", "--metrics", STALLS, *child], capture_output=True, text=True,
+                            timeout=args.child_timeout)
+    found = {}
+    for row in csv_rows(stalls.stdout):
+        kernel = row.get("Kernel Name", "?")[:70]
+        for metric, value in row.items():
+            reason = (metric or "").replace("smsp__average_warps_issue_stalled_", "").replace(
+                "_per_issue_active.ratio", "")
+            if metric and metric.startswith("smsp__average_warps_issue_stalled_") and number(value) is not None:
+                found.setdefault(kernel, []).append((reason, number(value)))
+    if not found:
+        result.note(f"p: ncu gave no stall breakdown (exit {stalls.returncode}: "
+                    f"{(stalls.stderr or stalls.stdout).strip()[-300:]})")
+    result.table("p: where the fused kernels' warps wait: cycles per issued instruction by stall reason (ncu)",
+                 ["kernel", "top stall reasons (cycles / issued instruction)"],
+                 [[kernel, "; ".join(f"{r} {v:.2f}" for r, v in sorted(pairs, key=lambda p: -p[1])[:6])]
+                  for kernel, pairs in found.items()])
     return True
+
+
+def csv_rows(text: str) -> list:
+    """The rows of ncu's --csv output (its own log lines dropped)."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    return list(csv.DictReader(io.StringIO("\n".join(lines))))
+
+
+def number(value):
+    try:
+        return float(str(value).replace(",", ""))
+    except ValueError:
+        return None
 
 
 def resource_usage(result) -> None:

@@ -20,6 +20,7 @@ Parts (each a script beside this one; its docstring says what it proves and agai
     env  part_environment.py   the machine, the versions, the packages import
     a    part_kernels.py       fused kernels == their oracles on the device (the reference; bnb's own CUDA update);
                                first-use check
+    k    part_variants.py     the kernels in several launch shapes, each == bnb's own CUDA update, timed side by side
     b+c  part_engines.py       ZeRO-1/2/3 x fp32/bf16 == plain bnb AdamW8bit, bnb's update and the fused kernel; the
                                fused kernel against bnb's update from the same state
     d    part_checkpoints.py   a CPU checkpoint continues on the device; the device's checkpoint comes back
@@ -65,7 +66,8 @@ class Part:
     args: tuple = ()  # extra arguments of the script
 
 
-PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 300), Part("b+c", "part_engines.py", 240),
+PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 300), Part("k", "part_variants.py", 240),
+         Part("b+c", "part_engines.py", 240),
          Part("d", "part_checkpoints.py", 120), Part("e", "part_large.py", 300),
          Part("f", "part_speed.py", 300, ("--suite", "f")), Part("f3", "part_speed.py", 300, ("--suite", "f3")),
          Part("m", "part_memory.py", 300), Part("p", "part_profile.py", 200), Part("o", "part_offload.py", 240),

@@ -28,6 +28,8 @@ def nvcc():
 
 KERNELS = [os.path.basename(path)[:-len(".cu")] for path in CUDA_SOURCES if path.endswith(".cu")]
 BINDINGS = [os.path.basename(path)[:-len(".cpp")] for path in CUDA_SOURCES if path.endswith("_cuda.cpp")]
+# the GPU proof's launch-shape sweep (tests/gpu/part_variants.py): every rule's kernel in each shape, and its binding
+VARIANTS = os.path.join(ROOT, "benchmarks", "kernel_variants")
 
 
 def test_every_cuda_source_is_checked():
@@ -38,10 +40,11 @@ def test_every_cuda_source_is_checked():
                                           [f"csrc/cuda/{b}.cpp" for b in BINDINGS])
 
 
-def _kernel_command(kernel, out_dir):
+def _kernel_command(kernel, out_dir, source=None):
     return [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
-            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-            os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o", os.path.join(out_dir, f"{kernel}.o")]
+            f"-I{os.path.join(CSRC, 'cuda')}", "-gencode", "arch=compute_80,code=sm_80", "-gencode",
+            "arch=compute_90,code=sm_90", source or os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o",
+            os.path.join(out_dir, f"{kernel}.o")]
 
 
 def cuda_include():
@@ -53,18 +56,23 @@ def cuda_include():
     pytest.skip(f"no CUDA headers (cuda_runtime.h) under {candidates}")
 
 
-def _binding_command(binding):
+def _binding_command(binding, source=None):
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
     return ["g++", "-fsyntax-only", "-std=c++20", f"-I{os.path.join(ROOT, 'tests', 'cuda_shim')}",
             f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
-            f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", os.path.join(CSRC, "cuda", f"{binding}.cpp")]
+            f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", f"-I{os.path.join(CSRC, 'cuda')}",
+            f"-I{VARIANTS}", source or os.path.join(CSRC, "cuda", f"{binding}.cpp")]
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Every compile of this file, run side by side (each is one process): name -> (return code, stderr)."""
     out_dir = str(tmp_path_factory.mktemp("cuda_objects"))
-    commands = {**{k: _kernel_command(k, out_dir) for k in KERNELS}, **{b: _binding_command(b) for b in BINDINGS}}
+    commands = {**{k: _kernel_command(k, out_dir) for k in KERNELS}, **{b: _binding_command(b) for b in BINDINGS},
+                "kernel_variants": _kernel_command("kernel_variants", out_dir,
+                                                   os.path.join(VARIANTS, "kernel_variants.cu")),
+                "kernel_variants_binding": _binding_command("kernel_variants_binding",
+                                                            os.path.join(VARIANTS, "kernel_variants_binding.cpp"))}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         runs = dict(zip(commands, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
                                            commands.values())))
@@ -82,3 +90,11 @@ def test_kernel_compiles_for_sm80_and_sm90(compiled, kernel):
 def test_binding_syntax(compiled, binding):
     returncode, stderr, _ = compiled[binding]
     assert returncode == 0, stderr[-4000:]
+
+
+def test_the_launch_shape_variants_compile(compiled):
+    """The GPU proof's part k builds these on the device: every shape of every rule compiles for sm_80 and sm_90, and
+    the binding against this torch's headers."""
+    for name in ("kernel_variants", "kernel_variants_binding"):
+        returncode, stderr, _ = compiled[name]
+        assert returncode == 0, f"{name}: {stderr[-4000:]}"

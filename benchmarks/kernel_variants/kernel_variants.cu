@@ -1,0 +1,104 @@
+// kernel_variants.cu — the fused kernels of every rule compiled in several launch shapes (fused_step.cuh's Tuning:
+// blocks per SM the register budget allows; a separate body for full blocks), for a side-by-side sweep on a GPU
+// (tests/gpu/part_variants.py): which shape moves the most bytes, each bit for bit with the others.
+// What it compiles: the rules' own kernel files (csrc/cuda/adam8bit.cu, lion8bit.cu, momentum8bit.cu), included here
+// so that every variant is the product's source with another Tuning, in bitsandbytes' CUDA arithmetic with fp32
+// master weights (what a ZeRO step runs on a GPU); the product's builds compile DefaultTuning only.
+// Build: by the part, with torch's JIT and the kernels' flags (deepspeed_bnb/ops/build_flags.py), include paths
+// csrc/include and csrc/cuda. Test: tests/gpu/part_variants.py compiles it with nvcc alone on a machine without a GPU.
+
+#include "adam8bit.cu"
+#include "lion8bit.cu"
+#include "momentum8bit.cu"
+
+#include "kernel_variants.h"
+
+namespace dsbnb {
+namespace variants {
+namespace {
+
+template <typename Rule, typename Tune>
+int launch_fp32(const StepArgs& a, bool, void* stream) {
+    return device::launch_kind<Rule, MasterKind::kFloat32, Tune>(a, stream);
+}
+
+template <typename Rule, typename Tune>
+int info_of(int* registers, int* blocks_per_sm) {
+    auto kernel = device::fused_step_kernel<Rule, MasterKind::kFloat32, Tune>;
+    cudaFuncAttributes attributes;
+    cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
+    if (status != cudaSuccess) return static_cast<int>(status);
+    *registers = attributes.numRegs;
+    return static_cast<int>(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel,
+                                                                          device::kWarps * 32, 0));
+}
+
+// The shapes compared: the product's first, then more blocks per SM, the full-block body, and with it the next
+// segment index loaded ahead at 2, 3 and 4 blocks per SM.
+using Shapes = std::tuple<device::DefaultTuning, device::Tuning<4, false, false>, device::Tuning<3, true, false>,
+                          device::Tuning<3, true, true>, device::Tuning<2, true, true>, device::Tuning<4, true, true>>;
+constexpr int kShapes = std::tuple_size<Shapes>::value;
+static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
+              "variant 0 is the product's own shape");
+
+// The launcher and the facts of shape V of Rule (a recursion over the shapes: nvcc's host pass rejects a pack of
+// kernel-template addresses).
+template <typename Rule, int V = 0>
+Launch launch_for(int variant) {
+    if constexpr (V == kShapes) {
+        return nullptr;
+    } else {
+        return variant == V ? &launch_fp32<Rule, std::tuple_element_t<V, Shapes>> : launch_for<Rule, V + 1>(variant);
+    }
+}
+
+template <typename Rule, int V = 0>
+Info info_for(int variant) {
+    if constexpr (V == kShapes) {
+        return nullptr;
+    } else {
+        return variant == V ? &info_of<Rule, std::tuple_element_t<V, Shapes>> : info_for<Rule, V + 1>(variant);
+    }
+}
+
+template <int V = 0>
+void describe(int variant, char* name, size_t size) {
+    if constexpr (V < kShapes) {
+        using Tune = std::tuple_element_t<V, Shapes>;
+        if (variant != V) return describe<V + 1>(variant, name, size);
+        snprintf(name, size, "%s%d blocks/SM%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
+                 Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "");
+    }
+}
+
+}  // namespace
+
+int count() { return kShapes; }
+
+const char* name(int variant) {
+    static char names[kShapes][64];
+    if (variant < 0 || variant >= kShapes) return nullptr;
+    describe(variant, names[variant], sizeof(names[variant]));
+    return names[variant];
+}
+
+Launch launcher(int rule, int variant) {
+    switch (rule) {
+        case 0: return launch_for<AdamBnb>(variant);
+        case 1: return launch_for<LionBnb>(variant);
+        case 2: return launch_for<MomentumBnb>(variant);
+        default: return nullptr;
+    }
+}
+
+Info info(int rule, int variant) {
+    switch (rule) {
+        case 0: return info_for<AdamBnb>(variant);
+        case 1: return info_for<LionBnb>(variant);
+        case 2: return info_for<MomentumBnb>(variant);
+        default: return nullptr;
+    }
+}
+
+}  // namespace variants
+}  // namespace dsbnb
