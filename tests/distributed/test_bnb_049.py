@@ -15,7 +15,8 @@ Two halves:
   in that venv and in this one; every state byte, master weight and loss must be identical (8-bit everywhere: this venv
   unmodified; 32-bit state too: this venv with 0.49's refusal planted, the same code path). Control: this venv's own
   32-bit update does differ from it.
-What stays untested without a GPU: bnb 0.49's own CUDA update (on a GPU, "auto" leaves every parameter to it).
+What stays untested without a GPU: bnb 0.49's own CUDA update (on a GPU, "auto" uses the fused kernels only where
+their first-use check against that update holds).
 """
 
 import copy

@@ -1,6 +1,6 @@
 """GPU proof, parts b and c: a DeepSpeed engine on the one device with bnb AdamW8bit and deepspeed_bnb imported.
 
-b. ZeRO-1, 2 and 3, fp32 and bf16, default `bnb_fused_kernel: "auto"` (on a GPU: bitsandbytes' own CUDA update):
+b. ZeRO-1, 2 and 3, fp32 and bf16, `bnb_fused_kernel: false` (bitsandbytes' own update):
    after every step, every parameter's fp32 weights and its whole state (codes, absmax, maps, step) equal plain bnb
    AdamW8bit without DeepSpeed on the same model and data, bit for bit. The plain reference of a bf16 engine is
    mixed precision written out by hand: a bf16 copy of the model computes the gradients, bnb steps fp32 master
@@ -10,8 +10,9 @@ b. ZeRO-1, 2 and 3, fp32 and bf16, default `bnb_fused_kernel: "auto"` (on a GPU:
    bf16 and error term and joined again after every step (ops/compensated.py); the engine's weights are DeepSpeed's
    fp32 API's (the joined values).
    Control: the weights moved (two untrained models would pass the comparison).
-   The same with `bnb_fused_kernel: true` over FUSED_STEPS steps: the fused kernels compute bnb's own CUDA arithmetic
-   (every parameter, 32-bit state included, in one launch per partition), so they too equal plain bnb bit for bit.
+   The same with the default `bnb_fused_kernel: "auto"` over FUSED_STEPS steps, which on a GPU is the fused kernels
+   (after their first-use check): they compute bnb's own CUDA arithmetic (every parameter, 32-bit state included, in
+   one launch per partition), so they too equal plain bnb bit for bit.
    The rehearsal on the CPU skips these (the CPU kernels compute the reference's IEEE arithmetic, within one code of
    bnb's CPU path: tests/kernels/test_fused_contract.py).
 c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the same run, ZeRO-2, fp32 and bf16:
@@ -52,9 +53,15 @@ def batch(step: int, device: str):
 
 
 def default_setting(device: str):
-    """What stands for `bnb_fused_kernel: "auto"` on a GPU (bnb's own update) on this device: "auto" itself on a GPU;
-    false on the CPU, where "auto" gives the fused kernel."""
-    return "auto" if device == "cuda" else False
+    """The setting that makes bitsandbytes' own update step every parameter, on any device: false ("auto" gives the
+    fused kernel on CPUs and GPUs)."""
+    return False
+
+
+def fused_setting(device: str):
+    """The setting of the fused runs: "auto" on a GPU (what users get there: the fused kernel, after its first-use
+    check), true on the CPU rehearsal."""
+    return "auto" if device == "cuda" else True
 
 
 def engine_of(stage: int, bf16: bool, device: str, fused=None, master="auto"):
@@ -139,7 +146,7 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
     returns the table row."""
     from support.toy import make_model
     bf16 = precision == "bf16"
-    engine = engine_of(stage, bf16, args.device, fused=True if fused else None,
+    engine = engine_of(stage, bf16, args.device, fused=fused_setting(args.device) if fused else None,
                        master="auto" if master == "fp32" else master)
     plain = PlainBnb(args.device, bf16, master)
     first_bad, worst, bad_states = None, 0.0, set()
@@ -165,7 +172,8 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
     if fused:
         label += ", fused kernel"
         expected = f"fused kernel ({args.device.upper()})"
-        result.check(f"b: {label}: the fused kernel steps every parameter (32-bit state included)",
+        result.check(f"b: {label}: bnb_fused_kernel {fused_setting(args.device)!r} steps every parameter (32-bit "
+                     f"state included) with the fused kernel",
                      summary == expected, summary, expected)
     else:
         result.check(f"b: {label}, bnb_fused_kernel {default_setting(args.device)!r} steps every parameter with bnb's "

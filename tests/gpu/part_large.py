@@ -92,7 +92,7 @@ def run_path(args, result, fused: bool):
     model = Huge()
     spots = windows(n, limit)
     init = [model.weight.detach()[s:s + w].clone() for s, w in spots]
-    setting = True if fused else ("auto" if args.device == "cuda" else False)
+    setting = bool(fused)  # false: bnb's own update ("auto" is the fused kernel on CPUs and GPUs)
     optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.01)
     config = ds_config(1, stage=2, bnb_fused_kernel=setting)
     config["train_micro_batch_size_per_gpu"] = 1

@@ -165,21 +165,24 @@ def test_control_a_kernel_that_runs_is_used(one_rank):
     assert max_difference(fused, unfused) > 0.0
 
 
-def test_gpu_default_is_bnbs_own_update(one_rank, monkeypatch):
-    """The CUDA kernels are not shown faster than bnb's inside the engine yet: on a GPU, `auto` leaves the step to bnb's
-    own CUDA kernels (no check, no warning); `true` opts in and still runs the first-use check, whose failure
-    refuses."""
+def test_gpu_default_is_the_kernel_once_its_first_use_check_holds(one_rank, monkeypatch):
+    """On a GPU `auto` is the fused kernel when its first-use check against bnb's own CUDA update holds there; when
+    the check fails, bnb's own update steps the run after a warning naming it, and `true` refuses. Control: a device
+    without kernels is refused whatever the check says."""
     _, engine = trained(_adamw8bit)
     optimizer = engine.optimizer
-    reason = fused_route.kernel_route("auto", optimizer.optimizer, torch.device("cuda")).reason
-    assert "opt-in on GPUs until the GPU proof shows them bit for bit with bnb's own update" in reason
     monkeypatch.setattr(self_check, "disagreement",
                         lambda rule, device, master="fp32": None if device.type == "cuda" else "x")
+    assert fused_route.kernel_route("auto", optimizer.optimizer, torch.device("cuda")) is FUSED
     assert fused_route.kernel_route(True, optimizer.optimizer, torch.device("cuda")) is FUSED
     monkeypatch.setattr(self_check, "disagreement",
                         lambda rule, device, master="fp32": "it raised RuntimeError: no kernel image")
+    with pytest.warns(RuntimeWarning, match="first-use check on cuda.*no kernel image.*own update steps this run"):
+        reason = fused_route.kernel_route("auto", optimizer.optimizer, torch.device("cuda")).reason
+    assert "first-use check on cuda" in reason
     with pytest.raises(ValueError, match="first-use check on cuda.*no kernel image"):
         fused_route.kernel_route(True, optimizer.optimizer, torch.device("cuda"))
+    monkeypatch.setattr(self_check, "disagreement", lambda rule, device, master="fp32": None)
     assert "not on xpu" in fused_route.kernel_route("auto", optimizer.optimizer, torch.device("xpu")).reason
 
 

@@ -3,10 +3,12 @@
 Two questions, asked in this order, both answered with a `Route` (FUSED, or bnb's own update and why):
 1. `kernel_route`, once per optimizer and device, from the user's `FusedKernel` setting: may the fused kernel step
    anything here at all? No when the user said `bnb_fused_kernel: false`, when the optimizer's update has no kernel
-   or a subclass overrides it (contract.optimizer_reason), on a device without kernels, on a GPU unless opted in (the
-   CUDA kernels are unproven there: never the silent default), when the compiled kernels cannot be loaded, or when
-   they fail their first-use check (ops/self_check.py). `true` turns every such reason but the contract's into an
-   error; a kernel that should run and cannot warns once and leaves the step to bnb.
+   or a subclass overrides it (contract.optimizer_reason), on a device without kernels, when the compiled kernels
+   cannot be loaded, or when they fail their first-use check on the device (ops/self_check.py: on a GPU against
+   bnb's own CUDA update). `true` turns every such reason but the contract's into an error; a kernel that should run
+   and cannot warns once and leaves the step to bnb. On GPUs "auto" is the kernel since the GPU proof showed it bit
+   for bit with plain bnb over 20 steps at ZeRO-1/2/3 with every master mode, and faster than bnb's update inside
+   the engine (benchmarks/results/gpu/2026-11-28-h200-kernels).
 2. `route`, per parameter and at every step (configs change during training): a `Route`, FUSED where the kernel
    computes that parameter's own bnb update (contract.param_reason), else one naming why bnb's `update_step` steps
    it. 32-bit state takes the kernel's fp32 path (contract.fp32_param_reason) where that is bnb's own update (bnb's
@@ -49,7 +51,7 @@ def _route(reason: Optional[str]) -> Route:
 class FusedKernel(enum.Enum):
     """zero_optimization.bnb_fused_kernel, parsed (runtime/zero/config.py documents the key)."""
 
-    AUTO = "auto"  # the kernel where it computes bnb's own update and runs here (CPUs; GPUs once proven)
+    AUTO = "auto"  # the kernel where it computes bnb's own update and passes its first-use check (CPUs and GPUs)
     ON = "true"  # the same per-parameter contract, but the kernel must run: an error where it cannot
     OFF = "false"  # bnb's own update everywhere
 
@@ -78,13 +80,6 @@ def _kernel_reason(setting: FusedKernel, optimizer, device, master: str) -> Opti
     reason = optimizer_reason(optimizer)
     if reason is None and device.type not in KERNEL_DEVICES:
         reason = f"the fused kernels run on {' and '.join(KERNEL_DEVICES)}, not on {device.type}"
-    if reason is None and device.type == "cuda" and setting is FusedKernel.AUTO:
-        # the CUDA kernels compute bnb's own CUDA arithmetic (and the first-use check holds them to bnb's update on
-        # the device), but no GPU run has yet shown them bit for bit with bnb over many steps and faster inside the
-        # engine: until the GPU proof does, the default stays with bnb's own update (never an unproven default)
-        return ("the fused CUDA kernels are opt-in on GPUs until the GPU proof shows them bit for bit with bnb's own "
-                "update and faster inside the engine (zero_optimization.bnb_fused_kernel: true uses them, after the "
-                "first-use check against bnb's update on this GPU)")
     if reason is None and not loader.load():
         reason = f"the compiled kernels could not be built or loaded here ({loader.error()})"
         _fall_back(setting, reason)

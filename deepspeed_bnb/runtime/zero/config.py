@@ -41,10 +41,10 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
     Step bnb optimizers with deepspeed_bnb's fused kernels where they compute bnb's own update (one pass per
     partition: unscale/clip, update, requantization; C++ on CPU, CUDA on GPU), bnb's own update elsewhere:
     "auto" (default): the kernel for each parameter the contract allows (8-bit state, bnb's own update_step, every
-    config field modelled: optim/fused/contract.py), on CPUs; on GPUs bnb's own CUDA kernels, until the fused CUDA
-    kernels have been validated there. When the kernel cannot run here (no compiler, or a build that fails its
-    first-use check against the reference, ops/self_check.py), bnb's own update steps instead, after one warning.
-    true: the same per-parameter contract, but the kernel must run: an error where it cannot, on a GPU too (opt-in).
+    config field modelled: optim/fused/contract.py), on CPUs and GPUs. When the kernel cannot run here (no compiler,
+    or a build that fails its first-use check against its oracle on the device, ops/self_check.py), bnb's own update
+    steps instead, after one warning.
+    true: the same per-parameter contract, but the kernel must run: an error where it cannot.
     false: bnb's own update everywhere. Checkpoints load either way.
     """
 
