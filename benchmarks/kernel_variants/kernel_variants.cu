@@ -1,15 +1,15 @@
 // kernel_variants.cu — the fused kernels of every rule compiled in several launch shapes (fused_step.cuh's Tuning:
 // blocks per SM the register budget allows; a separate body for full blocks), for a side-by-side sweep on a GPU
 // (tests/gpu/part_variants.py): which shape moves the most bytes, each bit for bit with the others.
-// What it compiles: the rules' own kernel files (csrc/cuda/adam8bit.cu, lion8bit.cu, momentum8bit.cu), included here
-// so that every variant is the product's source with another Tuning, in bitsandbytes' CUDA arithmetic with fp32
-// master weights (what a ZeRO step runs on a GPU); the product's builds compile DefaultTuning only.
+// What it compiles: the rules the product's kernels use (csrc/cuda/*_rules.cuh), so that every variant is the
+// product's source with another Tuning, in bitsandbytes' CUDA arithmetic with fp32 master weights (what a ZeRO step
+// runs on a GPU); the product's builds compile DefaultTuning only.
 // Build: by the part, with torch's JIT and the kernels' flags (deepspeed_bnb/ops/build_flags.py), include paths
 // csrc/include and csrc/cuda. Test: tests/gpu/part_variants.py compiles it with nvcc alone on a machine without a GPU.
 
-#include "adam8bit.cu"
-#include "lion8bit.cu"
-#include "momentum8bit.cu"
+#include "adam8bit_rules.cuh"
+#include "lion8bit_rules.cuh"
+#include "momentum8bit_rules.cuh"
 
 #include "kernel_variants.h"
 
@@ -85,18 +85,18 @@ const char* name(int variant) {
 
 Launch launcher(int rule, int variant) {
     switch (rule) {
-        case 0: return launch_for<AdamBnb>(variant);
-        case 1: return launch_for<LionBnb>(variant);
-        case 2: return launch_for<MomentumBnb>(variant);
+        case 0: return launch_for<cuda_rules::AdamBnb>(variant);
+        case 1: return launch_for<cuda_rules::LionBnb>(variant);
+        case 2: return launch_for<cuda_rules::MomentumBnb>(variant);
         default: return nullptr;
     }
 }
 
 Info info(int rule, int variant) {
     switch (rule) {
-        case 0: return info_for<AdamBnb>(variant);
-        case 1: return info_for<LionBnb>(variant);
-        case 2: return info_for<MomentumBnb>(variant);
+        case 0: return info_for<cuda_rules::AdamBnb>(variant);
+        case 1: return info_for<cuda_rules::LionBnb>(variant);
+        case 2: return info_for<cuda_rules::MomentumBnb>(variant);
         default: return nullptr;
     }
 }

@@ -1,5 +1,5 @@
-// kernel_variants.h — the C interface between kernel_variants.cu (the fused kernels in several launch shapes, built by
-// nvcc without torch headers) and its torch binding (kernel_variants_binding.cpp). Rules: 0 AdamW, 1 Lion,
+// kernel_variants.h — the C interface between kernel_variants.cu (the fused kernels in several launch shapes, built
+// by nvcc without torch headers) and its torch binding (kernel_variants_binding.cpp). Rules: 0 AdamW, 1 Lion,
 // 2 SGD-momentum; variant 0 is the product's own shape.
 #pragma once
 

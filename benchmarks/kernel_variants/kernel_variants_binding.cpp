@@ -1,7 +1,8 @@
 // kernel_variants_binding.cpp — torch operators over kernel_variants.cu, for the launch-shape sweep
 // (tests/gpu/part_variants.py): dsbnb_variants::step (one fused step of a rule in one shape, the product's argument
 // checks and cached tables: csrc/cuda/fused_cuda.h), ::count, ::name and ::info (registers, resident blocks per SM).
-// Build: with a CUDA build of torch, by the part (torch's JIT). Only bitsandbytes' CUDA arithmetic, fp32 master weights.
+// Build: with a CUDA build of torch, by the part (torch's JIT). Only bitsandbytes' CUDA arithmetic, fp32 master
+// weights.
 
 #include "fused_cuda.h"
 #include "kernel_variants.h"

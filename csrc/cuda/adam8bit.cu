@@ -13,49 +13,13 @@
 // Test: pytest tests/kernels/test_fused_rules.py -k adam (ieee, where a GPU is present); the GPU proof's kernel part
 // (bnb_cuda against bitsandbytes itself).
 
-#include "fused_step.cuh"
+#include "adam8bit_rules.cuh"
 
 namespace dsbnb {
-namespace {
-
-struct AdamIeee : device::IeeeQuantizer {
-    static constexpr int kStates = 2;
-    static constexpr bool kFloor = true;  // the second moment's positive floor (ops/reference.py)
-    using Consts = Hyper;
-    __device__ static __forceinline__ Consts prepare(const float* row) { return *reinterpret_cast<const Hyper*>(row); }
-    template <bool Bf16>
-    __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[2][8], int k) {
-        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
-        float m, v;
-        adam_moments(s[0][k], s[1][k], g, h, m, v);
-        p = adam_param(p, m, v, h);
-        s[0][k] = m;
-        s[1][k] = v;
-    }
-    template <bool Bf16>
-    __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[2][8], int k,
-                                                    int) {
-        update8<Bf16>(h, p, g, s, k);
-    }
-};
-
-struct AdamBnb : device::BnbQuantizer {
-    static constexpr int kStates = 2;
-    template <bool Bf16>
-    __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[2][8], int k) {
-        bnbmath::adam_8bit<Bf16>(c, p, g, s[0][k], s[1][k]);
-    }
-    template <bool Bf16>
-    __device__ static __forceinline__ void update32(const Consts& c, float& p, float g, float (&s)[2][8], int k,
-                                                    int) {
-        bnbmath::adam_32bit<Bf16>(c, p, g, s[0][k], s[1][k]);
-    }
-};
-
-}  // namespace
 
 int launch_adam8bit_step(const StepArgs& args, bool bnb, void* stream) {
-    return bnb ? device::launch<AdamBnb>(args, stream) : device::launch<AdamIeee>(args, stream);
+    return bnb ? device::launch<cuda_rules::AdamBnb>(args, stream)
+               : device::launch<cuda_rules::AdamIeee>(args, stream);
 }
 
 }  // namespace dsbnb

@@ -14,50 +14,13 @@
 // Test: pytest tests/kernels/test_fused_rules.py -k lion (ieee, where a GPU is present);
 // tests/kernels/test_cuda_build.py; the GPU proof's kernel part (bnb_cuda against bitsandbytes itself).
 
-#include "fused_step.cuh"
+#include "lion8bit_rules.cuh"
 
 namespace dsbnb {
-namespace {
-
-struct LionIeee : device::IeeeQuantizer {
-    static constexpr int kStates = 1;
-    static constexpr bool kFloor = false;
-    using Consts = LionHyper;
-    __device__ static __forceinline__ Consts prepare(const float* row) {
-        return *reinterpret_cast<const LionHyper*>(row);
-    }
-    // the step uses the old momentum, the new momentum follows
-    template <bool Bf16>
-    __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[1][8], int k) {
-        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
-        const float m_old = s[0][k];
-        s[0][k] = lion_momentum(m_old, g, h);
-        p = lion_param(p, m_old, g, h);
-    }
-    template <bool Bf16>
-    __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,
-                                                    int) {
-        update8<Bf16>(h, p, g, s, k);
-    }
-};
-
-struct LionBnb : device::BnbQuantizer {
-    static constexpr int kStates = 1;
-    template <bool Bf16>
-    __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {
-        bnbmath::lion_8bit<Bf16>(c, p, g, s[0][k]);
-    }
-    template <bool Bf16>
-    __device__ static __forceinline__ void update32(const Consts& c, float& p, float g, float (&s)[1][8], int k,
-                                                    int) {
-        bnbmath::lion_32bit<Bf16>(c, p, g, s[0][k]);
-    }
-};
-
-}  // namespace
 
 int launch_lion8bit_step(const StepArgs& args, bool bnb, void* stream) {
-    return bnb ? device::launch<LionBnb>(args, stream) : device::launch<LionIeee>(args, stream);
+    return bnb ? device::launch<cuda_rules::LionBnb>(args, stream)
+               : device::launch<cuda_rules::LionIeee>(args, stream);
 }
 
 }  // namespace dsbnb

@@ -15,50 +15,13 @@
 // Test: pytest tests/kernels/test_fused_rules.py -k momentum (ieee, where a GPU is present);
 // tests/kernels/test_cuda_build.py; the GPU proof's kernel part (bnb_cuda against bitsandbytes itself).
 
-#include "fused_step.cuh"
+#include "momentum8bit_rules.cuh"
 
 namespace dsbnb {
-namespace {
-
-struct MomentumIeee : device::IeeeQuantizer {
-    static constexpr int kStates = 1;
-    static constexpr bool kFloor = false;
-    using Consts = MomentumHyper;
-    __device__ static __forceinline__ Consts prepare(const float* row) {
-        return *reinterpret_cast<const MomentumHyper*>(row);
-    }
-    // the new momentum first (coupled decay reads the old p), then the parameter from it
-    template <bool Bf16>
-    __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[1][8], int k) {
-        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
-        s[0][k] = momentum_state(p, s[0][k], g, h);
-        p = momentum_param(p, s[0][k], h);
-    }
-    template <bool Bf16>
-    __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,
-                                                    int) {
-        update8<Bf16>(h, p, g, s, k);
-    }
-};
-
-struct MomentumBnb : device::BnbQuantizer {
-    static constexpr int kStates = 1;
-    template <bool Bf16>
-    __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {
-        bnbmath::momentum_8bit<Bf16>(c, p, g, s[0][k]);
-    }
-    // bnb's f32 kernel fuses the decay term differently for the first of every four elements of its call
-    template <bool Bf16>
-    __device__ static __forceinline__ void update32(const Consts& c, float& p, float g, float (&s)[1][8], int k,
-                                                    int index) {
-        bnbmath::momentum_32bit<Bf16>(c, p, g, s[0][k], index & 3);
-    }
-};
-
-}  // namespace
 
 int launch_momentum8bit_step(const StepArgs& args, bool bnb, void* stream) {
-    return bnb ? device::launch<MomentumBnb>(args, stream) : device::launch<MomentumIeee>(args, stream);
+    return bnb ? device::launch<cuda_rules::MomentumBnb>(args, stream)
+               : device::launch<cuda_rules::MomentumIeee>(args, stream);
 }
 
 }  // namespace dsbnb

@@ -1,0 +1,48 @@
+// lion8bit_rules.cuh — the per-element arithmetic of the fused Lion CUDA kernels, one Rule per arithmetic (LionIeee:
+// the reference's IEEE fp32 rule; LionBnb: bitsandbytes' own CUDA kernels), for fused_step.cuh's kernel skeleton.
+// Included by lion8bit.cu (the product's launcher) and benchmarks/kernel_variants/kernel_variants.cu (the launch-shape
+// sweep). Build and test: see lion8bit.cu.
+#pragma once
+
+#include "fused_step.cuh"
+
+namespace dsbnb {
+namespace cuda_rules {
+
+struct LionIeee : device::IeeeQuantizer {
+    static constexpr int kStates = 1;
+    static constexpr bool kFloor = false;
+    using Consts = LionHyper;
+    __device__ static __forceinline__ Consts prepare(const float* row) {
+        return *reinterpret_cast<const LionHyper*>(row);
+    }
+    // the step uses the old momentum, the new momentum follows
+    template <bool Bf16>
+    __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[1][8], int k) {
+        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
+        const float m_old = s[0][k];
+        s[0][k] = lion_momentum(m_old, g, h);
+        p = lion_param(p, m_old, g, h);
+    }
+    template <bool Bf16>
+    __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,
+                                                    int) {
+        update8<Bf16>(h, p, g, s, k);
+    }
+};
+
+struct LionBnb : device::BnbQuantizer {
+    static constexpr int kStates = 1;
+    template <bool Bf16>
+    __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {
+        bnbmath::lion_8bit<Bf16>(c, p, g, s[0][k]);
+    }
+    template <bool Bf16>
+    __device__ static __forceinline__ void update32(const Consts& c, float& p, float g, float (&s)[1][8], int k,
+                                                    int) {
+        bnbmath::lion_32bit<Bf16>(c, p, g, s[0][k]);
+    }
+};
+
+}  // namespace cuda_rules
+}  // namespace dsbnb
