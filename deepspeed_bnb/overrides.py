@@ -331,6 +331,11 @@ OVERRIDES: Tuple[Override, ...] = (
     Override(FRAGMENT, "set_full_hp_param", OBJECT, OBJECT_SCOPE,
              "deepspeed_bnb.utils.tensor_fragment:set_full_hp_param", "as get_full_hp_param",
              ("self", "value", "optim_state_key")),
+    # ---- DeepSpeed's universal-checkpoint converter ---------------------------------------------------------------
+    Override("deepspeed.checkpoint.ds_to_universal", "main", REPLACE, IMPORT_SCOPE,
+             "deepspeed_bnb.checkpoint.ds_to_universal:main", "reads every optimizer state as torch Adam's exp_avg / "
+             "exp_avg_sq fragments (KeyError 'exp_avg' on bnb state): a deepspeed_bnb checkpoint is written as the "
+             "8-bit universal checkpoint instead, any other goes to DeepSpeed's converter", ("args",)),
     # ---- Accelerate -----------------------------------------------------------------------------------------------
     Override("accelerate.accelerator.Accelerator", "_prepare_deepspeed", REPLACE, IMPORT_SCOPE,
              "deepspeed_bnb.integrations.accelerate:_prepare_deepspeed", "under optimizer offload Accelerate replaces "

@@ -7,9 +7,14 @@ into ZeRO files keeps it bit for bit; an engine of ours with `load_universal` lo
 state bit for bit and then trains exactly as the uninterrupted run does; the state files are at most 0.3x the bytes of the fp32 (stock) kind's for a
 model of realistic parameter sizes. Controls: the stock kind of the same checkpoint is not bit for bit (its moments
 are requantized on the way back: the resumed losses differ, slightly), and a stock engine is refused on the 8-bit kind instead of starting fresh moments.
+DeepSpeed's own converter (ds_to_universal.main, called in-process as DeepSpeed's tests call it) writes the 8-bit kind
+for a checkpoint of ours while deepspeed_bnb is imported (control: DeepSpeed's original fails on it) and still
+converts a stock checkpoint itself.
 """
 
 import os
+import shutil
+from types import SimpleNamespace
 
 import bitsandbytes as bnb
 import deepspeed
@@ -17,6 +22,7 @@ import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
+from deepspeed_bnb import installer
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
@@ -169,3 +175,46 @@ def test_a_stock_engine_is_refused_on_the_8bit_kind(saved, tmp_path):
                                   config=config)[0]
     with pytest.raises(Exception, match="--stock"):
         engine.load_checkpoint(out)
+
+
+def converter_args(tag_dir: str, output_folder: str) -> SimpleNamespace:
+    """The arguments DeepSpeed's universal-checkpoint tests hand ds_to_universal.main."""
+    return SimpleNamespace(input_folder=tag_dir, output_folder=output_folder, num_extract_workers=1,
+                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+
+
+def test_deepspeeds_converter_writes_the_8bit_kind_for_our_checkpoints(saved, tmp_path):
+    """DeepSpeed's ds_to_universal.main, called in-process as DeepSpeed's own universal-checkpoint tests call it, on
+    a checkpoint of ours: the 8-bit universal checkpoint beside it (`t_universal`), which an engine of ours loads by
+    that tag with the state bit for bit and then trains as the uninterrupted run does. Control: DeepSpeed's own
+    converter fails on the same checkpoint."""
+    from deepspeed.checkpoint.ds_to_universal import main
+    folder = str(tmp_path / "run")
+    shutil.copytree(saved["AdamW8bit"], folder)
+    main(converter_args(os.path.join(folder, "t"), os.path.join(folder, "t_universal")))
+    engine = universal_engine("AdamW8bit", 2)
+    engine.load_checkpoint(folder, tag="t_universal")
+    engine.save_checkpoint(str(tmp_path / "again"), tag="t")
+    ckpt, again = SavedCheckpoint(saved["AdamW8bit"]), SavedCheckpoint(str(tmp_path / "again"))
+    for g in range(len(ckpt.param_shapes())):
+        same_states(again.param_states(g), ckpt.param_states(g), f"group {g}")
+    assert train_steps(engine, MORE) == CONTINUED["AdamW8bit"]
+    with pytest.raises(AssertionError, match="universal_checkpoint_info state is missing"):
+        installer.stock("ds_to_universal.main")(converter_args(os.path.join(folder, "t"),
+                                                               str(tmp_path / "stock_universal")))
+
+
+def test_deepspeeds_converter_still_converts_stock_checkpoints(one_rank, tmp_path):
+    """A stock DeepSpeed checkpoint (torch AdamW) goes to DeepSpeed's own converter: its universal folder holds torch
+    Adam's fp32 moments per parameter, as DeepSpeed writes them."""
+    from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
+    from deepspeed.checkpoint.ds_to_universal import main
+    model = build_engine().module  # the toy's model
+    engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  config=ds_config(1))[0]
+    train_steps(engine, range(2))
+    engine.save_checkpoint(str(tmp_path), tag="s", client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+    main(converter_args(str(tmp_path / "s"), str(tmp_path / "s_universal")))
+    name = next(iter(dict(engine.module.named_parameters())))
+    assert sorted(os.listdir(tmp_path / "s_universal" / "zero" / name)) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt",
+                                                                            "step.pt"]

@@ -190,12 +190,14 @@ def check_dp(verb: str, dp: int, allow_large_dp: bool = False) -> int:
     return dp
 
 
-def check_output(ckpt: SavedCheckpoint, out_dir: str) -> None:
+def check_output(ckpt: SavedCheckpoint, out_dir: str, tag: Optional[str] = None) -> None:
     """An offline writer's output directory is neither the checkpoint it reads nor inside it (the new tag would
-    replace or nest in the source, the only copy of what is being rewritten)."""
+    replace or nest in the source, the only copy of what is being rewritten). `tag`: the output's tag, where it may
+    differ from the input's: then the directory holding the input may take it beside the input."""
     source_dir = os.path.realpath(os.path.dirname(os.path.normpath(ckpt.tag_dir)))
     tag_dir, out = os.path.realpath(ckpt.tag_dir), os.path.realpath(out_dir)
-    if out in (source_dir, tag_dir) or out.startswith(tag_dir + os.sep):
+    beside = tag is not None and os.path.realpath(os.path.join(out, tag)) != tag_dir
+    if (out == source_dir and not beside) or out == tag_dir or out.startswith(tag_dir + os.sep):
         raise ValueError(f"the output directory {out_dir} is the checkpoint being read ({ckpt.tag_dir}) or inside it: "
                          f"writing there would replace the source. Give a new directory (and move it into place "
                          f"afterwards if you want to).")

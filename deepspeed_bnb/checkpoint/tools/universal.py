@@ -20,7 +20,7 @@ Only plain tensors and builtins are written. `UniversalCheckpoint` reads either 
 """
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -61,11 +61,13 @@ def _whole(value, where: str) -> torch.Tensor:
     return tensor
 
 
-def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True, stock: bool = False) -> str:
+def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True, stock: bool = False,
+                    tag: Optional[str] = None) -> str:
     """Write `ckpt` (deepspeed_bnb) as a DeepSpeed universal checkpoint in `out_dir`; returns the tag directory.
     8-bit by default: every parameter's bnb state as it is, for engines of deepspeed_bnb. `stock`: torch AdamW's
     fp32 moments (an Adam-family optimizer only; bnb's dequantized ones, exact for fp32 state) for a stock engine.
-    Either way the weights are the fp32 master weights."""
+    Either way the weights are the fp32 master weights. `tag`: the output's tag (default: the input's); another tag
+    may be written beside the input, as DeepSpeed's ds_to_universal writes `<tag>_universal`."""
     record = ckpt.record(0)
     if stock and record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "
@@ -73,8 +75,8 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True, 
                                       f"AdamW state (exp_avg, exp_avg_sq) and needs an Adam-family optimizer. Leave "
                                       f"out --stock to keep the bnb state for an engine of deepspeed_bnb.")
     ckpt.refuse_experts("deepspeed-bnb export --universal")
-    check_output(ckpt, out_dir)
-    tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
+    tag = tag or os.path.basename(os.path.normpath(ckpt.tag_dir))
+    check_output(ckpt, out_dir, tag)
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
         (_write_stock_files if stock else _write_8bit_files)(ckpt, record, staged, progress)
         _write_model_states(ckpt, staged)
