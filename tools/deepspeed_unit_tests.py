@@ -1,0 +1,145 @@
+"""DeepSpeed's own unit tests as an outside check: each test id run as DeepSpeed wrote it and with every Adam/AdamW
+replaced by bitsandbytes' AdamW8bit under deepspeed_bnb, side by side, each run in a session of its own with a
+deadline (a hang in DeepSpeed's harness is reported as such and killed with its workers, not waited on).
+
+    python tools/deepspeed_unit_tests.py --tests DEEPSPEED/tests --python PYTHON --out REPORT.md ID [ID ...]
+
+DEEPSPEED/tests: the tests folder of a DeepSpeed checkout (its unit tests import `unit.*` from there); PYTHON: an
+interpreter with deepspeed, bitsandbytes, deepspeed_bnb's dependencies and pytest < 8.4 (DeepSpeed's harness needs
+it); ids as pytest takes them, relative to DEEPSPEED/tests (explicit ids: the harness spawns workers per id). Runs on
+CPU ranks (DS_ACCELERATOR=cpu). The replacement is tools/deepspeed_unit_tests_site/sitecustomize.py: it logs every
+engine's ZeRO and base optimizer classes, so the report shows that the bnb runs did step AdamW8bit under deepspeed_bnb
+(a run that built no such engine is flagged: it tested nothing of ours). Results: docs/deepspeed_unit_tests.md.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.path.join(ROOT, "tools", "deepspeed_unit_tests_site")
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from support import process_tree  # noqa: E402  (a child killed with its whole session at its deadline)
+
+MODES = ("stock", "bnb")
+OURS = ("BnbZeroOptimizer", "BnbZeroStage3Optimizer")
+
+
+SHM = "/dev/shm"
+SHM_BUFFER = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU comm op: one per rank, never unlinked by DeepSpeed
+
+
+def _mapped_files() -> set:
+    """Every file some live process maps (from /proc/*/maps)."""
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if SHM in line)
+        except OSError:
+            continue
+    return mapped
+
+
+def release_leaked_buffers(before: set) -> int:
+    """Unlink the comm-op buffers a finished run left in /dev/shm (66 MB of RAM each): new since `before` and mapped
+    by no live process (another job's ranks may be using theirs). Returns how many."""
+    if not os.path.isdir(SHM):
+        return 0
+    mapped = _mapped_files()
+    left = [n for n in os.listdir(SHM) if n.startswith(SHM_BUFFER) and n not in before
+            and os.path.join(SHM, n) not in mapped]
+    for name in left:
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except OSError:
+            pass
+    return len(left)
+
+
+def run_one(test_id: str, mode: str, args, log_dir: str) -> dict:
+    """One pytest run of `test_id` in `mode`: its outcome, the first error line, the engines it built, seconds."""
+    log = os.path.join(log_dir, f"{len(os.listdir(log_dir))}.jsonl")
+    # LOCAL_SIZE: the CPU accelerator's device count, which DeepSpeed's harness compares with a test's world size
+    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(args.devices), DEEPSPEED_BNB_UNIT_MODE=mode,
+               DEEPSPEED_BNB_UNIT_LOG=log,
+               PYTHONPATH=os.pathsep.join([SITE, ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(
+                   os.pathsep))]))
+    env.pop("LOCAL_RANK", None)
+    before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+    began = time.monotonic()
+    done = process_tree.run([args.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_id],
+                            args.timeout, env=env, cwd=args.tests, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    seconds = time.monotonic() - began
+    release_leaked_buffers(before)
+    output = (done.stdout or "") + (done.stderr or "")
+    engines = []
+    if os.path.isfile(log):
+        with open(log) as f:
+            engines = [json.loads(line) for line in f if line.strip()]
+    summary = next((line for line in reversed(output.splitlines()) if re.search(r"\b(passed|failed|skipped|error)",
+                                                                              line)), "")
+    if done.returncode is None:
+        outcome = "hung"
+    elif done.returncode == 0:
+        outcome = "skipped" if "skipped" in summary and "passed" not in summary else "passed"
+    else:
+        outcome = "failed"
+    error = next((line.strip() for line in output.splitlines() if line.startswith("E ")), "")
+    return {"id": test_id, "mode": mode, "outcome": outcome, "error": error[:300], "seconds": round(seconds, 1),
+            "engines": len(engines), "ours": sum(e["zero_optimizer"] in OURS and e["base_optimizer"] == "AdamW8bit"
+                                                 for e in engines)}
+
+
+def render(results: list, args) -> str:
+    rows = {}
+    for r in results:
+        rows.setdefault(r["id"], {})[r["mode"]] = r
+    lines = [f"Command: `python tools/deepspeed_unit_tests.py --tests {args.tests} ...` ({len(rows)} ids, "
+             f"deadline {args.timeout:.0f} s per run)", "",
+             "| id | stock | bnb + deepspeed_bnb | engines (bnb: of ours over AdamW8bit) | bnb's first error |",
+             "|---|---|---|---|---|"]
+    for test_id, modes in rows.items():
+        stock, bnb = modes.get("stock", {}), modes.get("bnb", {})
+        flag = "" if not bnb or bnb["engines"] == 0 or bnb["ours"] == bnb["engines"] else " (not all ours!)"
+        lines.append(f"| `{test_id}` | {stock.get('outcome', '-')} | {bnb.get('outcome', '-')} | "
+                     f"{stock.get('engines', '-')} / {bnb.get('engines', '-')} ({bnb.get('ours', '-')}){flag} | "
+                     f"{bnb.get('error', '').replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", required=True, help="the tests folder of a DeepSpeed checkout")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs them (pytest < 8.4)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as hung")
+    parser.add_argument("--out", required=True, help="the markdown report (a .json beside it holds every run)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--devices", type=int, default=4, help="CPU 'devices' the harness sees (LOCAL_SIZE)")
+    parser.add_argument("ids", nargs="+")
+    args = parser.parse_args()
+    if not os.path.isdir(os.path.join(args.tests, "unit")):
+        sys.exit(f"deepspeed_unit_tests: {args.tests} has no unit/ folder: pass the tests folder of a DeepSpeed "
+                 f"checkout (git clone https://github.com/deepspeedai/DeepSpeed; --tests DeepSpeed/tests)")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dsbnb_unit_") as log_dir:
+        for test_id in args.ids:
+            for mode in args.modes.split(","):
+                results.append(run_one(test_id, mode, args, log_dir))
+                r = results[-1]
+                print(f"{r['outcome']:8} {mode:5} {r['seconds']:6.1f}s engines {r['engines']} (ours {r['ours']}) "
+                      f"{test_id} {r['error'][:120]}", flush=True)
+                with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                    json.dump(results, f, indent=1)
+                with open(args.out, "w") as f:
+                    f.write(render(results, args))
+
+
+if __name__ == "__main__":
+    main()
