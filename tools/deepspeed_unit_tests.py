@@ -73,12 +73,12 @@ def run_one(test_id: str, mode: str, args, log_dir: str) -> dict:
     env.pop("LOCAL_RANK", None)
     before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
     began = time.monotonic()
-    done = process_tree.run([args.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_id],
+    done = process_tree.run([args.python, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", test_id],
                             args.timeout, env=env, cwd=args.tests, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     seconds = time.monotonic() - began
     release_leaked_buffers(before)
-    output = (done.stdout or "") + (done.stderr or "")
+    output = re.sub(r"\x1b\[[0-9;]*m", "", (done.stdout or "") + (done.stderr or ""))  # DeepSpeed's pytest.ini colors
     engines = []
     if os.path.isfile(log):
         with open(log) as f:
@@ -91,7 +91,9 @@ def run_one(test_id: str, mode: str, args, log_dir: str) -> dict:
         outcome = "skipped" if "skipped" in summary and "passed" not in summary else "passed"
     else:
         outcome = "failed"
-    error = next((line.strip() for line in output.splitlines() if line.startswith("E ")), "")
+    # the first line pytest marks as the error (E), preferring one that names an exception
+    marked = [line[1:].strip() for line in output.splitlines() if line.startswith("E ")]
+    error = next((line for line in marked if re.search(r"\w+(Error|Exception)\b", line)), marked[0] if marked else "")
     return {"id": test_id, "mode": mode, "outcome": outcome, "error": error[:300], "seconds": round(seconds, 1),
             "engines": len(engines), "ours": sum(e["zero_optimizer"] in OURS and e["base_optimizer"] == "AdamW8bit"
                                                  for e in engines)}

@@ -53,12 +53,19 @@ def _compare_nested(compare):
     parameter's 8-bit state in its state_dict under '__bnb_optimizer_quant_state__' (a dict of tensors), which the
     flat comparison meets with `dict == dict` ("Boolean value of Tensor ... is ambiguous"). Stock states hold no
     nested dicts, so both modes compare alike."""
-    def compare_state_dicts(state0, state1, expected_mismatch_keys=[]):
-        nested = [k for k in state0 if isinstance(state0[k], dict) and isinstance(state1.get(k), dict)]
-        for k in nested:
-            compare_state_dicts(state0[k], state1[k], expected_mismatch_keys)
-        compare(state0, state1, list(expected_mismatch_keys) + nested)
-        assert set(state0) - set(expected_mismatch_keys) == set(state1) - set(expected_mismatch_keys)
+    def compare_state_dicts(state0, state1, expected_mismatch_keys=[], path=""):
+        assert set(state0) - set(expected_mismatch_keys) == set(state1) - set(expected_mismatch_keys), \
+            f"{path or 'the state'}: keys {sorted(map(str, state0))} against {sorted(map(str, state1))}"
+        for k in sorted(set(state0) - set(expected_mismatch_keys), key=str):
+            if isinstance(state0[k], dict) and isinstance(state1[k], dict):
+                compare_state_dicts(state0[k], state1[k], expected_mismatch_keys, f"{path}{k}.")
+                continue
+            try:
+                compare({k: state0[k]}, {k: state1[k]})
+            except AssertionError as failure:  # name what differs: the flat comparison's assert says nothing
+                a, b = state0[k], state1[k]
+                shapes = f" (shapes {tuple(a.shape)} and {tuple(b.shape)})" if hasattr(a, "shape") else ""
+                raise AssertionError(f"state key {path}{k} differs{shapes}") from failure
     return compare_state_dicts
 
 
