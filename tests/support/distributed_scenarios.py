@@ -102,7 +102,7 @@ def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, pad
     ZeRO-1/2 layout is placed (DEEPSPEED_BNB_ZERO_PADDING, read when the optimizer is built; None: the release's).
     frozen: the FROZEN parameters do not train (as a fine-tuning run freezes embeddings). moe: the toy with a MoE
     layer of MOE_EP[world] expert-parallel ranks, its experts in param groups of their own (DeepSpeed's split)."""
-    extra = {k: cfg.pop(k) for k in ("data_types",) if k in cfg}
+    extra = {k: cfg.pop(k) for k in ("data_types", "checkpoint") if k in cfg}
     config = {**ds_config(world, **cfg), **extra}
     with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
         model = make_model(seed, ep_size=MOE_EP[world] if moe else None)
@@ -552,6 +552,36 @@ def scenario_elastic_load(world, rank, out, sources):
     return results
 
 
+UNIVERSAL_KINDS = ("fp32_stage1", "fp32_stage3")  # DP-1 checkpoints loaded at N ranks through a universal checkpoint
+
+
+def scenario_universal_load(world, rank, out):
+    """The DP-1 checkpoints of UNIVERSAL_KINDS exported as 8-bit universal checkpoints (`deepspeed-bnb export
+    --universal`, rank 0) and loaded at this DP size with `"checkpoint": {"load_universal": true}`: the state and
+    master weights as saved, the saved lr, and 10 more steps (test_universal_dp.py holds them to the same checkpoint
+    loaded the ordinary way, elastic_load). Control: the stock (fp32-moment) kind of the first is not the saved state."""
+    from deepspeed_bnb.checkpoint.tools.export import export
+    results = {}
+    for kind in UNIVERSAL_KINDS:
+        cfg = {**engine_config(ELASTIC_KINDS[kind]), "stage": loader_stage(kind, world)}
+        folder = os.path.join(out, "elastic", kind, "dp1")
+        reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False)
+        found = {}
+        for flavour in ("8bit", "stock") if kind == UNIVERSAL_KINDS[0] else ("8bit",):
+            universal = os.path.join(out, "universal", kind, flavour)
+            if rank == 0:
+                export(folder, universal, universal=True, stock=flavour == "stock", progress=False)
+            dist.barrier()
+            engine = build(world, seed=1, lr=LOADER_LR, checkpoint={"load_universal": True}, **cfg)
+            engine.load_checkpoint(universal)
+            found[flavour] = {"state_identical": identical(global_state(engine, world), reference),
+                              "lr": [g["lr"] for g in engine.optimizer.param_groups],
+                              "stage": engine.zero_optimization_stage(),
+                              "continued": run_steps(engine, range(3, 13), world, rank)}
+        results[kind] = found
+    return results
+
+
 def excluded_frozen_load(world, cfg, folder) -> dict:
     """Tag "x" (saved with exclude_frozen_parameters) loaded: the trained state as saved, the frozen weights the
     loading engine's own."""
@@ -772,7 +802,8 @@ SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic"
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
              "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load,
-             "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load}
+             "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load,
+             "universal_load": scenario_universal_load}
 TAKES_SOURCES = ("elastic_load", "parallel_load")  # scenarios given --elastic-from
 
 

@@ -4,7 +4,8 @@ and test_elastic.py together, since each torchrun launch costs ~10 s of imports 
 DP=1 runs in the test process (one rank), first and last. Between them five launches: one per N in 2..4 that runs
 test_distributed's scenarios of that world size (2 and 3), saves the elastic checkpoints and loads those of
 N' <= N; then one per M in 2..3 that loads the checkpoints of the larger N (and, at M=3, the DP=1 ones rewritten
-offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: saved at N=4, loaded at M=2. Every
+offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: saved at N=4, loaded at M=2; so do
+the universal-checkpoint loads of the DP=1 checkpoints, at N=2. Every
 launch must succeed and no scenario may fail: the results are the union per world.
 """
 
@@ -28,6 +29,7 @@ RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for
 
 PARALLEL = (2, 4)  # world sizes of the pipeline / tensor-parallel runs (model-parallel 2 x data-parallel 1 and 2)
 HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/support/hpz_scenarios.py): saved at 4, loaded at 2
+UNIVERSAL_LOAD = 2  # the world size that loads the DP-1 checkpoints through universal checkpoints
 
 
 def plan():
@@ -35,6 +37,7 @@ def plan():
     # (the pipeline / tensor-parallel scenarios come last in a launch: DeepSpeed keeps their model-parallel state in
     # module globals, and a later engine without a model-parallel unit then fails to initialize)
     first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"] +
+                                 (["universal_load"] if w == UNIVERSAL_LOAD else []) +
                                  (["hpz_save"] if w == HPZ_SAVE else []) +
                                  (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
