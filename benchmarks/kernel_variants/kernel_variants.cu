@@ -33,11 +33,12 @@ int info_of(int* registers, int* blocks_per_sm) {
                                                                           device::kWarps * 32, 0));
 }
 
-// The shapes compared: the product's first; the single body it had before (bounds checks on every element); then the
-// full-block body at other register budgets, and with the next segment index loaded ahead (the best shape per rule
-// in the first sweep: AdamW at 4 blocks per SM with the index ahead, Lion at 3 with it).
-using Shapes = std::tuple<device::DefaultTuning, device::Tuning<3, false, false>, device::Tuning<4, true, false>,
-                          device::Tuning<4, true, true>, device::Tuning<3, true, true>, device::Tuning<2, true, false>>;
+// The shapes compared: the product's first; the single body it had before (bounds checks on every element); the
+// best shape per rule in the first sweep (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); then two
+// full blocks per warp step at 2 and 3 blocks per SM, and at 4 (what spills, and whether it matters).
+using Shapes = std::tuple<device::DefaultTuning, device::Tuning<3, false, false>, device::Tuning<4, true, true>,
+                          device::Tuning<3, true, true>, device::Tuning<2, true, false, 2>,
+                          device::Tuning<3, true, false, 2>>;
 constexpr int kShapes = std::tuple_size<Shapes>::value;
 static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
               "variant 0 is the product's own shape");
@@ -67,8 +68,9 @@ void describe(int variant, char* name, size_t size) {
     if constexpr (V < kShapes) {
         using Tune = std::tuple_element_t<V, Shapes>;
         if (variant != V) return describe<V + 1>(variant, name, size);
-        snprintf(name, size, "%s%d blocks/SM%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
-                 Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "");
+        snprintf(name, size, "%s%d blocks/SM%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
+                 Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "",
+                 Tune::kBlocksPerStep == 2 ? ", 2 blocks per warp step" : "");
     }
 }
 
@@ -77,7 +79,7 @@ void describe(int variant, char* name, size_t size) {
 int count() { return kShapes; }
 
 const char* name(int variant) {
-    static char names[kShapes][64];
+    static char names[kShapes][96];
     if (variant < 0 || variant >= kShapes) return nullptr;
     describe(variant, names[variant], sizeof(names[variant]));
     return names[variant];

@@ -259,13 +259,17 @@ __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem&
 // --- the kernel ----------------------------------------------------------------------------------------------------
 // The launch shape: what benchmarks/kernel_variants/ varies (the GPU proof's part k holds every variant to bnb's own
 // update bit for bit and times them side by side); the kernels' own builds compile DefaultTuning only.
-template <int MinBlocks, bool SplitFull, bool PrefetchSegment>
+template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1>
 struct Tuning {
     static constexpr int kMinBlocks = MinBlocks;   // thread blocks per SM the register budget must allow
     static constexpr bool kSplitFull = SplitFull;  // full, aligned blocks run a copy of the body compiled for 8
                                                    // valid elements per lane (no per-element bounds checks)
     static constexpr bool kPrefetchSegment = PrefetchSegment;  // the next block's segment index is loaded before
                                                                // this block is stepped (one dependent load hidden)
+    static constexpr int kBlocksPerStep = BlocksPerStep;  // a warp steps this many full 8-bit blocks at once: their
+                                                          // loads issued together, their arithmetic interleaved
+    static_assert(BlocksPerStep == 1 || (SplitFull && !PrefetchSegment), "blocks stepped together: the full-block "
+                  "body, without the index loaded ahead");
 };
 // Measured on an H200 (benchmarks/results/gpu/2026-11-28-h200-kernels, part k; 256M elements, fp32 master weights):
 // the full-block body moves 59% / 63% / 72% of a copy's bandwidth for AdamW / Lion / SGD-momentum against 39% / 48% /
@@ -380,6 +384,125 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
     }
 }
 
+// B full, aligned 8-bit blocks stepped by one warp at once (Tuning::kBlocksPerStep): step_block's full-block body
+// with every array widened by a leading [B], so the blocks' loads are in flight together and their arithmetic
+// interleaves (the warp's instruction-level parallelism, where one block's dependencies stall it).
+template <typename Rule, MasterKind K, int B>
+__device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
+                                                 const Scale& scale, const Segment (&seg)[B],
+                                                 const int64_t (&start)[B], int lane) {
+    constexpr int S = Rule::kStates;
+    constexpr bool kBnb = Rule::kBnb;
+    constexpr bool kBf16 = K == MasterKind::kBFloat16;
+    const int first = lane * kPerLane;
+    typename Rule::Consts c[B];
+    int64_t i[B], block[B];
+    float p[B][8], g[B][8], s[B][S][8], absmax_old[B][S], best[B][S];
+    uint8_t codes[B][S][8];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        c[b] = Rule::prepare(a.hyper + seg[b].hyper_row * a.hyper_fields);
+        i[b] = seg[b].offset + start[b] + first;
+        block[b] = (seg[b].offset + start[b]) / kBlock;
+        load_weights<K>(a.params, i[b], kPerLane, true, p[b]);
+        load_grads(a.grads, a.grad_type, i[b], kPerLane, true, g[b]);
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            absmax_old[b][j] = a.absmax[j][block[b]];
+            load_bytes(a.codes[j], i[b], codes[b][j]);
+            best[b][j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            g[b][k] = unscale<kBnb>(g[b][k], a.grad_type, scale);
+#pragma unroll
+            for (int j = 0; j < S; ++j) s[b][j][k] = Rule::dequantize(maps[j].q[codes[b][j][k]], absmax_old[b][j]);
+            Rule::template update8<kBf16>(c[b], p[b][k], g[b][k], s[b], k);
+#pragma unroll
+            for (int j = 0; j < S; ++j) best[b][j] = Rule::absmax_merge(best[b][j], s[b][j][k]);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) store_weights<K, kBnb && kBf16>(a.params, i[b], kPerLane, true, p[b]);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                best[b][j] = Rule::absmax_reduce(best[b][j], __shfl_xor_sync(0xFFFFFFFFu, best[b][j], offset));
+            }
+        }
+    }
+    if (lane == 0) {  // every lane has read absmax_old (above) before this write
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+#pragma unroll
+            for (int j = 0; j < S; ++j) a.absmax[j][block[b]] = best[b][j];
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            const float r = kBnb ? bnbmath::rcp(best[b][j]) : reciprocal(best[b][j]);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                codes[b][j][k] = kBnb ? quantize_bnb(s[b][j][k], r, maps[j], a.tables[j], j == 0)
+                                      : quantize_ieee(s[b][j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
+            }
+            store_bytes(a.codes[j], i[b], codes[b][j]);
+        }
+    }
+}
+
+// The segment of work item `work` and its block's first element in it and valid length.
+__device__ __forceinline__ void locate(const StepArgs& a, int64_t work, int32_t index, Segment& seg, int64_t& start,
+                                       int& len) {
+    seg = a.segments[index];
+    start = (work - a.block_starts[index]) * kBlock;
+    len = static_cast<int>(min(static_cast<int64_t>(kBlock), seg.numel - start));
+}
+
+// Steps work items work, work + stride, ... (kBlocksPerStep of them, those below the total): together where every
+// one is a full, aligned 8-bit block, one by one otherwise.
+template <typename Rule, MasterKind K, typename Tune>
+__device__ __forceinline__ void step_work(const StepArgs& a, const MapSmem (&maps)[Rule::kStates], const Scale& scale,
+                                          int64_t work, int64_t stride, int lane) {
+    constexpr int B = Tune::kBlocksPerStep;
+    Segment seg[B];
+    int64_t start[B];
+    int len[B];
+    bool together = a.aligned;
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        const int64_t item = work + b * stride;
+        if (item < a.total_blocks) {
+            locate(a, item, a.block_segment[item], seg[b], start[b], len[b]);
+            together = together && len[b] == kBlock && seg[b].eight_bit;
+        } else {
+            len[b] = 0;
+            together = false;
+        }
+    }
+    if (together) {
+        step_full_blocks<Rule, K, B>(a, maps, scale, seg, start, lane);
+        return;
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        if (work + b * stride >= a.total_blocks) continue;
+        if (a.aligned && len[b] == kBlock) {
+            step_block<Rule, K, true>(a, maps, scale, seg[b], start[b], len[b], lane);
+        } else {
+            step_block<Rule, K, false>(a, maps, scale, seg[b], start[b], len[b], lane);
+        }
+    }
+}
+
 template <typename Rule, MasterKind K, typename Tune>
 __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kernel(StepArgs a) {
     constexpr int S = Rule::kStates;
@@ -393,6 +516,12 @@ __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kern
     const int lane = threadIdx.x & 31;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
     int64_t work = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    if constexpr (Tune::kBlocksPerStep > 1) {  // items work + b * warps (b < B) together, then B * warps further on
+        for (; work < a.total_blocks; work += Tune::kBlocksPerStep * warps) {
+            step_work<Rule, K, Tune>(a, maps, scale, work, warps, lane);
+        }
+        return;
+    }
     int32_t upcoming = Tune::kPrefetchSegment && work < a.total_blocks ? a.block_segment[work] : 0;
     for (; work < a.total_blocks; work += warps) {
         int32_t index;
