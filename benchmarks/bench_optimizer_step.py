@@ -38,18 +38,19 @@ CONFIGS = {"adam": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD},
            "momentum": {"lr": SGD_LR, "betas": (SGD_MOMENTUM, 0.0), "eps": EPS, "weight_decay": WD}}
 
 
-def fused(rule, n, use_kernel, device="cpu", arithmetic=None):
-    """One step of deepspeed_bnb's fused `rule` over a flat partition of n elements with 8-bit state, its hyper row
-    rebuilt every step as the ZeRO optimizer does (the step counter starts at 1: the warm-up round), in the arithmetic
-    the ZeRO step computes on `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says."""
+def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True):
+    """One step of deepspeed_bnb's fused `rule` over a flat partition of n elements with 8-bit state (eight_bit
+    False: fp32 state, the kernel's path without (de)quantization), its hyper row rebuilt every step as the ZeRO
+    optimizer does (the step counter starts at 1: the warm-up round), in the arithmetic the ZeRO step computes on
+    `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says."""
     update = rules.get(rule)
     signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
     codes = [torch.full((n,), 127 if s else 0, dtype=torch.uint8, device=device) for s in signed]  # code of 0.0
     absmax = [torch.zeros(-(-n // 256), device=device) for _ in signed]
     qmaps = [bnb.functional.create_dynamic_map(s).to(device) for s in signed]
-    empty = [torch.zeros(0, device=device) for _ in signed]
-    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [True]), [0]).to(device)
+    empty = [torch.zeros(0 if eight_bit else n, device=device) for _ in signed]  # the fp32 state of 32-bit segments
+    table = rules.segment_table(GroupLayout((n,), 1).segments(0, [eight_bit]), [0]).to(device)
     step = [0]
     arithmetic = arithmetic or rules.arithmetic_for(device)
 
@@ -86,6 +87,8 @@ YARDSTICK = "memory: in-place pass x = -x (the ceiling; fastest round)"
 IMPLEMENTATIONS = {
     YARDSTICK: memory_pass,
     "deepspeed_bnb C++ kernel (8-bit)": lambda n: fused("adam", n, True),
+    # the same kernel and update without the 8-bit round trip: what requantizing costs, by difference
+    "deepspeed_bnb C++ kernel, fp32 state (no quantization)": lambda n: fused("adam", n, True, eight_bit=False),
     "bitsandbytes CPU AdamW8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
         p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, min_8bit_size=0)),
     "torch AdamW fused (fp32)": lambda n: torch_optimizer(n, lambda p: torch.optim.AdamW(
