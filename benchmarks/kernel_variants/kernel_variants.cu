@@ -34,11 +34,12 @@ int info_of(int* registers, int* blocks_per_sm) {
 }
 
 // The shapes compared: the product's first; the single body it had before (bounds checks on every element); the
-// best shape per rule in the first sweep (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); then two
-// full blocks per warp step at 2 and 3 blocks per SM, and at 4 (what spills, and whether it matters).
+// best shape per rule in the first sweep (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); two full
+// blocks per warp step (2 blocks per SM: no spills); and the quantizer compiled as the compact table alone (bnb's
+// maps have one), with one and with two blocks per step.
 using Shapes = std::tuple<device::DefaultTuning, device::Tuning<3, false, false>, device::Tuning<4, true, true>,
                           device::Tuning<3, true, true>, device::Tuning<2, true, false, 2>,
-                          device::Tuning<3, true, false, 2>>;
+                          device::Tuning<3, true, false, 1, true>, device::Tuning<2, true, false, 2, true>>;
 constexpr int kShapes = std::tuple_size<Shapes>::value;
 static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
               "variant 0 is the product's own shape");
@@ -68,9 +69,10 @@ void describe(int variant, char* name, size_t size) {
     if constexpr (V < kShapes) {
         using Tune = std::tuple_element_t<V, Shapes>;
         if (variant != V) return describe<V + 1>(variant, name, size);
-        snprintf(name, size, "%s%d blocks/SM%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
+        snprintf(name, size, "%s%d blocks/SM%s%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
                  Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "",
-                 Tune::kBlocksPerStep == 2 ? ", 2 blocks per warp step" : "");
+                 Tune::kBlocksPerStep == 2 ? ", 2 blocks per warp step" : "",
+                 Tune::kFastMaps ? ", table-only quantizer" : "");
     }
 }
 

@@ -13,9 +13,10 @@
 // - full, aligned blocks run a copy of the body compiled for 8 valid elements per lane (Tuning: the launch shape is
 //   data, and the GPU proof's part k times the alternatives side by side; on an H200 this copy took the AdamW kernel
 //   from 39% to 59% of a device copy's bandwidth).
-// A Rule (*_rules.cuh, launched by adam8bit.cu, lion8bit.cu, momentum8bit.cu) supplies the arithmetic; the two arithmetics differ only there
-// and in the quantizer's rounding (Ieee: ties low, NaN-propagating absmax, Adam's positive floor; Bnb: bnb's
-// quantize_2D, NaN-dropping absmax, the sign fix, the padding lanes of a partial block as bnb's kernel fills them).
+// A Rule (*_rules.cuh, launched by adam8bit.cu, lion8bit.cu, momentum8bit.cu) supplies the arithmetic; the two
+// arithmetics differ only there and in the quantizer's rounding (Ieee: ties low, NaN-propagating absmax, Adam's
+// positive floor; Bnb: bnb's quantize_2D, NaN-dropping absmax, the sign fix, the padding lanes of a partial block as
+// bnb's kernel fills them).
 // Semantics: "ieee" is deepspeed_bnb/ops/reference.py bit for bit; "bnb_cuda" is bitsandbytes' own CUDA kernels
 // (csrc/include/dsbnb/bnb_cuda_math.h). References: torch's multi_tensor_apply.cuh (host-built block map),
 // bitsandbytes 0.50.2 csrc/kernels.cu, llm.c's AdamW kernel (vectorized loads).
@@ -227,12 +228,14 @@ __device__ __forceinline__ void fill_map(MapSmem& s, const float* qmap, const De
 }
 
 // The stored code of a state value under the Ieee rules: normalize (NaN and inf*0 as the reference says), nearest
-// sorted entry with ties low, its code, and Adam's positive floor.
+// sorted entry with ties low, its code, and Adam's positive floor. FastOnly: the caller knows the compact table
+// applies (fast_maps), so the search is not compiled in.
+template <bool FastOnly = false>
 __device__ __forceinline__ uint8_t quantize_ieee(float s, float r, const MapSmem& m, const DeviceTables& t,
                                                   bool floor) {
     const float u = normalize(s, r);
     int index;
-    if (t.fast) {
+    if (FastOnly || t.fast) {
         index = compact::nearest<compact::kTiesLow>(u, m.lo, m.mid, t.e_lo, t.span);
     } else {  // count of midpoints strictly below u (m.mid[255] is a NaN sentinel: never below)
         index = 0;
@@ -244,14 +247,15 @@ __device__ __forceinline__ uint8_t quantize_ieee(float s, float r, const MapSmem
 }
 
 // The stored code under bnb's rules: u = s * rcp(absmax) with flush-to-zero, quantize_2D (ties to the even sorted
-// index, NaN to 0), and the sign fix of signed states.
+// index, NaN to 0), and the sign fix of signed states. FastOnly: as quantize_ieee's.
+template <bool FastOnly = false>
 __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem& m, const DeviceTables& t,
                                                  bool is_signed) {
     const float u = bnbmath::mul(r, s);
     int code;
     if (u != u) {
         code = 0;
-    } else if (t.fast && t.sorted) {
+    } else if (FastOnly || (t.fast && t.sorted)) {
         code = compact::nearest<compact::kTiesEven>(u, m.lo, m.mid, t.e_lo, t.span);
     } else {
         code = compact::bnb_quantize_2d(m.q, is_signed, u);
@@ -262,7 +266,7 @@ __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem&
 // --- the kernel ----------------------------------------------------------------------------------------------------
 // The launch shape: what benchmarks/kernel_variants/ varies (the GPU proof's part k holds every variant to bnb's own
 // update bit for bit and times them side by side); the kernels' own builds compile DefaultTuning only.
-template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1>
+template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1, bool FastMaps = false>
 struct Tuning {
     static constexpr int kMinBlocks = MinBlocks;   // thread blocks per SM the register budget must allow
     static constexpr bool kSplitFull = SplitFull;  // full, aligned blocks run a copy of the body compiled for 8
@@ -271,8 +275,11 @@ struct Tuning {
                                                                // this block is stepped (one dependent load hidden)
     static constexpr int kBlocksPerStep = BlocksPerStep;  // a warp steps this many full 8-bit blocks at once: their
                                                           // loads issued together, their arithmetic interleaved
+    static constexpr bool kFastMaps = FastMaps;  // a kernel whose quantizer is the compact table alone, launched when
+                                                 // every map has one (bnb's dynamic maps do; others get `Generic`)
     static_assert(BlocksPerStep == 1 || (SplitFull && !PrefetchSegment), "blocks stepped together: the full-block "
                   "body, without the index loaded ahead");
+    using Generic = Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, false>;
 };
 // Measured on an H200 (benchmarks/results/gpu/2026-11-28-h200-kernels, part k; 256M elements, fp32 master weights):
 // the full-block body moves 59% / 63% / 72% of a copy's bandwidth for AdamW / Lion / SGD-momentum against 39% / 48% /
@@ -286,7 +293,7 @@ using DefaultTuning = Tuning<3, true, false>;
 // update8(c, p, g, s) (s: dequantized old states in, new ones out) and update32(c, p, g, s, slot) (the fp32 state
 // path; slot = index in the segment mod 4); for Ieee, kFloor (Adam's second moment floored). A non-finite gradient
 // is the rule's to handle (Ieee keeps p and state; bnb's kernels differ per rule).
-template <typename Rule, MasterKind K, bool Full>
+template <typename Rule, MasterKind K, bool Full, bool FastMaps = false>
 __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
                                            const Scale& scale, const Segment& seg, int64_t start, int len,
                                            int lane) {
@@ -372,8 +379,8 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (k < n) {
-                codes[j][k] = kBnb ? quantize_bnb(s[j][k], r, maps[j], a.tables[j], j == 0)
-                                   : quantize_ieee(s[j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
+                codes[j][k] = kBnb ? quantize_bnb<FastMaps>(s[j][k], r, maps[j], a.tables[j], j == 0)
+                                   : quantize_ieee<FastMaps>(s[j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
             }
         }
         if (vec) {
@@ -390,7 +397,7 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
 // B full, aligned 8-bit blocks stepped by one warp at once (Tuning::kBlocksPerStep): step_block's full-block body
 // with every array widened by a leading [B], so the blocks' loads are in flight together and their arithmetic
 // interleaves (the warp's instruction-level parallelism, where one block's dependencies stall it).
-template <typename Rule, MasterKind K, int B>
+template <typename Rule, MasterKind K, int B, bool FastMaps = false>
 __device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
                                                  const Scale& scale, const Segment (&seg)[B],
                                                  const int64_t (&start)[B], int lane) {
@@ -454,8 +461,9 @@ __device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSme
             const float r = kBnb ? bnbmath::rcp(best[b][j]) : reciprocal(best[b][j]);
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                codes[b][j][k] = kBnb ? quantize_bnb(s[b][j][k], r, maps[j], a.tables[j], j == 0)
-                                      : quantize_ieee(s[b][j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
+                codes[b][j][k] = kBnb ? quantize_bnb<FastMaps>(s[b][j][k], r, maps[j], a.tables[j], j == 0)
+                                      : quantize_ieee<FastMaps>(s[b][j][k], r, maps[j], a.tables[j],
+                                                                Rule::kFloor && j == 1);
             }
             store_bytes(a.codes[j], i[b], codes[b][j]);
         }
@@ -492,16 +500,16 @@ __device__ __forceinline__ void step_work(const StepArgs& a, const MapSmem (&map
         }
     }
     if (together) {
-        step_full_blocks<Rule, K, B>(a, maps, scale, seg, start, lane);
+        step_full_blocks<Rule, K, B, Tune::kFastMaps>(a, maps, scale, seg, start, lane);
         return;
     }
 #pragma unroll
     for (int b = 0; b < B; ++b) {
         if (work + b * stride >= a.total_blocks) continue;
         if (a.aligned && len[b] == kBlock) {
-            step_block<Rule, K, true>(a, maps, scale, seg[b], start[b], len[b], lane);
+            step_block<Rule, K, true, Tune::kFastMaps>(a, maps, scale, seg[b], start[b], len[b], lane);
         } else {
-            step_block<Rule, K, false>(a, maps, scale, seg[b], start[b], len[b], lane);
+            step_block<Rule, K, false, Tune::kFastMaps>(a, maps, scale, seg[b], start[b], len[b], lane);
         }
     }
 }
@@ -538,9 +546,9 @@ __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kern
         const int64_t start = (work - a.block_starts[index]) * kBlock;
         const int len = static_cast<int>(min(static_cast<int64_t>(kBlock), seg.numel - start));
         if (Tune::kSplitFull && a.aligned && len == kBlock) {
-            step_block<Rule, K, true>(a, maps, scale, seg, start, len, lane);
+            step_block<Rule, K, true, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
         } else {
-            step_block<Rule, K, false>(a, maps, scale, seg, start, len, lane);
+            step_block<Rule, K, false, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
         }
     }
 }
@@ -557,10 +565,22 @@ inline int grid_for(Kernel kernel, int64_t total_blocks) {
     return static_cast<int>(needed < resident ? needed : resident);
 }
 
+// Whether every map of Rule's states has the compact table its quantizer reads (bnb's arithmetic: sorted too).
+template <typename Rule>
+inline bool fast_maps(const StepArgs& a) {
+    for (int j = 0; j < Rule::kStates; ++j) {
+        if (!a.tables[j].fast || (Rule::kBnb && !a.tables[j].sorted)) return false;
+    }
+    return true;
+}
+
 // Launches Rule's kernel for master kind K on `stream`; returns the CUDA error code (0: none).
 template <typename Rule, MasterKind K, typename Tune = DefaultTuning>
 int launch_kind(const StepArgs& a, void* stream) {
     if (a.total_blocks == 0) return 0;
+    if constexpr (Tune::kFastMaps) {
+        if (!fast_maps<Rule>(a)) return launch_kind<Rule, K, typename Tune::Generic>(a, stream);
+    }
     auto kernel = fused_step_kernel<Rule, K, Tune>;
     kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(a);
     return static_cast<int>(cudaGetLastError());
