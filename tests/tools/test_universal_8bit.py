@@ -186,11 +186,14 @@ def converter_args(tag_dir: str, output_folder: str) -> SimpleNamespace:
 def test_deepspeeds_converter_writes_the_8bit_kind_for_our_checkpoints(saved, tmp_path):
     """DeepSpeed's ds_to_universal.main, called in-process as DeepSpeed's own universal-checkpoint tests call it, on
     a checkpoint of ours: the 8-bit universal checkpoint beside it (`t_universal`), which an engine of ours loads by
-    that tag with the state bit for bit and then trains as the uninterrupted run does. Control: DeepSpeed's own
-    converter fails on the same checkpoint."""
+    that tag with the state bit for bit and then trains as the uninterrupted run does; an output that is the source
+    or inside it is refused. Control: DeepSpeed's own converter fails on the same checkpoint."""
     from deepspeed.checkpoint.ds_to_universal import main
     folder = str(tmp_path / "run")
     shutil.copytree(saved["AdamW8bit"], folder)
+    for onto in (os.path.join(folder, "t"), os.path.join(folder, "t", "universal")):  # the source, or inside it
+        with pytest.raises(ValueError, match="would replace the source"):
+            main(converter_args(os.path.join(folder, "t"), onto))
     main(converter_args(os.path.join(folder, "t"), os.path.join(folder, "t_universal")))
     engine = universal_engine("AdamW8bit", 2)
     engine.load_checkpoint(folder, tag="t_universal")
