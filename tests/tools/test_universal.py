@@ -6,8 +6,11 @@
   for bit; step and hyper-parameters come from the checkpoint; the engine trains on.
 - In: a stock torch.optim.AdamW run, converted by DeepSpeed's ds_to_universal, then `convert --to 8bit`: an
   AdamW8bit engine loads it with the weights exact and every moment within half a quantization step of torch's
-  (reported). Round trip 8-bit -> stock universal -> 8-bit: every moment within half a quantization step, weights exact.
-- Control: DeepSpeed's ds_to_universal on a deepspeed_bnb checkpoint fails (it cannot read bnb state).
+  (reported); exported back as a stock universal checkpoint (stock -> 8-bit -> stock), its moments are what the 8-bit
+  state dequantizes to (so within half a step of torch's) and its weights torch's, exactly. Round trip 8-bit -> stock
+  universal -> 8-bit: every moment within half a quantization step, weights exact.
+- Control: DeepSpeed's ds_to_universal command line (which does not import deepspeed_bnb) fails on a deepspeed_bnb
+  checkpoint (it cannot read bnb state).
 """
 
 import os
@@ -110,12 +113,19 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
     engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, lr=5e-2, seed=1)
     engine.load_checkpoint(str(tmp_path / "eight"))
     names = engine.optimizer.param_names
+    # and back to a stock universal checkpoint (stock -> 8-bit -> stock): the weights exact, the moments what the
+    # 8-bit state dequantizes to, so within half a quantization step of torch's
+    export(str(tmp_path / "eight"), str(tmp_path / "stock_again"), universal=True, stock=True, progress=False)
+    again_dir = next((tmp_path / "stock_again").glob("*/zero"))  # under the tag convert wrote
     eight_bit = 0
     for p, state in flat_param_states(engine).items():
         reference = torch_state[names[p]]
         moments = bnb_moments(state, p.numel())
+        again = {key: torch.load(again_dir / names[p] / f"{key}.pt", weights_only=True)["param"].reshape(-1)
+                 for key in ("exp_avg", "exp_avg_sq", "fp32")}
         for key, torch_key in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
             expected = reference[torch_key]
+            assert torch.equal(again[torch_key], moments[key].reshape(-1)), (names[p], key)
             if state[key].dtype == torch.uint8:
                 eight_bit += 1
                 gap = code_gap(expected, state[f"absmax{key[-1]}"], state[f"qmap{key[-1]}"])
@@ -125,6 +135,7 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
                 assert torch.equal(moments[key].reshape(-1), expected), (names[p], key)
         assert state["step"] == STEPS
         assert torch.equal(p.detach().reshape(-1), reference["fp32"]), names[p]
+        assert torch.equal(again["fp32"], reference["fp32"]), names[p]
     assert eight_bit >= 4  # the 8-bit path was exercised
     train_steps(engine, range(STEPS, STEPS + 1))
 
