@@ -478,6 +478,17 @@ __device__ __forceinline__ void locate(const StepArgs& a, int64_t work, int32_t 
     len = static_cast<int>(min(static_cast<int64_t>(kBlock), seg.numel - start));
 }
 
+// One block by step_block: the full-block body where the shape has one and the block is full and aligned.
+template <typename Rule, MasterKind K, typename Tune>
+__device__ __forceinline__ void step_one(const StepArgs& a, const MapSmem (&maps)[Rule::kStates], const Scale& scale,
+                                         const Segment& seg, int64_t start, int len, int lane) {
+    if (Tune::kSplitFull && a.aligned && len == kBlock) {
+        step_block<Rule, K, true, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
+    } else {
+        step_block<Rule, K, false, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
+    }
+}
+
 // Steps work items work, work + stride, ... (kBlocksPerStep of them, those below the total): together where every
 // one is a full, aligned 8-bit block, one by one otherwise.
 template <typename Rule, MasterKind K, typename Tune>
@@ -505,12 +516,7 @@ __device__ __forceinline__ void step_work(const StepArgs& a, const MapSmem (&map
     }
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-        if (work + b * stride >= a.total_blocks) continue;
-        if (a.aligned && len[b] == kBlock) {
-            step_block<Rule, K, true, Tune::kFastMaps>(a, maps, scale, seg[b], start[b], len[b], lane);
-        } else {
-            step_block<Rule, K, false, Tune::kFastMaps>(a, maps, scale, seg[b], start[b], len[b], lane);
-        }
+        if (work + b * stride < a.total_blocks) step_one<Rule, K, Tune>(a, maps, scale, seg[b], start[b], len[b], lane);
     }
 }
 
@@ -542,14 +548,11 @@ __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kern
         } else {
             index = a.block_segment[work];
         }
-        const Segment seg = a.segments[index];
-        const int64_t start = (work - a.block_starts[index]) * kBlock;
-        const int len = static_cast<int>(min(static_cast<int64_t>(kBlock), seg.numel - start));
-        if (Tune::kSplitFull && a.aligned && len == kBlock) {
-            step_block<Rule, K, true, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
-        } else {
-            step_block<Rule, K, false, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
-        }
+        Segment seg;
+        int64_t start;
+        int len;
+        locate(a, work, index, seg, start, len);
+        step_one<Rule, K, Tune>(a, maps, scale, seg, start, len, lane);
     }
 }
 

@@ -14,28 +14,30 @@ line runs without deepspeed_bnb and stays DeepSpeed's: use `deepspeed-bnb export
 
 import os
 import warnings
+from typing import Optional
 
 from deepspeed_bnb import installer
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 
 
-def is_ours(tag_dir: str) -> bool:
-    """Whether `tag_dir` holds a checkpoint written by deepspeed_bnb (a stock one is DeepSpeed's to convert). A
+def ours(tag_dir: str) -> Optional[SavedCheckpoint]:
+    """The checkpoint in `tag_dir` when deepspeed_bnb wrote it, else None (a stock one is DeepSpeed's to convert). A
     checkpoint of ours that cannot be read (its manifest lost, a file damaged) raises the reader's error naming it,
     rather than going to a converter that cannot read it either."""
     with warnings.catch_warnings():  # a stock checkpoint has no manifest, which the reader warns about
         warnings.simplefilter("ignore", RuntimeWarning)
-        return SavedCheckpoint(tag_dir).is_deepspeed_bnb
+        ckpt = SavedCheckpoint(tag_dir)
+    return ckpt if ckpt.is_deepspeed_bnb else None
 
 
 def main(args):
     """Convert `args.input_folder` (a tag folder) into the universal checkpoint `args.output_folder` (a tag folder
     beside it, as DeepSpeed's converter writes it)."""
-    if not is_ours(args.input_folder):
+    ckpt = ours(args.input_folder)
+    if ckpt is None:
         return installer.stock("ds_to_universal.main")(args)
     from deepspeed_bnb.checkpoint.tools.universal import write_universal
     out = os.path.normpath(args.output_folder)
     print(f"deepspeed_bnb: {args.input_folder} is a deepspeed_bnb checkpoint: writing the 8-bit universal checkpoint "
           f"{out} (deepspeed-bnb export --universal)")
-    write_universal(SavedCheckpoint(args.input_folder), os.path.dirname(out) or ".", progress=False,
-                    tag=os.path.basename(out))
+    write_universal(ckpt, os.path.dirname(out) or ".", progress=False, tag=os.path.basename(out))

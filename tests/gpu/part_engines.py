@@ -52,10 +52,7 @@ def batch(step: int, device: str):
     return tokens.to(device), targets.to(device)
 
 
-def default_setting(device: str):
-    """The setting that makes bitsandbytes' own update step every parameter, on any device: false ("auto" gives the
-    fused kernel on CPUs and GPUs)."""
-    return False
+BNB_UPDATE = False  # the setting that makes bnb's own update step every parameter ("auto" is the fused kernel)
 
 
 def fused_setting(device: str):
@@ -66,7 +63,7 @@ def fused_setting(device: str):
 
 def engine_of(stage: int, bf16: bool, device: str, fused=None, master="auto"):
     """A one-rank engine of the toy model (fp32 weights at construction; DeepSpeed casts them for bf16); `fused`:
-    bnb_fused_kernel (None: the GPU default's stand-in); `master`: bnb_master_weights."""
+    bnb_fused_kernel (None: bnb's own update, BNB_UPDATE); `master`: bnb_master_weights."""
     import bitsandbytes as bnb
     import deepspeed
 
@@ -74,7 +71,7 @@ def engine_of(stage: int, bf16: bool, device: str, fused=None, master="auto"):
     model = make_model(0).to(device)
     optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=LR))
     config = ds_config(1, stage=stage, bf16=bf16, bnb_master_weights=master,
-                       bnb_fused_kernel=default_setting(device) if fused is None else fused)
+                       bnb_fused_kernel=BNB_UPDATE if fused is None else fused)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
@@ -176,7 +173,7 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
                      f"state included) with the fused kernel",
                      summary == expected, summary, expected)
     else:
-        result.check(f"b: {label}, bnb_fused_kernel {default_setting(args.device)!r} steps every parameter with bnb's "
+        result.check(f"b: {label}, bnb_fused_kernel {BNB_UPDATE!r} steps every parameter with bnb's "
                      f"own update", summary == "bnb's own update", summary, "bnb's own update")
     result.check(f"b: {label}, weights and state == plain bnb AdamW8bit after each of {steps} steps",
                  first_bad is None and moved > 0,

@@ -18,6 +18,7 @@ this part checks its own harness (the oracle steps the partition; two steps diff
 
 import os
 import statistics
+from types import SimpleNamespace
 
 import proof_common as common
 
@@ -42,35 +43,33 @@ def build(work: str):
          extra_include_paths=[os.path.join(common.ROOT, "csrc", "include"), os.path.join(common.ROOT, "csrc", "cuda"),
                               VARIANTS],
          extra_cuda_cflags=NVCC_FLAGS, is_python_module=False, build_directory=folder, verbose=False)
-    return torch.ops.dsbnb_variants
+    ops = torch.ops.dsbnb_variants
+    # `ops.name` is the namespace's own name, and looking the operator `name` up overwrites it, which breaks every
+    # later lookup in the namespace (torch 2.11): the others are looked up first, `name` last and explicitly
+    step, info, count = ops.step, ops.info, ops.count
+    return SimpleNamespace(step=step, info=info, count=count, name=ops.__getattr__("name"))
 
 
-def shape_name(ops, variant: int) -> str:
-    """The variant's launch shape in words (`ops.name` is the namespace's own name: the operator is looked up)."""
-    if "packet" not in NAME_OP:
-        _ = ops.step, ops.info, ops.count  # looked up first: looking up `name` overwrites the namespace's own name
-        NAME_OP["packet"] = ops.__getattr__("name")
-    return NAME_OP["packet"](variant)
-
-
-NAME_OP = {}
+def state_args(codes, absmax, state, qmaps) -> list:
+    """The state tensors of dsbnb_variants::step in its order (codes1, codes2, absmax1, absmax2, state1, state2,
+    qmap1, qmap2), from per-moment lists; a rule of one moment passes empty tensors for the second."""
+    import torch
+    device = codes[0].device
+    empty = {"codes": torch.zeros(0, dtype=torch.uint8, device=device), "float": torch.zeros(0, device=device)}
+    args = []
+    for values, none in ((codes, empty["codes"]), (absmax, empty["float"]), (state, empty["float"]),
+                         (qmaps, empty["float"])):
+        args += [values[0], values[1] if len(values) > 1 else none]
+    return args
 
 
 def variant_step(ops, rule_index: int, variant: int, partition, step: int, grads) -> None:
     """One step of `partition` by `variant` in place, with the hyper rows the product's step would pass."""
-    import torch
-
     from deepspeed_bnb.ops import rules
     from support.kernel_harness import BNB_CUDA_CONFIGS
     hyper = rules.get(partition.rule).rows(BNB_CUDA_CONFIGS[partition.rule], step, rules.BNB_CUDA).to(grads.device)
-    empty = torch.zeros(0, device=grads.device)
-
-    def second(name, none=empty):
-        return getattr(partition, name)[1] if partition.moments == 2 else none
-    ops.step(rule_index, variant, partition.params, grads, partition.codes[0],
-             second("codes", torch.zeros(0, dtype=torch.uint8, device=grads.device)), partition.absmax[0],
-             second("absmax"), partition.state[0], second("state"), partition.qmaps[0], second("qmaps"),
-             partition.table, hyper)
+    ops.step(rule_index, variant, partition.params, grads,
+             *state_args(partition.codes, partition.absmax, partition.state, partition.qmaps), partition.table, hyper)
 
 
 def exactness(ops, result) -> None:
@@ -89,7 +88,7 @@ def exactness(ops, result) -> None:
                 if found:
                     found = [f"step {step}: {found[0]}"]
                     break
-            result.check(f"k: {label}, {shape_name(ops, variant)} == bitsandbytes' CUDA update, bit for bit, {STEPS} steps",
+            result.check(f"k: {label}, {ops.name(variant)} == bitsandbytes' CUDA update, bit for bit, {STEPS} steps",
                          not found, found[0] if found else "equal", "equal")
 
 
@@ -112,15 +111,10 @@ def rule_times(ops, rule_index: int, copy) -> tuple:
     qmaps = [q.cuda() for q in QMAPS[:moments]]
     table = rules.segment_table(GroupLayout((ELEMENTS,), 1).segments(0, [True]), [0]).cuda()
     hyper = rules.get(rule).rows(BNB_CUDA_CONFIGS[rule][:1], 1, rules.BNB_CUDA).cuda()
-    empty = torch.zeros(0, device="cuda")
-    empty_codes = torch.zeros(0, dtype=torch.uint8, device="cuda")
-
-    def second(items, none=empty):
-        return items[1] if moments == 2 else none
+    tensors = state_args(codes, absmax, state, qmaps)
 
     def run(variant):
-        return lambda: ops.step(rule_index, variant, params, grads, codes[0], second(codes, empty_codes), absmax[0],
-                                second(absmax), state[0], second(state), qmaps[0], second(qmaps), table, hyper)
+        return lambda: ops.step(rule_index, variant, params, grads, *tensors, table, hyper)
     steps = [run(v) for v in range(ops.count())]
     for step in steps:
         step()  # warm-up: the cached tables, the first launch
@@ -147,7 +141,7 @@ def speed(ops, result) -> None:
             registers, per_sm = ops.info(rule_index, variant)
             median = statistics.median(times[variant])
             rate = ELEMENTS * moved / median
-            rows.append([label, shape_name(ops, variant), registers, per_sm, f"{median * 1e3:.3f}",
+            rows.append([label, ops.name(variant), registers, per_sm, f"{median * 1e3:.3f}",
                          f"{min(times[variant]) * 1e3:.3f}-{max(times[variant]) * 1e3:.3f}", f"{rate / 1e9:,.0f}",
                          f"{rate / copy_rate:.0%}"])
     copy_rate = 2 * src.numel() / statistics.median(copy_times)
