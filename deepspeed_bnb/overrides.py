@@ -99,7 +99,8 @@ OVERRIDES: Tuple[Override, ...] = (
                    "stage family, has no model-states file of its own name", ("self", "checkpoints_path", "tag")),
     _checkpointing("load_module_state_dict", "module weights of the other stage family: gathered into ZeRO-3, or "
                    "rebuilt through the safe loader instead of zero_to_fp32's full unpickling; frozen parameters set "
-                   "from their full saved weights at this DP size (stock copies each rank's saved ZeRO-3 slice)",
+                   "from their full saved weights at this DP size (stock copies each rank's saved ZeRO-3 slice); a "
+                   "PipelineEngine's module dict taken as the checkpoint it hands on (stock: KeyError 'module')",
                    ("self", "checkpoint", "strict", "custom_load_fn", "fetch_z3_params"),
                    params_since={"z3_params_to_fetch": "0.19.3", "allowed_missing_keys": "0.19.3"}),
     _checkpointing("save_checkpoint", "crash-safe publishing with a checksummed manifest under the save directory's "

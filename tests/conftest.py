@@ -90,6 +90,16 @@ def pytest_sessionfinish(session):
     background.stop()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The background jobs' start and run times, after the durations: where a slow suite waited on its queue."""
+    from support import background
+    lines = background.report()
+    if lines:
+        terminalreporter.section("background jobs")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def one_rank():
     """deepspeed.comm initialised as rank 0 of 1 (gloo, CPU), once per test session; on another port when the one
@@ -159,8 +169,14 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 900) -> subproc
 
 
 @pytest.fixture(scope="session")
-def scenario_results(one_rank, tmp_path_factory):
+def scenario_results(one_rank, scenario_folder):
     """Every multi-rank scenario's result, world -> scenario -> value (tests/support/scenario_runs.py: shared
     launches)."""
     from support.scenario_runs import run_all
-    return run_all(str(tmp_path_factory.mktemp("scenarios")))
+    return run_all(scenario_folder)
+
+
+@pytest.fixture(scope="session")
+def scenario_folder(tmp_path_factory):
+    """Where the shared launches write their checkpoints (read once scenario_results has run)."""
+    return str(tmp_path_factory.mktemp("scenarios"))

@@ -14,20 +14,21 @@ line runs without deepspeed_bnb and stays DeepSpeed's: use `deepspeed-bnb export
 
 import os
 import warnings
-from typing import Optional
-
 from deepspeed_bnb import installer
+from deepspeed_bnb.checkpoint.format.merged import ModelParallelCheckpoint
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 
 
-def ours(tag_dir: str) -> Optional[SavedCheckpoint]:
+def ours(tag_dir: str):
     """The checkpoint in `tag_dir` when deepspeed_bnb wrote it, else None (a stock one is DeepSpeed's to convert). A
     checkpoint of ours that cannot be read (its manifest lost, a file damaged) raises the reader's error naming it,
     rather than going to a converter that cannot read it either."""
     with warnings.catch_warnings():  # a stock checkpoint has no manifest, which the reader warns about
         warnings.simplefilter("ignore", RuntimeWarning)
         ckpt = SavedCheckpoint(tag_dir)
-    return ckpt if ckpt.is_deepspeed_bnb else None
+    if not ckpt.is_deepspeed_bnb:
+        return None
+    return ckpt if ckpt.model_parallel == 1 else ModelParallelCheckpoint(ckpt)  # tensor / pipeline ranks joined
 
 
 def main(args):

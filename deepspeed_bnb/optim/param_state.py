@@ -266,15 +266,17 @@ class ParamState(Mapping):
     @classmethod
     def join(cls, pieces: Sequence["ParamState"], shape: Sequence[int], dim: int,
              requantized: Optional[Requantization] = None, what: str = "parameter") -> "ParamState":
-        """The inverse of split: the state of the parameter of `shape` whose equal slices along `dim` are `pieces`."""
+        """The inverse of split: the state of the parameter of `shape` whose slices along `dim` are `pieces`, in
+        order: equal slices, or uneven ones (AutoTP cuts a vocabulary that its size does not divide unevenly)."""
         shape, parts = tuple(shape), len(pieces)
-        if (not 0 <= dim < len(shape) or not parts or shape[dim] % parts
-                or any(p.numel * parts != math.prod(shape) for p in pieces)):
+        outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+        widths = [p.numel // (outer * inner) if outer * inner else 0 for p in pieces]
+        if (not 0 <= dim < len(shape) or not parts or sum(widths) != shape[dim]
+                or any(p.numel != outer * w * inner for p, w in zip(pieces, widths))):
             raise ValueError(f"{what}: {parts} slices of {[p.numel for p in pieces]} elements cannot make a "
                              f"parameter of shape {shape} along dimension {dim}")
-        outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
-        length = shape[dim] // parts * inner
-        return cls.assemble(pieces, [Run(p, o * length, length) for o in range(outer) for p in range(parts)],
+        return cls.assemble(pieces, [Run(p, o * w * inner, w * inner) for o in range(outer)
+                                     for p, w in enumerate(widths)],
                             requantized, f"{what}, joined from {parts} slices along dimension {dim}")
 
 

@@ -489,6 +489,12 @@ def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, f
     # rebuilt from the rank files through the safe loader (zero_to_fp32 unpickles fully). A bnb engine's fp32 master
     # weights then come from the optimizer records either way. Frozen parameters: see _load_frozen.
     stock_load = stock("DeepSpeedEngine.load_module_state_dict")
+    if isinstance(checkpoint, dict) and "module" not in checkpoint and \
+            all(torch.is_tensor(value) for value in checkpoint.values()):
+        # PipelineEngine.load_module_state_dict hands a checkpoint whose 'module' is a dict (the tags deepspeed_bnb
+        # writes offline, with whole weights instead of layer files) on as the module dict itself, where this method
+        # reads checkpoint['module'] (DeepSpeed 0.16-0.19: KeyError)
+        checkpoint = {"module": checkpoint}
     plan = current_load()
     if plan is not None and custom_load_fn is None and plan.saved_stage:
         partitioned = self.zero_optimization_partition_weights()

@@ -17,6 +17,7 @@ from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_i
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.installer import stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
+from deepspeed_bnb.runtime.model_parallel import place_of
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS
@@ -84,7 +85,8 @@ def _configure_zero_optimizer(self, optimizer):
         # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one
         compat.import_superoffload()
     # DeepSpeed builds its ZeRO optimizer itself, by this name: the settings reach ours as one typed argument
-    with swapped(swap, functools.partial(ours, bnb_settings=BnbSettings.of(self._config.zero_config))):
+    with swapped(swap, functools.partial(ours, bnb_settings=BnbSettings.of(self._config.zero_config),
+                                         bnb_model_parallel=place_of(self))):
         return configure(self, optimizer)
 
 

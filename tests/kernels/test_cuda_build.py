@@ -4,32 +4,24 @@ for sm_80 and sm_90, and their torch bindings (csrc/cuda/*_cuda.cpp) pass a synt
 tests/kernels/test_fused_rules.py does it for every rule where one is present. Every CUDA source is one or the other
 (test_every_cuda_source_is_checked); every rule has its CUDA implementation there (tests/unit/test_rules.py)."""
 
+import json
 import os
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import sys
 
 import pytest
-import torch
 
-from deepspeed_bnb.ops.build_flags import CUDA_SOURCES, NVCC_FLAGS
-from conftest import ROOT
+from conftest import without_launch_vars
+from support import background
+from support.cuda_compiles import BINDINGS, KERNELS
+from deepspeed_bnb.ops.build_flags import CUDA_SOURCES
 
 pytestmark = pytest.mark.slow
-CSRC = os.path.join(ROOT, "csrc")
-
-
-def nvcc():
-    found = shutil.which("nvcc") or (os.path.isfile("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
-    if not found:
-        pytest.skip("nvcc (the CUDA compiler) is not installed on this machine")
-    return found
-
-
-KERNELS = [os.path.basename(path)[:-len(".cu")] for path in CUDA_SOURCES if path.endswith(".cu")]
-BINDINGS = [os.path.basename(path)[:-len(".cpp")] for path in CUDA_SOURCES if path.endswith("_cuda.cpp")]
-# the GPU proof's launch-shape sweep (tests/gpu/part_variants.py): every rule's kernel in each shape, and its binding
-VARIANTS = os.path.join(ROOT, "benchmarks", "kernel_variants")
+# every compile in one fresh process (tests/support/cuda_compiles.py), run beside the earlier tests; the timeout only
+# ends a hang
+COMPILES = background.Job("cuda_compiles", lambda folder: [
+    sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "cuda_compiles.py"), folder],
+    without_launch_vars, timeout=1800)
+BACKGROUND_JOBS = (COMPILES,)
 
 
 def test_every_cuda_source_is_checked():
@@ -40,61 +32,34 @@ def test_every_cuda_source_is_checked():
                                           [f"csrc/cuda/{b}.cpp" for b in BINDINGS])
 
 
-def _kernel_command(kernel, out_dir, source=None, arches=(80, 90)):
-    gencode = [x for arch in arches for x in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
-    return [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
-            f"-I{os.path.join(CSRC, 'cuda')}", *gencode, source or os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o",
-            os.path.join(out_dir, f"{kernel}.o")]
-
-
-def cuda_include():
-    candidates = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", os.path.dirname(os.path.dirname(
-        os.path.realpath(nvcc())))]
-    for home in candidates:
-        if home and os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
-            return os.path.join(home, "include")
-    pytest.skip(f"no CUDA headers (cuda_runtime.h) under {candidates}")
-
-
-def _binding_command(binding, source=None):
-    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
-    return ["g++", "-fsyntax-only", "-std=c++20", f"-I{os.path.join(ROOT, 'tests', 'cuda_shim')}",
-            f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
-            f"-I{cuda_include()}", f"-I{os.path.join(CSRC, 'include')}", f"-I{os.path.join(CSRC, 'cuda')}",
-            f"-I{VARIANTS}", source or os.path.join(CSRC, "cuda", f"{binding}.cpp")]
-
-
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """Every compile of this file, run side by side (each is one process): name -> (return code, stderr)."""
-    out_dir = str(tmp_path_factory.mktemp("cuda_objects"))
-    commands = {**{k: _kernel_command(k, out_dir) for k in KERNELS}, **{b: _binding_command(b) for b in BINDINGS},
-                "kernel_variants": _kernel_command("kernel_variants", out_dir,
-                                                   os.path.join(VARIANTS, "kernel_variants.cu"), arches=(90,)),
-                "kernel_variants_binding": _binding_command("kernel_variants_binding",
-                                                            os.path.join(VARIANTS, "kernel_variants_binding.cpp"))}
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        runs = dict(zip(commands, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
-                                           commands.values())))
-    return {name: (run.returncode, run.stderr, out_dir) for name, run in runs.items()}
+def cuda_compiles():
+    """name -> (return code, stderr, the objects' folder) of every compile (support/cuda_compiles.py)."""
+    done = background.result(COMPILES)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    with open(os.path.join(done.folder, "results.json")) as f:
+        results = json.load(f)
+    if "skip" in results:
+        pytest.skip(results["skip"])
+    return {name: (code, stderr, done.folder) for name, (code, stderr) in results.items()}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_kernel_compiles_for_sm80_and_sm90(compiled, kernel):
-    returncode, stderr, out_dir = compiled[kernel]
+def test_kernel_compiles_for_sm80_and_sm90(cuda_compiles, kernel):
+    returncode, stderr, out_dir = cuda_compiles[kernel]
     assert returncode == 0, stderr[-4000:]
     assert os.path.getsize(os.path.join(out_dir, f"{kernel}.o")) > 0
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-def test_binding_syntax(compiled, binding):
-    returncode, stderr, _ = compiled[binding]
+def test_binding_syntax(cuda_compiles, binding):
+    returncode, stderr, _ = cuda_compiles[binding]
     assert returncode == 0, stderr[-4000:]
 
 
-def test_the_launch_shape_variants_compile(compiled):
+def test_the_launch_shape_variants_compile(cuda_compiles):
     """The GPU proof's part k builds these on the device: every shape of every rule compiles for sm_90 (the H100 and
     H200 it runs on), and the binding against this torch's headers."""
     for name in ("kernel_variants", "kernel_variants_binding"):
-        returncode, stderr, _ = compiled[name]
+        returncode, stderr, _ = cuda_compiles[name]
         assert returncode == 0, f"{name}: {stderr[-4000:]}"

@@ -40,6 +40,7 @@ class Done:
     stderr: str
     folder: str  # the job's own folder (removed when the session ends)
     seconds: float  # wall time it ran
+    began: float = 0.0  # when it started, in seconds after the queue's first job was queued
 
 
 @dataclass
@@ -60,9 +61,12 @@ class _Queue:
         self._thread: Optional[threading.Thread] = None
         self._running: Optional[subprocess.Popen] = None
         self._stopped = False
+        self._epoch: Optional[float] = None  # when the first job was queued (the report's time origin)
 
     def queue(self, jobs: Sequence[Job]) -> None:
         with self._lock:
+            if self._epoch is None:
+                self._epoch = time.monotonic()
             for job in jobs:
                 if job.name in self._entries:
                     continue
@@ -98,8 +102,21 @@ class _Queue:
                 code = None
             with self._lock:
                 self._running = None
-            entry.done = Done(code, out, err, entry.folder, time.monotonic() - began)
+            entry.done = Done(code, out, err, entry.folder, time.monotonic() - began, began - self._epoch)
             entry.finished.set()
+
+    def report(self) -> List[str]:
+        """One line per job: when it started and how long it ran (whether the queue, not the tests, sets the
+        suite's wall time), or that it never ran."""
+        lines = []
+        for name, entry in self._entries.items():
+            done = entry.done
+            if done is None or (done.returncode is None and not done.seconds):
+                lines.append(f"{name}: did not run")
+            else:
+                lines.append(f"{name}: started at {done.began:.0f} s, ran {done.seconds:.0f} s"
+                             + ("" if done.returncode is not None else " (killed at its timeout)"))
+        return lines
 
     def stop(self) -> None:
         """Kill what runs, drop what waits, remove every job's folder (the session is over)."""
@@ -137,6 +154,10 @@ def start_for(items) -> None:
 def result(job: Job) -> Done:
     """The job's outcome, waiting for it (queued now if nothing queued it before)."""
     return _QUEUE.result(job)
+
+
+def report() -> List[str]:
+    return _QUEUE.report()
 
 
 def stop() -> None:

@@ -144,3 +144,127 @@ def scenario_parallel_load(world, rank, out, sources):
                 "continued": continued, "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"]),
                 "stage": engine.zero_optimization_stage()}
     return results
+
+
+# ---- a change of the model-parallel layout: the 8-bit universal checkpoint of each run, loaded at size 1 -----------
+
+def universal_of(out, kind, dp):
+    return os.path.join(folder_of(out, kind, dp), "universal")
+
+
+def export_universal(out, dps):
+    """`deepspeed-bnb export --universal` of every model-parallel checkpoint saved at data-parallel sizes `dps`, in
+    the test process between launches; the report of each written beside it."""
+    from deepspeed_bnb.checkpoint.tools.export import export
+    for kind in PARALLEL_KINDS:
+        for dp in dps:
+            written = export(folder_of(out, kind, dp), universal_of(out, kind, dp), universal=True, progress=False)
+            torch.save({"joined": written["joined"]}, os.path.join(universal_of(out, kind, dp), "report.pt"))
+
+
+def build_whole(world, pipeline, stage, seed=0, lr=1e-3):
+    """build()'s models at model-parallel size 1 (one pipeline stage, no AutoTP) on `world` data-parallel ranks,
+    reading universal checkpoints."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    torch.manual_seed(seed)
+    if pipeline:
+        model = PipelineModule([LayerSpec(Embed), LayerSpec(Block, 301), LayerSpec(Block, 37), LayerSpec(Head)],
+                               num_stages=1, loss_fn=pipeline_loss, partition_method="uniform")
+        config = ds_config(world, stage=stage, micro_steps=MICRO_STEPS)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=32))
+        config = ds_config(world, stage=stage)
+    config["checkpoint"] = {"load_universal": True}
+    optimizer = bnb.optim.AdamW8bit([{"params": list(model.parameters()), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def saved_shapes(folder):
+    """name -> shape per model-parallel rank, from DeepSpeed's own model-states files of the tag (not our records)."""
+    shapes = {}
+    for mp in range(MODEL_PARALLEL):
+        states = torch.load(os.path.join(folder, "t", f"mp_rank_{mp:02d}_model_states.pt"), weights_only=False)
+        for group in states["param_shapes"]:
+            for name, shape in group.items():
+                shapes.setdefault(name, {})[mp] = tuple(shape)
+    return shapes
+
+
+def compare_with_slices(loaded, reference, shapes, full_shapes):
+    """How each loaded parameter relates to the model-parallel ranks' saved state (reference, "mp<r>/<name>"): the
+    pieces along the dimension where the ranks' shapes differ from the whole one (every rank's own parameters for
+    pipeline stages; rank 0's where every tensor-parallel rank holds it whole) joined in rank order. Returns lists
+    of names: master weights not the joined ones, 8-bit state not moved bit for bit where every piece is whole
+    blocks, and the largest requantization error elsewhere in quantization steps (values against the joined
+    pieces' dequantized fp32 values)."""
+    from deepspeed_bnb.checkpoint.tools.convert import step_ratio
+    from deepspeed_bnb.ops.reference import dequantize_blockwise
+    out = {"master_differs": [], "codes_differ": [], "moved": [], "requantized": [], "largest_steps": 0.0}
+    for name, state in loaded.items():
+        ranks = sorted(shapes[name])
+        pieces = [reference[f"mp{mp}/{name}"] for mp in ranks]
+        whole = full_shapes[name]
+        dims = [d for d in range(len(whole)) if shapes[name][ranks[0]][d] != whole[d]]
+        if not dims:  # a pipeline stage's own parameter, or one every tensor-parallel rank holds whole
+            pieces, dim = pieces[:1], 0
+            ranks = ranks[:1]
+        else:
+            dim = dims[0]
+
+        def joined(key):
+            return torch.cat([p[key].reshape(shapes[name][mp]) for p, mp in zip(pieces, ranks)], dim).reshape(-1)
+
+        if not torch.equal(state["master"], joined("master")):
+            out["master_differs"].append(name)
+        for key in [k for k in state if k.startswith("state")]:
+            suffix = key[len("state"):]
+            eight_bit = state[key].dtype == torch.uint8
+            source_8bit = pieces[0][key].dtype == torch.uint8
+            whole_blocks = dim == 0 and all(torch.Size(shapes[name][mp]).numel() % 256 == 0 for mp in ranks)
+            if eight_bit and source_8bit and (whole_blocks or len(pieces) == 1):
+                same = torch.equal(state[key], joined(key)) and torch.equal(
+                    state["absmax" + suffix], torch.cat([p["absmax" + suffix] for p in pieces]))
+                (out["moved"] if same else out["codes_differ"]).append(name)
+                continue
+            if source_8bit:
+                values = torch.cat([dequantize_blockwise(p[key], p["absmax" + suffix], p["qmap" + suffix])
+                                    .reshape(shapes[name][mp]) for p, mp in zip(pieces, ranks)], dim).reshape(-1)
+            else:
+                values = joined(key).float()
+            if eight_bit:
+                ratio = step_ratio(values, state[key], state["absmax" + suffix], state["qmap" + suffix])
+                out["largest_steps"] = max(out["largest_steps"], ratio)
+                out["requantized"].append(name)
+            elif not torch.equal(state[key].float(), values):
+                out["codes_differ"].append(name)
+    return out
+
+
+def scenario_parallel_universal(world, rank, out, sources):
+    """Loads the 8-bit universal checkpoints of the model-parallel runs saved at world sizes `sources` (tensor-parallel
+    2 or 2 pipeline stages, data-parallel N / 2) into engines of model-parallel size 1 and data-parallel size
+    `world`."""
+    results = {}
+    for kind, cfg in PARALLEL_KINDS.items():
+        for saved_world in sources:
+            folder = folder_of(out, kind, saved_world // MODEL_PARALLEL)
+            universal = universal_of(out, kind, saved_world // MODEL_PARALLEL)
+            engine = build_whole(world, seed=1, lr=LOADER_LR, **cfg)
+            engine.load_checkpoint(universal)
+            loaded = global_state(engine, world)
+            full_shapes = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
+            reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False)
+            relation = compare_with_slices(loaded, reference, saved_shapes(folder), full_shapes)
+            follows = weights_follow_master(engine, loaded)
+            lr = [g["lr"] for g in engine.optimizer.param_groups]
+            continued = run_steps(engine, range(3, 13), cfg["pipeline"])
+            control = build_whole(world, seed=1, lr=LOADER_LR, **cfg)
+            control.load_checkpoint(universal, load_optimizer_states=False)
+            results[f"{kind}_from{saved_world // MODEL_PARALLEL}"] = {
+                **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
+                "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"]),
+                "report": torch.load(os.path.join(universal, "report.pt"))["joined"]}
+    return results

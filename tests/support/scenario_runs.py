@@ -5,7 +5,9 @@ DP=1 runs in the test process (one rank), first and last. Between them five laun
 test_distributed's scenarios of that world size (2 and 3), saves the elastic checkpoints and loads those of
 N' <= N; then one per M in 2..3 that loads the checkpoints of the larger N (and, at M=3, the DP=1 ones rewritten
 offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: saved at N=4, loaded at M=2; so do
-the universal-checkpoint loads of the DP=1 checkpoints, at N=2. Every
+the universal-checkpoint loads of the DP=1 checkpoints, at N=2, and the model-parallel runs' 8-bit universal exports
+(tensor-parallel 2 and 2 pipeline stages, saved at 2 and 4 ranks), loaded at model-parallel size 1 by the later
+launch at 2 and in this process at the end. Every
 launch must succeed and no scenario may fail: the results are the union per world.
 """
 
@@ -42,11 +44,12 @@ def plan():
                                  (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
     later = [(w, "elastic_load" + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else "")
-              + (",parallel_load" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else ""),
+              + (",parallel_load,parallel_universal" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else ""),
               [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
     if 3 not in SIZES[1:-1]:  # the reshaped DP=1 checkpoint is loaded at 3 ranks only
         later = [(w, scenarios, [s for s in sources if s != RESHAPED]) for w, scenarios, sources in later]
-    later.append((1, "elastic_load", [str(n) for n in SIZES[1:]]))  # in this process again: no launch
+    later.append((1, "elastic_load" + (",parallel_universal" if PARALLEL[0] in SIZES else ""),
+                  [str(n) for n in SIZES[1:]]))  # in this process again: no launch
     return first + later
 
 
@@ -84,14 +87,18 @@ def reshape_dp1_for_three(out):
 
 def run_all(out) -> dict:
     """world -> scenario -> result (elastic_load: the union of that world's loads)."""
-    results = {}
+    results, exported = {}, False
     for world, scenarios, sources in plan():
         if RESHAPED in sources:
             reshape_dp1_for_three(out)
+        if "parallel_universal" in scenarios and not exported:  # every model-parallel checkpoint is saved by now
+            from support.parallel_scenarios import MODEL_PARALLEL, export_universal
+            export_universal(out, [w // MODEL_PARALLEL for w in PARALLEL if w in SIZES])
+            exported = True
         run = in_this_process if world == 1 else launched
         for name, value in run(out, world=world, scenarios=scenarios, sources=sources).items():
             assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
-            if name in ("elastic_load", "parallel_load"):
+            if name in ("elastic_load", "parallel_load", "parallel_universal"):
                 results.setdefault(world, {}).setdefault(name, {}).update(value)
             else:
                 results.setdefault(world, {})[name] = value

@@ -72,6 +72,22 @@ def test_block_aligned_slices_are_bnbs_own_state_of_each_slice(name, shape, dim,
     same(ParamState.join(sliced, shape, dim), whole, "joined")
 
 
+UNEVEN = [  # (shape, dim, sizes): slices of other widths along dim (AutoTP's split of a vocabulary its size does not
+    # divide), every run still whole blocks
+    ((5, 512), 0, (3, 2)), ((4, 768), 1, (512, 256)), ((3, 1024), 1, (256, 512, 256))]
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW_32bit"])
+@pytest.mark.parametrize("shape,dim,sizes", UNEVEN)
+def test_uneven_slices_join_into_bnbs_state_of_the_whole(name, shape, dim, sizes):
+    weight, grads = run(name, shape)
+    [whole] = bnb_states(name, weight, grads)
+    sliced = bnb_states(name, weight, grads, lambda t: t.split(sizes, dim))
+    same(ParamState.join(sliced, shape, dim), whole, "joined")
+    with pytest.raises(ValueError, match="cannot make a parameter"):  # slices of another parameter's widths
+        ParamState.join(sliced[::-1] + sliced[:1], shape, dim)
+
+
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit"])
 def test_control_slices_that_cut_blocks_are_not_bnbs_state_of_each_slice(name):
     """(6, 100) in two along dimension 0: 300 elements each, the second slice starting inside block 1."""

@@ -19,6 +19,8 @@ FORMAT_KEY = "deepspeed_bnb_format"  # int: FORMAT_VERSION of the writer
 OPTIMIZER_CLASS_KEY = "optimizer_class"  # "module.Class" of the bnb optimizer that produced the state
 OPTIMIZER_NAME_KEY = "optimizer_name"  # bnb's update-rule name ("adam", "lion", ...)
 DP_RANK_KEY = "dp_rank"  # data-parallel rank that wrote the record
+MODEL_PARALLEL_KEY = "model_parallel"  # model_parallel.ModelParallelPlace.to_dict(): the rank's tensor-parallel rank
+# and pipeline stage, each parameter's tensor-parallel split; absent in records written before it was recorded
 MASTER_MODE_KEY = "master_weights"  # "fp32", "bf16" or "bf16+8" (optim/master_weights.py); absent before format 3
 GROUPS_KEY = "groups"  # list, one entry per param group:
 HYPERPARAMS_KEY = "hyperparams"  # the param group's settings (lr, betas, ...) without its params
@@ -44,4 +46,5 @@ FP32_FLAT_GROUPS_KEY = "fp32_flat_groups"  # DeepSpeed's ZeRO-3 entry: per sub-g
 # File names inside a tag directory (DeepSpeed's, for model-parallel rank 0)
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one model-states file
 STAGE3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per DP rank (empty module weights)
-RANK_FILE = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # per DP rank: prefix ("" or "bf16_"), rank
+RANK_FILE = "{}zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt"  # per DP rank: prefix ("" or "bf16_"), DP rank,
+# model-parallel rank

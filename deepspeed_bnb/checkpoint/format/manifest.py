@@ -206,7 +206,7 @@ def required_files(manifest: dict, tag_dir: str = "") -> List[str]:
                                       f"its {len(manifest['files'])} files cannot be: the manifest is damaged or "
                                       f"crafted. Restore it, or load another tag.")
     bf16 = any(name.startswith("bf16_zero_pp_rank_") for name in manifest["files"])
-    optimizer = [RANK_FILE.format("bf16_" if bf16 else "", r) for r in range(dp)]
+    optimizer = [RANK_FILE.format("bf16_" if bf16 else "", r, 0) for r in range(dp)]
     model = [STAGE3_MODEL_STATES.format(r) for r in range(dp)] if stage == 3 else [MODEL_STATES]
     return model + optimizer
 

@@ -25,8 +25,9 @@ from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
 
-_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-_STAGE3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d\d+)_optim_states\.pt$")
+_STAGE3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d\d+)_model_states\.pt$")
+_MODEL_RANKS = 1 << 16  # model-parallel ranks a reader believes a tag holds (file names are not trusted)
 # Entries of a model-states file a reader relies on, and what each must be (a file is checked before use)
 _MODEL_STATE_TYPES = {"module": dict, "param_shapes": list, "dp_world_size": int, "mp_world_size": int,
                       "global_steps": int, "skipped_steps": int, "global_samples": int, "buffer_names": list,
@@ -34,13 +35,14 @@ _MODEL_STATE_TYPES = {"module": dict, "param_shapes": list, "dp_world_size": int
 _REQUIRED_MODEL_STATES = ("module", "dp_world_size")
 
 
-def rank_files(tag_dir: str) -> Tuple[bool, Dict[int, str]]:
-    """(whether they carry bf16_ names, DP rank -> file name) of the ZeRO optimizer files in a tag directory (model
-    rank 0; none: (False, {})); an error when files of an fp32 and a bf16 save lie side by side."""
+def rank_files(tag_dir: str, mp_rank: int = 0) -> Tuple[bool, Dict[int, str]]:
+    """(whether they carry bf16_ names, DP rank -> file name) of the ZeRO optimizer files in a tag directory (of
+    model-parallel rank `mp_rank`; none: (False, {})); an error when files of an fp32 and a bf16 save lie side by
+    side."""
     found: Dict[bool, Dict[int, str]] = {}
     for name in os.listdir(tag_dir):
         match = _RANK_FILE.match(name)
-        if match:
+        if match and int(match.group(3)) == mp_rank:
             found.setdefault(bool(match.group(1)), {})[int(match.group(2))] = name
     if len(found) > 1:
         raise CheckpointMismatchError(f"{tag_dir} holds the optimizer files of a bf16 save (bf16_zero_pp_rank_*) "
@@ -50,18 +52,26 @@ def rank_files(tag_dir: str) -> Tuple[bool, Dict[int, str]]:
     return bf16, found.get(bf16, {})
 
 
-def saved_dp(model_states: dict, tag_dir: str, where: str) -> Tuple[int, bool, Dict[int, str]]:
+def model_parallel_size(tag_dir: str) -> int:
+    """How many model-parallel ranks (tensor-parallel ranks x pipeline stages) wrote optimizer files into a tag: the
+    highest `mp_rank_XX` + 1 (1 for a data-parallel-only run)."""
+    ranks = {int(m.group(3)) for m in map(_RANK_FILE.match, os.listdir(tag_dir)) if m}
+    ranks = {r for r in ranks if r < _MODEL_RANKS}
+    return max(ranks) + 1 if ranks else 1
+
+
+def saved_dp(model_states: dict, tag_dir: str, where: str, mp_rank: int = 0) -> Tuple[int, bool, Dict[int, str]]:
     """(the DP size a checkpoint was written by, as its model states say, checked against the rank files the tag
     holds; whether those carry bf16_ names; rank -> file name): a count read from a file is believed only as far as
     the files bear it out."""
-    bf16, files = rank_files(tag_dir)
+    bf16, files = rank_files(tag_dir, mp_rank)
     dp = model_states.get("dp_world_size", len(files))
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise CheckpointMismatchError(f"{where}: 'dp_world_size' is {dp!r}, not a number of ranks; the file is "
                                       f"malformed (damaged or crafted).")
     first_missing = next((rank for rank in range(len(files) + 1) if rank not in files), None)
     if first_missing is not None and first_missing < dp:
-        name = C.RANK_FILE.format("bf16_" if bf16 else "", first_missing)
+        name = C.RANK_FILE.format("bf16_" if bf16 else "", first_missing, mp_rank)
         raise CheckpointMismatchError(
             f"{os.path.join(tag_dir, name)} is missing: {where} says the checkpoint was written by {dp:,} "
             f"data-parallel ranks, and this file holds rank {first_missing}'s share (the tag holds {len(files)} "
@@ -106,12 +116,15 @@ def check_model_states(states, path: str) -> dict:
     return states
 
 
-def model_states_name(tag_dir: str) -> str:
-    """The model-states file a loader reads first: stage 1/2's, or stage 3's of rank 0."""
-    for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):
+def model_states_name(tag_dir: str, mp_rank: int = 0) -> str:
+    """The model-states file a loader reads first (of model-parallel rank `mp_rank`): stage 1/2's, or stage 3's of
+    DP rank 0."""
+    names = [name.replace("mp_rank_00", f"mp_rank_{mp_rank:02d}") for name in (MODEL_STATES,
+                                                                              STAGE3_MODEL_STATES.format(0))]
+    for name in names:
         if os.path.lexists(os.path.join(tag_dir, name)):
             return name
-    return MODEL_STATES
+    return names[0]
 
 
 def resolve_tag_dir(path: str) -> str:
@@ -143,14 +156,18 @@ def check_unlisted(tag_dir: str, ours: bool) -> None:
 class SavedCheckpoint:
     """One tag of a checkpoint written by deepspeed_bnb (or, for `stock_*`, by stock DeepSpeed).
 
-    `verify_checksums`: hash every file against the manifest first (what every tool that writes does)."""
+    `verify_checksums`: hash every file against the manifest first (what every tool that writes does); `mp_rank`:
+    the model-parallel rank whose files are read (a tensor- or pipeline-parallel run writes one set per rank;
+    merged.py joins them)."""
 
-    def __init__(self, path: str, verify_checksums: bool = False):
+    def __init__(self, path: str, verify_checksums: bool = False, mp_rank: int = 0):
         self.tag_dir = resolve_tag_dir(path)
+        self.mp_rank = mp_rank
+        self.model_parallel = model_parallel_size(self.tag_dir)  # model-parallel ranks that wrote the tag
         self.manifest = read_manifest(self.tag_dir)
         if self.manifest is not None:
             verify(self.tag_dir, self.manifest, sorted(self.manifest["files"]) if verify_checksums else ())
-        self.dp, self.bf16_names, names = saved_dp(self.model_states, self.tag_dir, self.model_states_path)
+        self.dp, self.bf16_names, names = saved_dp(self.model_states, self.tag_dir, self.model_states_path, mp_rank)
         self.source = FileSource([os.path.join(self.tag_dir, names[r]) for r in range(self.dp)])
         if self.manifest is None:
             check_unlisted(self.tag_dir, self.is_deepspeed_bnb)
@@ -160,7 +177,7 @@ class SavedCheckpoint:
 
     @property
     def model_states_path(self) -> str:
-        return os.path.join(self.tag_dir, model_states_name(self.tag_dir))
+        return os.path.join(self.tag_dir, model_states_name(self.tag_dir, self.mp_rank))
 
     @property
     def model_states(self) -> dict:
@@ -240,6 +257,16 @@ class SavedCheckpoint:
                 f"{self.tag_dir} holds expert groups (DeepSpeed MoE), which `{what}` does not handle yet. "
                 f"engine.load_checkpoint loads such a checkpoint at any data-parallel size and any expert-parallel "
                 f"size over the same experts; `deepspeed-bnb export` writes its weights and state by name.")
+
+    def refuse_model_parallel(self, what: str) -> None:
+        """An error for the offline tools that read one model-parallel rank's files (the model's part that rank held),
+        where the tag holds several."""
+        if self.model_parallel > 1:
+            raise CheckpointMismatchError(
+                f"{self.tag_dir} was written by {self.model_parallel} model-parallel ranks (tensor-parallel ranks or "
+                f"pipeline stages: files *_mp_rank_00_* to *_mp_rank_{self.model_parallel - 1:02d}_*), and `{what}` "
+                f"reads one rank's share, which is not the model. `deepspeed-bnb export --universal` joins them into "
+                f"an 8-bit universal checkpoint, which an engine loads with checkpoint.load_universal.")
 
     def param_shapes(self) -> List[Dict[str, torch.Size]]:
         """Per group: parameter name -> shape, in flat order (DeepSpeed saves these with the model states: per param

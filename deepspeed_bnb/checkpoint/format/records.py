@@ -15,6 +15,7 @@ import torch
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, placement_from_dict
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, place_from_dict
 from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
@@ -58,17 +59,19 @@ def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str
 
 
 def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups: Sequence[GroupRecord],
-                 master_entry: Optional[str] = None, master_mode: str = master_weights.FP32) -> dict:
+                 master_entry: Optional[str] = None, master_mode: str = master_weights.FP32,
+                 model_parallel: ModelParallelPlace = ALONE) -> dict:
     """The record of one rank. Whole tensors (maps) are the same everywhere and stored once, by rank 0.
     `master_entry`: the ZeRO state-dict entry holding the master weights when it is not DeepSpeed's stage-1/2 one;
     `master_mode`: the run's master weights (optim/master_weights.py), which the saved master tensors follow
-    (`saved_master_dtype`)."""
+    (`saved_master_dtype`); `model_parallel`: the rank's place in a tensor- or pipeline-parallel layout."""
     record = {
         C.FORMAT_KEY: C.FORMAT_VERSION,
         C.MASTER_MODE_KEY: master_mode,
         C.OPTIMIZER_CLASS_KEY: optimizer_class,
         C.OPTIMIZER_NAME_KEY: optimizer_name,
         C.DP_RANK_KEY: dp_rank,
+        C.MODEL_PARALLEL_KEY: model_parallel.to_dict(),
         C.GROUPS_KEY: [{
             C.HYPERPARAMS_KEY: {k: v for k, v in g.hyperparams.items() if k != "params"},
             C.LAYOUT_KEY: g.layout.to_dict(),
@@ -93,6 +96,12 @@ def is_record(value) -> bool:
 def saved_master_mode(record: dict) -> str:
     """The master weights of the run that wrote a (checked) record: "fp32" before format 3."""
     return record.get(C.MASTER_MODE_KEY, master_weights.FP32)
+
+
+def saved_place(record: dict, source: str) -> Optional[ModelParallelPlace]:
+    """The model-parallel place of the rank that wrote a record, checked; None where the record predates it."""
+    data = record.get(C.MODEL_PARALLEL_KEY)
+    return None if data is None else place_from_dict(data, source)
 
 
 def saved_master_dtype(record: dict) -> torch.dtype:
@@ -133,6 +142,7 @@ def _check_structure(record: dict, source: str) -> None:
     if saved_master_mode(record) not in master_weights.MODES:
         raise malformed(f"'{C.MASTER_MODE_KEY}'", f"is {saved_master_mode(record)!r}, not one of "
                                                   f"{master_weights.MODES}")
+    saved_place(record, source)
     for g, group in enumerate(record[C.GROUPS_KEY]):
         where = f"param group {g}"
         if not isinstance(group, dict):

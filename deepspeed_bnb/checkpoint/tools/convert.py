@@ -153,6 +153,7 @@ def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = T
     if not ckpt.is_deepspeed_bnb:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint: convert it with --to 8bit "
                                       f"(and --master-weights {mode}) first.")
+    ckpt.refuse_model_parallel("deepspeed-bnb convert --master-weights")
     source = source_master_mode(ckpt)
     rounded, total, largest = 0, 0, 0.0
     for g in range(len(ckpt.groups)):
@@ -197,6 +198,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
         raise ValueError(f"convert: --stage must be 1, 2 or 3 (a ZeRO stage), got {stage}")
     ckpt = UniversalCheckpoint(path, dp or 1, stage or 2) if universal else SavedCheckpoint(path, verify_checksums=True)
     check_output(ckpt, out_dir)
+    if not universal:
+        ckpt.refuse_model_parallel("deepspeed-bnb convert")
     ours = ckpt.is_deepspeed_bnb
     if ours:
         ckpt.refuse_experts("deepspeed-bnb convert")

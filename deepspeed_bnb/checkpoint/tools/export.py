@@ -17,6 +17,7 @@ from tqdm import tqdm
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL
+from deepspeed_bnb.checkpoint.format.merged import open_whole_model
 from deepspeed_bnb.checkpoint.format.publish import replacing
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.weights import consolidated_weights, fp32_moments
@@ -27,15 +28,22 @@ from deepspeed_bnb.optim.state_names import TORCH_NAMES
 def export(path: str, out_dir: str, optimizer_state: bool = False, progress: bool = True,
            universal: bool = False, stock: bool = False) -> Dict[str, str]:
     """Write `model.safetensors` (and `optimizer.safetensors` + `optimizer.json`) into `out_dir`, or with `universal`
-    a DeepSpeed universal checkpoint (universal.py: the 8-bit kind, or with `stock` torch AdamW's); returns paths. Every input file is checked against its SHA-256
-    first."""
+    a DeepSpeed universal checkpoint (universal.py: the 8-bit kind, or with `stock` torch AdamW's; a tensor- or
+    pipeline-parallel checkpoint's ranks joined, format/merged.py); returns paths (and, for a joined one, what joining
+    requantized). Every input file is checked against its SHA-256 first."""
     if stock and not universal:
         raise ValueError("export: --stock chooses the kind of universal checkpoint; add --universal")
-    ckpt = SavedCheckpoint(path, verify_checksums=True)
     if universal:
         from deepspeed_bnb.checkpoint.tools.universal import write_universal
-        return {"universal": write_universal(ckpt, out_dir, progress, stock),
-                "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
+        ckpt = open_whole_model(path)
+        written = {"universal": write_universal(ckpt, out_dir, progress, stock),
+                   "pointer": os.path.join(out_dir, LATEST_UNIVERSAL)}
+        if ckpt.model_parallel > 1:  # its tensor-parallel ranks and pipeline stages joined (format/merged.py)
+            written["joined"] = (f"{ckpt.tp_size} tensor-parallel x {ckpt.pp_size} pipeline ranks; "
+                                 f"{ckpt.requantized}")
+        return written
+    ckpt = SavedCheckpoint(path, verify_checksums=True)
+    ckpt.refuse_model_parallel("deepspeed-bnb export")
     check_output(ckpt, out_dir)
     weights = consolidated_weights(ckpt)
     optimizer = _optimizer_state(ckpt, progress) if optimizer_state else None

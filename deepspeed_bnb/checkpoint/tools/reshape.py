@@ -27,6 +27,7 @@ def reshape(path: str, out_dir: str, dp: int, progress: bool = True, stage: Opti
         raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed checkpoint; reshape rewrites deepspeed_bnb "
                                       f"checkpoints. `deepspeed-bnb convert` turns it into one.")
     ckpt.refuse_experts("deepspeed-bnb reshape")
+    ckpt.refuse_model_parallel("deepspeed-bnb reshape")
     check_output(ckpt, out_dir)
     first = ckpt.record(0)
     stage = ckpt.zero_stage if stage is None else stage

@@ -17,6 +17,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.model_parallel import ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, load_records, saved_master_mode
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter, check_steppable
@@ -41,7 +42,8 @@ class BnbPartitionsMixin:
     `_bnb_after_deepspeed` (refusals, master-weight error terms, the kernel route), then `_bnb_add_partition` for each
     partition this rank steps; the class using it implements `_bnb_partitions` and the partition accessors below."""
 
-    def _bnb_before_deepspeed(self, deepspeed_class: type, args: tuple, kwargs: dict, settings: BnbSettings) -> dict:
+    def _bnb_before_deepspeed(self, deepspeed_class: type, args: tuple, kwargs: dict, settings: BnbSettings,
+                              model_parallel: ModelParallelPlace) -> dict:
         """The keyword arguments for DeepSpeed's `deepspeed_class.__init__`, every one by this release's name for it
         (compat.by_name), once what no stage supports is refused and bnb has seen the client optimizer: precision and
         config overrides per model parameter, and the master weights, while its param groups still hold the model
@@ -50,6 +52,7 @@ class BnbPartitionsMixin:
         optimizer = kwargs["init_optimizer"]
         check_steppable(optimizer)
         self.bnb_settings = settings  # the deepspeed_bnb keys of the engine's config (runtime/zero/config.py)
+        self.bnb_model_parallel = model_parallel  # this rank's model-parallel place, recorded with the state
         # the engine's names of the model parameters (ZeRO-3 takes them from DeepSpeed 0.18.0 on; else None)
         self.bnb = BnbAdapter(optimizer, settings.keep_whole, settings.keep_whole_threshold, kwargs.get("param_names"))
         self._bnb_resolve_master(settings.master_weights, optimizer, kwargs, deepspeed_class)  # self.bnb_master

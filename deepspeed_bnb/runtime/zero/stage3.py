@@ -34,6 +34,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.manifest import describe
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
@@ -78,8 +79,10 @@ def _refuse_unsupported(optimizer, kwargs: dict) -> None:
 class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose client optimizer is a bitsandbytes optimizer (8-bit or 32-bit state)."""
 
-    def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(), **kwargs):
-        kwargs = self._bnb_before_deepspeed(DeepSpeedZeroOptimizer_Stage3, args, kwargs, bnb_settings)
+    def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(),
+                 bnb_model_parallel: ModelParallelPlace = ALONE, **kwargs):
+        kwargs = self._bnb_before_deepspeed(DeepSpeedZeroOptimizer_Stage3, args, kwargs, bnb_settings,
+                                            bnb_model_parallel)
         module, init_optimizer = kwargs["module"], kwargs["init_optimizer"]
         _refuse_unsupported(init_optimizer, kwargs)
         offload = kwargs.get("offload_optimizer_config")
@@ -488,7 +491,8 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records,
                                                         master_entry=C.FP32_FLAT_GROUPS_KEY,
-                                                        master_mode=self.bnb_master.mode)
+                                                        master_mode=self.bnb_master.mode,
+                                                        model_parallel=self.bnb_model_parallel)
         return state_dict
 
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):

@@ -29,6 +29,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed_bnb.checkpoint.format.constants import MASTER_WEIGHTS_KEY, PARAM_ALIGNMENT_PADDINGS
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement
 from deepspeed_bnb.checkpoint.format.manifest import describe
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.runtime.zero import compat, padding_tensors
@@ -47,8 +48,10 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     # True while DeepSpeed's __init__ runs: its only calls of flatten_dense_tensors_aligned then flatten param groups
     _bnb_in_deepspeed_init = False
 
-    def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(), **kwargs):
-        kwargs = self._bnb_before_deepspeed(DeepSpeedZeroOptimizer, args, kwargs, bnb_settings)
+    def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(),
+                 bnb_model_parallel: ModelParallelPlace = ALONE, **kwargs):
+        kwargs = self._bnb_before_deepspeed(DeepSpeedZeroOptimizer, args, kwargs, bnb_settings,
+                                            bnb_model_parallel)
         # how the block-aligned layout is placed in DeepSpeed's flat groups (compat.py)
         self.bnb_padding_mode = padding_mode()
         if self.bnb_padding_mode == PADDING_TENSORS:
@@ -247,7 +250,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         state_dict[PARAM_ALIGNMENT_PADDINGS] = [[slot.padding for slot in layout.slots] for layout in self.bnb_layouts]
         state_dict[BASE_OPTIMIZER_STATE] = build_record(self._bnb_optimizer_class(), self.bnb.optimizer_name,
                                                         dist.get_rank(group=self.dp_process_group), records,
-                                                        master_mode=self.bnb_master.mode)
+                                                        master_mode=self.bnb_master.mode,
+                                                        model_parallel=self.bnb_model_parallel)
         if self.bnb_master.compensated:  # the fp32 values the bf16 weights and their error terms stand for
             state_dict[MASTER_WEIGHTS_KEY] = [
                 compensated.join(saved.cpu(), error.narrow(0, 0, saved.numel()).cpu())

@@ -1,0 +1,68 @@
+"""The model-parallel place each rank records (checkpoint/format/model_parallel.py, runtime/model_parallel.py): read
+back only when well formed, and each parameter's tensor-parallel split taken from what marks it.
+
+The AutoTP layers themselves are checked against DeepSpeed's own conversion schema in
+tests/distributed/test_model_parallel.py (AutoTP needs a tensor-parallel group); here the Megatron-style marks, the
+parameters nothing marks, tied weights, and the refusals of damaged records.
+"""
+
+import pytest
+from torch import nn
+
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, no_place_error, \
+    place_from_dict, split_of
+from deepspeed_bnb.runtime.model_parallel import tensor_parallel_splits
+
+PLACE = ModelParallelPlace(2, 1, 3, 2, {"a.weight": 0, "b.weight": 1, "norm.weight": None, "fused.weight": "why"})
+
+
+def test_a_place_reads_back_as_written():
+    assert place_from_dict(PLACE.to_dict(), "f") == PLACE
+    assert place_from_dict(ALONE.to_dict(), "f") == ALONE and ALONE.size == 1 and PLACE.size == 6
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d.pop("splits"), lambda d: d.update(tp_rank=2), lambda d: d.update(pp_size=0),
+    lambda d: d.update(tp_size=True), lambda d: d.update(splits={"a.weight": 9}),
+    lambda d: d.update(splits={"a.weight": 1.5}), lambda d: d.update(extra=1), lambda d: d.update(pp_stage=-1)])
+def test_a_damaged_place_is_refused_naming_the_file(damage):
+    data = PLACE.to_dict()
+    damage(data)
+    with pytest.raises(CheckpointMismatchError, match=r"rank_7\.pt: the model-parallel place .* malformed"):
+        place_from_dict(data, "rank_7.pt")
+
+
+def test_split_of_names_what_is_missing():
+    assert split_of(PLACE, "b.weight", "f") == 1 and split_of(PLACE, "norm.weight", "f") is None
+    assert split_of(ALONE, "anything", "f") is None  # no tensor parallelism: every parameter whole
+    with pytest.raises(CheckpointMismatchError, match="records no split for parameter 'c.weight'"):
+        split_of(PLACE, "c.weight", "f")
+    assert "no model-parallel place" in str(no_place_error("rank_0.pt"))
+
+
+class Marked(nn.Module):
+    """Megatron-LM's marks on its tensor-parallel parameters, a plain norm, and an embedding tied to the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.column = nn.Linear(4, 4)
+        self.row = nn.Linear(4, 4)
+        self.strided = nn.Linear(4, 4, bias=False)
+        self.norm = nn.LayerNorm(4)
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+        for param, dim, stride in ((self.column.weight, 0, 1), (self.column.bias, 0, 1), (self.row.weight, 1, 1),
+                                   (self.strided.weight, 0, 3)):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+
+
+def test_splits_follow_the_marks_and_name_each_parameter_once():
+    splits = tensor_parallel_splits(Marked())
+    assert splits == {"column.weight": 0, "column.bias": 0, "row.weight": 1, "row.bias": None,
+                      "strided.weight": splits["strided.weight"], "norm.weight": None, "norm.bias": None,
+                      "embed.weight": None}  # the tied head is the embedding's (the engine's name for it)
+    assert "strided" in splits["strided.weight"] and "partition_stride 3" in splits["strided.weight"]
+    assert list(splits) == [name for name, _ in Marked().named_parameters()]  # control: the engine's names, in order
+    assert tensor_parallel_splits(nn.Linear(2, 2)) == {"weight": None, "bias": None}
