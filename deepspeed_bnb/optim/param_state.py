@@ -253,15 +253,25 @@ class ParamState(Mapping):
         """The state of each of `parts` equal slices along `dim` of the parameter of `shape` (a tensor-parallel split:
         slice p holds indices [p * n, (p + 1) * n) of that dimension)."""
         shape = tuple(shape)
-        if math.prod(shape) != self.numel:
-            raise ValueError(f"{what}: shape {shape} has {math.prod(shape)} elements, its state {self.numel}")
         if not 0 <= dim < len(shape) or parts < 1 or shape[dim] % parts:
             raise ValueError(f"{what}: dimension {dim} of shape {shape} cannot be split into {parts} equal parts "
                              f"(the tensor-parallel size must divide it)")
+        width = shape[dim] // parts
+        return [self.slice(shape, dim, p * width, width, requantized, f"{what}, slice {p} of {parts} along "
+                                                                     f"dimension {dim}") for p in range(parts)]
+
+    def slice(self, shape: Sequence[int], dim: int, start: int, width: int,
+              requantized: Optional[Requantization] = None, what: str = "parameter") -> "ParamState":
+        """The state of indices [start, start + width) along `dim` of the parameter of `shape` (one tensor-parallel
+        rank's slice, even or not)."""
+        shape = tuple(shape)
+        if math.prod(shape) != self.numel:
+            raise ValueError(f"{what}: shape {shape} has {math.prod(shape)} elements, its state {self.numel}")
+        if not 0 <= dim < len(shape) or start < 0 or width < 0 or start + width > shape[dim]:
+            raise ValueError(f"{what}: [{start}, {start + width}) along dimension {dim} is not inside shape {shape}")
         outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
-        length = shape[dim] // parts * inner
-        return [self.assemble([self], [Run(0, (o * parts + p) * length, length) for o in range(outer)], requantized,
-                              f"{what}, slice {p} of {parts} along dimension {dim}") for p in range(parts)]
+        return self.assemble([self], [Run(0, (o * shape[dim] + start) * inner, width * inner) for o in range(outer)],
+                             requantized, what)
 
     @classmethod
     def join(cls, pieces: Sequence["ParamState"], shape: Sequence[int], dim: int,

@@ -6,7 +6,9 @@ DeepSpeed's own universal loader (`load_hp_checkpoint_state_from_checkpoint_dir`
 folder as an element-wise tensor and cuts it by tensor-parallel rank and by the rank's fragment; 8-bit codes, block
 scales and maps cannot be cut that way, and bnb partitions are not DeepSpeed's fragments. So the publishing rank writes
 the checkpoint once as a deepspeed_bnb tag of one rank (`convert`, into a scratch folder beside it), and every rank
-loads that through the ordinary route (manifest, safe loader, block-aligned resharding to any DP size and stage). The
+loads that through the ordinary route (manifest, safe loader, block-aligned resharding to any DP size and stage). A
+tensor- or pipeline-parallel engine gets one tag of its own layout: every rank's parameters (its stage's, each
+sliced for its tensor-parallel rank: checkpoint/tools/universal_split.py), gathered from the ranks first. The
 scratch folder is removed afterwards, whatever happens.
 """
 
@@ -18,8 +20,23 @@ from deepspeed import comm as dist
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL, read_pointer, safe_name
 from deepspeed_bnb.checkpoint.tools.convert import convert
+from deepspeed_bnb.checkpoint.tools.universal_split import convert_for_model_parallel, rank_layouts
+from deepspeed_bnb.runtime.zero import compat
 
 SCRATCH = ".{tag}.from-universal.deepspeed_bnb"  # beside the tag, the same path on every rank (and node)
+
+
+def _model_parallel_layouts(engine):
+    """Every model-parallel rank's layout (checkpoint/tools/universal_split.py) where `engine` is tensor- or
+    pipeline-parallel, gathered from all ranks (each knows its own parameters' slices); None otherwise."""
+    place = engine.optimizer.bnb_model_parallel
+    if place.size == 1:
+        return None
+    shapes = [{name: tuple(shape) for name, shape in group.items()} for group in engine._get_zero_param_shapes()]
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes))
+    by_rank = {mp_rank: (place, shapes) for mp_rank, place, shapes in held}
+    return rank_layouts([by_rank[r] for r in range(len(by_rank))])
 
 
 def load_universal(engine, load_dir: str, tag, arguments: dict, agree, publisher: bool):
@@ -36,22 +53,22 @@ def load_universal(engine, load_dir: str, tag, arguments: dict, agree, publisher
         agree(lambda: safe_name(tag, os.path.join(load_dir, LATEST_UNIVERSAL), "tag", one_component=True),
               context=what)
     tag = str(tag)
-    if engine.mpu is not None and engine.mpu.get_model_parallel_world_size() > 1:
-        raise NotImplementedError(f"{what}this engine is tensor- or pipeline-parallel; deepspeed_bnb loads universal "
-                                  f"checkpoints into data-parallel engines only so far. Load it at model-parallel "
-                                  f"size 1, or convert it with `deepspeed-bnb convert`.")
     scratch = os.path.join(load_dir, SCRATCH.format(tag=tag))
     bnb_optimizer = engine.optimizer.optimizer
     stage = engine.zero_optimization_stage()
+    layouts = _model_parallel_layouts(engine)  # None for a data-parallel engine
 
     def write():
         if not publisher:
             return None
         if os.path.lexists(scratch):  # left by a load that was killed
             shutil.rmtree(scratch)
+        source, cls, size = os.path.join(load_dir, tag), type(bnb_optimizer), bnb_optimizer.args.min_8bit_size
         try:
-            return convert(os.path.join(load_dir, tag), scratch, "8bit", optimizer_class=type(bnb_optimizer),
-                           min_8bit_size=bnb_optimizer.args.min_8bit_size, progress=False, dp=1, stage=stage)
+            if layouts is not None:
+                return convert_for_model_parallel(source, scratch, layouts, cls, size, stage)
+            return convert(source, scratch, "8bit", optimizer_class=cls, min_8bit_size=size, progress=False, dp=1,
+                           stage=stage)
         except OSError as exc:
             raise CheckpointMismatchError(
                 f"{exc}: the universal checkpoint is rewritten once into {scratch} for this engine, and that "

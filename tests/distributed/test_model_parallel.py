@@ -150,3 +150,40 @@ def test_offline_tools_refuse_one_model_parallel_ranks_share(scenario_results, s
         with pytest.raises(CheckpointMismatchError, match=r"written by 2 model-parallel ranks.*export --universal"):
             run(str(tmp_path / what))
         assert not os.path.exists(tmp_path / what)
+
+
+SPLIT_CASES = [(kind, 2, 2) for kind in PARALLEL_KINDS] if 4 in SIZES else []  # (kind, saved DP, loading world)
+
+
+@pytest.fixture(scope="module")
+def split_runs(scenario_results):
+    loads = {}
+    for world, result in scenario_results.items():
+        for key, value in result.get("parallel_universal_split", {}).items():
+            kind, saved = key.rsplit("_from", 1)
+            loads[(kind, int(saved), world)] = value
+    assert len(loads) == len(SPLIT_CASES), sorted(loads)
+    return loads
+
+
+@pytest.mark.parametrize("kind,saved_dp,world", SPLIT_CASES)
+def test_a_whole_model_universal_checkpoint_loads_into_a_model_parallel_engine(scenario_results, split_runs, kind,
+                                                                            saved_dp, world):
+    """The other direction: a universal checkpoint of the whole model (joined from tensor-parallel 2 or 2 stages at
+    DP 2) loaded by an engine that is itself tensor-parallel 2 (or 2 stages) at DP 1, the checkpoint cut per
+    model-parallel rank at load. Every (rank, parameter)'s master weights are what that rank saved; its 8-bit codes
+    and absmax too where its slice is whole blocks along dim 0 (or it is a stage's whole parameter); elsewhere the
+    universal checkpoint's values of the slice requantized within half a step. The continued losses track the run
+    that never stopped; a fresh-moment resume does not."""
+    run = split_runs[(kind, saved_dp, world)]
+    reference = scenario_results[saved_dp * MODEL_PARALLEL]["parallel_save"][kind]["continued"]
+    assert not run["master_differs"] and not run["codes_differ"], (run["master_differs"], run["codes_differ"])
+    assert run["moved"] and run["weights_follow_master"] and run["lr"] == [1e-3]
+    assert run["largest_steps"] <= 0.5 + 1e-4, run["largest_steps"]
+    drift = max(abs(a - b) for a, b in zip(run["continued"], reference))
+    control = max(abs(a - b) for a, b in zip(run["state_dropped"], reference))
+    if PARALLEL_KINDS[kind]["pipeline"]:
+        assert not run["requantized"] and drift < FP32_TOL, {"continued": run["continued"], "reference": reference}
+    else:
+        assert run["requantized"] and drift < REQUANTIZED_TOL, {"continued": run["continued"], "reference": reference}
+    assert control > 100 * REQUANTIZED_TOL, control

@@ -795,6 +795,14 @@ def scenario_parallel_universal(world, rank, out, sources):
     return parallel_scenarios.scenario_parallel_universal(world, rank, out, saved)
 
 
+def scenario_parallel_universal_split(world, rank, out, sources):
+    """`sources` as scenario_parallel_load's: the model-parallel checkpoints' universal exports, loaded at their own
+    model-parallel layout."""
+    from support import parallel_scenarios
+    saved = [int(n) for n in sources if n.isdigit() and int(n) % parallel_scenarios.MODEL_PARALLEL == 0]
+    return parallel_scenarios.scenario_parallel_universal_split(world, rank, out, saved)
+
+
 def scenario_hpz_save(world, rank, out):
     from support import hpz_scenarios
     return hpz_scenarios.scenario_hpz_save(world, rank, out)
@@ -811,9 +819,10 @@ SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic"
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
              "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load,
              "parallel_universal": scenario_parallel_universal,
+             "parallel_universal_split": scenario_parallel_universal_split,
              "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load,
              "universal_load": scenario_universal_load}
-TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal")  # scenarios given --elastic-from
+TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split")  # scenarios given --elastic-from
 
 
 def main():

@@ -63,7 +63,7 @@ def pipeline_loss(logits, targets):
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def build(world, pipeline, stage, seed=0, lr=1e-3):
+def build(world, pipeline, stage, seed=0, lr=1e-3, universal=False):
     from deepspeed.pipe import LayerSpec, PipelineModule
     torch.manual_seed(seed)
     dp = world // MODEL_PARALLEL
@@ -77,6 +77,8 @@ def build(world, pipeline, stage, seed=0, lr=1e-3):
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=32))
         config = {**ds_config(dp, stage=stage), "tensor_parallel": {"autotp_size": MODEL_PARALLEL}}
+    if universal:  # load_checkpoint reads universal checkpoints
+        config["checkpoint"] = {"load_universal": True}
     optimizer = bnb.optim.AdamW8bit([{"params": list(model.parameters()), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
@@ -267,4 +269,84 @@ def scenario_parallel_universal(world, rank, out, sources):
                 **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
                 "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"]),
                 "report": torch.load(os.path.join(universal, "report.pt"))["joined"]}
+    return results
+
+
+def whole_shapes(pipeline):
+    """name -> shape of every parameter of the model unsplit (a fresh instance, no engine)."""
+    if pipeline:
+        return None  # stages hold whole parameters
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def compare_with_saved(loaded, reference, shapes, whole, universal):
+    """How each (model-parallel rank, parameter) loaded from a universal checkpoint relates to what that rank saved
+    (the same layout) and to the universal checkpoint's whole state: master weights the saved ones; 8-bit codes and
+    absmax the saved ones where the slice is whole quantization blocks along dim 0 or the parameter is not sliced (a
+    pipeline stage's, or one held whole); elsewhere the universal checkpoint's values of that slice requantized, within
+    half a quantization step."""
+    from deepspeed_bnb.checkpoint.tools.convert import step_ratio
+    from deepspeed_bnb.ops.reference import dequantize_blockwise
+    out = {"master_differs": [], "codes_differ": [], "moved": [], "requantized": [], "largest_steps": 0.0}
+    for key, state in loaded.items():
+        mp, name = key.split("/", 1)
+        rank, saved = int(mp[2:]), reference[key]
+        local = shapes[name][rank]
+        full = local if whole is None else whole[name]
+        dims = [d for d in range(len(full)) if full[d] != local[d]]
+        start = sum(shapes[name][r][dims[0]] for r in range(rank)) if dims else 0
+        inner = torch.Size(full[dims[0] + 1:]).numel() if dims else 1
+        intact = not dims or (dims[0] == 0 and torch.Size(local).numel() % 256 == 0 and start * inner % 256 == 0)
+        if not torch.equal(state["master"], saved["master"]):
+            out["master_differs"].append(key)
+        for k in [k for k in state if k.startswith("state")]:
+            suffix = k[len("state"):]
+            if state[k].dtype != torch.uint8 or intact:
+                same = torch.equal(state[k], saved[k]) and (state[k].dtype != torch.uint8 or torch.equal(
+                    state["absmax" + suffix], saved["absmax" + suffix]))
+                (out["moved"] if same else out["codes_differ"]).append(key)
+                continue
+            source = universal[name]
+            values = dequantize_blockwise(source[k], source["absmax" + suffix], source["qmap" + suffix])
+            values = values.reshape(full).narrow(dims[0], start, local[dims[0]]).reshape(-1)
+            ratio = step_ratio(values, state[k], state["absmax" + suffix], state["qmap" + suffix])
+            out["largest_steps"] = max(out["largest_steps"], ratio)
+            out["requantized"].append(key)
+    return out
+
+
+def universal_states(path):
+    """name -> the 8-bit universal checkpoint's state of every parameter (as written: whole)."""
+    from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
+    checkpoint = UniversalCheckpoint(path)
+    return {name: state for g, shapes in enumerate(checkpoint.param_shapes())
+            for name, state in zip(shapes, checkpoint.param_states(g))}
+
+
+def scenario_parallel_universal_split(world, rank, out, sources):
+    """The 8-bit universal checkpoints (whole models, joined from the runs saved at world sizes `sources`) loaded into
+    engines of the runs' own model-parallel layout (tensor-parallel 2, or 2 pipeline stages) at data-parallel size
+    world / 2: the universal checkpoint cut per model-parallel rank at load."""
+    results = {}
+    for kind, cfg in PARALLEL_KINDS.items():
+        for saved_world in sources:
+            folder = folder_of(out, kind, saved_world // MODEL_PARALLEL)
+            universal = universal_of(out, kind, saved_world // MODEL_PARALLEL)
+            engine = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
+            engine.load_checkpoint(universal)
+            loaded = global_state(engine, world)
+            reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False)
+            relation = compare_with_saved(loaded, reference, saved_shapes(folder), whole_shapes(cfg["pipeline"]),
+                                          universal_states(universal))
+            follows = weights_follow_master(engine, loaded, prefix=f"mp{checkpoint_mp_rank(engine)}/")
+            lr = [g["lr"] for g in engine.optimizer.param_groups]
+            continued = run_steps(engine, range(3, 13), cfg["pipeline"])
+            control = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
+            control.load_checkpoint(universal, load_optimizer_states=False)
+            results[f"{kind}_from{saved_world // MODEL_PARALLEL}"] = {
+                **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
+                "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"])}
     return results

@@ -7,7 +7,8 @@ N' <= N; then one per M in 2..3 that loads the checkpoints of the larger N (and,
 offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: saved at N=4, loaded at M=2; so do
 the universal-checkpoint loads of the DP=1 checkpoints, at N=2, and the model-parallel runs' 8-bit universal exports
 (tensor-parallel 2 and 2 pipeline stages, saved at 2 and 4 ranks), loaded at model-parallel size 1 by the later
-launch at 2 and in this process at the end. Every
+launch at 2 and in this process at the end, and cut again for their own model-parallel layout by the later launch at
+2. Every
 launch must succeed and no scenario may fail: the results are the union per world.
 """
 
@@ -44,7 +45,8 @@ def plan():
                                  (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
     later = [(w, "elastic_load" + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else "")
-              + (",parallel_load,parallel_universal" if w in PARALLEL and max(SIZES) in PARALLEL[1:] else ""),
+              + (",parallel_load,parallel_universal,parallel_universal_split" if w in PARALLEL
+                 and max(SIZES) in PARALLEL[1:] else ""),
               [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
     if 3 not in SIZES[1:-1]:  # the reshaped DP=1 checkpoint is loaded at 3 ranks only
         later = [(w, scenarios, [s for s in sources if s != RESHAPED]) for w, scenarios, sources in later]
@@ -98,7 +100,7 @@ def run_all(out) -> dict:
         run = in_this_process if world == 1 else launched
         for name, value in run(out, world=world, scenarios=scenarios, sources=sources).items():
             assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
-            if name in ("elastic_load", "parallel_load", "parallel_universal"):
+            if name in ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split"):
                 results.setdefault(world, {}).setdefault(name, {}).update(value)
             else:
                 results.setdefault(world, {})[name] = value

@@ -208,6 +208,20 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
                                       f"ZeRO-1/2 ones (and deepspeed_bnb checkpoints of any stage). Load it into a "
                                       f"stock ZeRO-1/2 engine of the same DP size and save again, or train on from "
                                       f"its weights (load_optimizer_states=False).")
+    plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress)
+    fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
+
+    written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress,
+                               master_mode=master_mode)
+    kept = f", {report['kept']} kept as saved, bit for bit" if report["kept"] else ""
+    return (f"wrote {written}: {report['params']} parameters for {target} ({report['8bit']} with 8-bit state, "
+            f"{report['fp32']} fp32{kept}); round-trip error of the quantized moments: max {report['worst_abs_error']:.3g}"
+            f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")
+
+
+def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bool, ours: bool, progress: bool):
+    """Per param group of `ckpt`: (eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
+    weights) for target class `cls` at precision `to`; with the shapes, bnb's update rule and the report's counts."""
     shapes = ckpt.param_shapes()
     report = {"params": 0, "8bit": 0, "fp32": 0, "kept": 0, "worst_step_ratio": 0.0, "worst_abs_error": 0.0}
 
@@ -272,11 +286,4 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
             per_param.append(state)
         plans.append((eight_bit, key_classes, templates, hyperparams, per_param, master))
 
-    fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
-
-    written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress,
-                               master_mode=master_mode)
-    kept = f", {report['kept']} kept as saved, bit for bit" if report["kept"] else ""
-    return (f"wrote {written}: {report['params']} parameters for {target} ({report['8bit']} with 8-bit state, "
-            f"{report['fp32']} fp32{kept}); round-trip error of the quantized moments: max {report['worst_abs_error']:.3g}"
-            f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")
+    return plans, shapes, rule, report

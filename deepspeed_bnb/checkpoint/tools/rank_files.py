@@ -10,7 +10,7 @@ import copy
 import os
 import shutil
 from collections import OrderedDict
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS, PARAM_SLICE_MAPPINGS, \
@@ -21,6 +21,7 @@ from tqdm import tqdm
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.manifest import describe
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
@@ -32,17 +33,18 @@ STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZ
                   C.PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
 
 
-def rank_file_name(rank: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def rank_file_name(rank: int, bf16: bool, mp_rank: int = 0) -> str:
+    return C.RANK_FILE.format("bf16_" if bf16 else "", rank, mp_rank)
 
 
 def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, optimizer_class: str,
                     optimizer_name: str, full_masters: Optional[Callable[[int], List]] = None,
-                    master_mode: str = master_weights.FP32) -> dict:
+                    master_mode: str = master_weights.FP32, model_parallel: ModelParallelPlace = ALONE) -> dict:
     """DeepSpeed's per-rank optimizer state for `groups` (filled GroupRecords of `rank`), other keys from `base`.
     Stage 3 (ShardedLayout groups) needs `full_masters(g)`: every parameter's fp32 weights, for the stock slices.
     `master_mode`: the master weights the files are for, which decide the dtype the master weights are written in
-    (bf16 for "bf16"); the writer has made the values representable in it (write_rank_files)."""
+    (bf16 for "bf16"); the writer has made the values representable in it (write_rank_files). `model_parallel`: the
+    place of the model-parallel rank the file is for."""
     dtype = torch.bfloat16 if master_mode == master_weights.BF16 else torch.float32
     state = {k: v for k, v in base.items() if k not in STAGE_SPECIFIC}
     if groups and isinstance(groups[0].layout, ShardedLayout):
@@ -60,7 +62,8 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
                 pieces.append(piece)
             state[C.FP32_FLAT_GROUPS_KEY].append(torch.cat(pieces))
         state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups,
-                                                         master_entry=C.FP32_FLAT_GROUPS_KEY, master_mode=master_mode)
+                                                         master_entry=C.FP32_FLAT_GROUPS_KEY, master_mode=master_mode,
+                                                         model_parallel=model_parallel)
         return state
     if state.get(C.ZERO_STAGE_KEY) == 3:  # from a stage-3 checkpoint: DeepSpeed's stage-1/2 keys
         state[C.ZERO_STAGE_KEY] = 2
@@ -74,7 +77,7 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
         OrderedDict((g.param_names[seg.slot], fragment_address(numel=seg.numel, start=seg.offset))
                     for seg in g.layout.segments(rank, g.eight_bit)) for g in groups]
     state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups,
-                                                     master_mode=master_mode)
+                                                     master_mode=master_mode, model_parallel=model_parallel)
     return state
 
 
@@ -142,39 +145,64 @@ def write_rank_files(ckpt: SavedCheckpoint, out_dir: str, dp: int, fill: Callabl
     default) and one file per new rank with the groups `fill(rank)` returns, for master weights `master_mode` (the
     source's by default; another mode rounds the weights as that mode holds them: master_weights.representable).
     Returns the published tag directory."""
-    stage = ckpt.zero_stage if stage is None else stage
-    mode = source_master_mode(ckpt) if master_mode is None else master_weights.check_mode(master_mode,
-                                                                                         "--master-weights")
-    switched = mode != source_master_mode(ckpt)  # the source's own values are what their mode holds already
-    tag = os.path.basename(os.path.normpath(ckpt.tag_dir))
-    check_output(ckpt, out_dir)
+    return write_model_parallel_files([(ckpt, fill)], out_dir, dp, optimizer_class, optimizer_name, progress, stage,
+                                      master_mode)
+
+
+def write_model_parallel_files(ranks: Sequence[Tuple[object, Callable[[int], List[GroupRecord]]]], out_dir: str,
+                               dp: int, optimizer_class: str, optimizer_name: str, progress: bool = True,
+                               stage: Optional[int] = None, master_mode: Optional[str] = None) -> str:
+    """write_rank_files for a tag of several model-parallel ranks: `ranks[r]` is (the source of model-parallel rank
+    r's parameters, its fill), whose files are named `*_mp_rank_<r>_*`. One tag, one manifest (described by rank 0's
+    groups)."""
+    first = ranks[0][0]
+    stage = first.zero_stage if stage is None else stage
+    mode = source_master_mode(first) if master_mode is None else master_weights.check_mode(master_mode,
+                                                                                          "--master-weights")
+    tag = os.path.basename(os.path.normpath(first.tag_dir))
+    check_output(first, out_dir)
     with offline_write(out_dir, tag) as staged:  # removed again if anything below fails
-        for name in ckpt.other_files():
+        for name in first.other_files():
             if name != MODEL_STATES:
                 target = os.path.join(staged, name)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.copyfile(os.path.join(ckpt.tag_dir, name), target)
-        states = model_states_for(ckpt, dp, stage)
-        for name in [STAGE3_MODEL_STATES.format(rank) for rank in range(dp)] if stage == 3 else [MODEL_STATES]:
-            torch.save(states, os.path.join(staged, name))
-        masters = {}
-
-        def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
-            if g not in masters:
-                masters[g] = [master_weights.representable(w, mode) if switched else w for w in ckpt.master_weights(g)]
-            return masters[g]
-
+                shutil.copyfile(os.path.join(first.tag_dir, name), target)
         described = None
-        for rank in tqdm(range(dp), desc="rank files", disable=not progress):
-            groups = fill(rank)
-            for group in groups if switched else ():  # the values the written mode holds
-                group.master.copy_(master_weights.representable(group.master, mode))
-            blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
-            blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp,
-                                                         optimizer_class, optimizer_name, full_masters, mode)
-            torch.save(blob, os.path.join(staged, rank_file_name(rank, ckpt.bf16_names)))
-            described = [(g.param_names, g.layout.numels, g.eight_bit) for g in groups]
+        for mp_rank, (ckpt, fill) in enumerate(ranks):
+            groups = _stage_rank_files(ckpt, staged, dp, fill, optimizer_class, optimizer_name, progress, stage,
+                                       mode, mp_rank, len(ranks))
+            described = described or groups
         return publish_staged(out_dir, tag, describe(optimizer_class, stage, dp, described, mode))
+
+
+def _stage_rank_files(ckpt, staged: str, dp: int, fill, optimizer_class: str, optimizer_name: str, progress: bool,
+                      stage: int, mode: str, mp_rank: int, mp_size: int):
+    """One model-parallel rank's model states and rank files into `staged`; returns its groups' description."""
+    switched = mode != source_master_mode(ckpt)  # the source's own values are what their mode holds already
+    states = model_states_for(ckpt, dp, stage)
+    states["mp_world_size"] = mp_size
+    names = [STAGE3_MODEL_STATES.format(rank) for rank in range(dp)] if stage == 3 else [MODEL_STATES]
+    for name in names:
+        torch.save(states, os.path.join(staged, name.replace("mp_rank_00", f"mp_rank_{mp_rank:02d}")))
+    masters = {}
+
+    def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
+        if g not in masters:
+            masters[g] = [master_weights.representable(w, mode) if switched else w for w in ckpt.master_weights(g)]
+        return masters[g]
+
+    described = None
+    for rank in tqdm(range(dp), desc="rank files", disable=not progress):
+        groups = fill(rank)
+        for group in groups if switched else ():  # the values the written mode holds
+            group.master.copy_(master_weights.representable(group.master, mode))
+        blob = dict(ckpt.source.blob(min(rank, ckpt.dp - 1)))
+        blob[OPTIMIZER_STATE_DICT] = rank_state_dict(blob[OPTIMIZER_STATE_DICT], groups, rank, dp,
+                                                     optimizer_class, optimizer_name, full_masters, mode,
+                                                     getattr(ckpt, "place", ALONE))
+        torch.save(blob, os.path.join(staged, rank_file_name(rank, ckpt.bf16_names, mp_rank)))
+        described = [(g.param_names, g.layout.numels, g.eight_bit) for g in groups]
+    return described
 
 
 MAX_DP = 4096  # more rank files than this needs allow_large_dp: a typo (--dp 100000) would write 100,002 files

@@ -1,0 +1,114 @@
+"""A whole-model universal checkpoint cut for the ranks of a tensor- or pipeline-parallel engine (checkpoint/tools/
+universal_split.py), offline: what each model-parallel rank's files hold, and the layouts refused before anything is
+written. The engines themselves load such cuts in tests/distributed/test_model_parallel.py.
+
+Oracle: the universal checkpoint's own master weights and state (exported from a trained run's checkpoint), sliced
+here with torch's narrow: each rank's master weights are exactly the slices; a parameter every rank holds whole keeps
+its 8-bit state bit for bit; joining the ranks again (format/merged.py) gives back every master weight exactly.
+"""
+
+import os
+
+import pytest
+import torch
+
+from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.merged import open_whole_model
+from deepspeed_bnb.checkpoint.format.model_parallel import ModelParallelPlace
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.tools.export import export
+from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
+from deepspeed_bnb.checkpoint.tools.universal_split import convert_for_model_parallel, rank_layouts
+from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
+
+import bitsandbytes as bnb
+
+SPLITS = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}  # column cut of fc1, row cut of fc2 (uneven: 301)
+
+
+@pytest.fixture(scope="module")
+def universal(one_rank, tmp_path_factory):
+    folder, out = str(tmp_path_factory.mktemp("saved")), str(tmp_path_factory.mktemp("universal") / "u")
+    engine = build_engine(min_8bit_size=MIN_8BIT_SIZE, lr=1e-2)
+    train_steps(engine, range(3))
+    engine.save_checkpoint(folder, tag="t")
+    export(folder, out, universal=True, progress=False)
+    return out
+
+
+def layouts_for(universal_dir, splits=SPLITS, widths=(151, 150), tp=2, **changes):
+    """Each tensor-parallel rank's (place, local shapes) for `splits`, the widths along the split dimension."""
+    shapes = UniversalCheckpoint(universal_dir).param_shapes()
+    held = []
+    for rank in range(tp):
+        names = {name: None for group in shapes for name in group}
+        names.update(splits)
+        names.update({name: None for name in changes.get("add", ())})
+        place = ModelParallelPlace(tp, rank, 1, 0, names)
+        local = []
+        for group in shapes:
+            local.append({})
+            for name, shape in group.items():
+                shape = list(shape)
+                if name in splits and isinstance(splits[name], int):
+                    shape[splits[name]] = widths[rank]
+                local[-1][name] = tuple(shape)
+        held.append((place, local))
+    for rank, (place, local) in enumerate(held):
+        for name, shape in changes.get("shapes", {}).get(rank, {}).items():
+            local[0][name] = shape
+        for name in changes.get("drop", ()):
+            local[0].pop(name)
+        for name in changes.get("add", ()):
+            local[0][name] = (4,)
+    return rank_layouts(held)
+
+
+def test_each_rank_holds_the_slices_of_the_whole_model(universal, tmp_path):
+    out = str(tmp_path / "cut")
+    report = convert_for_model_parallel(universal, out, layouts_for(universal), bnb.optim.AdamW8bit, MIN_8BIT_SIZE,
+                                        stage=2)
+    assert "for 2 model-parallel ranks" in report and "requantized" in report, report
+    whole = UniversalCheckpoint(universal)
+    shapes, masters = whole.param_shapes()[0], dict(zip(whole.param_shapes()[0], whole.master_weights(0)))
+    states = dict(zip(shapes, whole.param_states(0)))
+    for rank, width_start in enumerate((0, 151)):
+        ckpt = SavedCheckpoint(out, mp_rank=rank)
+        place = ckpt.record(0)[C.MODEL_PARALLEL_KEY]
+        assert (place["tp_size"], place["tp_rank"]) == (2, rank) and place["splits"]["fc2.weight"] == 1
+        for (name, local), master, state in zip(ckpt.param_shapes()[0].items(), ckpt.master_weights(0),
+                                                ckpt.param_states(0)):
+            expected = masters[name].reshape(shapes[name])
+            if name in SPLITS:
+                expected = expected.narrow(SPLITS[name], width_start, local[SPLITS[name]])
+            assert torch.equal(master, expected.reshape(-1)), name
+            if name not in SPLITS:  # held whole: its state as saved, bit for bit
+                assert all(torch.equal(state[k], states[name][k]) if torch.is_tensor(state[k]) else
+                           state[k] == states[name][k] for k in state), name
+    joined = open_whole_model(out)  # and back: every master weight exactly
+    for name, master in zip(joined.param_shapes()[0], joined.master_weights(0)):
+        assert torch.equal(master, masters[name]), name
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"add": ["extra.weight"]}, r"parameter 'extra.weight' \(param group 0\) is not in the checkpoint"),
+    ({"shapes": {1: {"fc1.weight": (200, 40)}}}, r"parameter 'fc1.weight' of shape \(301, 40\) cannot give this "
+                                                 r"rank the slice"),
+    ({"shapes": {0: {"emb.weight": (97, 20)}}}, r"parameter 'emb.weight' is \(97, 40\) in the checkpoint; this rank "
+                                                r"holds it as \(97, 20\)"),
+])
+def test_a_layout_the_checkpoint_cannot_be_cut_into_is_refused_before_anything_is_written(universal, tmp_path,
+                                                                                        changes, message):
+    out = str(tmp_path / "cut")
+    with pytest.raises(CheckpointMismatchError, match=message):
+        convert_for_model_parallel(universal, out, layouts_for(universal, **changes), bnb.optim.AdamW8bit,
+                                   MIN_8BIT_SIZE, stage=2)
+    assert not os.path.exists(out)
+
+
+def test_a_split_recorded_as_not_joinable_is_refused_by_name(universal, tmp_path):
+    layouts = layouts_for(universal, splits={**SPLITS, "head.weight": "a fused AutoTP layer"})
+    with pytest.raises(CheckpointMismatchError, match=r"parameter 'head.weight' cannot be sliced: a fused AutoTP"):
+        convert_for_model_parallel(universal, str(tmp_path / "cut"), layouts, bnb.optim.AdamW8bit, MIN_8BIT_SIZE,
+                                   stage=2)
