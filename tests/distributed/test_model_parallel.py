@@ -14,6 +14,7 @@ A change of the model-parallel size goes through the 8-bit universal checkpoint:
 
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -187,3 +188,25 @@ def test_a_whole_model_universal_checkpoint_loads_into_a_model_parallel_engine(s
     else:
         assert run["requantized"] and drift < REQUANTIZED_TOL, {"continued": run["continued"], "reference": reference}
     assert control > 100 * REQUANTIZED_TOL, control
+
+
+@pytest.mark.parametrize("kind", PARALLEL_KINDS)
+def test_deepspeeds_converter_joins_the_model_parallel_ranks_as_export_does(scenario_results, scenario_folder,
+                                                                          tmp_path, kind):
+    """DeepSpeed's ds_to_universal.main, called in-process on a tensor-parallel (or pipeline) checkpoint of ours,
+    writes the same joined 8-bit universal checkpoint as `export --universal` (which the loads above used): the same
+    parameters, master weights and state, bit for bit."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.ds_to_universal import main
+    from support.parallel_scenarios import universal_of, universal_states
+    folder = folder_of(scenario_folder, kind, 1)
+    target = str(tmp_path / "t_universal")
+    shutil.copytree(os.path.join(folder, "t"), str(tmp_path / "t"))
+    main(SimpleNamespace(input_folder=str(tmp_path / "t"), output_folder=target, num_extract_workers=1,
+                         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+    theirs, ours = universal_states(target), universal_states(universal_of(scenario_folder, kind, 1))
+    assert theirs.keys() == ours.keys() and len(ours) > 4
+    for name in ours:
+        assert all(torch.equal(theirs[name][k], ours[name][k]) if torch.is_tensor(ours[name][k])
+                   else theirs[name][k] == ours[name][k] for k in ours[name]), name

@@ -13,6 +13,7 @@ process group is all that can be named.
 import os
 import signal
 import subprocess
+import time
 from typing import List
 
 
@@ -36,10 +37,12 @@ def session_members(sid: int) -> List[int]:
 
 def kill_session(child: subprocess.Popen) -> None:
     """SIGKILL `child` (started with start_new_session=True) and every process of its session, then reap it. Looks
-    again until none is left: a process may fork while the first ones are killed."""
-    for _ in range(10):
+    again until none is left: a process may fork while the first ones are killed, and a killed one is listed until
+    it has exited (on a busy machine, a while after the signal); the deadline only ends a hang."""
+    deadline = time.monotonic() + 120
+    while True:
         members = session_members(child.pid) or ([child.pid] if child.poll() is None else [])
-        if not members:
+        if not members or time.monotonic() > deadline:
             break
         for pid in members:
             try:
@@ -51,6 +54,7 @@ def kill_session(child: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         child.poll()
+        time.sleep(0.01)
     child.wait()
 
 
