@@ -198,7 +198,7 @@ class BnbAdapter:
                 continue
             for key in self.state_keys(group, gindex, eight_bit, device):
                 value = key.template
-                if key.cls in (StateClass.ELEMENT, StateClass.BLOCK):
+                if key.cls.partitioned:
                     state[key.stored_as] = zeros_like_partitioned(key.cls, value, length, device)
                 elif key.cls == StateClass.WHOLE:
                     state[key.stored_as] = value.to(device)
@@ -224,11 +224,9 @@ class BnbAdapter:
                 views[key.name] = self._scratch[key.name]
                 continue
             stored = state[key.stored_as]
-            if key.cls == StateClass.ELEMENT:
+            if key.cls.partitioned:
                 start = segment.offset if segment.eight_bit else segment.fp32_offset
-                views[key.name] = stored.narrow(-1, start, segment.numel)
-            elif key.cls == StateClass.BLOCK:
-                views[key.name] = stored.narrow(-1, segment.first_block, segment.blocks)
+                views[key.name] = key.cls.narrow(stored, start, segment.numel)
             elif key.cls == StateClass.SCALAR:
                 views[key.name] = step if key.name == "step" else stored
             else:

@@ -23,7 +23,7 @@ import torch
 
 from deepspeed_bnb.ops.reference import dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.state_layout import BLOCK_SIZE, num_blocks
+from deepspeed_bnb.state_layout import BLOCK_SIZE
 
 
 class OffBlockCut(ValueError):
@@ -82,7 +82,7 @@ class ParamState(Mapping):
         self.numel = numel  # elements of the parameter (or piece) this state covers
         for key, value in self.values.items():
             cls = self.classes[key]
-            want = {StateClass.ELEMENT: numel, StateClass.BLOCK: num_blocks(numel, block)}.get(cls)
+            want = cls.length(numel, block)
             if want is not None and (not torch.is_tensor(value) or value.shape[-1] != want):
                 shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
                 raise ValueError(f"ParamState: {cls.value} key {key!r} has shape {shape}, but {numel} elements need "
@@ -206,13 +206,10 @@ class ParamState(Mapping):
             at += run.length
         values = {}
         for key, kind in first.classes.items():
-            if kind == StateClass.ELEMENT and (aligned or not first._is_codes(key)):
-                values[key] = torch.cat([sources[r.source].values[key].narrow(-1, r.start, r.length) for r in runs],
-                                        dim=-1)
-            elif kind == StateClass.BLOCK and aligned:
-                values[key] = torch.cat([sources[r.source].values[key].narrow(
-                    -1, r.start // block, num_blocks(r.length, block)) for r in runs], dim=-1)
-            elif kind not in (StateClass.ELEMENT, StateClass.BLOCK):
+            if kind.partitioned and (aligned or (kind == StateClass.ELEMENT and not first._is_codes(key))):
+                values[key] = torch.cat([kind.narrow(sources[r.source].values[key], r.start, r.length, block)
+                                         for r in runs], dim=-1)
+            elif not kind.partitioned:
                 values[key] = first.values[key]
                 for i in used:
                     if not _same(sources[i].values[key], values[key]):

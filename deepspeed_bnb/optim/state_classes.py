@@ -25,6 +25,25 @@ class StateClass(str, enum.Enum):
     SCALAR = "scalar"  # a Python number or 0-dim tensor per parameter (step)
     SCRATCH = "scratch"  # written by every step before anything reads it; not checkpointed (LAMB/LARS unorm_vec)
 
+    # What each class means for a cut, written once here rather than as a switch in every caller that cuts state:
+    @property
+    def partitioned(self) -> bool:
+        """Cut with the parameter (one value per element or per block); whole, scalar and scratch keys are not."""
+        return self in (StateClass.ELEMENT, StateClass.BLOCK)
+
+    def length(self, numel: int, block: int = BLOCK_SIZE):
+        """The last dimension of this class's tensor for `numel` elements; None where it does not follow numel."""
+        return {StateClass.ELEMENT: numel, StateClass.BLOCK: num_blocks(numel, block)}.get(self)
+
+    def narrow(self, value: torch.Tensor, start: int, numel: int, block: int = BLOCK_SIZE) -> torch.Tensor:
+        """The values of elements [start, start + numel) in `value`, a partitioned tensor whose last dimension counts
+        elements from 0 (a block key: the blocks, `start` on a block boundary)."""
+        if self == StateClass.ELEMENT:
+            return value.narrow(-1, start, numel)
+        if self == StateClass.BLOCK:
+            return value.narrow(-1, start // block, num_blocks(numel, block))
+        raise ValueError(f"{self.value} state is not cut with the parameter")
+
 
 _TWO_STATE = {
     "step": StateClass.SCALAR,

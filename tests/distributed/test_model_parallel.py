@@ -31,16 +31,22 @@ WORLDS = [w for w in PARALLEL if w in SIZES]
 CASES = [(kind, saved // MODEL_PARALLEL, loaded) for kind in PARALLEL_KINDS for saved in WORLDS for loaded in WORLDS]
 
 
+def loads_of(scenario_results, scenario, cases):
+    """(kind, saved data-parallel size, loading world size) -> result of every load by `scenario`: one per case."""
+    loads = {}
+    for world, result in scenario_results.items():
+        for key, value in result.get(scenario, {}).items():
+            kind, saved = key.rsplit("_from", 1)
+            loads[(kind, int(saved), world)] = value
+    assert sorted(loads) == sorted(cases), sorted(loads)
+    return loads
+
+
 @pytest.fixture(scope="module")
 def runs(scenario_results):
     saves = {world: result["parallel_save"] for world, result in scenario_results.items() if "parallel_save" in result}
-    loads = {}
-    for world, result in scenario_results.items():
-        for key, value in result.get("parallel_load", {}).items():
-            kind, saved = key.rsplit("_from", 1)
-            loads[(kind, int(saved), world)] = value
-    assert sorted(saves) == WORLDS and len(loads) == len(CASES), sorted(loads)
-    return saves, loads
+    assert sorted(saves) == WORLDS
+    return saves, loads_of(scenario_results, "parallel_load", CASES)
 
 
 @pytest.mark.parametrize("kind,saved_dp,world", CASES)
@@ -72,13 +78,7 @@ REQUANTIZED_TOL = 1e-3
 @pytest.fixture(scope="module")
 def universal_runs(scenario_results):
     saves = {world: result["parallel_save"] for world, result in scenario_results.items() if "parallel_save" in result}
-    loads = {}
-    for world, result in scenario_results.items():
-        for key, value in result.get("parallel_universal", {}).items():
-            kind, saved = key.rsplit("_from", 1)
-            loads[(kind, int(saved), world)] = value
-    assert len(loads) == len(UNIVERSAL_CASES), sorted(loads)
-    return saves, loads
+    return saves, loads_of(scenario_results, "parallel_universal", UNIVERSAL_CASES)
 
 
 @pytest.mark.parametrize("kind,saved_dp,world", UNIVERSAL_CASES)
@@ -151,6 +151,8 @@ def test_offline_tools_refuse_one_model_parallel_ranks_share(scenario_results, s
         with pytest.raises(CheckpointMismatchError, match=r"written by 2 model-parallel ranks.*export --universal"):
             run(str(tmp_path / what))
         assert not os.path.exists(tmp_path / what)
+    from deepspeed_bnb.checkpoint.tools.summary import summary  # inspect reads rank 0, and says so
+    assert "2 model-parallel ranks" in summary(folder) and "rank 0's parameters only" in summary(folder)
 
 
 SPLIT_CASES = [(kind, 2, 2) for kind in PARALLEL_KINDS] if 4 in SIZES else []  # (kind, saved DP, loading world)
@@ -158,13 +160,7 @@ SPLIT_CASES = [(kind, 2, 2) for kind in PARALLEL_KINDS] if 4 in SIZES else []  #
 
 @pytest.fixture(scope="module")
 def split_runs(scenario_results):
-    loads = {}
-    for world, result in scenario_results.items():
-        for key, value in result.get("parallel_universal_split", {}).items():
-            kind, saved = key.rsplit("_from", 1)
-            loads[(kind, int(saved), world)] = value
-    assert len(loads) == len(SPLIT_CASES), sorted(loads)
-    return loads
+    return loads_of(scenario_results, "parallel_universal_split", SPLIT_CASES)
 
 
 @pytest.mark.parametrize("kind,saved_dp,world", SPLIT_CASES)

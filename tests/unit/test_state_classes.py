@@ -123,3 +123,15 @@ def test_whole_tensor_options_are_refused_naming_the_option(option, value, defau
     accepted = WithWholeTensorOption([torch.nn.Parameter(torch.zeros(4096))])  # control: bnb's default passes
     accepted.option = {option: default}
     assert BnbAdapter(accepted, ("qmap1", "qmap2"), 256).eight_bit(accepted.param_groups[0]["params"][0])
+
+
+def test_what_each_class_means_for_a_cut():
+    """Element and block keys are cut with the parameter (block keys by whole blocks), the others are not."""
+    assert {cls for cls in StateClass if cls.partitioned} == {StateClass.ELEMENT, StateClass.BLOCK}
+    assert StateClass.ELEMENT.length(600) == 600 and StateClass.BLOCK.length(600) == 3
+    assert StateClass.WHOLE.length(600) is None and StateClass.SCALAR.length(600) is None
+    values = torch.arange(2 * 1024).reshape(2, 1024)  # two rows (AdEMAMix's state1)
+    assert torch.equal(StateClass.ELEMENT.narrow(values, 512, 300), values[:, 512:812])
+    assert torch.equal(StateClass.BLOCK.narrow(values, 512, 300), values[:, 2:4])  # elements 512..811: blocks 2, 3
+    with pytest.raises(ValueError, match="whole state is not cut"):
+        StateClass.WHOLE.narrow(values, 0, 256)

@@ -37,10 +37,8 @@ def segment_state(state: Mapping, seg: Segment, key_classes: Dict[str, StateClas
             values[key] = state[key]
         elif key.startswith(FP32_PREFIX) != seg.eight_bit:  # this segment's precision, not the other's
             value = state[key]
-            if cls == StateClass.ELEMENT:
-                value = value.narrow(-1, seg.fp32_offset if key.startswith(FP32_PREFIX) else seg.offset, seg.numel)
-            elif cls == StateClass.BLOCK:
-                value = value.narrow(-1, seg.first_block, seg.blocks)
+            if cls.partitioned:
+                value = cls.narrow(value, seg.fp32_offset if key.startswith(FP32_PREFIX) else seg.offset, seg.numel)
             values[_bnb_name(key)] = value
     return ParamState(values, bnb_classes(key_classes), seg.numel)
 
@@ -70,10 +68,6 @@ def scatter_param_states(layout: GroupLayout, eight_bit: Sequence[bool], key_cla
         for key, cls in key_classes.items():
             if cls == StateClass.SCALAR:
                 state[key] = piece[key]
-            elif key.startswith(FP32_PREFIX) != seg.eight_bit and cls != StateClass.WHOLE:  # whole: the partition's
-                value = piece[_bnb_name(key)]
-                if cls == StateClass.ELEMENT:
-                    start = seg.fp32_offset if key.startswith(FP32_PREFIX) else seg.offset
-                    state[key].narrow(-1, start, seg.numel).copy_(value)
-                elif cls == StateClass.BLOCK:
-                    state[key].narrow(-1, seg.first_block, seg.blocks).copy_(value)
+            elif key.startswith(FP32_PREFIX) != seg.eight_bit and cls.partitioned:  # whole: the partition's
+                start = seg.fp32_offset if key.startswith(FP32_PREFIX) else seg.offset
+                cls.narrow(state[key], start, seg.numel).copy_(piece[_bnb_name(key)])

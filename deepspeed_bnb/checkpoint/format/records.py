@@ -48,7 +48,7 @@ def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str
     for key, cls in key_classes.items():
         value = templates[key]
         length = fp32_numel if key.startswith(FP32_PREFIX) else layout.partition_size
-        if cls in (StateClass.ELEMENT, StateClass.BLOCK):
+        if cls.partitioned:
             state[key] = zeros_like_partitioned(cls, value, length, device="cpu")
         else:
             state[key] = value.clone() if torch.is_tensor(value) else value
@@ -490,9 +490,7 @@ def _check_saved_state(saved: dict, live: GroupRecord, part: SavedPart, rank: in
             _expect(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                     f"{where}: state {key!r} should be a number, not {str(value)[:80]}.")
             continue
-        length = fp32_numel if key.startswith(FP32_PREFIX) else old.partition_size
-        if cls == StateClass.BLOCK:
-            length = length // old.block
+        length = cls.length(fp32_numel if key.startswith(FP32_PREFIX) else old.partition_size, old.block)
         _check_tensor(value, (*target.shape[:-1], length), target.dtype, f"{where}: state {key!r}")
 
 

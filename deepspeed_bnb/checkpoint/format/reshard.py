@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed_bnb.optim.state_classes import StateClass
-from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, num_blocks
+from deepspeed_bnb.state_layout import GroupLayout, num_blocks
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,6 @@ def copy_runs(dst: torch.Tensor, fetch: Callable[[int], torch.Tensor], runs: Seq
     """
     for run in runs:
         src = fetch(run.src_rank)
-        if cls == StateClass.ELEMENT:
-            s, d = (run.src_fp32_offset, run.dst_fp32_offset) if fp32_space else (run.src_offset, run.dst_offset)
-            dst.narrow(-1, d, run.numel).copy_(src.narrow(-1, s, run.numel))
-        elif cls == StateClass.BLOCK:
-            dst.narrow(-1, run.dst_offset // BLOCK_SIZE, run.blocks).copy_(
-                src.narrow(-1, run.src_offset // BLOCK_SIZE, run.blocks))
-        else:
-            raise ValueError(f"reshard.copy_runs: {cls.value} state is not partitioned")
+        s, d = (run.src_fp32_offset, run.dst_fp32_offset) if fp32_space else (run.src_offset, run.dst_offset)
+        cls.narrow(dst, d, run.numel).copy_(cls.narrow(src, s, run.numel))
 

@@ -20,7 +20,6 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
-from deepspeed_bnb.state_layout import num_blocks
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2: quantization tensors
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")  # where training scripts put optimizer.state_dict()
@@ -179,10 +178,7 @@ class BnbRun(RanklessSource):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise CheckpointMismatchError(f"{self.optimizer_path}: {where} is {str(value)[:80]}, not a number.")
             return value
-        if cls == StateClass.WHOLE:
-            expected = tuple(template.shape)
-        else:
-            expected = (*template.shape[:-1], numel if cls == StateClass.ELEMENT else num_blocks(numel))
+        expected = (*template.shape[:-1], cls.length(numel)) if cls.partitioned else tuple(template.shape)
         if not torch.is_tensor(value) or value.numel() != math.prod(expected) or value.dtype != template.dtype:
             got = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
             raise CheckpointMismatchError(f"{self.optimizer_path}: {where} is {got}; the optimizer class given keeps "

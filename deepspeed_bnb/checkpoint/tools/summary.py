@@ -44,6 +44,9 @@ def summary(path: str, verify_checksums: bool = False) -> str:
         f"optimizer   {record[C.OPTIMIZER_CLASS_KEY]} (bnb update rule '{record[C.OPTIMIZER_NAME_KEY]}')",
         f"master      {ckpt.master_mode}: {MASTER_SAVED[ckpt.master_mode]}",
     ]
+    if ckpt.model_parallel > 1:  # what follows is rank 0's share of the model
+        lines.append(f"model       {ckpt.model_parallel} model-parallel ranks (tensor-parallel ranks x pipeline "
+                     f"stages); below: rank 0's parameters only (`export --universal` joins them)")
     shapes = ckpt.param_shapes()
     for g, group in enumerate(ckpt.groups):
         parts = ckpt.parts(g)

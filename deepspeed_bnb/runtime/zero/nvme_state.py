@@ -27,7 +27,8 @@ from deepspeed_bnb.runtime.swap_tensor.bnb_state_swapper import BnbStateSwapper,
 from deepspeed_bnb.runtime.zero import compat
 
 SWAP_SUBFOLDER = os.path.join("zero_stage_3", "bnb_state")  # under nvme_path, beside DeepSpeed's "optimizer"
-SWAPPED = (StateClass.ELEMENT, StateClass.BLOCK)  # state classes written to NVMe (whole tensors and scalars stay)
+SWAPPED = tuple(cls for cls in StateClass if cls.partitioned)  # state classes written to NVMe (whole tensors and
+# scalars stay)
 SHOWN = 3  # swap failures named per rank in the error (the rest counted)
 
 

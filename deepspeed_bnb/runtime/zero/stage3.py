@@ -44,11 +44,11 @@ from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
-from deepspeed_bnb.state_layout import BLOCK_SIZE, ShardedLayout
+from deepspeed_bnb.state_layout import ShardedLayout
 from deepspeed_bnb.utils.tensor_fragment import PARAM_STATE_ATTR, ParamOptimizerState
 
 STAGE = 3
-PARTITIONED = (StateClass.ELEMENT, StateClass.BLOCK)  # state classes split across ranks (and sub-groups)
+PARTITIONED = tuple(cls for cls in StateClass if cls.partitioned)  # state classes split across ranks (and sub-groups)
 
 
 def _refuse_unsupported(optimizer, kwargs: dict) -> None:
@@ -432,11 +432,9 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                 state[key] = saved
             elif saved is state[key]:
                 continue  # a param group of one sub-group is loaded in place
-            elif cls == StateClass.ELEMENT:
+            elif cls.partitioned:
                 start, length = (fp32_offset, fp32_size) if key.startswith(FP32_PREFIX) else (offset, size)
-                state[key].copy_(saved.narrow(-1, start, length))
-            elif cls == StateClass.BLOCK:
-                state[key].copy_(saved.narrow(-1, offset // BLOCK_SIZE, size // BLOCK_SIZE))
+                state[key].copy_(cls.narrow(saved, start, length))
             else:
                 state[key].copy_(saved)
         if record.master.data_ptr() != partition.data_ptr():  # several sub-groups: a joined copy
