@@ -22,7 +22,7 @@ import torch
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
-from support.parallel_scenarios import LOADER_STAGES, MODEL_PARALLEL, PARALLEL_KINDS, folder_of
+from support.parallel_scenarios import LOADER_STAGES, MODEL_PARALLEL, PARALLEL_KINDS, WHOLE, folder_of
 from support.scenario_runs import PARALLEL, SIZES
 
 pytestmark = pytest.mark.multi_rank
@@ -37,8 +37,8 @@ def loads_of(scenario_results, scenario, cases):
     for world, result in scenario_results.items():
         for key, value in result.get(scenario, {}).items():
             kind, saved = key.rsplit("_from", 1)
-            loads[(kind, int(saved), world)] = value
-    assert sorted(loads) == sorted(cases), sorted(loads)
+            loads[(kind, int(saved) if saved.isdigit() else saved, world)] = value
+    assert set(loads) == set(cases), sorted(map(str, loads))
     return loads
 
 
@@ -155,7 +155,8 @@ def test_offline_tools_refuse_one_model_parallel_ranks_share(scenario_results, s
     assert "2 model-parallel ranks" in summary(folder) and "rank 0's parameters only" in summary(folder)
 
 
-SPLIT_CASES = [(kind, 2, 2) for kind in PARALLEL_KINDS] if 4 in SIZES else []  # (kind, saved DP, loading world)
+# (kind, saved DP or WHOLE: the run of model-parallel size 1, loading world)
+SPLIT_CASES = [(kind, saved, 2) for kind in PARALLEL_KINDS for saved in (2, WHOLE)] if 4 in SIZES else []
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +167,16 @@ def split_runs(scenario_results):
 @pytest.mark.parametrize("kind,saved_dp,world", SPLIT_CASES)
 def test_a_whole_model_universal_checkpoint_loads_into_a_model_parallel_engine(scenario_results, split_runs, kind,
                                                                             saved_dp, world):
-    """The other direction: a universal checkpoint of the whole model (joined from tensor-parallel 2 or 2 stages at
-    DP 2) loaded by an engine that is itself tensor-parallel 2 (or 2 stages) at DP 1, the checkpoint cut per
-    model-parallel rank at load. Every (rank, parameter)'s master weights are what that rank saved; its 8-bit codes
-    and absmax too where its slice is whole blocks along dim 0 (or it is a stage's whole parameter); elsewhere the
-    universal checkpoint's values of the slice requantized within half a step. The continued losses track the run
-    that never stopped; a fresh-moment resume does not."""
+    """The other direction: a universal checkpoint of the whole model loaded by an engine that is itself
+    tensor-parallel 2 (or 2 stages) at DP 1, the checkpoint cut per model-parallel rank at load; the checkpoint joined
+    from tensor-parallel 2 (or 2 stages) at DP 2, or written by the same model trained at model-parallel size 1
+    (WHOLE: 1 -> 2). Every (rank, parameter)'s master weights are its slice of what was saved; its 8-bit codes and
+    absmax too where its slice is whole blocks along dim 0 (or it is a stage's whole parameter); elsewhere the saved
+    values of the slice requantized within half a step. The continued losses track the run that never stopped; a
+    fresh-moment resume does not."""
     run = split_runs[(kind, saved_dp, world)]
-    reference = scenario_results[saved_dp * MODEL_PARALLEL]["parallel_save"][kind]["continued"]
+    reference = (scenario_results[1]["parallel_whole_save"] if saved_dp == WHOLE else
+                 scenario_results[saved_dp * MODEL_PARALLEL]["parallel_save"])[kind]["continued"]
     assert not run["master_differs"] and not run["codes_differ"], (run["master_differs"], run["codes_differ"])
     assert run["moved"] and run["weights_follow_master"] and run["lr"] == [1e-3]
     assert run["largest_steps"] <= 0.5 + 1e-4, run["largest_steps"]

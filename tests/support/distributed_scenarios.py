@@ -795,6 +795,11 @@ def scenario_parallel_universal(world, rank, out, sources):
     return parallel_scenarios.scenario_parallel_universal(world, rank, out, saved)
 
 
+def scenario_parallel_whole_save(world, rank, out):
+    from support import parallel_scenarios
+    return parallel_scenarios.scenario_parallel_whole_save(world, rank, out)
+
+
 def scenario_parallel_universal_split(world, rank, out, sources):
     """`sources` as scenario_parallel_load's: the model-parallel checkpoints' universal exports, loaded at their own
     model-parallel layout."""
@@ -820,6 +825,7 @@ SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic"
              "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load,
              "parallel_universal": scenario_parallel_universal,
              "parallel_universal_split": scenario_parallel_universal_split,
+             "parallel_whole_save": scenario_parallel_whole_save,
              "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load,
              "universal_load": scenario_universal_load}
 TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split")  # scenarios given --elastic-from

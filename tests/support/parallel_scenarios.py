@@ -108,7 +108,8 @@ def run_steps(engine, steps, pipeline):
 
 
 def folder_of(out, kind, dp):
-    return os.path.join(out, "parallel", kind, f"dp{dp}")
+    """Where the run of `kind` saved at data-parallel size `dp` (WHOLE: the run of model-parallel size 1)."""
+    return os.path.join(out, "parallel", kind, WHOLE if dp == WHOLE else f"dp{dp}")
 
 
 def scenario_parallel_save(world, rank, out):
@@ -154,14 +155,20 @@ def universal_of(out, kind, dp):
     return os.path.join(folder_of(out, kind, dp), "universal")
 
 
+WHOLE = "whole"  # the source name of the runs of model-parallel size 1 (scenario_parallel_whole_save)
+
+
 def export_universal(out, dps):
-    """`deepspeed-bnb export --universal` of every model-parallel checkpoint saved at data-parallel sizes `dps`, in
-    the test process between launches; the report of each written beside it."""
+    """`deepspeed-bnb export --universal` of every model-parallel checkpoint saved at data-parallel sizes `dps` (and of
+    the runs of model-parallel size 1 where they saved), in the test process between launches; the report of each
+    written beside it."""
     from deepspeed_bnb.checkpoint.tools.export import export
     for kind in PARALLEL_KINDS:
-        for dp in dps:
+        for dp in [*dps, WHOLE]:
+            if dp == WHOLE and not os.path.isdir(folder_of(out, kind, dp)):
+                continue
             written = export(folder_of(out, kind, dp), universal_of(out, kind, dp), universal=True, progress=False)
-            torch.save({"joined": written["joined"]}, os.path.join(universal_of(out, kind, dp), "report.pt"))
+            torch.save({"joined": written.get("joined", "")}, os.path.join(universal_of(out, kind, dp), "report.pt"))
 
 
 def build_whole(world, pipeline, stage, seed=0, lr=1e-3):
@@ -326,6 +333,66 @@ def universal_states(path):
             for name, state in zip(shapes, checkpoint.param_states(g))}
 
 
+def scenario_parallel_whole_save(world, rank, out):
+    """Each kind's model at model-parallel size 1 (one stage, no AutoTP) on `world` ranks: 3 steps, saved, 10 more."""
+    results = {}
+    for kind, cfg in PARALLEL_KINDS.items():
+        folder = folder_of(out, kind, WHOLE)
+        engine = build_whole(world, **cfg)
+        run_steps(engine, range(3), cfg["pipeline"])
+        engine.save_checkpoint(folder, tag="t")
+        reference = global_state(engine, world)
+        if rank == 0:
+            torch.save(reference, os.path.join(folder, "reference_state.pt"))
+        results[kind] = {"continued": run_steps(engine, range(3, 13), cfg["pipeline"])}
+    return results
+
+
+def compare_with_whole(loaded, whole_reference, shapes, whole):
+    """How each (model-parallel rank, parameter) loaded from the universal checkpoint of a run of model-parallel size 1
+    relates to that run's saved state (whole_reference, by name), sliced here along the dimension where the rank's
+    shape (DeepSpeed's own param_shapes of the model-parallel runs) differs from the whole one: master weights the
+    slice; 8-bit codes and absmax the slice's where it is whole quantization blocks along dim 0 (or not sliced); fp32
+    state the slice's values; elsewhere the slice's values requantized within half a quantization step."""
+    from deepspeed_bnb.checkpoint.tools.convert import step_ratio
+    from deepspeed_bnb.ops.reference import dequantize_blockwise
+    out = {"master_differs": [], "codes_differ": [], "moved": [], "requantized": [], "largest_steps": 0.0}
+    for key, state in loaded.items():
+        mp, name = key.split("/", 1)
+        rank, saved = int(mp[2:]), whole_reference[name]
+        local = shapes[name][rank]
+        full = local if whole is None else whole[name]
+        dims = [d for d in range(len(full)) if full[d] != local[d]]
+        dim = dims[0] if dims else 0
+        start = sum(shapes[name][r][dim] for r in range(rank)) if dims else 0
+        inner = torch.Size(full[dim + 1:]).numel()
+
+        def sliced(values):  # the rank's slice of a whole flat tensor
+            return values.reshape(full).narrow(dim, start, local[dim]).reshape(-1) if dims else values
+
+        intact = not dims or (dim == 0 and torch.Size(local).numel() % 256 == 0 and start * inner % 256 == 0)
+        if not torch.equal(state["master"], sliced(saved["master"])):
+            out["master_differs"].append(key)
+        for k in [k for k in state if k.startswith("state")]:
+            suffix = k[len("state"):]
+            source_8bit = saved[k].dtype == torch.uint8
+            values = dequantize_blockwise(saved[k], saved["absmax" + suffix], saved["qmap" + suffix]) \
+                if source_8bit else saved[k].float()
+            if state[k].dtype != torch.uint8:  # fp32 state: the slice's values
+                (out["moved"] if torch.equal(state[k].float(), sliced(values)) else out["codes_differ"]).append(key)
+            elif source_8bit and intact:
+                first = start * inner // 256 if dims else 0
+                absmax = state["absmax" + suffix]
+                same = torch.equal(state[k], sliced(saved[k])) and torch.equal(
+                    absmax, saved["absmax" + suffix].narrow(-1, first, absmax.numel()))
+                (out["moved"] if same else out["codes_differ"]).append(key)
+            else:
+                ratio = step_ratio(sliced(values), state[k], state["absmax" + suffix], state["qmap" + suffix])
+                out["largest_steps"] = max(out["largest_steps"], ratio)
+                out["requantized"].append(key)
+    return out
+
+
 def scenario_parallel_universal_split(world, rank, out, sources):
     """The 8-bit universal checkpoints (whole models, joined from the runs saved at world sizes `sources`) loaded into
     engines of the runs' own model-parallel layout (tensor-parallel 2, or 2 pipeline stages) at data-parallel size
@@ -347,6 +414,22 @@ def scenario_parallel_universal_split(world, rank, out, sources):
             control = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
             control.load_checkpoint(universal, load_optimizer_states=False)
             results[f"{kind}_from{saved_world // MODEL_PARALLEL}"] = {
+                **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
+                "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"])}
+        if os.path.isdir(universal_of(out, kind, WHOLE)):  # model-parallel 1 -> 2
+            universal = universal_of(out, kind, WHOLE)
+            engine = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
+            engine.load_checkpoint(universal)
+            loaded = global_state(engine, world)
+            reference = torch.load(os.path.join(folder_of(out, kind, WHOLE), "reference_state.pt"), weights_only=False)
+            relation = compare_with_whole(loaded, reference, saved_shapes(folder_of(out, kind, 1)),
+                                          whole_shapes(cfg["pipeline"]))
+            follows = weights_follow_master(engine, loaded, prefix=f"mp{checkpoint_mp_rank(engine)}/")
+            lr = [g["lr"] for g in engine.optimizer.param_groups]
+            continued = run_steps(engine, range(3, 13), cfg["pipeline"])
+            control = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
+            control.load_checkpoint(universal, load_optimizer_states=False)
+            results[f"{kind}_from{WHOLE}"] = {
                 **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
                 "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"])}
     return results

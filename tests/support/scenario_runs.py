@@ -8,7 +8,7 @@ offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: s
 the universal-checkpoint loads of the DP=1 checkpoints, at N=2, and the model-parallel runs' 8-bit universal exports
 (tensor-parallel 2 and 2 pipeline stages, saved at 2 and 4 ranks), loaded at model-parallel size 1 by the later
 launch at 2 and in this process at the end, and cut again for their own model-parallel layout by the later launch at
-2. Every
+2, as is the universal export of the same models trained at model-parallel size 1 in this process first. Every
 launch must succeed and no scenario may fail: the results are the union per world.
 """
 
@@ -40,6 +40,7 @@ def plan():
     # (the pipeline / tensor-parallel scenarios come last in a launch: DeepSpeed keeps their model-parallel state in
     # module globals, and a later engine without a model-parallel unit then fails to initialize)
     first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"] +
+                                 (["parallel_whole_save"] if w == 1 and max(SIZES) in PARALLEL[1:] else []) +
                                  (["universal_load"] if w == UNIVERSAL_LOAD else []) +
                                  (["hpz_save"] if w == HPZ_SAVE else []) +
                                  (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
