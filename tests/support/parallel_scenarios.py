@@ -112,11 +112,13 @@ def folder_of(out, kind, dp):
     return os.path.join(out, "parallel", kind, WHOLE if dp == WHOLE else f"dp{dp}")
 
 
-def scenario_parallel_save(world, rank, out):
+def saved_runs(world, rank, out, builder, dp):
+    """Each kind's model built by `builder` on `world` ranks: 3 steps, saved into folder_of(out, kind, dp) with the
+    state it saved beside it, then 10 more steps (the losses a resumed run must track)."""
     results = {}
     for kind, cfg in PARALLEL_KINDS.items():
-        folder = folder_of(out, kind, world // MODEL_PARALLEL)
-        engine = build(world, **cfg)
+        folder = folder_of(out, kind, dp)
+        engine = builder(world, **cfg)
         run_steps(engine, range(3), cfg["pipeline"])
         engine.save_checkpoint(folder, tag="t")
         reference = global_state(engine, world)
@@ -124,6 +126,10 @@ def scenario_parallel_save(world, rank, out):
             torch.save(reference, os.path.join(folder, "reference_state.pt"))
         results[kind] = {"continued": run_steps(engine, range(3, 13), cfg["pipeline"])}
     return results
+
+
+def scenario_parallel_save(world, rank, out):
+    return saved_runs(world, rank, out, build, world // MODEL_PARALLEL)
 
 
 def scenario_parallel_load(world, rank, out, sources):
@@ -289,6 +295,23 @@ def whole_shapes(pipeline):
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def slice_geometry(name, rank, shapes, whole):
+    """(local shape, whole shape, the dimension the rank's slice is cut along or None, where the slice starts along
+    it, elements per index of it, whether the slice is whole quantization blocks of the flat whole tensor) of
+    parameter `name` on model-parallel rank `rank`: the dimension is where DeepSpeed's shape of the rank's parameter
+    (`shapes`: name -> rank -> shape) differs from the whole one (`whole`: name -> shape; None: stages, nothing cut)."""
+    local = shapes[name][rank]
+    full = local if whole is None else whole[name]
+    dims = [d for d in range(len(full)) if full[d] != local[d]]
+    if not dims:
+        return local, full, None, 0, 1, True
+    dim = dims[0]
+    start = sum(shapes[name][r][dim] for r in range(rank))
+    inner = torch.Size(full[dim + 1:]).numel()
+    intact = dim == 0 and torch.Size(local).numel() % 256 == 0 and start * inner % 256 == 0
+    return local, full, dim, start, inner, intact
+
+
 def compare_with_saved(loaded, reference, shapes, whole, universal):
     """How each (model-parallel rank, parameter) loaded from a universal checkpoint relates to what that rank saved
     (the same layout) and to the universal checkpoint's whole state: master weights the saved ones; 8-bit codes and
@@ -301,12 +324,7 @@ def compare_with_saved(loaded, reference, shapes, whole, universal):
     for key, state in loaded.items():
         mp, name = key.split("/", 1)
         rank, saved = int(mp[2:]), reference[key]
-        local = shapes[name][rank]
-        full = local if whole is None else whole[name]
-        dims = [d for d in range(len(full)) if full[d] != local[d]]
-        start = sum(shapes[name][r][dims[0]] for r in range(rank)) if dims else 0
-        inner = torch.Size(full[dims[0] + 1:]).numel() if dims else 1
-        intact = not dims or (dims[0] == 0 and torch.Size(local).numel() % 256 == 0 and start * inner % 256 == 0)
+        local, full, dim, start, _, intact = slice_geometry(name, rank, shapes, whole)
         if not torch.equal(state["master"], saved["master"]):
             out["master_differs"].append(key)
         for k in [k for k in state if k.startswith("state")]:
@@ -318,7 +336,7 @@ def compare_with_saved(loaded, reference, shapes, whole, universal):
                 continue
             source = universal[name]
             values = dequantize_blockwise(source[k], source["absmax" + suffix], source["qmap" + suffix])
-            values = values.reshape(full).narrow(dims[0], start, local[dims[0]]).reshape(-1)
+            values = values.reshape(full).narrow(dim, start, local[dim]).reshape(-1)
             ratio = step_ratio(values, state[k], state["absmax" + suffix], state["qmap" + suffix])
             out["largest_steps"] = max(out["largest_steps"], ratio)
             out["requantized"].append(key)
@@ -334,18 +352,8 @@ def universal_states(path):
 
 
 def scenario_parallel_whole_save(world, rank, out):
-    """Each kind's model at model-parallel size 1 (one stage, no AutoTP) on `world` ranks: 3 steps, saved, 10 more."""
-    results = {}
-    for kind, cfg in PARALLEL_KINDS.items():
-        folder = folder_of(out, kind, WHOLE)
-        engine = build_whole(world, **cfg)
-        run_steps(engine, range(3), cfg["pipeline"])
-        engine.save_checkpoint(folder, tag="t")
-        reference = global_state(engine, world)
-        if rank == 0:
-            torch.save(reference, os.path.join(folder, "reference_state.pt"))
-        results[kind] = {"continued": run_steps(engine, range(3, 13), cfg["pipeline"])}
-    return results
+    """Each kind's model at model-parallel size 1 (one stage, no AutoTP) on `world` ranks: saved_runs."""
+    return saved_runs(world, rank, out, build_whole, WHOLE)
 
 
 def compare_with_whole(loaded, whole_reference, shapes, whole):
@@ -360,17 +368,11 @@ def compare_with_whole(loaded, whole_reference, shapes, whole):
     for key, state in loaded.items():
         mp, name = key.split("/", 1)
         rank, saved = int(mp[2:]), whole_reference[name]
-        local = shapes[name][rank]
-        full = local if whole is None else whole[name]
-        dims = [d for d in range(len(full)) if full[d] != local[d]]
-        dim = dims[0] if dims else 0
-        start = sum(shapes[name][r][dim] for r in range(rank)) if dims else 0
-        inner = torch.Size(full[dim + 1:]).numel()
+        local, full, dim, start, inner, intact = slice_geometry(name, rank, shapes, whole)
 
         def sliced(values):  # the rank's slice of a whole flat tensor
-            return values.reshape(full).narrow(dim, start, local[dim]).reshape(-1) if dims else values
+            return values if dim is None else values.reshape(full).narrow(dim, start, local[dim]).reshape(-1)
 
-        intact = not dims or (dim == 0 and torch.Size(local).numel() % 256 == 0 and start * inner % 256 == 0)
         if not torch.equal(state["master"], sliced(saved["master"])):
             out["master_differs"].append(key)
         for k in [k for k in state if k.startswith("state")]:
@@ -381,7 +383,7 @@ def compare_with_whole(loaded, whole_reference, shapes, whole):
             if state[k].dtype != torch.uint8:  # fp32 state: the slice's values
                 (out["moved"] if torch.equal(state[k].float(), sliced(values)) else out["codes_differ"]).append(key)
             elif source_8bit and intact:
-                first = start * inner // 256 if dims else 0
+                first = start * inner // 256
                 absmax = state["absmax" + suffix]
                 same = torch.equal(state[k], sliced(saved[k])) and torch.equal(
                     absmax, saved["absmax" + suffix].narrow(-1, first, absmax.numel()))
@@ -394,42 +396,31 @@ def compare_with_whole(loaded, whole_reference, shapes, whole):
 
 
 def scenario_parallel_universal_split(world, rank, out, sources):
-    """The 8-bit universal checkpoints (whole models, joined from the runs saved at world sizes `sources`) loaded into
-    engines of the runs' own model-parallel layout (tensor-parallel 2, or 2 pipeline stages) at data-parallel size
-    world / 2: the universal checkpoint cut per model-parallel rank at load."""
+    """The 8-bit universal checkpoints of whole models loaded into engines of the runs' own model-parallel layout
+    (tensor-parallel 2, or 2 pipeline stages) at data-parallel size world / 2, the universal checkpoint cut per
+    model-parallel rank at load: those joined from the runs saved at world sizes `sources`, and (model-parallel
+    1 -> 2) the one of the same model trained at model-parallel size 1, where it was saved."""
     results = {}
     for kind, cfg in PARALLEL_KINDS.items():
-        for saved_world in sources:
-            folder = folder_of(out, kind, saved_world // MODEL_PARALLEL)
-            universal = universal_of(out, kind, saved_world // MODEL_PARALLEL)
+        saved = [saved_world // MODEL_PARALLEL for saved_world in sources]
+        for dp in saved + ([WHOLE] if os.path.isdir(universal_of(out, kind, WHOLE)) else []):
+            folder, universal = folder_of(out, kind, dp), universal_of(out, kind, dp)
             engine = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
             engine.load_checkpoint(universal)
             loaded = global_state(engine, world)
             reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False)
-            relation = compare_with_saved(loaded, reference, saved_shapes(folder), whole_shapes(cfg["pipeline"]),
-                                          universal_states(universal))
+            if dp == WHOLE:  # sliced from the whole model's state here, along DeepSpeed's shapes of the 2-rank runs
+                relation = compare_with_whole(loaded, reference, saved_shapes(folder_of(out, kind, 1)),
+                                              whole_shapes(cfg["pipeline"]))
+            else:
+                relation = compare_with_saved(loaded, reference, saved_shapes(folder), whole_shapes(cfg["pipeline"]),
+                                              universal_states(universal))
             follows = weights_follow_master(engine, loaded, prefix=f"mp{checkpoint_mp_rank(engine)}/")
             lr = [g["lr"] for g in engine.optimizer.param_groups]
             continued = run_steps(engine, range(3, 13), cfg["pipeline"])
             control = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
             control.load_checkpoint(universal, load_optimizer_states=False)
-            results[f"{kind}_from{saved_world // MODEL_PARALLEL}"] = {
-                **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
-                "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"])}
-        if os.path.isdir(universal_of(out, kind, WHOLE)):  # model-parallel 1 -> 2
-            universal = universal_of(out, kind, WHOLE)
-            engine = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
-            engine.load_checkpoint(universal)
-            loaded = global_state(engine, world)
-            reference = torch.load(os.path.join(folder_of(out, kind, WHOLE), "reference_state.pt"), weights_only=False)
-            relation = compare_with_whole(loaded, reference, saved_shapes(folder_of(out, kind, 1)),
-                                          whole_shapes(cfg["pipeline"]))
-            follows = weights_follow_master(engine, loaded, prefix=f"mp{checkpoint_mp_rank(engine)}/")
-            lr = [g["lr"] for g in engine.optimizer.param_groups]
-            continued = run_steps(engine, range(3, 13), cfg["pipeline"])
-            control = build(world, seed=1, lr=LOADER_LR, universal=True, **cfg)
-            control.load_checkpoint(universal, load_optimizer_states=False)
-            results[f"{kind}_from{WHOLE}"] = {
+            results[f"{kind}_from{dp}"] = {
                 **relation, "weights_follow_master": follows, "lr": lr, "continued": continued,
                 "state_dropped": run_steps(control, range(3, 13), cfg["pipeline"])}
     return results
