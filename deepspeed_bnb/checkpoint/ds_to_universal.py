@@ -14,8 +14,9 @@ line runs without deepspeed_bnb and stays DeepSpeed's: use `deepspeed-bnb export
 
 import os
 import warnings
+
 from deepspeed_bnb import installer
-from deepspeed_bnb.checkpoint.format.merged import ModelParallelCheckpoint
+from deepspeed_bnb.checkpoint.format.merged import whole_model
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 
 
@@ -26,9 +27,7 @@ def ours(tag_dir: str):
     with warnings.catch_warnings():  # a stock checkpoint has no manifest, which the reader warns about
         warnings.simplefilter("ignore", RuntimeWarning)
         ckpt = SavedCheckpoint(tag_dir)
-    if not ckpt.is_deepspeed_bnb:
-        return None
-    return ckpt if ckpt.model_parallel == 1 else ModelParallelCheckpoint(ckpt)  # tensor / pipeline ranks joined
+    return whole_model(ckpt) if ckpt.is_deepspeed_bnb else None  # tensor / pipeline ranks joined
 
 
 def main(args):

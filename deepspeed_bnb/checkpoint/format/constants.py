@@ -43,8 +43,11 @@ EXPERTS_KEY = "experts"  # group: experts.ExpertPlacement.to_dict(); its param n
 ZERO_STAGE_KEY = "zero_stage"  # DeepSpeed's ZeRO state-dict entry: the stage that wrote it
 FP32_FLAT_GROUPS_KEY = "fp32_flat_groups"  # DeepSpeed's ZeRO-3 entry: per sub-group, this rank's fp32 slices
 
-# File names inside a tag directory (DeepSpeed's, for model-parallel rank 0)
-MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one model-states file
-STAGE3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per DP rank (empty module weights)
+# File names inside a tag directory (DeepSpeed's; `*_OF`: per model-parallel rank, the others that of rank 0)
+MODEL_STATES_OF = "mp_rank_{:02d}_model_states.pt"  # ZeRO-1/2: one model-states file per model-parallel rank
+STAGE3_MODEL_STATES_OF = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt"  # ZeRO-3: one per DP rank (empty module
+# weights) and model-parallel rank
+MODEL_STATES = MODEL_STATES_OF.format(0)
+STAGE3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # per DP rank
 RANK_FILE = "{}zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt"  # per DP rank: prefix ("" or "bf16_"), DP rank,
 # model-parallel rank

@@ -27,9 +27,13 @@ from deepspeed_bnb.optim.param_state import ParamState, Requantization
 
 
 def open_whole_model(path: str, verify_checksums: bool = True):
-    """The checkpoint at `path` as one model: a SavedCheckpoint where one model-parallel rank wrote it, else the
-    ModelParallelCheckpoint joining them all."""
-    first = SavedCheckpoint(path, verify_checksums)
+    """The checkpoint at `path` as one model (whole_model)."""
+    return whole_model(SavedCheckpoint(path, verify_checksums))
+
+
+def whole_model(first: SavedCheckpoint):
+    """`first` (a tag read at model-parallel rank 0) as one model: itself where one model-parallel rank wrote the tag,
+    else the ModelParallelCheckpoint joining them all."""
     return first if first.model_parallel == 1 else ModelParallelCheckpoint(first)
 
 
@@ -122,13 +126,13 @@ class ModelParallelCheckpoint:
             states: List[ParamState] = []
             for stage in range(self.pp_size):
                 slices = [self._at[(stage, t)][0] for t in range(self.tp_size)]
-                names = [list(ckpt.param_shapes()[g]) for ckpt in slices]
-                if any(n != names[0] for n in names):
+                pieces = [(ckpt.param_shapes()[g], ckpt.master_weights(g), ckpt.param_states(g)) for ckpt in slices]
+                names = list(pieces[0][0])
+                if any(list(p[0]) != names for p in pieces):
                     raise CheckpointMismatchError(
                         f"{self.tag_dir}: pipeline stage {stage}'s tensor-parallel ranks name different parameters in "
                         f"param group {g}; their files are of different runs.")
-                pieces = [(ckpt.param_shapes()[g], ckpt.master_weights(g), ckpt.param_states(g)) for ckpt in slices]
-                for i, name in enumerate(names[0]):
+                for i, name in enumerate(names):
                     if name in shapes:  # a weight tied across stages: the first stage's
                         continue
                     shapes[name], master, state = self._join_param(

@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from deepspeed_bnb.checkpoint.format import constants as C
-from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, MODEL_STATES_OF, STAGE3_MODEL_STATES_OF
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import MANIFEST_NAME, latest_tag, read_manifest, tag_files, verify
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
@@ -119,8 +119,7 @@ def check_model_states(states, path: str) -> dict:
 def model_states_name(tag_dir: str, mp_rank: int = 0) -> str:
     """The model-states file a loader reads first (of model-parallel rank `mp_rank`): stage 1/2's, or stage 3's of
     DP rank 0."""
-    names = [name.replace("mp_rank_00", f"mp_rank_{mp_rank:02d}") for name in (MODEL_STATES,
-                                                                              STAGE3_MODEL_STATES.format(0))]
+    names = [MODEL_STATES_OF.format(mp_rank), STAGE3_MODEL_STATES_OF.format(0, mp_rank)]
     for name in names:
         if os.path.lexists(os.path.join(tag_dir, name)):
             return name

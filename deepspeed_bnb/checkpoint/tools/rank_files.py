@@ -19,7 +19,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
-from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
+from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, MODEL_STATES_OF, STAGE3_MODEL_STATES_OF
 from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged
@@ -181,9 +181,10 @@ def _stage_rank_files(ckpt, staged: str, dp: int, fill, optimizer_class: str, op
     switched = mode != source_master_mode(ckpt)  # the source's own values are what their mode holds already
     states = model_states_for(ckpt, dp, stage)
     states["mp_world_size"] = mp_size
-    names = [STAGE3_MODEL_STATES.format(rank) for rank in range(dp)] if stage == 3 else [MODEL_STATES]
+    names = [STAGE3_MODEL_STATES_OF.format(rank, mp_rank) for rank in range(dp)] if stage == 3 else \
+        [MODEL_STATES_OF.format(mp_rank)]
     for name in names:
-        torch.save(states, os.path.join(staged, name.replace("mp_rank_00", f"mp_rank_{mp_rank:02d}")))
+        torch.save(states, os.path.join(staged, name))
     masters = {}
 
     def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)

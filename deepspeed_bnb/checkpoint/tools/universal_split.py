@@ -67,9 +67,9 @@ class ModelRankUniversal:
         if len(layout.shapes) != len(full):
             raise CheckpointMismatchError(f"{where}: the engine has {len(layout.shapes)} param groups, the checkpoint "
                                           f"{len(full)}; its groups cannot be matched to the engine's.")
-        self._index = {}  # name -> (index in its universal group, full shape, split dim or None)
+        self._index = {}  # name -> (index in its universal group, full shape, split dim or None, this rank's shape)
         for g, group in enumerate(layout.shapes):
-            names = list(full[g])
+            position = {name: i for i, name in enumerate(full[g])}
             for name, local in group.items():
                 if name not in full[g]:
                     raise CheckpointMismatchError(f"{where}: parameter {name!r} (param group {g}) is not in the "
@@ -89,7 +89,7 @@ class ModelRankUniversal:
                 if tuple(expected) != tuple(local):
                     raise CheckpointMismatchError(f"{where}: parameter {name!r} is {whole} in the checkpoint; this "
                                                   f"rank holds it as {tuple(local)}, not a slice of it.")
-                self._index[name] = (names.index(name), whole, split)
+                self._index[name] = (position[name], whole, split, tuple(local))
         self._groups: Dict[int, Tuple[List[torch.Tensor], List[ParamState]]] = {}
 
     def __getattr__(self, name):
@@ -104,15 +104,11 @@ class ModelRankUniversal:
         return {**self.universal.model_states, "param_shapes": self.param_shapes()}
 
     def _slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        _, whole, split = self._index[name]
+        _, whole, split, local = self._index[name]
         if split is None:
             return tensor
-        width = self._local(name)[split]
         return tensor.reshape(*tensor.shape[:-1], *whole).narrow(tensor.dim() - 1 + split, self.layout.starts[name],
-                                                                 width).reshape(*tensor.shape[:-1], -1)
-
-    def _local(self, name: str) -> Tuple[int, ...]:
-        return _find(self.layout.shapes, name)
+                                                                 local[split]).reshape(*tensor.shape[:-1], -1)
 
     def _full(self, g: int):
         if g not in self._groups:
@@ -130,11 +126,10 @@ class ModelRankUniversal:
             return self.universal.param_states(g)  # raises: the fp32 kinds hold no bnb state
         out = []
         for name in self.layout.shapes[g]:
-            i, whole, split = self._index[name]
+            i, whole, split, local = self._index[name]
             state = states[i]
             if split is not None:
-                state = state.slice(whole, split, self.layout.starts[name], self._local(name)[split],
-                                    self.requantized, what=name)
+                state = state.slice(whole, split, self.layout.starts[name], local[split], self.requantized, what=name)
             out.append(state)
         return out
 

@@ -48,7 +48,6 @@ from deepspeed_bnb.state_layout import ShardedLayout
 from deepspeed_bnb.utils.tensor_fragment import PARAM_STATE_ATTR, ParamOptimizerState
 
 STAGE = 3
-PARTITIONED = tuple(cls for cls in StateClass if cls.partitioned)  # state classes split across ranks (and sub-groups)
 
 
 def _refuse_unsupported(optimizer, kwargs: dict) -> None:
@@ -393,7 +392,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                     states.append(state)
                     masters.append(master)
             classes = self.bnb.stored_classes(states[0])
-            state = {key: _joined([s[key] for s in states]) if classes[key] in PARTITIONED else states[0][key]
+            state = {key: _joined([s[key] for s in states]) if classes[key].partitioned else states[0][key]
                      for key in states[0] if key in classes}
             master = _joined(masters)
             error = _joined([self.bnb_master_errors[i] for i in subs]) if self.bnb_master.compensated else None
