@@ -312,12 +312,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-world", type=int, default=0, help="ranks of the reference and control runs (default: "
                                                                     "2 x nproc; the data order does not depend on it)")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", help="also write the summary (timeline and distances) to this file, as JSON")
     return p
 
 
 def main():
     args = parser().parse_args()
     summary = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
     print(f"\n{'t (s)':>7}  event")
     for m in summary.pop("timeline"):
         detail = ", ".join(f"{k}={v}" for k, v in m.items() if k not in ("t", "what"))

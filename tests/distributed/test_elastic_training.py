@@ -12,28 +12,38 @@ Unit tests: the batch plan, the step-indexed data order (each global batch dealt
 the held-out split, checkpoint retention, the hold specs, and the failover plans refused (a hold met twice).
 """
 
+import json
 import os
+import sys
 
 import pytest
 import torch
 
 from deepspeed_bnb.demo.elastic import batch_plan, parse_holds, rank_rows, step_windows
-from support import examples
+from conftest import ROOT, without_launch_vars
+from support import background, examples
 
 pytestmark = pytest.mark.multi_rank
 SAVE_EVERY, STEPS = 3, 30
 KILL_AT, REGROW_AT = 7, 9  # a step after a checkpoint (one step lost), and a checkpoint step (none lost)
 
 
+# the example's own command line, a fresh process beside the earlier tests (tests/support/background.py); the timeout
+# only ends a hang (each of its launches has its own, --timeout)
+FAILOVER = background.Job("failover", lambda folder: [
+    sys.executable, os.path.join(ROOT, "examples", "elastic_failover.py"), "--workdir", os.path.join(folder, "runs"),
+    "--steps", str(STEPS), "--kill-at", str(KILL_AT), "--regrow-at", str(REGROW_AT), "--save-every", str(SAVE_EVERY),
+    "--global-batch", "8", "--width", "32", "--depth", "1", "--reference-world", "1", "--no-noise-run", "--timeout",
+    "300", "--json", os.path.join(folder, "summary.json")], without_launch_vars, timeout=1800)
+BACKGROUND_JOBS = (FAILOVER,)
+
+
 @pytest.fixture(scope="module")
-def failover(tmp_path_factory):
-    script = examples.load("elastic_failover")
-    parser, run = script.parser, script.run
-    args = parser().parse_args(["--workdir", str(tmp_path_factory.mktemp("failover")), "--steps", str(STEPS),
-                                "--kill-at", str(KILL_AT), "--regrow-at", str(REGROW_AT),
-                                "--save-every", str(SAVE_EVERY), "--global-batch", "8", "--width", "32", "--depth",
-                                "1", "--reference-world", "1", "--no-noise-run", "--timeout", "300"])
-    return run(args)
+def failover():
+    done = background.result(FAILOVER)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    with open(os.path.join(done.folder, "summary.json")) as f:
+        return json.load(f)
 
 
 def test_the_job_shrinks_and_grows_back(failover):

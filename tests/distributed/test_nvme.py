@@ -25,13 +25,32 @@ import sys
 
 import pytest
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, torchrun, without_launch_vars
+from support import background
 from support.nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
 from support.release_limits import FIRST_CPU_SWAPPING, NO_CPU_SWAPPING
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 
 pytestmark = [pytest.mark.multi_rank, pytest.mark.slow]
+
+
+# the benchmark's quick run, a fresh process beside the earlier tests (tests/support/background.py); the timeout only
+# ends a hang
+NVME_BENCHMARK = background.Job("nvme_benchmark", lambda folder: [
+    sys.executable, os.path.join(ROOT, "benchmarks", "nvme_offload.py"), "--quick", "--configs", "bnb8", "torch_adamw",
+    "--out", os.path.join(folder, "out"), "--nvme", folder], without_launch_vars, timeout=1800)
+BACKGROUND_JOBS = (NVME_BENCHMARK,)
+
+
+@pytest.fixture(scope="module")
+def nvme_benchmark():
+    """The benchmark's results (its job is queued early where a collected test uses this fixture)."""
+    require_aio()
+    done = background.result(NVME_BENCHMARK)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    with open(os.path.join(done.folder, "out", "nvme_offload.json")) as f:
+        return json.load(f)["results"]
 
 
 LIBAIO_HEADER = "/usr/include/libaio.h"  # where libaio-dev puts its header on Debian/Ubuntu
@@ -160,18 +179,12 @@ def test_after_a_swap_failure_nothing_is_saved_and_the_last_checkpoint_resumes(f
     assert faults["resumed"] == faults["reference"]  # the checkpoint before the fault: as if nothing happened
 
 
-def test_the_nvme_benchmark_counts_the_bytes_the_state_sizes_give(tmp_path):
+def test_the_nvme_benchmark_counts_the_bytes_the_state_sizes_give(nvme_benchmark):
     """benchmarks/nvme_offload.py in quick mode (bnb8 and torch AdamW): per rank and step both write and read the fp32
     master weights and gradients (8 bytes a parameter) and their state, 8 bytes (two fp32 moments) against 2 + 8/256
     (two 8-bit codes and their absmax per 256-element block), within 2% (partition padding). Control: the two counts
     differ, so a counter that saw nothing, or only DeepSpeed's swapper, would fail."""
-    require_aio()
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "nvme_offload.py"), "--quick", "--configs",
-                           "bnb8", "torch_adamw", "--out", str(tmp_path / "out"), "--nvme", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    with open(tmp_path / "out" / "nvme_offload.json") as f:
-        found = json.load(f)["results"]
+    found = nvme_benchmark
     per_rank = found["bnb8"]["params"] / found["bnb8"]["world"]
     expected = {"torch_adamw": 8 + 8, "bnb8": 8 + 2 + 8 / 256}
     for config, per_param in expected.items():

@@ -125,6 +125,7 @@ def test_a_load_whose_builder_died_builds_in_this_process():
         module()._jit_compile("op")
 
 
+@pytest.mark.slow  # two fresh processes that import torch
 def test_the_suite_and_its_children_have_the_guard():
     import torch.utils.cpp_extension
     from torch.utils.file_baton import FileBaton

@@ -305,6 +305,7 @@ def test_broken_protocol_is_caught(saves, monkeypatch, variant):
     assert fill(hole, mode) in caught, f"{variant}: a fault at {fill(hole, mode)} went unnoticed; caught: {caught}"
 
 
+@pytest.mark.slow  # a fresh process that imports DeepSpeed, saves and is killed
 def test_sigkill_at_the_non_atomic_moment(one_rank, tmp_path):
     """A real SIGKILL (no unwinding, no cleanup) in a child, between retiring `a` and publishing its new copy."""
     folder, reference = str(tmp_path / "killed"), str(tmp_path / "reference.pt")
