@@ -138,9 +138,21 @@ class _Queue:
 _QUEUE = _Queue()
 
 
+def unnamed_jobs(module) -> List[str]:
+    """The jobs of a test module that no fixture of the module is named after: nothing would start them early, and the
+    tests reading them would wait for the whole job when they ask (silently slower, never failed)."""
+    return [f"{module.__name__}: background job {job.name!r} has no fixture of its name in the module"
+            for job in getattr(module, "BACKGROUND_JOBS", ()) if not callable(getattr(module, job.name, None))]
+
+
 def start_for(items) -> None:
-    """Queue, in collection order, the jobs of the collected tests' modules whose fixtures those tests use."""
+    """Queue, in collection order, the jobs of the collected tests' modules whose fixtures those tests use; a
+    ValueError where a module declares a job no fixture is named after."""
     jobs, seen = [], set()
+    modules = list(dict.fromkeys(getattr(item, "module", None) for item in items))
+    problems = [problem for module in modules if module is not None for problem in unnamed_jobs(module)]
+    if problems:
+        raise ValueError("; ".join(problems) + " (name the fixture that reads a job's result after the job)")
     for item in items:
         module = getattr(item, "module", None)
         for job in getattr(module, "BACKGROUND_JOBS", ()):

@@ -284,3 +284,28 @@ def test_control_each_broken_rule_is_flagged(tmp_path):
         ("tests/kernels/test_imports.py", BARE_SUPPORT), ("tests/kernels/test_imports.py", TEST_IMPORT),
         ("tests/kernels/test_cuda.py", CUDA_UNMARKED), ("tests/tools/test_cuda.py", DUPLICATE),
         ("benchmarks/bench.py", EXAMPLES_IMPORT), ("tools/tool.py", EXAMPLES_PATH)])
+
+
+def test_every_background_job_has_a_fixture_of_its_name():
+    """A job starts early only where a collected test uses the fixture named after it (support/background.py): the
+    suite's modules all name theirs so, and a module that does not is refused at collection. Control: a job whose
+    fixture has another name (how a killed-build job once ran last, after its test had waited 111 s for it)."""
+    import types
+    from support import background
+    for path in _py_files(os.path.join(ROOT, "tests")):
+        with open(path) as f:
+            source = f.read()
+        if re.search(r"^BACKGROUND_JOBS = ", source, re.M):
+            jobs = re.findall(r'background\.Job\(\s*"(\w+)"', source) + re.findall(r'_script\(\s*"(\w+)"', source)
+            assert jobs and all(re.search(rf"^def {name}\(", source, re.M) for name in jobs), (path, jobs)
+
+    def module(fixture_name):
+        fake = types.ModuleType("test_fake")
+        fake.BACKGROUND_JOBS = (background.Job("the_job", lambda folder: [], dict, 1),)
+        setattr(fake, fixture_name, lambda: None)
+        return fake
+    assert background.unnamed_jobs(module("the_job")) == []
+    assert background.unnamed_jobs(module("another_name")) == [
+        "test_fake: background job 'the_job' has no fixture of its name in the module"]
+    with pytest.raises(ValueError, match="background job 'the_job' has no fixture of its name"):
+        background.start_for([types.SimpleNamespace(module=module("another_name"), fixturenames=())])
