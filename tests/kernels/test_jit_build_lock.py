@@ -5,7 +5,7 @@ waits for that file to go: forever, when its owner was killed. A JIT build of ou
 fresh TORCH_EXTENSIONS_DIR, killed (with its compiler) once torch's lock is there, and a second process then loads the
 kernels: it removes the dead build's lock, says so, builds and passes the first-use check. Control: the kill left
 torch's lock behind, and torch's own lock would not let anyone in (FileBaton refuses it). The processes run as one
-fresh-process job beside the earlier tests (tests/support/killed_build.py, tests/support/background.py).
+fresh-process job beside the earlier tests (tests/support/killed_jit_build.py, tests/support/background.py).
 """
 
 import json
@@ -15,12 +15,12 @@ import sys
 import pytest
 
 from conftest import without_launch_vars
-from support import background, killed_build
+from support import background, killed_jit_build
 
 pytestmark = pytest.mark.slow
 
 # the timeout only ends a hang (the job bounds its own waits)
-KILLED_BUILD = background.Job("killed_build", lambda folder: [sys.executable, killed_build.__file__, folder],
+KILLED_BUILD = background.Job("killed_build", lambda folder: [sys.executable, killed_jit_build.__file__, folder],
                               without_launch_vars, timeout=2400)
 BACKGROUND_JOBS = (KILLED_BUILD,)
 
@@ -29,7 +29,7 @@ BACKGROUND_JOBS = (KILLED_BUILD,)
 def killed_build():  # the job's name: a collected test using it starts the job early (background.start_for)
     done = background.result(KILLED_BUILD)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    with open(os.path.join(done.folder, killed_build.RESULT)) as f:
+    with open(os.path.join(done.folder, killed_jit_build.RESULT)) as f:
         return json.load(f)
 
 

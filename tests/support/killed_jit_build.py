@@ -9,7 +9,7 @@ what it recorded, in FOLDER (the one argument):
 - `load`: a second process without that guard (what a user's process has: the loader) loads the kernels and runs the
   first-use check: its return code and output; `locks_after`: the locks left then.
 
-    python tests/support/killed_build.py FOLDER
+    python tests/support/killed_jit_build.py FOLDER
 """
 
 import glob
