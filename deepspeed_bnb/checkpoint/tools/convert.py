@@ -36,7 +36,6 @@ from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
-ADAM_RULES = ADAM_STATE_RULES  # bnb update rules whose state is Adam's (exp_avg, exp_avg_sq)
 
 
 def _load_class(qualified: str):
@@ -69,7 +68,7 @@ def _build(cls, target: str, hyper: dict):
 
 def _moments_of_record(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Tensor], int]]:
     rule = ckpt.record(0)[C.OPTIMIZER_NAME_KEY]
-    if rule not in ADAM_RULES:
+    if rule not in ADAM_STATE_RULES:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{rule}' state ({ckpt.optimizer_class}); convert "
                                       f"handles Adam-family state (exp_avg, exp_avg_sq) only.")
     return [(fp32_moments(state), int(state["step"])) for state in ckpt.param_states(g)]
@@ -238,7 +237,7 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
         carries_over = universal and ckpt.optimizer_name == rule  # an 8-bit universal source of the same rule
-        if rule not in ADAM_RULES and not carries_over:
+        if rule not in ADAM_STATE_RULES and not carries_over:
             raise ValueError(f"convert: {target} is not an Adam-family bnb optimizer (update rule "
                              f"'{getattr(optimizer, 'optimizer_name', '?')}'); Adam state cannot be given to it.")
         group = optimizer.param_groups[0]

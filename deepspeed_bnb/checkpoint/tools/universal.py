@@ -47,7 +47,7 @@ OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"  # DeepSpeed's key for the whole tensor in a per-parameter file (checkpoint.constants.PARAM)
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's names for bnb's state1, state2
 # bnb update rules whose state a torch AdamW takes as its own (LAMB's also needs a trust ratio: not exported)
-ADAM_RULES = tuple(rule for rule in ADAM_STATE_RULES if rule not in TRUST_RATIO_RULES)
+TORCH_ADAMW_RULES = tuple(rule for rule in ADAM_STATE_RULES if rule not in TRUST_RATIO_RULES)
 # Hyper-parameters torch.optim.AdamW shares with bnb's Adam family (bnb's others, alpha/t_alpha/t_beta3, are AdEMAMix's)
 TORCH_ADAM_HYPERPARAMS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 
@@ -69,7 +69,7 @@ def write_universal(ckpt: SavedCheckpoint, out_dir: str, progress: bool = True, 
     Either way the weights are the fp32 master weights. `tag`: the output's tag (default: the input's); another tag
     may be written beside the input, as DeepSpeed's ds_to_universal writes `<tag>_universal`."""
     record = ckpt.record(0)
-    if stock and record[C.OPTIMIZER_NAME_KEY] not in ADAM_RULES:
+    if stock and record[C.OPTIMIZER_NAME_KEY] not in TORCH_ADAMW_RULES:
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{record[C.OPTIMIZER_NAME_KEY]}' state "
                                       f"({ckpt.optimizer_class}); a universal export for a stock engine writes torch "
                                       f"AdamW state (exp_avg, exp_avg_sq) and needs an Adam-family optimizer. Leave "
