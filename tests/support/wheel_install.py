@@ -63,9 +63,11 @@ DEEPSPEED_OPS_REUSED = ("deepspeed_shm_comm",)
 
 def reuse_deepspeeds_ops(extensions: pathlib.Path) -> None:
     suite = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not suite:  # no suite cache named: the op builds in the fresh one, as before
+        return
     for op in DEEPSPEED_OPS_REUSED:
-        built = pathlib.Path(suite or "/nonexistent", op)
-        if built.is_dir() and not any(built.glob("*.lock")):
+        built = pathlib.Path(suite, op)
+        if built.is_dir() and not (built / "lock").exists():  # torch's build lock: a build under way is not copied
             shutil.copytree(built, extensions / op)  # with their times: ninja finds them up to date
 
 
