@@ -20,9 +20,12 @@ def place_of(engine) -> ModelParallelPlace:
     tp_size, tp_rank, pp_size, pp_stage = 1, 0, 1, 0
     if mpu is not None:
         # a PipelineEngine's grid, AutoTP's deepspeed.utils.groups, or the client's (Megatron-style) mpu; a
-        # PipelineEngine sets its own num_stages / stage_id only after DeepSpeed has built the optimizer
-        size = getattr(mpu, "get_tensor_model_parallel_world_size", None) or mpu.get_model_parallel_world_size
-        rank = getattr(mpu, "get_tensor_model_parallel_rank", None) or mpu.get_model_parallel_rank
+        # PipelineEngine sets its own num_stages / stage_id only after DeepSpeed has built the optimizer. A grid's
+        # "model parallel" is stages x tensor-parallel ranks; its tensor-parallel part is the slice-parallel one
+        # (DeepSpeed 0.16.x grids have no get_tensor_model_parallel_* methods, later ones alias them to it)
+        size = _first(mpu, "get_slice_parallel_world_size", "get_tensor_model_parallel_world_size",
+                      "get_model_parallel_world_size")
+        rank = _first(mpu, "get_slice_parallel_rank", "get_tensor_model_parallel_rank", "get_model_parallel_rank")
         tp_size, tp_rank = int(size()), int(rank())
         if hasattr(mpu, "get_pipe_parallel_world_size"):
             pp_size, pp_stage = int(mpu.get_pipe_parallel_world_size()), int(mpu.get_stage_id())
@@ -30,6 +33,11 @@ def place_of(engine) -> ModelParallelPlace:
         return ALONE
     splits = tensor_parallel_splits(engine.module) if tp_size > 1 else {}
     return ModelParallelPlace(tp_size, tp_rank, pp_size, pp_stage, splits)
+
+
+def _first(mpu, *names):
+    """The first of the methods `names` that `mpu` has."""
+    return next(getattr(mpu, name) for name in names if hasattr(mpu, name))
 
 
 def tensor_parallel_splits(module) -> Dict[str, Split]:

@@ -9,7 +9,8 @@ saved lr restored (the loader was built with a 50x larger one), 10 more steps tr
 bit-exact at the same size and stage. Control: loading without optimizer state diverges.
 
 A change of the model-parallel size goes through the 8-bit universal checkpoint: each run's checkpoint exported
-(its ranks joined per parameter) and loaded at model-parallel size 1, at data-parallel size 1 and 2.
+(its ranks joined per parameter) and loaded at model-parallel size 1, at data-parallel size 1 and 2; the whole
+model's cut again for a model-parallel engine; and a 3D run (tensor-parallel 2 x 2 stages) loaded at four layouts.
 """
 
 import os
@@ -23,6 +24,7 @@ from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from support.parallel_scenarios import LOADER_STAGES, MODEL_PARALLEL, PARALLEL_KINDS, WHOLE, folder_of
+from support.parallel3d_scenarios import KIND as KIND_3D, LOADS as LOADS_3D, SAVED_WORLD as SAVED_WORLD_3D
 from support.scenario_runs import PARALLEL, SIZES
 
 pytestmark = pytest.mark.multi_rank
@@ -209,3 +211,50 @@ def test_deepspeeds_converter_joins_the_model_parallel_ranks_as_export_does(scen
     for name in ours:
         assert all(torch.equal(theirs[name][k], ours[name][k]) if torch.is_tensor(ours[name][k])
                    else theirs[name][k] == ours[name][k] for k in ours[name]), name
+
+
+# ---- tensor and pipeline parallelism together (tests/support/parallel3d_scenarios.py) -------------------------------
+
+THREE_D_CASES = [(world, tp, pp) for world, layouts in LOADS_3D.items() for tp, pp in layouts
+                 if world in SIZES] if SAVED_WORLD_3D in SIZES else []
+
+
+@pytest.mark.parametrize("world,tp,pp", THREE_D_CASES)
+def test_a_3d_checkpoint_resumes_with_tensor_pipeline_and_data_parallel_sizes_changed(scenario_results, world, tp, pp):
+    """Tensor-parallel 2 x 2 pipeline stages x DP 1 (Megatron-style layers in a PipelineModule, ZeRO-1) -> the whole
+    model at DP 1 and 2, tensor-parallel 2 without stages, 2 stages without tensor parallelism, through one 8-bit
+    universal checkpoint (the four model-parallel ranks joined). At model-parallel size 1 every parameter's master
+    weights are the saved ranks' slices joined exactly (located by DeepSpeed's own param_shapes) and its 8-bit state
+    moved bit for bit where every slice is whole blocks (each stage's replicated layers, the first block's column
+    cuts); at the other layouts each rank's slice of the universal checkpoint; elsewhere within half a quantization
+    step. The continued losses track the run that never stopped; a fresh-moment resume does not."""
+    run = scenario_results[world]["parallel3d_load"][f"tp{tp}pp{pp}dp{world // (tp * pp)}"]
+    reference = scenario_results[SAVED_WORLD_3D]["parallel3d_save"][KIND_3D]["continued"]
+    assert not run["master_differs"] and not run["codes_differ"], (run["master_differs"], run["codes_differ"])
+    assert run["moved"], "no parameter's state moved unchanged"  # control: the comparison compared something
+    assert run["weights_follow_master"] and run["lr"] == [1e-3]
+    assert run["largest_steps"] <= 0.5 + 1e-4, run["largest_steps"]
+    assert "2 tensor-parallel x 2 pipeline ranks" in run["report"] and "requantized" in run["report"], run["report"]
+    if tp == 1 and pp == 1:  # row-parallel cuts (along dim 1) are joined by requantizing: the report counted them
+        assert run["requantized"] and any("out_weight" in name for name in run["requantized"]), run["requantized"]
+    if tp == 1 and pp > 1:  # stages cut nothing: every 8-bit state as the universal checkpoint holds it; the second
+        # block's weights are quantized at load from the fp32 state their 760-element slices held (under min_8bit_size)
+        assert {key.split("/", 1)[1] for key in run["requantized"]} == {"2.fc_weight", "2.out_weight"}, \
+            run["requantized"]
+    drift = max(abs(a - b) for a, b in zip(run["continued"], reference))
+    control = max(abs(a - b) for a, b in zip(run["state_dropped"], reference))
+    assert drift < REQUANTIZED_TOL, {"continued": run["continued"], "reference": reference}
+    assert control > 100 * REQUANTIZED_TOL, control
+
+
+@pytest.mark.skipif(SAVED_WORLD_3D not in SIZES, reason="the 3D run takes 4 ranks")
+def test_a_3d_run_records_each_ranks_place_and_megatrons_splits(scenario_results, scenario_folder):
+    """Each of the 4 model-parallel ranks records its tensor-parallel rank and stage (DeepSpeed's file number is
+    stage x 2 + tensor-parallel rank) and, from Megatron's marks, the split of every parameter of its stage."""
+    folder = folder_of(scenario_folder, KIND_3D, 1)
+    for mp in range(SAVED_WORLD_3D):
+        place = SavedCheckpoint(folder, mp_rank=mp).record(0)[C.MODEL_PARALLEL_KEY]
+        assert (place["tp_size"], place["tp_rank"], place["pp_size"], place["pp_stage"]) == (2, mp % 2, 2, mp // 2)
+        cut = {"fc_weight": 0, "fc_bias": 0, "out_weight": 1}  # out_bias, the embedding and the head: whole
+        assert place["splits"] == {name: cut.get(name.split(".", 1)[1]) for name in place["splits"]}, place["splits"]
+        assert {name.split(".", 1)[1] for name in place["splits"]} >= {*cut, "out_bias"}  # control: its MLP is there

@@ -779,7 +779,7 @@ def scenario_rank_failures(world, rank, out):
     return results
 
 
-# ---- pipeline and tensor parallelism (tests/support/parallel_scenarios.py) -------------------------------------------
+# ---- pipeline and tensor parallelism (tests/support/parallel_scenarios.py, parallel3d_scenarios.py) ------------------
 
 def scenario_parallel_save(world, rank, out):
     from support import parallel_scenarios
@@ -815,6 +815,16 @@ def scenario_parallel_universal_split(world, rank, out, sources):
     return parallel_scenarios.scenario_parallel_universal_split(world, rank, out, saved)
 
 
+def scenario_parallel3d_save(world, rank, out):
+    from support import parallel3d_scenarios
+    return parallel3d_scenarios.scenario_parallel3d_save(world, rank, out)
+
+
+def scenario_parallel3d_load(world, rank, out):
+    from support import parallel3d_scenarios
+    return parallel3d_scenarios.scenario_parallel3d_load(world, rank, out)
+
+
 def scenario_hpz_save(world, rank, out):
     from support import hpz_scenarios
     return hpz_scenarios.scenario_hpz_save(world, rank, out)
@@ -833,6 +843,7 @@ SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic"
              "parallel_universal": scenario_parallel_universal,
              "parallel_universal_split": scenario_parallel_universal_split,
              "parallel_whole_save": scenario_parallel_whole_save,
+             "parallel3d_save": scenario_parallel3d_save, "parallel3d_load": scenario_parallel3d_load,
              "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load,
              "universal_load": scenario_universal_load}
 TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split")  # scenarios given --elastic-from

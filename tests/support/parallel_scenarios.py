@@ -197,10 +197,11 @@ def build_whole(world, pipeline, stage, seed=0, lr=1e-3):
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
-def saved_shapes(folder):
-    """name -> shape per model-parallel rank, from DeepSpeed's own model-states files of the tag (not our records)."""
+def saved_shapes(folder, ranks=MODEL_PARALLEL):
+    """name -> shape per model-parallel rank (of `ranks`), from DeepSpeed's own model-states files of the tag (not our
+    records)."""
     shapes = {}
-    for mp in range(MODEL_PARALLEL):
+    for mp in range(ranks):
         states = torch.load(os.path.join(folder, "t", f"mp_rank_{mp:02d}_model_states.pt"), weights_only=False)
         for group in states["param_shapes"]:
             for name, shape in group.items():

@@ -8,7 +8,8 @@ offline for 3 ranks by `deepspeed-bnb reshape`). The hpZ scenarios ride along: s
 the universal-checkpoint loads of the DP=1 checkpoints, at N=2, and the model-parallel runs' 8-bit universal exports
 (tensor-parallel 2 and 2 pipeline stages, saved at 2 and 4 ranks), loaded at model-parallel size 1 by the later
 launch at 2 and in this process at the end, and cut again for their own model-parallel layout by the later launch at
-2, as is the universal export of the same models trained at model-parallel size 1 in this process first. Every
+2, as is the universal export of the same models trained at model-parallel size 1 in this process first; the 3D run
+(tensor-parallel 2 x 2 stages) saves at 4 and its universal export loads at 2 (three layouts) and here at the end. Every
 launch must succeed and no scenario may fail: the results are the union per world.
 """
 
@@ -33,6 +34,7 @@ RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for
 PARALLEL = (2, 4)  # world sizes of the pipeline / tensor-parallel runs (model-parallel 2 x data-parallel 1 and 2)
 HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/support/hpz_scenarios.py): saved at 4, loaded at 2
 UNIVERSAL_LOAD = 2  # the world size that loads the DP-1 checkpoints through universal checkpoints
+PARALLEL3D_SAVE, PARALLEL3D_LOADS = 4, (2, 1)  # tensor-parallel 2 x 2 stages saved at 4 ranks, loaded at 2 and 1
 
 
 def plan():
@@ -43,15 +45,18 @@ def plan():
                                  (["parallel_whole_save"] if w == 1 and max(SIZES) in PARALLEL[1:] else []) +
                                  (["universal_load"] if w == UNIVERSAL_LOAD else []) +
                                  (["hpz_save"] if w == HPZ_SAVE else []) +
-                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []))),
+                                 (["parallel_save", "parallel_load"] if w in PARALLEL else []) +
+                                 (["parallel3d_save"] if w == PARALLEL3D_SAVE else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
     later = [(w, "elastic_load" + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else "")
               + (",parallel_load,parallel_universal,parallel_universal_split" if w in PARALLEL
-                 and max(SIZES) in PARALLEL[1:] else ""),
+                 and max(SIZES) in PARALLEL[1:] else "")
+              + (",parallel3d_load" if w in PARALLEL3D_LOADS and PARALLEL3D_SAVE in SIZES else ""),
               [str(n) for n in SIZES[w:]] + ([RESHAPED] if w == 3 else [])) for w in SIZES[1:-1]]
     if 3 not in SIZES[1:-1]:  # the reshaped DP=1 checkpoint is loaded at 3 ranks only
         later = [(w, scenarios, [s for s in sources if s != RESHAPED]) for w, scenarios, sources in later]
-    later.append((1, "elastic_load" + (",parallel_universal" if PARALLEL[0] in SIZES else ""),
+    later.append((1, "elastic_load" + (",parallel_universal" if PARALLEL[0] in SIZES else "")
+                  + (",parallel3d_load" if PARALLEL3D_SAVE in SIZES else ""),
                   [str(n) for n in SIZES[1:]]))  # in this process again: no launch
     return first + later
 
@@ -90,7 +95,7 @@ def reshape_dp1_for_three(out):
 
 def run_all(out) -> dict:
     """world -> scenario -> result (elastic_load: the union of that world's loads)."""
-    results, exported = {}, False
+    results, exported, exported3d = {}, False, False
     for world, scenarios, sources in plan():
         if RESHAPED in sources:
             reshape_dp1_for_three(out)
@@ -98,10 +103,15 @@ def run_all(out) -> dict:
             from support.parallel_scenarios import MODEL_PARALLEL, export_universal
             export_universal(out, [w // MODEL_PARALLEL for w in PARALLEL if w in SIZES])
             exported = True
+        if "parallel3d_load" in scenarios and not exported3d:  # saved at 4 ranks, in the first launch there
+            from support import parallel3d_scenarios
+            parallel3d_scenarios.export_universal(out)
+            exported3d = True
         run = in_this_process if world == 1 else launched
         for name, value in run(out, world=world, scenarios=scenarios, sources=sources).items():
             assert "error" not in value, f"world {world}, scenario {name}:\n{value['error']}"
-            if name in ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split"):
+            if name in ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split",
+                        "parallel3d_load"):
                 results.setdefault(world, {}).setdefault(name, {}).update(value)
             else:
                 results.setdefault(world, {})[name] = value

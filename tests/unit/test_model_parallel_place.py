@@ -66,3 +66,56 @@ def test_splits_follow_the_marks_and_name_each_parameter_once():
     assert "strided" in splits["strided.weight"] and "partition_stride 3" in splits["strided.weight"]
     assert list(splits) == [name for name, _ in Marked().named_parameters()]  # control: the engine's names, in order
     assert tensor_parallel_splits(nn.Linear(2, 2)) == {"weight": None, "bias": None}
+
+
+class Grid016:
+    """The methods a PipelineParallelGrid of DeepSpeed 0.16.x has for a rank on stage 1 of 2 at tensor-parallel rank
+    1 of 2: its "model parallel" size counts stages x tensor-parallel ranks (4), and it has no
+    get_tensor_model_parallel_* methods (0.17 added them as aliases of the slice-parallel ones)."""
+
+    def get_model_parallel_world_size(self):
+        return 4
+
+    def get_model_parallel_rank(self):
+        return 3
+
+    def get_slice_parallel_world_size(self):
+        return 2
+
+    def get_slice_parallel_rank(self):
+        return 1
+
+    def get_pipe_parallel_world_size(self):
+        return 2
+
+    def get_stage_id(self):
+        return 1
+
+
+class Megatron:
+    """A client's Megatron-style mpu: tensor-parallel methods, no pipeline."""
+
+    def get_tensor_model_parallel_world_size(self):
+        return 2
+
+    def get_tensor_model_parallel_rank(self):
+        return 1
+
+    def get_model_parallel_world_size(self):
+        return 99  # not what a reader may take for the tensor-parallel size
+
+    def get_model_parallel_rank(self):
+        return 98
+
+
+@pytest.mark.parametrize("mpu,expected", [(Grid016(), (2, 1, 2, 1)), (Megatron(), (2, 1, 1, 0))])
+def test_the_place_takes_the_tensor_parallel_part_of_a_grid(mpu, expected):
+    """A pipeline grid's tensor-parallel size is its slice-parallel one, on releases without the tensor-parallel
+    aliases too (there the model-parallel size, stages x slices, was once recorded as the tensor-parallel size, and
+    the checkpoint's ranks could not be joined)."""
+    from types import SimpleNamespace
+
+    from deepspeed_bnb.runtime.model_parallel import place_of
+    place = place_of(SimpleNamespace(mpu=mpu, module=Marked()))
+    assert (place.tp_size, place.tp_rank, place.pp_size, place.pp_stage) == expected
+    assert place.splits["row.weight"] == 1
