@@ -65,18 +65,27 @@ def layouts_for(universal_dir, splits=SPLITS, widths=(151, 150), tp=2, **changes
     return rank_layouts(held)
 
 
-def test_each_rank_holds_the_slices_of_the_whole_model(universal, tmp_path):
-    out = str(tmp_path / "cut")
-    report = convert_for_model_parallel(universal, out, layouts_for(universal), bnb.optim.AdamW8bit, MIN_8BIT_SIZE,
-                                        stage=2)
-    assert "for 2 model-parallel ranks" in report and "requantized" in report, report
+def widths_of(tp, total=301):
+    """AutoTP's uneven cut of `total` over `tp` ranks: the first ranks one wider."""
+    return tuple(total // tp + (rank < total % tp) for rank in range(tp))
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_each_rank_holds_the_slices_of_the_whole_model(universal, tmp_path, tp):
+    """Tensor-parallel sizes 2, 3 and 4 (the engines in the distributed tests run 2: the suite launches at most 4
+    ranks), each an uneven cut of 301."""
+    out, widths = str(tmp_path / "cut"), widths_of(tp)
+    report = convert_for_model_parallel(universal, out, layouts_for(universal, widths=widths, tp=tp),
+                                        bnb.optim.AdamW8bit, MIN_8BIT_SIZE, stage=2)
+    assert f"for {tp} model-parallel ranks" in report and "requantized" in report, report
     whole = UniversalCheckpoint(universal)
     shapes, masters = whole.param_shapes()[0], dict(zip(whole.param_shapes()[0], whole.master_weights(0)))
     states = dict(zip(shapes, whole.param_states(0)))
-    for rank, width_start in enumerate((0, 151)):
+    for rank in range(tp):
+        width_start = sum(widths[:rank])
         ckpt = SavedCheckpoint(out, mp_rank=rank)
         place = ckpt.record(0)[C.MODEL_PARALLEL_KEY]
-        assert (place["tp_size"], place["tp_rank"]) == (2, rank) and place["splits"]["fc2.weight"] == 1
+        assert (place["tp_size"], place["tp_rank"]) == (tp, rank) and place["splits"]["fc2.weight"] == 1
         for (name, local), master, state in zip(ckpt.param_shapes()[0].items(), ckpt.master_weights(0),
                                                 ckpt.param_states(0)):
             expected = masters[name].reshape(shapes[name])
