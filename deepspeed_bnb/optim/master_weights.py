@@ -12,10 +12,13 @@ optimizer that reason does not hold: DeepSpeed's key is honoured at every stage,
   an update smaller than half a bf16 ulp of its weight (about 2^-8 of it) is lost;
 - "bf16+8": bf16 master weights plus one int8 per parameter holding the rounding error in 1/256 ulp steps (a 24-bit
   master weight, 3 bytes): ops/compensated.py;
-- "auto" (default): "bf16" where DeepSpeed's key asks for it, else "fp32".
+- "auto" (default): "bf16" where DeepSpeed's key asks for it and the trainable weights are bf16, else "fp32" (fp32
+  adapters on a frozen bf16 base keep fp32 master weights; a mix of bf16 and fp32 trainable weights under the key is
+  refused: one ZeRO optimizer keeps one master dtype).
 """
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -65,15 +68,29 @@ class MasterWeights:
         return self.mode == COMPENSATED
 
 
-def resolve(setting: str, ds_bf16_master: bool, model_dtype: torch.dtype) -> MasterWeights:
+def resolve(setting: str, ds_bf16_master: bool, dtypes: Collection[torch.dtype]) -> MasterWeights:
     """The master weights of a run from `bnb_master_weights` (`setting`), DeepSpeed's `bf16_master_weights_and_grads`
-    and the dtype of the model's weights; a ValueError naming the keys where they disagree."""
+    and the dtypes of the trainable weights; a ValueError naming the keys where they disagree.
+
+    "auto" under DeepSpeed's key follows the trainable weights' dtype: bf16 weights get bf16 master weights, fp32
+    ones fp32 (fp32 adapters on a frozen bf16 base, as PEFT keeps LoRA weights under DeepSpeed's torch_autocast:
+    bf16 master weights would round every fp32 adapter weight to bf16 at the first step). A mix of both would need
+    master weights of two dtypes in one ZeRO optimizer, which is refused with the fixes that work."""
     check_setting(setting)
-    mode = (BF16 if ds_bf16_master else FP32) if setting == AUTO else setting
-    if mode == FP32 and ds_bf16_master:
+    dtypes = set(dtypes) or {torch.float32}
+    if setting == AUTO and ds_bf16_master and len(dtypes) > 1:
+        raise ValueError(f"{DS_KEY}: true asks for bf16 master weights, but the trainable weights are of several "
+                         f"dtypes ({', '.join(sorted(map(str, dtypes)))}), and one ZeRO optimizer keeps one master "
+                         f"dtype. Cast the trainable weights to one dtype (bf16: bf16 master weights; fp32: fp32), "
+                         f"or set {DS_KEY} to false (fp32 master weights for all).")
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+    mode = (BF16 if ds_bf16_master and dtype == torch.bfloat16 else FP32) if setting == AUTO else setting
+    if mode == FP32 and ds_bf16_master and setting != AUTO:
         raise ValueError(f"{KEY}: \"fp32\" contradicts {DS_KEY}: true. Remove one of the two (\"bf16\" or \"bf16+8\" "
                          f"keep bf16 master weights).")
-    if mode != FP32 and model_dtype != torch.bfloat16:
-        raise ValueError(f"{KEY}: {mode!r} keeps bf16 master weights, which needs bf16 model weights; the model's are "
-                         f"{model_dtype}. Enable bf16 (\"bf16\": {{\"enabled\": true}}) or use \"fp32\".")
+    if mode != FP32 and dtype != torch.bfloat16:
+        raise ValueError(f"{KEY}: {mode!r} keeps bf16 master weights, which needs bf16 trainable weights; they are "
+                         f"{', '.join(sorted(map(str, dtypes)))}. Enable bf16 (\"bf16\": {{\"enabled\": true}}) so "
+                         f"DeepSpeed casts the model, or remove {KEY} (\"auto\" keeps fp32 master weights for fp32 "
+                         f"weights).")
     return MasterWeights(mode=mode, dtype=torch.float32 if mode == FP32 else torch.bfloat16)

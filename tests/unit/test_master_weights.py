@@ -108,14 +108,14 @@ def test_small_updates_survive_compensation_and_vanish_in_bf16():
 
 def test_modes_resolve_from_both_keys():
     bf16 = torch.bfloat16
-    assert master_weights.resolve("auto", False, bf16).mode == "fp32"
-    assert master_weights.resolve("auto", True, bf16).mode == "bf16"
-    assert master_weights.resolve("bf16+8", True, bf16).compensated
-    assert master_weights.resolve("bf16", False, bf16).dtype == bf16
+    assert master_weights.resolve("auto", False, {bf16}).mode == "fp32"
+    assert master_weights.resolve("auto", True, {bf16}).mode == "bf16"
+    assert master_weights.resolve("bf16+8", True, {bf16}).compensated
+    assert master_weights.resolve("bf16", False, {bf16}).dtype == bf16
     with pytest.raises(ValueError, match=r"bnb_master_weights: \"fp32\" contradicts bf16.bf16_master_weights_and_gr"):
-        master_weights.resolve("fp32", True, bf16)
-    with pytest.raises(ValueError, match=r"'bf16\+8' keeps bf16 master weights, which needs bf16 model weights"):
-        master_weights.resolve("bf16+8", False, torch.float32)
+        master_weights.resolve("fp32", True, {bf16})
+    with pytest.raises(ValueError, match=r"'bf16\+8' keeps bf16 master weights, which needs bf16 trainable weights"):
+        master_weights.resolve("bf16+8", False, {torch.float32})
 
 
 def test_unknown_mode_is_refused_by_the_config(one_rank):

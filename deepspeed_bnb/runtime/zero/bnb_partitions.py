@@ -126,11 +126,17 @@ class BnbPartitionsMixin:
         """`self.bnb_master` from bnb_master_weights and DeepSpeed's bf16_master_weights_and_grads (in `kwargs`, the
         keyword arguments of `deepspeed_class`, DeepSpeed's ZeRO optimizer: set to what was resolved, for its
         __init__ to build)."""
-        dtype = next((p.dtype for g in optimizer.param_groups for p in g["params"]), torch.float32)
-        self.bnb_master: MasterWeights = resolve(setting, bool(kwargs.get(DS_BF16_MASTER, False)), dtype)
+        dtypes = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        asked = bool(kwargs.get(DS_BF16_MASTER, False))
+        self.bnb_master: MasterWeights = resolve(setting, asked, dtypes)
         if self.bnb_master.dtype == torch.bfloat16:
             require_bf16_master(deepspeed_class, self.bnb_master.mode)
             kwargs[DS_BF16_MASTER] = True
+        elif asked:  # fp32 trainable weights under DeepSpeed's key: their master weights stay fp32 (resolve says why)
+            kwargs[DS_BF16_MASTER] = False
+            if dist.get_rank() == 0:
+                logger.info(f"deepspeed_bnb: {master_weights.DS_KEY} is true, but the trainable weights are fp32: "
+                            f"their master weights stay fp32 (bf16 ones would round them at every step).")
 
     def _bnb_allocate_master_errors(self, partitions: Sequence[torch.Tensor]) -> None:
         """`self.bnb_master_errors`: per partition, the int8 error term of compensated master weights (zero: DeepSpeed
