@@ -1,5 +1,6 @@
 """`deepspeed-bnb` (also `python -m deepspeed_bnb_tools`; both install nothing in DeepSpeed): inspect, reshape,
-export, convert and migrate checkpoints offline; check the fused kernels on this machine."""
+export, convert and migrate checkpoints offline; check the fused kernels on this machine; run a command with
+deepspeed_bnb active in its processes."""
 
 import argparse
 import contextlib
@@ -60,6 +61,18 @@ def _convert(args):
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage,
                      allow_large_dp=args.allow_large_dp, master_mode=args.master_weights)
     print(report)
+
+
+def _run(args):
+    from deepspeed_bnb.launch.wrapper import COMMAND_NOT_FOUND, CommandNotFound, run
+    try:
+        run(args.argv)  # replaces this process: returns only on an error
+    except CommandNotFound as exc:
+        print(exc, file=sys.stderr)
+        return COMMAND_NOT_FOUND
+    except ImportError as exc:  # an untested release (UnsupportedVersionError): nothing started
+        print(f"deepspeed-bnb run: {exc}", file=sys.stderr)
+        return 2
 
 
 def _checkable_device(name: str) -> str:
@@ -158,6 +171,15 @@ def parser() -> argparse.ArgumentParser:
                                               "pure-torch reference.")
     kernels.add_argument("--device", action="append", help="device to check (repeatable; default: cpu and every GPU)")
     kernels.set_defaults(func=_kernels)
+    run = commands.add_parser("run", help="run a command (a launcher, a framework's CLI, a script) with deepspeed_bnb "
+                                          "active in every Python process it starts, without editing it",
+                              description="Run COMMAND with deepspeed_bnb activated in each of its Python processes "
+                                          "(every rank a launcher starts) as soon as it imports DeepSpeed, e.g. "
+                                          "deepspeed-bnb run -- llamafactory-cli train config.yaml. See "
+                                          "docs/clients.md.")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="the command and its arguments (after --)")
+    run.set_defaults(func=_run)
     convert = commands.choices["convert"]
     convert.add_argument("--to", choices=("8bit", "32bit"), default=None, help="state precision to write")
     convert.add_argument("--master-weights", default=None, metavar="MODE",

@@ -10,13 +10,16 @@ Every replaced or swapped DeepSpeed symbol is declared in overrides.py, which in
 """
 
 import functools
+import os
 
+from deepspeed import comm as dist
 from deepspeed.utils import logger
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_is_zero_supported_optimizer
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.installer import stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
+from deepspeed_bnb.launch import RUN_ENV
 from deepspeed_bnb.runtime.model_parallel import place_of
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
@@ -41,6 +44,7 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
     # depends on the DP size, checkpoints that do not reload) without a word: refuse that here instead.
     stock("DeepSpeedEngine._configure_optimizer")(self, client_optimizer, model_parameters)
     if not _routes_to_bnb(self, client_optimizer):
+        _say_not_routed(self, client_optimizer)
         return
     stage = self.zero_optimization_stage()
     swap, ours = _ZERO_CLASSES[stage]
@@ -54,6 +58,25 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
             f"DeepSpeedEngine._configure_zero_optimizer and the module-level name deepspeed.runtime.{swap}, which is "
             f"where deepspeed_bnb hooks in. Stock ZeRO would shard bnb's quantization state element-wise. Use a "
             f"DeepSpeed version deepspeed_bnb supports (listed in its docs/versions.md).")
+
+
+_said_not_routed = False  # said once per process
+
+
+def _say_not_routed(engine, client_optimizer) -> None:
+    """Under `deepspeed-bnb run` (a command that asked for deepspeed_bnb without importing it), say once that an
+    engine's optimizer is left to DeepSpeed, and why: the user chose the wrapper and may expect 8-bit ZeRO state."""
+    global _said_not_routed
+    if os.environ.get(RUN_ENV) != "1" or _said_not_routed or dist.get_rank() != 0:
+        return
+    _said_not_routed = True
+    name = type(client_optimizer).__name__ if client_optimizer is not None else \
+        f"the DeepSpeed config's optimizer ({type(engine.basic_optimizer).__name__})"
+    why = ("ZeRO is off (zero_optimization.stage 0)" if is_bnb_optimizer(client_optimizer) else
+           f"{name} is not a bitsandbytes optimizer")
+    logger.warning(f"deepspeed-bnb run: deepspeed_bnb is active but leaves this engine to DeepSpeed: {why}. Choose a "
+                   f"bitsandbytes 8-bit optimizer (e.g. optim adamw_bnb_8bit) with ZeRO stage 1, 2 or 3 for 8-bit "
+                   f"state that loads at any size.")
 
 
 def _configure_zero_optimizer(self, optimizer):

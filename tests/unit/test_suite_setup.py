@@ -120,6 +120,14 @@ def _launches(tree, examples: str) -> list:
             if name == "load" and ast.unparse(node.func) == "examples.load" and isinstance(script, str):
                 with open(os.path.join(examples, f"{script}.py")) as f:  # an example script it drives in-process
                     found += [f"examples/{script}.py: {how}" for how in _launches(ast.parse(f.read()), examples)]
+            if name == "Job":  # a background job running a support script that launches
+                support = os.path.join(os.path.dirname(examples), "tests", "support")
+                for part in ast.walk(node):
+                    if isinstance(part, ast.Constant) and isinstance(part.value, str) and \
+                            os.path.isfile(os.path.join(support, part.value)):
+                        with open(os.path.join(support, part.value)) as f:
+                            found += [f"tests/support/{part.value}: {how}"
+                                      for how in _launches(ast.parse(f.read()), examples)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) in code:
             found += [launcher for launcher in LAUNCHERS if launcher in node.value]
         elif isinstance(node, ast.arg) and node.arg == "scenario_results":
