@@ -140,3 +140,18 @@ def test_finish_removes_deepspeeds_shared_memory_buffers(tmp_path, mode):
         assert left == [], left
     else:
         assert len(left) == 2, (left, done.failure())
+
+
+def test_a_scenario_failing_on_one_rank_ends_the_launch_instead_of_hanging(tmp_path):
+    """tests/support/distributed_scenarios.py: the last rank fails while rank 0 waits for a message it never sends.
+    The failing rank ends its process, the launcher stops the other, and the launch fails with the traceback; before,
+    it went on to its next scenario and the launch hung until its timeout (a DeepSpeed release whose hpZ fails on
+    half the ranks of a 4-rank launch hung it for 15 minutes). A hang here fails the test by its timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(TESTS, "support", "distributed_scenarios.py"), "--out", str(tmp_path), "--scenarios",
+           "fails_on_one_rank"]
+    done = run_ranks(cmd, 2, env=launch_env(), timeout=600)
+    assert not done.ok and done.returncode != 0
+    assert "scenario fails_on_one_rank failed on rank 1 of 2" in done.output, done.failure()
+    assert "a scenario failing on one rank only" in done.output
+    assert not os.path.exists(tmp_path / "results_world2.json")  # nothing claims the launch succeeded

@@ -835,6 +835,15 @@ def scenario_hpz_load(world, rank, out):
     return hpz_scenarios.scenario_hpz_load(world, rank, out)
 
 
+def scenario_fails_on_one_rank(world, rank, out):
+    """The harness's own check (tests/distributed/test_teardown.py): the last rank fails while the others wait for a
+    message it never sends; the launch must end at once with its traceback, not hang until its timeout."""
+    if rank == world - 1:
+        raise RuntimeError("a scenario failing on one rank only")
+    dist.recv(torch.zeros(1), src=world - 1)  # what the failing rank would have sent: it never comes
+    return {}
+
+
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
@@ -845,7 +854,7 @@ SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic"
              "parallel_whole_save": scenario_parallel_whole_save,
              "parallel3d_save": scenario_parallel3d_save, "parallel3d_load": scenario_parallel3d_load,
              "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load,
-             "universal_load": scenario_universal_load}
+             "universal_load": scenario_universal_load, "fails_on_one_rank": scenario_fails_on_one_rank}
 TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split")  # scenarios given --elastic-from
 
 
@@ -866,7 +875,14 @@ def main():
             results[name] = SCENARIOS[name](world, rank, args.out, *extra)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-            print(results[name]["error"], file=sys.stderr, flush=True)
+            print(f"scenario {name} failed on rank {rank} of {world}:\n{results[name]['error']}", file=sys.stderr,
+                  flush=True)
+            if world > 1:
+                # the other ranks may be waiting in a collective this rank will never join (a scenario that failed
+                # on some ranks only): going on would hang the launch until its timeout; ending this rank now makes
+                # the launcher stop the others at once, and the launch fails with this traceback in its output
+                sys.stdout.flush()
+                os._exit(1)
     if rank == 0:
         with open(os.path.join(args.out, f"results_world{world}.json"), "w") as f:
             json.dump(results, f, indent=1)
