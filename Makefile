@@ -11,7 +11,7 @@ STAMP := $(VENV)/.deepspeed_bnb-installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test test-quick bootstrap libaio clean
+.PHONY: demo test test-quick test-frameworks bootstrap libaio clean
 
 bootstrap: $(STAMP)
 
@@ -27,7 +27,11 @@ demo: $(STAMP)
 	$(BIN)/deepspeed --num_gpus 2 examples/train.py --deepspeed_config configs/zero2_adamw8bit.json
 
 test: $(STAMP) libaio
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not frameworks" tests
+
+# the training frameworks' own command lines under deepspeed-bnb run (tests/distributed/test_trl_cli.py): minutes
+test-frameworks: $(STAMP)
+	$(BIN)/python -m pytest -q -m frameworks tests
 
 # NVMe offload (tests/distributed/test_nvme.py) needs libaio for DeepSpeed's async_io op: installed with apt-get where
 # we run as root; elsewhere those tests skip, naming the package
@@ -39,7 +43,7 @@ libaio:
 		     "the NVMe offload tests will skip; install it with 'apt-get install libaio-dev'"
 
 test-quick: $(STAMP)  # in-process tests only (no ranks, builds or fresh processes): under 2 minutes on 2 cores
-	$(BIN)/python -m pytest -q -m "not multi_rank and not slow" tests
+	$(BIN)/python -m pytest -q -m "not multi_rank and not slow and not frameworks" tests
 
 clean:
 	rm -rf $(VENV) checkpoints build *.egg-info

@@ -60,16 +60,32 @@ def _configure_optimizer(self, client_optimizer, model_parameters):
             f"DeepSpeed version deepspeed_bnb supports (listed in its docs/versions.md).")
 
 
-_said_not_routed = False  # said once per process
+_said = set()  # what `deepspeed-bnb run` said in this process ("routed", "not routed"): each once
+
+
+def _say_once(what: str) -> bool:
+    """Whether to say `what` now: under `deepspeed-bnb run` (a command that asked for deepspeed_bnb without importing
+    it, where the log is the user's only sign of it), on rank 0, once per process. A warning, as frameworks quiet
+    DeepSpeed's logger below that (HF's Trainer sets it to the process log level)."""
+    if os.environ.get(RUN_ENV) != "1" or what in _said or dist.get_rank() != 0:
+        return False
+    _said.add(what)
+    return True
+
+
+def _say_routed(engine, client_optimizer, built) -> None:
+    if _say_once("routed"):
+        client = type(client_optimizer)
+        logger.warning(f"deepspeed-bnb run: deepspeed_bnb's {type(built).__name__} steps "
+                       f"{client.__module__}.{client.__qualname__}'s state under ZeRO stage "
+                       f"{engine.zero_optimization_stage()} (partitioned in whole 256-element quantization blocks; "
+                       f"checkpoints load at any number of ranks).")
 
 
 def _say_not_routed(engine, client_optimizer) -> None:
-    """Under `deepspeed-bnb run` (a command that asked for deepspeed_bnb without importing it), say once that an
-    engine's optimizer is left to DeepSpeed, and why: the user chose the wrapper and may expect 8-bit ZeRO state."""
-    global _said_not_routed
-    if os.environ.get(RUN_ENV) != "1" or _said_not_routed or dist.get_rank() != 0:
+    """Say once that an engine's optimizer is left to DeepSpeed, and why (the user may expect 8-bit ZeRO state)."""
+    if not _say_once("not routed"):
         return
-    _said_not_routed = True
     name = type(client_optimizer).__name__ if client_optimizer is not None else \
         f"the DeepSpeed config's optimizer ({type(engine.basic_optimizer).__name__})"
     why = ("ZeRO is off (zero_optimization.stage 0)" if is_bnb_optimizer(client_optimizer) else
@@ -96,6 +112,14 @@ def _configure_zero_optimizer(self, optimizer):
             f"the param groups' hyperparameters whatever the client optimizer is (a torch AdamW client is replaced "
             f"silently; {name}'s groups fail it): it cannot step the bitsandbytes optimizer {name}. Remove "
             f"super_offload: CPU offload (offload_optimizer.device \"cpu\") keeps the 8-bit state.")
+    hpz = int(getattr(self._config.zero_config, "zero_hpz_partition_size", 1) or 1)
+    if self.zero_optimization_stage() == 3 and hpz > 1 and not compat.partitions_empty_secondary_chunks():
+        import deepspeed
+        raise NotImplementedError(
+            f"deepspeed_bnb: ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {hpz}) with the bitsandbytes "
+            f"optimizer {name} needs DeepSpeed 0.19.5 or later; DeepSpeed {deepspeed.__version__}'s hpZ "
+            f"partitioning fails (IndexError in Init._partition_param_sec) on the 256-element block padding of the "
+            f"parameters bnb steps. Upgrade DeepSpeed, or remove zero_hpz_partition_size.")
     offload = self._config.zero_config.offload_optimizer
     if self.zero_optimization_stage() < 3 and getattr(offload, "device", None) == "nvme":
         # DeepSpeed's ZeRO-1/2 take any offload device as CPU offload (cpu_offload = device in (cpu, nvme))
@@ -110,7 +134,9 @@ def _configure_zero_optimizer(self, optimizer):
     # DeepSpeed builds its ZeRO optimizer itself, by this name: the settings reach ours as one typed argument
     with swapped(swap, functools.partial(ours, bnb_settings=BnbSettings.of(self._config.zero_config),
                                          bnb_model_parallel=place_of(self))):
-        return configure(self, optimizer)
+        built = configure(self, optimizer)
+    _say_routed(self, optimizer, built)
+    return built
 
 
 def _do_optimizer_sanity_check(self, basic_optimizer):

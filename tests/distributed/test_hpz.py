@@ -10,13 +10,15 @@ optimizer state diverges.
 import pytest
 
 from support.hpz_scenarios import REFERENCE, RESUME_HPZ, SAVE_AT
-from support.scenario_runs import HPZ_LOAD, HPZ_SAVE, SIZES
+from support.scenario_runs import HPZ_LOAD, HPZ_SAVE, SIZES, hpz_runs
 
 FP32_TOL = 1e-5  # as test_distributed.py: max |loss difference| over the run
 
 pytestmark = [pytest.mark.multi_rank,
               pytest.mark.skipif(HPZ_SAVE not in SIZES, reason=f"the hpZ runs need DP {HPZ_SAVE} (scenario sizes "
-                                                               f"{SIZES})")]
+                                                               f"{SIZES})"),
+              pytest.mark.skipif(HPZ_SAVE in SIZES and not hpz_runs(), reason="hpZ with a bnb optimizer is refused "
+                                 "before DeepSpeed 0.19.5 (its hpZ partitioning fails on block padding)")]
 
 
 def apart(a, b) -> float:

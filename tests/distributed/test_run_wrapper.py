@@ -45,14 +45,14 @@ def test_a_wrapped_process_activates_at_deepspeeds_import_and_a_plain_one_is_unt
 def test_every_rank_a_launcher_starts_gets_the_block_aware_optimizer(wrapper_checks, launcher):
     """torchrun, the deepspeed launcher and accelerate launch (configs/accelerate_zero2.yaml), each 2 ranks, wrapped:
     every rank's engine for AdamW8bit is deepspeed_bnb's, stepping 8-bit state; its engine for torch AdamW stays
-    DeepSpeed's, and the log says so once."""
+    DeepSpeed's; the log says each once (what stepping 8-bit state looks like in a framework's log)."""
     run = wrapper_checks[launcher]
     assert run["ok"] and len(run["ranks"]) == 2, run["tail"]
     for rank in run["ranks"]:
         assert rank["bnb_engine"] == "BnbZeroOptimizer" and rank["state1_dtype"] == "torch.uint8", rank
         assert rank["deepspeed_bnb_with_deepspeed"], rank  # active from DeepSpeed's import on
         assert rank["torch_engine"] == "DeepSpeedZeroOptimizer", rank  # not a bnb optimizer: unchanged
-    assert run["sentence"] == 1, run["tail"]  # said once, by rank 0
+    assert run["sentence"] == 1 and run["routed"] == 1, run["tail"]  # each said once, by rank 0
 
 
 def test_without_the_wrapper_the_same_launch_is_stock(wrapper_checks):
@@ -60,7 +60,7 @@ def test_without_the_wrapper_the_same_launch_is_stock(wrapper_checks):
     assert run["ok"] and len(run["ranks"]) == 2, run["tail"]
     for rank in run["ranks"]:
         assert rank["bnb_engine"] == "DeepSpeedZeroOptimizer" and not rank["deepspeed_bnb_loaded"], rank
-    assert run["sentence"] == 0
+    assert run["sentence"] == 0 and run["routed"] == 0
 
 
 def test_the_environments_own_sitecustomize_still_runs(wrapper_checks):

@@ -24,11 +24,15 @@ ROOT = os.path.dirname(TESTS)
 BIN = os.path.dirname(sys.executable)
 RANK_SCRIPT = os.path.join(TESTS, "support", "run_wrapper_rank.py")
 WRAPPER = [sys.executable, "-m", "deepspeed_bnb_tools", "run", "--"]  # the `deepspeed-bnb` entry point's module
-PROBE = ("import sys; before = 'deepspeed_bnb' in sys.modules; import deepspeed; "
+# (transformers and Accelerate ask for DeepSpeed's spec before they import it: so does the probe)
+PROBE = ("import importlib.util, sys; importlib.util.find_spec('deepspeed'); before = 'deepspeed_bnb' in sys.modules; "
+         "import deepspeed; "
          "print('PROBE', before, 'deepspeed_bnb' in sys.modules, sys.modules['deepspeed_bnb'].installer.is_active() "
          "if 'deepspeed_bnb' in sys.modules else None)")
 NO_DEEPSPEED = "import sys, json; print('PROBE', 'deepspeed_bnb' in sys.modules, 'torch' in sys.modules)"
 THE_SENTENCE = "deepspeed-bnb run: deepspeed_bnb is active but leaves this engine to DeepSpeed"
+ROUTED = ("deepspeed-bnb run: deepspeed_bnb's BnbZeroOptimizer steps bitsandbytes.optim.adamw.AdamW8bit's state under "
+          "ZeRO stage 2")
 
 
 def free_port() -> int:
@@ -67,6 +71,7 @@ def launch(name, cmd, out) -> dict:
             with open(path) as f:
                 ranks.append(json.load(f))
     return {"ok": done.ok, "ranks": ranks, "sentence": done.output.count(THE_SENTENCE),
+            "routed": done.output.count(ROUTED),
             "tail": done.output[-3000:]}
 
 

@@ -33,6 +33,12 @@ RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for
 
 PARALLEL = (2, 4)  # world sizes of the pipeline / tensor-parallel runs (model-parallel 2 x data-parallel 1 and 2)
 HPZ_SAVE, HPZ_LOAD = 4, 2  # world sizes of hpZ's runs (tests/support/hpz_scenarios.py): saved at 4, loaded at 2
+
+
+def hpz_runs() -> bool:
+    """Whether this DeepSpeed runs hpZ with a bnb optimizer (0.19.5 on; before, deepspeed_bnb refuses it)."""
+    from deepspeed_bnb.runtime.zero.compat import partitions_empty_secondary_chunks
+    return HPZ_SAVE in SIZES and partitions_empty_secondary_chunks()
 UNIVERSAL_LOAD = 2  # the world size that loads the DP-1 checkpoints through universal checkpoints
 PARALLEL3D_SAVE, PARALLEL3D_LOADS = 4, (2, 1)  # tensor-parallel 2 x 2 stages saved at 4 ranks, loaded at 2 and 1
 
@@ -44,11 +50,11 @@ def plan():
     first = [(w, ",".join(filter(None, [DISTRIBUTED.get(w, ""), "elastic_save", "elastic_load"] +
                                  (["parallel_whole_save"] if w == 1 and max(SIZES) in PARALLEL[1:] else []) +
                                  (["universal_load"] if w == UNIVERSAL_LOAD else []) +
-                                 (["hpz_save"] if w == HPZ_SAVE else []) +
+                                 (["hpz_save"] if w == HPZ_SAVE and hpz_runs() else []) +
                                  (["parallel_save", "parallel_load"] if w in PARALLEL else []) +
                                  (["parallel3d_save"] if w == PARALLEL3D_SAVE else []))),
               [str(n) for n in SIZES[:w]]) for w in SIZES]
-    later = [(w, "elastic_load" + (",hpz_load" if w == HPZ_LOAD and HPZ_SAVE in SIZES else "")
+    later = [(w, "elastic_load" + (",hpz_load" if w == HPZ_LOAD and hpz_runs() else "")
               + (",parallel_load,parallel_universal,parallel_universal_split" if w in PARALLEL
                  and max(SIZES) in PARALLEL[1:] else "")
               + (",parallel3d_load" if w in PARALLEL3D_LOADS and PARALLEL3D_SAVE in SIZES else ""),

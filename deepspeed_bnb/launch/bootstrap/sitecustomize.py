@@ -32,19 +32,29 @@ def _activate() -> None:
 
 
 class _ActivateAfterDeepSpeed(importlib.abc.MetaPathFinder):
-    """Finds `deepspeed` with the finders after it and activates deepspeed_bnb once DeepSpeed's module has run."""
+    """Finds `deepspeed` with the finders after it and activates deepspeed_bnb once DeepSpeed's module has run.
+
+    It stays in place until DeepSpeed is imported: libraries ask for DeepSpeed's spec without importing it
+    (`importlib.util.find_spec("deepspeed")`, as transformers' and Accelerate's availability checks do), and a spec
+    found for such a question is never executed."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != "deepspeed":
             return None
-        sys.meta_path.remove(self)  # once per process
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_module = spec.loader.exec_module
+        exec_module = spec.loader.exec_module  # a loader instance belongs to this one spec: wrapping it is local
 
         def exec_then_activate(module):
             exec_module(module)
+            if self in sys.meta_path:  # DeepSpeed is imported: nothing left to watch for
+                sys.meta_path.remove(self)
             _activate()
 
         spec.loader.exec_module = exec_then_activate

@@ -154,6 +154,13 @@ def waits_every_gather_handle(deepspeed_version: str = deepspeed.__version__) ->
     return Version(Version(deepspeed_version).base_version) >= Version("0.19.8")
 
 
+def partitions_empty_secondary_chunks(deepspeed_version: str = deepspeed.__version__) -> bool:
+    """Whether ZeRO-3's hpZ partitioning (`Init._partition_param_sec`) copies nothing into a rank's secondary chunk
+    that lies wholly in a parameter's padding (0.19.5 on; before, it calls narrow() at a start past the parameter's
+    end: IndexError). Stock padding never makes such a chunk; the block-aligned padding of bnb parameters does."""
+    return Version(Version(deepspeed_version).base_version) >= Version("0.19.5")
+
+
 def is_decoupled(checkpoint_engine) -> bool:
     """Whether DeepSpeed's checkpoint engine writes files after save returns (none could before 0.17.1)."""
     return getattr(checkpoint_engine, "is_decoupled", lambda: False)()

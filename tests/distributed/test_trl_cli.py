@@ -1,0 +1,67 @@
+"""TRL's own command line, `trl sft`, with an 8-bit bnb optimizer chosen by its `--optim adamw_bnb_8bit` option,
+under ZeRO-2 on 2 CPU ranks, turned on by `deepspeed-bnb run` in front of the unchanged command (which runs
+`accelerate launch` itself), and resumed on 1 rank with its own `--resume_from_checkpoint`.
+
+Oracle: the run that never stopped (the same command's steps 4-6, its trainer_state.json). Control: the same two
+commands without `deepspeed-bnb run`: stock DeepSpeed refuses to resume the 2-rank checkpoint on 1 rank. In
+`make test-frameworks` (minutes: every command imports TRL, transformers, DeepSpeed and bitsandbytes in 3 processes).
+"""
+
+import os
+
+import pytest
+
+from support import framework_cli
+
+pytestmark = [pytest.mark.multi_rank, pytest.mark.frameworks]
+FP32_TOL = 1e-5  # the project's bar for a resume at another size in fp32 (measured: 1e-6)
+
+
+def sft(assets, output_dir, ranks, port, extra=()):
+    return ["trl", "sft", "--config_file", assets["accelerate.yaml"], "--num_processes", str(ranks),
+            "--main_process_port", str(port), "--model_name_or_path", assets["model"], "--dataset_name",
+            assets["data"], "--output_dir", output_dir, "--optim", "adamw_bnb_8bit", "--max_steps", "6",
+            "--save_steps", "3", "--logging_steps", "1", "--report_to", "none", "--max_length", "64", "--packing",
+            "false", "--gradient_checkpointing", "false", "--seed", "0", "--use_cpu", "true", "--bf16", "false",
+            "--learning_rate", "1e-3", "--per_device_train_batch_size", str(8 // ranks), *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from conftest import free_port
+    folder = str(tmp_path_factory.mktemp("trl_cli"))
+    assets = framework_cli.write_assets(folder)
+    out = {}
+    for wrapped, name in ((True, "ours"), (False, "stock")):
+        two, one = os.path.join(folder, f"{name}_2ranks"), os.path.join(folder, f"{name}_1rank")
+        out[name] = {
+            "two_rc": framework_cli.run(sft(assets, two, 2, free_port()), two + ".log", wrapped),
+            "one_rc": framework_cli.run(sft(assets, one, 1, free_port(), ["--resume_from_checkpoint",
+                                                                        os.path.join(two, "checkpoint-3")]),
+                                        one + ".log", wrapped),
+            "two": two, "one": one}
+        for key in ("two", "one"):
+            with open(out[name][key] + ".log") as f:
+                out[name][key + "_log"] = f.read()
+    return out
+
+
+def test_trl_sft_steps_the_8bit_state_with_deepspeed_bnb_and_resumes_on_another_number_of_ranks(runs):
+    ours = runs["ours"]
+    assert ours["two_rc"] == 0, ours["two_log"][-5000:]
+    assert ours["one_rc"] == 0, ours["one_log"][-5000:]
+    said = "deepspeed-bnb run: deepspeed_bnb's BnbZeroOptimizer steps bitsandbytes.optim.adamw.AdamW's state"
+    assert said in ours["two_log"] and said in ours["one_log"]  # the framework's log shows our optimizer
+    uninterrupted = framework_cli.logged_losses(ours["two"], 6)
+    resumed = framework_cli.logged_losses(ours["one"], 6)
+    assert sorted(uninterrupted) == list(range(1, 7)) and sorted(resumed) == list(range(1, 7))
+    assert max(abs(resumed[s] - uninterrupted[s]) for s in (4, 5, 6)) < FP32_TOL, (resumed, uninterrupted)
+    assert uninterrupted[6] < uninterrupted[1] - 0.1  # control: it trained (a resume of a frozen run proves nothing)
+
+
+def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number_of_ranks(runs):
+    stock = runs["stock"]
+    assert stock["two_rc"] == 0, stock["two_log"][-5000:]
+    assert "deepspeed-bnb run" not in stock["two_log"]
+    assert stock["one_rc"] != 0
+    assert "The checkpoint being loaded used a DP world size of 2 but the current world size is 1" in stock["one_log"]
