@@ -115,8 +115,14 @@ class Launch:
         return self.returncode == 0 or self.aborted_after_done
 
     def failure(self, tail: int = 6000) -> str:
+        """The command, its exit, and the end of its output; where the first Python traceback lies before that end,
+        it too: the rank that failed first prints the cause, the others then fail on their broken connections."""
+        first = self.output.find("Traceback (most recent call last)")
+        cause = ""
+        if 0 <= first < len(self.output) - tail:
+            cause = f"the first traceback:\n{self.output[first:first + tail // 2]}\n...\nthe end of the output:\n"
         return (f"{' '.join(map(str, self.cmd))} exited with {self.returncode} (ranks done: {self.done} of "
-                f"{self.ranks}):\n{self.output[-tail:]}")
+                f"{self.ranks}):\n{cause}{self.output[-tail:]}")
 
 
 PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")

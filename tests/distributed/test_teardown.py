@@ -155,3 +155,14 @@ def test_a_scenario_failing_on_one_rank_ends_the_launch_instead_of_hanging(tmp_p
     assert "scenario fails_on_one_rank failed on rank 1 of 2" in done.output, done.failure()
     assert "a scenario failing on one rank only" in done.output
     assert not os.path.exists(tmp_path / "results_world2.json")  # nothing claims the launch succeeded
+
+
+def test_a_failed_launch_shows_the_first_traceback_as_well_as_the_end():
+    """The cause is the first rank's traceback; the end of the output holds the others' broken connections."""
+    from deepspeed_bnb.utils.teardown import Launch
+    cause = "Traceback (most recent call last):\n  IndexError: start out of range\n"
+    noise = "Connection reset by peer\n" * 1000
+    failed = Launch(["launch"], 1, "", "start\n" + cause + noise, 2, [])
+    assert "IndexError: start out of range" in failed.failure() and failed.failure().endswith(noise[-100:])
+    short = Launch(["launch"], 1, "", cause, 2, [])  # control: a cause within the end is shown once
+    assert short.failure().count("IndexError") == 1 and "the first traceback" not in short.failure()
