@@ -12,7 +12,6 @@ Unit tests: the batch plan, the step-indexed data order (each global batch dealt
 the held-out split, checkpoint retention, the hold specs, and the failover plans refused (a hold met twice).
 """
 
-import json
 import os
 import sys
 
@@ -40,10 +39,7 @@ BACKGROUND_JOBS = (FAILOVER,)
 
 @pytest.fixture(scope="module")
 def failover():
-    done = background.result(FAILOVER)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    with open(os.path.join(done.folder, "summary.json")) as f:
-        return json.load(f)
+    return background.json_result(FAILOVER, "summary.json")
 
 
 def test_the_job_shrinks_and_grows_back(failover):

@@ -47,10 +47,7 @@ BACKGROUND_JOBS = (NVME_BENCHMARK,)
 def nvme_benchmark():
     """The benchmark's results (its job is queued early where a collected test uses this fixture)."""
     require_aio()
-    done = background.result(NVME_BENCHMARK)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    with open(os.path.join(done.folder, "out", "nvme_offload.json")) as f:
-        return json.load(f)["results"]
+    return background.json_result(NVME_BENCHMARK, "out", "nvme_offload.json")["results"]
 
 
 LIBAIO_HEADER = "/usr/include/libaio.h"  # where libaio-dev puts its header on Debian/Ubuntu

@@ -7,7 +7,6 @@ the same launcher without the wrapper (stock DeepSpeed builds its own ZeRO optim
 deepspeed_bnb is never loaded), and a plain Python process (nothing changes for a process that did not ask).
 """
 
-import json
 import os
 import sys
 
@@ -27,10 +26,7 @@ pytestmark = pytest.mark.multi_rank
 
 @pytest.fixture(scope="module")
 def wrapper_checks():
-    done = background.result(WRAPPER_CHECKS)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    with open(os.path.join(done.folder, "checks.json")) as f:
-        return json.load(f)
+    return background.json_result(WRAPPER_CHECKS, "checks.json")
 
 
 def test_a_wrapped_process_activates_at_deepspeeds_import_and_a_plain_one_is_untouched(wrapper_checks):

@@ -8,8 +8,6 @@ torch's lock behind, and torch's own lock would not let anyone in (FileBaton ref
 fresh-process job beside the earlier tests (tests/support/killed_jit_build.py, tests/support/background.py).
 """
 
-import json
-import os
 import sys
 
 import pytest
@@ -27,10 +25,7 @@ BACKGROUND_JOBS = (KILLED_BUILD,)
 
 @pytest.fixture(scope="module")
 def killed_build():  # the job's name: a collected test using it starts the job early (background.start_for)
-    done = background.result(KILLED_BUILD)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    with open(os.path.join(done.folder, killed_jit_build.RESULT)) as f:
-        return json.load(f)
+    return background.json_result(KILLED_BUILD, killed_jit_build.RESULT)
 
 
 def test_a_build_killed_midway_does_not_hang_the_next_one(killed_build):

@@ -168,6 +168,17 @@ def result(job: Job) -> Done:
     return _QUEUE.result(job)
 
 
+def json_result(job: Job, *path: str, tail: int = 6000):
+    """What the job wrote as JSON at `path` in its folder, once it succeeded (else the test fails with the end of its
+    output)."""
+    import json
+    import os
+    done = result(job)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-tail:]
+    with open(os.path.join(done.folder, *path)) as f:
+        return json.load(f)
+
+
 def report() -> List[str]:
     return _QUEUE.report()
 

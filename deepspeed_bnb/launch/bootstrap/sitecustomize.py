@@ -9,7 +9,6 @@ with stock ZeRO. Python would only print an exception raised here at startup and
 Imports stay within the standard library: this runs before anything else in the process.
 """
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -31,34 +30,19 @@ def _activate() -> None:
             f"another size. Fix the cause above, or run the command without `deepspeed-bnb run`.") from exc
 
 
-class _ActivateAfterDeepSpeed(importlib.abc.MetaPathFinder):
-    """Finds `deepspeed` with the finders after it and activates deepspeed_bnb once DeepSpeed's module has run.
+def _hook():
+    """utils/after_import.py's RunAfterImport, loaded by its path: importing it by name would import deepspeed_bnb."""
+    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "utils", "after_import.py")
+    spec = importlib.util.spec_from_file_location("_deepspeed_bnb_after_import", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RunAfterImport
 
-    It stays in place until DeepSpeed is imported: libraries ask for DeepSpeed's spec without importing it
-    (`importlib.util.find_spec("deepspeed")`, as transformers' and Accelerate's availability checks do), and a spec
-    found for such a question is never executed."""
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "deepspeed":
-            return None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module  # a loader instance belongs to this one spec: wrapping it is local
-
-        def exec_then_activate(module):
-            exec_module(module)
-            if self in sys.meta_path:  # DeepSpeed is imported: nothing left to watch for
-                sys.meta_path.remove(self)
-            _activate()
-
-        spec.loader.exec_module = exec_then_activate
-        return spec
+def _on_deepspeed(module) -> None:
+    """DeepSpeed is imported: nothing left to watch for; activate."""
+    sys.meta_path[:] = [finder for finder in sys.meta_path if getattr(finder, "then", None) is not _on_deepspeed]
+    _activate()
 
 
 def _chain() -> None:
@@ -72,5 +56,7 @@ def _chain() -> None:
 
 
 if os.environ.get(RUN_ENV) == "1" and "deepspeed" not in sys.modules:
-    sys.meta_path.insert(0, _ActivateAfterDeepSpeed())
+    # it stays until DeepSpeed is imported: transformers and Accelerate ask for DeepSpeed's spec first, without
+    # executing it (their availability checks), and a hook removed then would never see the import
+    sys.meta_path.insert(0, _hook()(["deepspeed"], _on_deepspeed))
 _chain()
