@@ -8,7 +8,7 @@ imported before deepspeed_bnb). A client that is never imported is never touched
 import importlib.util
 import sys
 
-from deepspeed_bnb.utils.after_import import RunAfterImport
+from deepspeed_bnb.launch.after_import import RunAfterImport
 
 # modules whose import installs their entries of the override register (overrides.py, `trigger`)
 PATCHES = ("accelerate.accelerator",)

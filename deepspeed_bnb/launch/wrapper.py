@@ -2,7 +2,7 @@
 launcher, a script) with deepspeed_bnb active in every Python process it starts, without editing it.
 
 How, as opentelemetry-instrument instruments a program it does not own: the command replaces this process (exec:
-its exit code and signals are the command's) with the folder of bootstrap/sitecustomize.py first on PYTHONPATH and
+its exit code and signals are the command's) with the folder of deepspeed_bnb/bootstrap/sitecustomize.py first on PYTHONPATH and
 RUN_ENV set. Python imports `sitecustomize` at startup in every process that inherits that environment: the command,
 and every rank the deepspeed launcher, torchrun and accelerate launch start (each passes its environment on). That
 module activates deepspeed_bnb right after DeepSpeed is imported, or stops the process with the reason where it
@@ -21,7 +21,8 @@ from typing import Dict, List, Mapping
 
 from deepspeed_bnb.launch import RUN_ENV
 
-BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")  # holds sitecustomize.py
+# the folder of the sitecustomize module (a room of its own: it imports the whole package, nothing imports it)
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bootstrap")
 COMMAND_NOT_FOUND = 127  # the shell's exit code for a command it cannot find (env, opentelemetry-instrument alike)
 
 

@@ -34,7 +34,7 @@ def _model_parallel_layouts(engine):
         return None
     shapes = [{name: tuple(shape) for name, shape in group.items()} for group in engine._get_zero_param_shapes()]
     held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes))
+    compat.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes))
     by_rank = {mp_rank: (place, shapes) for mp_rank, place, shapes in held}
     return rank_layouts([by_rank[r] for r in range(len(by_rank))])
 

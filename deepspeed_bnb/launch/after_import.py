@@ -1,7 +1,8 @@
 """An import hook that runs a function right after a named module has executed, found by the finders after it.
 
-Standard library only: `deepspeed-bnb run`'s bootstrap (launch/bootstrap/sitecustomize.py) loads this file by its
-path at interpreter startup, before deepspeed_bnb may be imported; integrations/ uses it for Accelerate.
+Standard library only: `deepspeed-bnb run`'s bootstrap (deepspeed_bnb/bootstrap/sitecustomize.py) loads this file by its
+path at interpreter startup, before deepspeed_bnb may be imported; integrations/ uses it for Accelerate. (Not in the
+bootstrap folder itself, which is on the wrapped processes' PYTHONPATH: it would be a top-level module there.)
 """
 
 import importlib.abc

@@ -31,8 +31,8 @@ def _activate() -> None:
 
 
 def _hook():
-    """utils/after_import.py's RunAfterImport, loaded by its path: importing it by name would import deepspeed_bnb."""
-    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "utils", "after_import.py")
+    """launch/after_import.py's RunAfterImport, loaded by its path: importing it by name would import deepspeed_bnb."""
+    path = os.path.join(os.path.dirname(HERE), "launch", "after_import.py")
     spec = importlib.util.spec_from_file_location("_deepspeed_bnb_after_import", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
