@@ -27,10 +27,14 @@ def sft(assets, output_dir, ranks, port, extra=()):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def assets(tmp_path_factory):
+    return framework_cli.write_assets(str(tmp_path_factory.mktemp("trl_assets")))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, assets):
     from conftest import free_port
     folder = str(tmp_path_factory.mktemp("trl_cli"))
-    assets = framework_cli.write_assets(folder)
     out = {}
     for wrapped, name in ((True, "ours"), (False, "stock")):
         two, one = os.path.join(folder, f"{name}_2ranks"), os.path.join(folder, f"{name}_1rank")
@@ -65,3 +69,30 @@ def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number
     assert "deepspeed-bnb run" not in stock["two_log"]
     assert stock["one_rc"] != 0
     assert "The checkpoint being loaded used a DP world size of 2 but the current world size is 1" in stock["one_log"]
+
+
+# TRL's (HF Trainer's) optimizer options for bnb and the settings frameworks pass along: the bnb class each builds
+OPTIONS = [("paged_adamw_8bit", (), "bitsandbytes.optim.adamw.AdamW"),
+           ("lion_8bit", (), "bitsandbytes.optim.lion.Lion"),
+           ("paged_lion_8bit", (), "bitsandbytes.optim.lion.Lion"),
+           ("adamw_bnb_8bit", ("--gradient_accumulation_steps", "2"), "bitsandbytes.optim.adamw.AdamW"),
+           ("adamw_bnb_8bit", ("--bf16", "true"), "bitsandbytes.optim.adamw.AdamW")]
+
+
+@pytest.mark.parametrize("optim,extra,built", OPTIONS, ids=["paged_adamw", "lion", "paged_lion", "grad_accum", "bf16"])
+def test_each_bnb_option_of_the_command_line_reaches_deepspeed_bnb(assets, tmp_path, optim, extra, built):
+    """4 steps on 2 ranks: the run succeeds, and rank 0 says deepspeed_bnb's optimizer steps the bnb class the option
+    builds (paged optimizers run unpaged on a CPU, as bnb does there)."""
+    from conftest import free_port
+    argv = sft(assets, str(tmp_path / "out"), 2, free_port(), ["--max_steps", "4", "--save_steps", "100"])
+    argv[argv.index("--optim") + 1] = optim
+    if "--bf16" in extra:
+        argv[argv.index("--bf16") + 1] = "true"
+    else:
+        argv += list(extra)
+    log = str(tmp_path / "run.log")
+    rc = framework_cli.run(argv, log, wrapped=True)
+    with open(log) as f:
+        output = f.read()
+    assert rc == 0, output[-5000:]
+    assert f"deepspeed_bnb's BnbZeroOptimizer steps {built}'s state under ZeRO stage 2" in output, output[-5000:]
