@@ -45,8 +45,7 @@ def runs(tmp_path_factory, assets):
                                         one + ".log", wrapped),
             "two": two, "one": one}
         for key in ("two", "one"):
-            with open(out[name][key] + ".log") as f:
-                out[name][key + "_log"] = f.read()
+            out[name][key + "_log"] = framework_cli.read(out[name][key] + ".log")
     return out
 
 
@@ -92,7 +91,6 @@ def test_each_bnb_option_of_the_command_line_reaches_deepspeed_bnb(assets, tmp_p
         argv += list(extra)
     log = str(tmp_path / "run.log")
     rc = framework_cli.run(argv, log, wrapped=True)
-    with open(log) as f:
-        output = f.read()
+    output = framework_cli.read(log)
     assert rc == 0, output[-5000:]
     assert f"deepspeed_bnb's BnbZeroOptimizer steps {built}'s state under ZeRO stage 2" in output, output[-5000:]

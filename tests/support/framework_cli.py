@@ -13,7 +13,7 @@ import random
 import subprocess
 import sys
 
-BIN = os.path.dirname(sys.executable)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXT_BYTES = 63
 # the DeepSpeed config: no deepspeed_bnb key (their defaults), so the same file serves the stock control
 DEEPSPEED = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
@@ -57,23 +57,100 @@ def write_assets(folder: str) -> dict:
     return paths
 
 
-def environment() -> dict:
-    """This environment without rank variables, offline, one OpenMP thread per rank."""
+def environment(python: str = sys.executable, **extra) -> dict:
+    """This environment without rank variables, offline, one OpenMP thread per rank, with `python`'s venv first on
+    PATH (its own JIT cache, and this checkout's deepspeed_bnb on PYTHONPATH where it is another venv's)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT", "DEEPSPEED_BNB_RUN")}
+    bin_dir = os.path.dirname(python)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PATH=BIN + os.pathsep + env.get("PATH", ""))
+               PATH=bin_dir + os.pathsep + env.get("PATH", ""))
+    if os.path.abspath(python) != os.path.abspath(sys.executable):
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.dirname(bin_dir), "torch_extensions")
+        env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(extra)
     return env
 
 
-def run(argv, log: str, wrapped: bool, timeout: int = 900) -> int:
-    """`argv` (`deepspeed-bnb run -- argv` when `wrapped`), its output written to `log`; its exit code."""
-    cmd = ([os.path.join(BIN, "deepspeed-bnb"), "run", "--"] if wrapped else []) + list(argv)
+def run(argv, log: str, wrapped: bool, timeout: int = 900, python: str = sys.executable, **env) -> int:
+    """`argv` (`deepspeed-bnb run -- argv` when `wrapped`) run with `python`'s venv, its output written to `log`;
+    its exit code. `env`: variables to set (a framework's own launch switches)."""
+    cmd = ([python, "-m", "deepspeed_bnb_tools", "run", "--"] if wrapped else []) + list(argv)
     with open(log, "w") as out:
-        return subprocess.run(cmd, env=environment(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        return subprocess.run(cmd, env=environment(python, **env), stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout).returncode
+
+
+def read(log: str) -> str:
+    with open(log) as f:
+        return f.read()
 
 
 def logged_losses(output_dir: str, step: int) -> dict:
     """step -> loss from the Trainer state of `output_dir`/checkpoint-`step` (the log the framework keeps)."""
     with open(os.path.join(output_dir, f"checkpoint-{step}", "trainer_state.json")) as f:
         return {entry["step"]: entry["loss"] for entry in json.load(f)["log_history"] if "loss" in entry}
+
+
+# ---- LLaMA-Factory: its pins (transformers <= 5.6, Accelerate <= 1.11, TRL <= 0.24, datasets <= 4.0, DeepSpeed's cap
+# 0.18.4) conflict with the suite's, so it runs from a venv of its own, built once and kept ----------------------------
+
+LLAMAFACTORY = ("llamafactory==0.9.5", "deepspeed==0.18.4", "bitsandbytes==0.50.2", "ninja",
+                # its multimodal plugin imports torchaudio and transformers imports torchvision whenever present: a
+                # torch with matching builds on the package index (torchaudio 2.11 on is Python only)
+                "torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.1")
+LLAMAFACTORY_VENV = os.path.join(os.path.expanduser("~"), ".cache", "deepspeed_bnb", "frameworks",
+                                 "llamafactory-0.9.5")
+
+
+def llamafactory_python() -> str:
+    """The Python of LLaMA-Factory's venv, built (minutes: torch is a few GB) the first time; a RuntimeError with
+    pip's output where it cannot be built (no package index)."""
+    python = os.path.join(LLAMAFACTORY_VENV, "bin", "python")
+    done = os.path.join(LLAMAFACTORY_VENV, ".complete")
+    if not os.path.exists(done):
+        subprocess.run([sys.executable, "-m", "venv", "--clear", LLAMAFACTORY_VENV], check=True)
+        pip = subprocess.run([python, "-m", "pip", "install", "-q", *LLAMAFACTORY], capture_output=True, text=True)
+        if pip.returncode != 0:
+            raise RuntimeError(f"LLaMA-Factory's venv could not be built: {(pip.stdout + pip.stderr)[-3000:]}")
+        open(done, "w").close()
+    return python
+
+
+def write_llamafactory_assets(folder: str) -> dict:
+    """An alpaca-format dataset registered in a dataset_info.json, and ZeRO-2 and ZeRO-3 DeepSpeed JSONs (no
+    deepspeed_bnb key) beside write_assets()'s model."""
+    paths = write_assets(folder)
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while eight bit states stay whole".split()
+    rows = [{"instruction": " ".join(rng.choice(words) for _ in range(4)), "input": "",
+             "output": " ".join(rng.choice(words) for _ in range(6))} for _ in range(96)]
+    paths["lf_data"] = os.path.join(folder, "lf_data")
+    os.makedirs(paths["lf_data"], exist_ok=True)
+    with open(os.path.join(paths["lf_data"], "train.json"), "w") as f:
+        json.dump(rows, f)
+    with open(os.path.join(paths["lf_data"], "dataset_info.json"), "w") as f:
+        json.dump({"tiny": {"file_name": "train.json"}}, f)
+    for stage in (2, 3):
+        paths[f"zero{stage}.json"] = os.path.join(folder, f"zero{stage}.json")
+        zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
+        with open(paths[f"zero{stage}.json"], "w") as f:
+            json.dump({**DEEPSPEED, "zero_optimization": zero}, f)
+    return paths
+
+
+def llamafactory_config(paths: dict, stage: int, output_dir: str, ranks: int, resume: str = "") -> str:
+    """A `llamafactory-cli train` YAML: full SFT of the tiny model, `optim: adamw_bnb_8bit`, 6 steps of a global
+    batch of 8, a checkpoint at 3, fp32; its path."""
+    lines = [f"model_name_or_path: {paths['model']}", "stage: sft", "do_train: true", "finetuning_type: full",
+             f"deepspeed: {paths[f'zero{stage}.json']}", "dataset: tiny", f"dataset_dir: {paths['lf_data']}",
+             "template: empty", "cutoff_len: 64", "overwrite_cache: true", "preprocessing_num_workers: 1",
+             f"output_dir: {output_dir}", "logging_steps: 1", "save_steps: 3",
+             f"per_device_train_batch_size: {8 // ranks}", "learning_rate: 1.0e-3", "max_steps: 6",
+             "optim: adamw_bnb_8bit", "report_to: none", "bf16: false", "use_cpu: true", "seed: 0"]
+    if resume:
+        lines.append(f"resume_from_checkpoint: {resume}")
+    path = output_dir + ".yaml"
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,75 @@
+"""LLaMA-Factory's own command line, `llamafactory-cli train config.yaml`, with `optim: adamw_bnb_8bit` under ZeRO-2
+on 2 CPU ranks (its `FORCE_TORCHRUN=1 NPROC_PER_NODE=2` launch), turned on by `deepspeed-bnb run` in front of the
+unchanged command, resumed on 1 rank with its own `resume_from_checkpoint`.
+
+LLaMA-Factory 0.9.5 (the release on the package index) pins transformers, Accelerate, TRL and datasets below the
+suite's, so it runs from a venv of its own (tests/support/framework_cli.py: built once, minutes). Oracle: the run that
+never stopped (its trainer_state.json). Control: the same commands without `deepspeed-bnb run`: stock DeepSpeed
+refuses the resume on 1 rank. In `make test-frameworks`.
+"""
+
+import os
+
+import pytest
+
+from support import framework_cli
+
+pytestmark = [pytest.mark.multi_rank, pytest.mark.frameworks]
+FP32_TOL = 1e-5  # the project's bar for a resume at another size in fp32
+
+
+@pytest.fixture(scope="module")
+def llamafactory(tmp_path_factory):
+    try:
+        python = framework_cli.llamafactory_python()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return python, framework_cli.write_llamafactory_assets(str(tmp_path_factory.mktemp("llamafactory")))
+
+
+def train(llamafactory, stage, name, ranks, wrapped, resume=""):
+    """One `llamafactory-cli train`: (exit code, its log, its output folder)."""
+    from conftest import free_port
+    python, paths = llamafactory
+    out = os.path.join(os.path.dirname(paths["model"]), name)
+    config = framework_cli.llamafactory_config(paths, stage, out, ranks, resume)
+    log = out + ".log"
+    rc = framework_cli.run(["llamafactory-cli", "train", config], log, wrapped, python=python, FORCE_TORCHRUN="1",
+                           NNODES="1", NPROC_PER_NODE=str(ranks), MASTER_PORT=str(free_port()))
+    return rc, framework_cli.read(log), out
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_llamafactory_trains_the_8bit_state_with_deepspeed_bnb_and_resumes_on_another_number_of_ranks(
+        llamafactory, stage):
+    rc, log, two = train(llamafactory, stage, f"ours_z{stage}_2ranks", 2, wrapped=True)
+    assert rc == 0, log[-5000:]
+    assert f"deepspeed_bnb's BnbZero{'Stage3' if stage == 3 else ''}Optimizer steps bitsandbytes.optim.adamw.AdamW's " \
+           f"state under ZeRO stage {stage}" in log, log[-5000:]
+    rc, log, one = train(llamafactory, stage, f"ours_z{stage}_1rank", 1, wrapped=True,
+                         resume=os.path.join(two, "checkpoint-3"))
+    assert rc == 0, log[-5000:]
+    uninterrupted, resumed = framework_cli.logged_losses(two, 6), framework_cli.logged_losses(one, 6)
+    assert sorted(resumed) == list(range(1, 7)), resumed
+    assert max(abs(resumed[s] - uninterrupted[s]) for s in (4, 5, 6)) < FP32_TOL, (resumed, uninterrupted)
+    assert uninterrupted[6] < uninterrupted[1] - 0.1  # control: it trained
+
+
+def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number_of_ranks(llamafactory):
+    rc, log, two = train(llamafactory, 2, "stock_z2_2ranks", 2, wrapped=False)
+    assert rc == 0 and "deepspeed-bnb run" not in log, log[-5000:]
+    rc, log, _ = train(llamafactory, 2, "stock_z2_1rank", 1, wrapped=False, resume=os.path.join(two, "checkpoint-3"))
+    assert rc != 0 and "used a DP world size of 2 but the current world size is 1" in log, log[-5000:]
+
+
+def test_zero3_stops_before_any_optimizer_on_cpu_ranks_stock_alike(llamafactory):
+    """ZeRO-3 under LLaMA-Factory does not start on CPU ranks, with or without deepspeed_bnb: transformers'
+    from_pretrained enters zero.Init, whose DeepSpeedConfig is built before the process group exists (world size 1:
+    "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 4 * 1 * 1"). Both
+    runs fail there, before any optimizer is built; should a release fix it, this fails and the ZeRO-3 case above
+    should be turned on."""
+    wanted = "8 != 4 * 1 * 1"
+    for wrapped in (True, False):
+        rc, log, _ = train(llamafactory, 3, f"z3_{'ours' if wrapped else 'stock'}", 2, wrapped=wrapped)
+        assert rc != 0 and wanted in log and "from_pretrained" in log, log[-5000:]
+        assert "BnbZero" not in log  # it stopped before an optimizer was built
