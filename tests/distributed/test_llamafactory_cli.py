@@ -34,8 +34,8 @@ def train(llamafactory, stage, name, ranks, wrapped, resume=""):
     out = os.path.join(os.path.dirname(paths["model"]), name)
     config = framework_cli.llamafactory_config(paths, stage, out, ranks, resume)
     log = out + ".log"
-    rc = framework_cli.run(["llamafactory-cli", "train", config], log, wrapped, python=python, FORCE_TORCHRUN="1",
-                           NNODES="1", NPROC_PER_NODE=str(ranks), MASTER_PORT=str(free_port()))
+    launch = {"FORCE_TORCHRUN": "1", "NNODES": "1", "NPROC_PER_NODE": str(ranks), "MASTER_PORT": str(free_port())}
+    rc = framework_cli.run(["llamafactory-cli", "train", config], log, wrapped, python=python, **launch)
     return rc, framework_cli.read(log), out
 
 

@@ -90,11 +90,21 @@ def _import_time_effects(path: str) -> list:
     return effects
 
 
+# Python runs it at startup, as `sitecustomize`, in the processes `deepspeed-bnb run` starts (its folder first on their
+# PYTHONPATH); nothing in the package imports it
+STARTUP_HOOK = os.path.join(PACKAGE, "bootstrap", "sitecustomize.py")
+
+
 def test_only_the_package_init_changes_anything_at_import():
     for path in _package_files():
         if os.path.basename(path) in ("__init__.py", "__main__.py") and os.path.dirname(path) == PACKAGE:
             continue
+        if path == STARTUP_HOOK:
+            continue
         assert _import_time_effects(path) == [], path
+    assert _import_time_effects(STARTUP_HOOK), "control: the startup hook installs its import hook"
+    assert not any("bootstrap.sitecustomize" in open(path).read() or "bootstrap import" in open(path).read()
+                   for path in _package_files()), "the startup hook is imported by the package"
     assert _import_time_effects(os.path.join(PACKAGE, "__init__.py")), "control: __init__ installs the hooks"
 
 

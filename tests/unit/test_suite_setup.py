@@ -77,7 +77,8 @@ def test_markers_select_what_they_say():
 KINDS = ("unit", "kernels", "distributed", "tools", "gpu")  # tests/<kind>/test_*.py
 LAUNCH_CALLS = ("torchrun", "run_ranks", "accelerate_launch")  # the suite's ways of starting several ranks
 LAUNCHERS = ("torch.distributed.run", "deepspeed.launcher", "accelerate.commands.launch",  # `python -m` launchers
-             "--num_processes")  # a command that launches through accelerate (a framework's own CLI: trl sft)
+             "--num_processes",  # a command that launches through accelerate (a framework's own CLI: trl sft)
+             "FORCE_TORCHRUN")  # LLaMA-Factory's switch that makes llamafactory-cli start torchrun
 
 OUTSIDE_KINDS = "a test module outside the kind folders"
 DUPLICATE = "a test module whose name another test module has"
