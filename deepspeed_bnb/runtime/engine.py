@@ -87,7 +87,7 @@ def _say_not_routed(engine, client_optimizer) -> None:
     if not _say_once("not routed"):
         return
     name = type(client_optimizer).__name__ if client_optimizer is not None else \
-        f"the DeepSpeed config's optimizer ({type(engine.basic_optimizer).__name__})"
+        f"the DeepSpeed config's optimizer ({type(getattr(engine, 'basic_optimizer', None)).__name__})"
     why = ("ZeRO is off (zero_optimization.stage 0)" if is_bnb_optimizer(client_optimizer) else
            f"{name} is not a bitsandbytes optimizer")
     logger.warning(f"deepspeed-bnb run: deepspeed_bnb is active but leaves this engine to DeepSpeed: {why}. Choose a "
