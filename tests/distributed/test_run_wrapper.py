@@ -12,12 +12,13 @@ import sys
 
 import pytest
 
+from conftest import without_launch_vars
 from support import background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WRAPPER_CHECKS = background.Job("wrapper_checks", lambda folder: [
     sys.executable, os.path.join(ROOT, "tests", "support", "run_wrapper_checks.py"), folder],
-    lambda: dict(os.environ), timeout=1800)
+    without_launch_vars, timeout=1800)
 BACKGROUND_JOBS = (WRAPPER_CHECKS,)
 LAUNCHERS = ("torchrun", "deepspeed_launcher", "accelerate")
 

@@ -60,8 +60,8 @@ def write_assets(folder: str) -> dict:
 def environment(python: str = sys.executable, **extra) -> dict:
     """This environment without rank variables, offline, one OpenMP thread per rank, with `python`'s venv first on
     PATH (its own JIT cache, and this checkout's deepspeed_bnb on PYTHONPATH where it is another venv's)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "DEEPSPEED_BNB_RUN")}
+    from conftest import without_launch_vars
+    env = {k: v for k, v in without_launch_vars().items() if k != "DEEPSPEED_BNB_RUN"}
     bin_dir = os.path.dirname(python)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PATH=bin_dir + os.pathsep + env.get("PATH", ""))

@@ -101,12 +101,12 @@ def scenario_parallel3d_load(world, rank, out):
     fresh-moment resume as the control."""
     folder, universal = folder_of(out, KIND, 1), universal_of(out, KIND, 1)
     reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=False)
+    states, whole = universal_whole(universal)
     results = {}
     for tp, pp in LOADS[world]:
         engine = build(world, tp, pp, seed=1, lr=LOADER_LR, universal=True)
         engine.load_checkpoint(universal)
         loaded = global_state(engine, world)
-        states, whole = universal_whole(universal)
         if tp * pp == 1:
             relation = compare_with_slices(loaded, reference, saved_shapes(folder, SAVED_WORLD), whole)
         else:

@@ -15,7 +15,6 @@ tests/distributed/test_run_wrapper.py): writes OUT/checks.json, case -> what it 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -36,15 +35,15 @@ ROUTED = ("deepspeed-bnb run: deepspeed_bnb's BnbZeroOptimizer steps bitsandbyte
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from deepspeed_bnb.utils.teardown import unused_port  # (imports deepspeed_bnb: not at this script's start)
+    return unused_port()
 
 
 def environment(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "DEEPSPEED_BNB_RUN",
-                                                           "DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS")}
+    """The job's environment (the suite starts it without rank variables) without the wrapper's marker or the
+    untested-release override, with the checkout on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DEEPSPEED_BNB_RUN", "DEEPSPEED_BNB_ALLOW_UNTESTED_VERSIONS")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]))
     env.update(extra)
     return env

@@ -8,9 +8,8 @@ the model-parallel tests on 0.16.4). Read from the package's source; control: a 
 import ast
 import os
 
-import deepspeed_bnb
+from support.sources import PACKAGE, python_files
 
-PACKAGE = os.path.dirname(os.path.abspath(deepspeed_bnb.__file__))
 COMPAT = os.path.join(PACKAGE, "runtime", "zero", "compat.py")
 NEWER_THAN_OLDEST = ("all_gather_object",)  # deepspeed.comm functions added after 0.16.4
 
@@ -28,14 +27,12 @@ def direct_calls(source: str):
 
 def test_no_module_but_compat_calls_them_directly():
     offenders = {}
-    for folder, _, files in os.walk(PACKAGE):
-        for name in files:
-            path = os.path.join(folder, name)
-            if name.endswith(".py") and path != COMPAT:
-                with open(path) as f:
-                    lines = direct_calls(f.read())
-                if lines:
-                    offenders[os.path.relpath(path, PACKAGE)] = lines
+    for path in python_files(PACKAGE):
+        if path != COMPAT:
+            with open(path) as f:
+                lines = direct_calls(f.read())
+            if lines:
+                offenders[os.path.relpath(path, PACKAGE)] = lines
     assert offenders == {}, f"call these through runtime/zero/compat.py: {offenders}"
 
 

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import TESTS, without_launch_vars
+from support.sources import python_files
 
 PACKAGE = os.path.join(os.path.dirname(TESTS), "deepspeed_bnb")
 
@@ -53,9 +54,7 @@ def _module_level_imports(path: str) -> set:
 
 
 def _package_files(*parts):
-    folder = os.path.join(PACKAGE, *parts)
-    return sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
-                  if name.endswith(".py"))
+    return python_files(os.path.join(PACKAGE, *parts))
 
 
 FORBIDDEN_FOR_TOOLS = ("deepspeed_bnb.optim.bnb_adapter", "deepspeed_bnb.runtime", "bitsandbytes")

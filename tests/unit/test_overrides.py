@@ -20,6 +20,7 @@ from packaging.version import Version
 
 import deepspeed_bnb  # noqa: F401  (activates the overrides)
 from conftest import TESTS
+from support.sources import python_files
 from deepspeed_bnb import installer, overrides
 from deepspeed_bnb.overrides import OVERRIDES, Override
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
@@ -141,13 +142,11 @@ def _foreign_assignments(path: str) -> list:
 
 def test_nothing_outside_the_register_patches_deepspeed():
     offenders = {}
-    for root, _, names in os.walk(PACKAGE):
-        for name in names:
-            path = os.path.join(root, name)
-            if name.endswith(".py") and path != inspect.getsourcefile(overrides):
-                found = _foreign_assignments(path)
-                if found:
-                    offenders[os.path.relpath(path, ROOT)] = found
+    for path in python_files(PACKAGE):
+        if path != inspect.getsourcefile(overrides):
+            found = _foreign_assignments(path)
+            if found:
+                offenders[os.path.relpath(path, ROOT)] = found
     assert offenders == {}
 
 

@@ -26,6 +26,7 @@ import pytest
 
 import conftest
 from conftest import ROOT
+from support.sources import python_files
 
 
 def test_the_checked_modules_are_the_test_extra():
@@ -92,11 +93,6 @@ EXAMPLES_PATH = "puts examples/ on sys.path"
 EXAMPLES_IMPORT = "imports a module of examples/"
 TEST_IMPORT = "imports a test module"
 BARE_SUPPORT = "imports a module of tests/support/ by its bare name"
-
-
-def _py_files(folder: str) -> list:
-    return sorted(os.path.join(where, name) for where, _, names in os.walk(folder) for name in names
-                  if name.endswith(".py"))
 
 
 def _docstrings(tree) -> set:
@@ -183,7 +179,8 @@ def layout_problems(root: str) -> list:
     support_modules = {name[:-3] for name in os.listdir(os.path.join(tests, "support"))
                        if name.endswith(".py") and name != "__init__.py"}
     problems, test_names = [], {}
-    for path in _py_files(tests) + _py_files(os.path.join(root, "benchmarks")) + _py_files(os.path.join(root, "tools")):
+    for path in [path for folder in (tests, os.path.join(root, "benchmarks"), os.path.join(root, "tools"))
+                 for path in python_files(folder)]:
         rel = os.path.relpath(path, root)
         with open(path) as f:
             tree = ast.parse(f.read(), rel)
@@ -232,12 +229,12 @@ def test_every_launching_module_is_seen_launching():
     """The detection itself, on the suite: each module of tests/distributed/ and the GPU proof's rehearsal launch
     ranks by one of the ways the rules name (so a new way of launching shows up here first); no unit test does."""
     launching = set()
-    for path in _py_files(os.path.join(ROOT, "tests")):
+    for path in python_files(os.path.join(ROOT, "tests")):
         if os.path.basename(path).startswith("test_"):
             with open(path) as f:
                 if _launches(ast.parse(f.read()), os.path.join(ROOT, "examples")):
                     launching.add(os.path.relpath(path, ROOT))
-    expected = {os.path.relpath(path, ROOT) for path in _py_files(os.path.join(ROOT, "tests", "distributed"))}
+    expected = {os.path.relpath(path, ROOT) for path in python_files(os.path.join(ROOT, "tests", "distributed"))}
     assert launching == expected | {os.path.join("tests", "gpu", "test_gpu_proof.py")}
 
 
@@ -302,7 +299,7 @@ def test_every_background_job_has_a_fixture_of_its_name():
     fixture has another name (how a killed-build job once ran last, after its test had waited 111 s for it)."""
     import types
     from support import background
-    for path in _py_files(os.path.join(ROOT, "tests")):
+    for path in python_files(os.path.join(ROOT, "tests")):
         with open(path) as f:
             source = f.read()
         if re.search(r"^BACKGROUND_JOBS = ", source, re.M):
