@@ -19,7 +19,7 @@ from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_i
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.installer import stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
-from deepspeed_bnb.launch import RUN_ENV
+from deepspeed_bnb.launch import RUN_ENV, frameworks
 from deepspeed_bnb.runtime.model_parallel import place_of
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
@@ -80,6 +80,9 @@ def _say_routed(engine, client_optimizer, built) -> None:
                        f"{client.__module__}.{client.__qualname__}'s state under ZeRO stage "
                        f"{engine.zero_optimization_stage()} (partitioned in whole 256-element quantization blocks; "
                        f"checkpoints load at any number of ranks).")
+        untested = frameworks.untested_release()
+        if untested is not None:
+            logger.warning(untested)
 
 
 def _say_not_routed(engine, client_optimizer) -> None:
