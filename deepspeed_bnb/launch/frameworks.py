@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Tuple
 # LLaMA-Factory and Axolotl import TRL, so the first one a process has imported is the framework it runs.
 TESTED = {
     "llamafactory": ("llamafactory", ("0.9.5",)),
-    "axolotl": ("axolotl", ()),
+    "axolotl": ("axolotl", ("0.19.0",)),
     "trl": ("trl", ("1.16.0",)),
 }
 

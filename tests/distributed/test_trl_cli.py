@@ -55,6 +55,7 @@ def test_trl_sft_steps_the_8bit_state_with_deepspeed_bnb_and_resumes_on_another_
     assert ours["one_rc"] == 0, ours["one_log"][-5000:]
     said = "deepspeed-bnb run: deepspeed_bnb's BnbZeroOptimizer steps bitsandbytes.optim.adamw.AdamW's state"
     assert said in ours["two_log"] and said in ours["one_log"]  # the framework's log shows our optimizer
+    assert "has not been tested" not in ours["two_log"]  # a tested TRL release is not warned about
     uninterrupted = framework_cli.logged_losses(ours["two"], 6)
     resumed = framework_cli.logged_losses(ours["one"], 6)
     assert sorted(uninterrupted) == list(range(1, 7)) and sorted(resumed) == list(range(1, 7))
@@ -94,3 +95,18 @@ def test_each_bnb_option_of_the_command_line_reaches_deepspeed_bnb(assets, tmp_p
     output = framework_cli.read(log)
     assert rc == 0, output[-5000:]
     assert f"deepspeed_bnb's BnbZeroOptimizer steps {built}'s state under ZeRO stage 2" in output, output[-5000:]
+
+
+def test_optimizer_offload_keeps_the_bnb_optimizer_without_a_config_change(assets, tmp_path):
+    """ZeRO-Offload from an unchanged DeepSpeed JSON (`offload_optimizer.device: cpu`, no zero_force_ds_cpu_optimizer):
+    Accelerate would replace the bnb optimizer by DeepSpeedCPUAdam (docs/clients.md); under `deepspeed-bnb run` rank 0
+    says the bnb optimizer is kept and deepspeed_bnb's optimizer steps it, and the run trains."""
+    from conftest import free_port
+    argv = sft(assets, str(tmp_path / "out"), 2, free_port(), ["--max_steps", "4", "--save_steps", "100"])
+    argv[argv.index("--config_file") + 1] = assets["accelerate_offload.yaml"]
+    log = str(tmp_path / "run.log")
+    rc = framework_cli.run(argv, log, wrapped=True)
+    output = framework_cli.read(log)
+    assert rc == 0, output[-5000:]
+    assert "deepspeed_bnb: keeping AdamW8bit under offload_optimizer" in output, output[-5000:]
+    assert "deepspeed_bnb's BnbZeroOptimizer steps bitsandbytes.optim.adamw.AdamW's state under ZeRO stage 2" in output

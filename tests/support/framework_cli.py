@@ -1,6 +1,6 @@
-"""What the framework command-line tests (tests/distributed/test_trl_cli.py) run: a tiny model and dataset written
-locally (no download), the DeepSpeed and Accelerate configs the command reads, and the command itself, with and
-without `deepspeed-bnb run` in front of it.
+"""What the framework command-line tests (tests/distributed/test_{trl,llamafactory,axolotl}_cli.py) run: a tiny model
+and dataset written locally (no download), the configs the command reads, the venvs of frameworks whose pins conflict
+with the suite's, and the command itself, with and without `deepspeed-bnb run` in front of it.
 
 The model is a 2-layer GPT-2 without dropout (a resumed run on other ranks draws no other masks) over transformers'
 ByT5 byte tokenizer (no vocabulary file); every text is 63 ASCII bytes, 64 tokens with the end-of-sequence token, so
@@ -34,9 +34,10 @@ same_network: true
 
 
 def write_assets(folder: str) -> dict:
-    """The model, the dataset and both configs under `folder`; their paths."""
+    """The model, the dataset, and the DeepSpeed and Accelerate configs (ZeRO-2, and ZeRO-2 with the optimizer
+    offloaded) under `folder`; their paths."""
     from transformers import AddedToken, ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
-    paths = {name: os.path.join(folder, name) for name in ("model", "data", "ds.json", "accelerate.yaml")}
+    paths = {name: os.path.join(folder, name) for name in ("model", "data")}
     tokenizer = ByT5Tokenizer(eos_token=AddedToken("</s>", lstrip=False, rstrip=False))
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=TEXT_BYTES + 1, n_embd=64, n_layer=2, n_head=4,
                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
@@ -50,10 +51,15 @@ def write_assets(folder: str) -> dict:
         for _ in range(96):
             text = " ".join(rng.choice(words) for _ in range(40))[:TEXT_BYTES].ljust(TEXT_BYTES, ".")
             f.write(json.dumps({"text": text}) + "\n")
-    with open(paths["ds.json"], "w") as f:
-        json.dump(DEEPSPEED, f)
-    with open(paths["accelerate.yaml"], "w") as f:
-        f.write(ACCELERATE.format(deepspeed=paths["ds.json"]))
+    # the same with the optimizer state offloaded to the CPU (ZeRO-Offload), zero_force_ds_cpu_optimizer left out
+    offload = {**DEEPSPEED, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    for suffix, config in (("", DEEPSPEED), ("_offload", offload)):
+        paths[f"ds{suffix}.json"] = os.path.join(folder, f"ds{suffix}.json")
+        paths[f"accelerate{suffix}.yaml"] = os.path.join(folder, f"accelerate{suffix}.yaml")
+        with open(paths[f"ds{suffix}.json"], "w") as f:
+            json.dump(config, f)
+        with open(paths[f"accelerate{suffix}.yaml"], "w") as f:
+            f.write(ACCELERATE.format(deepspeed=paths[f"ds{suffix}.json"]))
     return paths
 
 
@@ -92,29 +98,44 @@ def logged_losses(output_dir: str, step: int) -> dict:
         return {entry["step"]: entry["loss"] for entry in json.load(f)["log_history"] if "loss" in entry}
 
 
-# ---- LLaMA-Factory: its pins (transformers <= 5.6, Accelerate <= 1.11, TRL <= 0.24, datasets <= 4.0, DeepSpeed's cap
-# 0.18.4) conflict with the suite's, so it runs from a venv of its own, built once and kept ----------------------------
+# ---- frameworks whose pins conflict with the suite's run from venvs of their own, built once and kept --------------
 
-LLAMAFACTORY = ("llamafactory==0.9.5", "deepspeed==0.18.4", "bitsandbytes==0.50.2", "ninja",
+FRAMEWORKS = os.path.join(os.path.expanduser("~"), ".cache", "deepspeed_bnb", "frameworks")
+# LLaMA-Factory 0.9.5 pins transformers <= 5.6, Accelerate <= 1.11, TRL <= 0.24, datasets <= 4.0, DeepSpeed <= 0.18.4
+LLAMAFACTORY = ("llamafactory-0.9.5", ("llamafactory==0.9.5", "deepspeed==0.18.4", "bitsandbytes==0.50.2", "ninja",
                 # its multimodal plugin imports torchaudio and transformers imports torchvision whenever present: a
                 # torch with matching builds on the package index (torchaudio 2.11 on is Python only)
-                "torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.1")
-LLAMAFACTORY_VENV = os.path.join(os.path.expanduser("~"), ".cache", "deepspeed_bnb", "frameworks",
-                                 "llamafactory-0.9.5")
+                "torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.1"))
+# Axolotl 0.19.0 pins transformers 5.16.1, TRL 1.9.0, torch 2.11-2.13, DeepSpeed 0.18.6-0.18.x (its extra)
+AXOLOTL = ("axolotl-0.19.0", ("axolotl[deepspeed]==0.19.0", "deepspeed==0.18.9", "bitsandbytes==0.50.2", "ninja",
+                              "torch==2.13.0"))
 
 
-def llamafactory_python() -> str:
-    """The Python of LLaMA-Factory's venv, built (minutes: torch is a few GB) the first time; a RuntimeError with
-    pip's output where it cannot be built (no package index)."""
-    python = os.path.join(LLAMAFACTORY_VENV, "bin", "python")
-    done = os.path.join(LLAMAFACTORY_VENV, ".complete")
+def framework_python(framework) -> str:
+    """The Python of `framework`'s venv ((folder, requirements): LLAMAFACTORY, AXOLOTL), built (minutes: torch is a
+    few GB) the first time; a RuntimeError with pip's output where it cannot be built (no package index)."""
+    folder, requirements = framework
+    venv = os.path.join(FRAMEWORKS, folder)
+    python = os.path.join(venv, "bin", "python")
+    done = os.path.join(venv, ".complete")
     if not os.path.exists(done):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", LLAMAFACTORY_VENV], check=True)
-        pip = subprocess.run([python, "-m", "pip", "install", "-q", *LLAMAFACTORY], capture_output=True, text=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+        pip = subprocess.run([python, "-m", "pip", "install", "-q", *requirements], capture_output=True, text=True)
         if pip.returncode != 0:
-            raise RuntimeError(f"LLaMA-Factory's venv could not be built: {(pip.stdout + pip.stderr)[-3000:]}")
+            raise RuntimeError(f"{folder}'s venv could not be built: {(pip.stdout + pip.stderr)[-3000:]}")
         open(done, "w").close()
     return python
+
+
+def write_zero_configs(paths: dict, folder: str, without=()) -> None:
+    """ZeRO-2 and ZeRO-3 DeepSpeed JSONs (no deepspeed_bnb key, nor the keys `without`) in `folder`, as
+    paths["zero2.json"], ["zero3.json"]."""
+    for stage in (2, 3):
+        paths[f"zero{stage}.json"] = os.path.join(folder, f"zero{stage}.json")
+        zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
+        config = {key: value for key, value in DEEPSPEED.items() if key not in without}
+        with open(paths[f"zero{stage}.json"], "w") as f:
+            json.dump({**config, "zero_optimization": zero}, f)
 
 
 def write_llamafactory_assets(folder: str) -> dict:
@@ -131,11 +152,7 @@ def write_llamafactory_assets(folder: str) -> dict:
         json.dump(rows, f)
     with open(os.path.join(paths["lf_data"], "dataset_info.json"), "w") as f:
         json.dump({"tiny": {"file_name": "train.json"}}, f)
-    for stage in (2, 3):
-        paths[f"zero{stage}.json"] = os.path.join(folder, f"zero{stage}.json")
-        zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
-        with open(paths[f"zero{stage}.json"], "w") as f:
-            json.dump({**DEEPSPEED, "zero_optimization": zero}, f)
+    write_zero_configs(paths, folder)
     return paths
 
 
@@ -148,6 +165,36 @@ def llamafactory_config(paths: dict, stage: int, output_dir: str, ranks: int, re
              f"output_dir: {output_dir}", "logging_steps: 1", "save_steps: 3",
              f"per_device_train_batch_size: {8 // ranks}", "learning_rate: 1.0e-3", "max_steps: 6",
              "optim: adamw_bnb_8bit", "report_to: none", "bf16: false", "use_cpu: true", "seed: 0"]
+    if resume:
+        lines.append(f"resume_from_checkpoint: {resume}")
+    path = output_dir + ".yaml"
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def write_axolotl_assets(folder: str) -> dict:
+    """write_assets()'s model and texts, and ZeRO-2 and ZeRO-3 JSONs without train_batch_size: on CPU ranks Accelerate
+    counts one process under Axolotl (its distributed state is made before DeepSpeed's process group, without
+    Accelerate's cpu flag), so the Trainer would fill an "auto" train_batch_size for one rank and DeepSpeed's batch
+    check would stop every run at more ("4 != 4 * 1 * 2"); left out, DeepSpeed derives it."""
+    paths = write_assets(folder)
+    write_zero_configs(paths, folder, without=("train_batch_size",))
+    return paths
+
+
+def axolotl_config(paths: dict, stage: int, output_dir: str, resume: str = "") -> str:
+    """An `axolotl train` YAML: full fine-tuning of the tiny model on write_assets()'s texts as completions,
+    `optimizer: adamw_bnb_8bit`, 6 steps of micro batches of 4, a checkpoint at 3, fp32; its path. (Every rank trains
+    on the same micro batches on CPU ranks, where Accelerate counts one process: the run is the same at any number of
+    ranks, which is what a resume at another number is held to.)"""
+    lines = [f"base_model: {paths['model']}", "datasets:", f"  - path: {os.path.join(paths['data'], 'train.jsonl')}",
+             "    ds_type: json", "    type: completion", "    field: text",
+             f"dataset_prepared_path: {output_dir}_prepared", "sequence_len: 64", "sample_packing: false",
+             "micro_batch_size: 4", "gradient_accumulation_steps: 1", "max_steps: 6", "optimizer: adamw_bnb_8bit",
+             "learning_rate: 0.001", "lr_scheduler: constant",
+             f"deepspeed: {paths[f'zero{stage}.json']}", f"output_dir: {output_dir}", "save_steps: 3",
+             "logging_steps: 1", "bf16: false", "fp16: false", "tf32: false", "seed: 0", "val_set_size: 0"]
     if resume:
         lines.append(f"resume_from_checkpoint: {resume}")
     path = output_dir + ".yaml"
