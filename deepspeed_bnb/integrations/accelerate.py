@@ -11,14 +11,21 @@ with a log line. A config that says true explicitly is left alone, and a warning
 HF Trainer prepares its optimizer through the same method, so `optim="adamw_bnb_8bit"` is covered too.
 """
 
-import logging
+import os
 import warnings
 
+from deepspeed import comm as dist
 from deepspeed.runtime.constants import ZERO_FORCE_DS_CPU_OPTIMIZER
-from deepspeed.utils import log_dist
+from deepspeed.utils import logger
 
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.installer import stock
+
+
+def _first_rank() -> bool:
+    """Whether this process is rank 0. Accelerate may prepare before DeepSpeed's comm exists (HF Trainer on CPU
+    ranks does), where DeepSpeed's log_dist would let every rank speak: the launcher's RANK says then."""
+    return (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
 
 
 def keep_bnb_under_offload(config: dict, prepared) -> str:
@@ -30,9 +37,10 @@ def keep_bnb_under_offload(config: dict, prepared) -> str:
     name = type(optimizer).__name__
     if ZERO_FORCE_DS_CPU_OPTIMIZER not in config:
         config[ZERO_FORCE_DS_CPU_OPTIMIZER] = False
-        log_dist(f"deepspeed_bnb: keeping {name} under offload_optimizer (set \"{ZERO_FORCE_DS_CPU_OPTIMIZER}\": "
-                 "false, which Accelerate needs not to replace it with DeepSpeedCPUAdam)", ranks=[0],
-                 level=logging.WARNING)  # DeepSpeed's logger hides INFO by default; a changed config is news
+        if _first_rank():  # a warning: DeepSpeed's logger hides INFO by default, and a changed config is news
+            logger.warning(f"deepspeed_bnb: keeping {name} under offload_optimizer (set "
+                           f"\"{ZERO_FORCE_DS_CPU_OPTIMIZER}\": false, which Accelerate needs not to replace it "
+                           "with DeepSpeedCPUAdam)")
         return "kept"
     if config[ZERO_FORCE_DS_CPU_OPTIMIZER]:
         warnings.warn(f"deepspeed_bnb: the DeepSpeed config says \"{ZERO_FORCE_DS_CPU_OPTIMIZER}\": true with "

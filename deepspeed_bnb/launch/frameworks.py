@@ -42,6 +42,6 @@ def untested_release(modules: Mapping[str, object] = sys.modules) -> Optional[st
     if release in tested:
         return None
     return (f"deepspeed-bnb run: {distribution} {release} has not been tested with deepspeed_bnb (tested: "
-            f"{', '.join(tested) or 'none yet'}). deepspeed_bnb hooks DeepSpeed, not {distribution}, so it should work; if "
+            f"{', '.join(tested)}). deepspeed_bnb hooks DeepSpeed, not {distribution}, so it should work; if "
             f"{distribution} changed what it passes to DeepSpeed (its optimizer, its DeepSpeed config, how it "
             f"resumes), check a resume at another number of ranks before a long run, or pin a tested release.")

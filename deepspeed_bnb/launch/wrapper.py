@@ -2,13 +2,13 @@
 launcher, a script) with deepspeed_bnb active in every Python process it starts, without editing it.
 
 How, as opentelemetry-instrument instruments a program it does not own: the command replaces this process (exec:
-its exit code and signals are the command's) with the folder of deepspeed_bnb/bootstrap/sitecustomize.py first on PYTHONPATH and
-RUN_ENV set. Python imports `sitecustomize` at startup in every process that inherits that environment: the command,
-and every rank the deepspeed launcher, torchrun and accelerate launch start (each passes its environment on). That
-module activates deepspeed_bnb right after DeepSpeed is imported, or stops the process with the reason where it
-cannot; a process that never imports DeepSpeed is left as it is, and a process started outside the wrapper never
-sees any of it. Where the environment already has a sitecustomize, it still runs (bootstrap/sitecustomize.py chains
-to it).
+its exit code and signals are the command's) with the folder of deepspeed_bnb/bootstrap/sitecustomize.py first on
+PYTHONPATH and RUN_ENV set. Python imports `sitecustomize` at startup in every process that inherits that
+environment: the command, and every rank the deepspeed launcher, torchrun and accelerate launch start (each passes its
+environment on). That module activates deepspeed_bnb right after DeepSpeed is imported, or stops the process with
+the reason where it cannot; a process that never imports DeepSpeed is left as it is, and a process started outside
+the wrapper never sees any of it. Where the environment already has a sitecustomize, it still runs
+(bootstrap/sitecustomize.py chains to it).
 
 The releases are checked here first (the check `import deepspeed_bnb` makes), so an untested DeepSpeed stops the run
 before the command starts, not in each rank.

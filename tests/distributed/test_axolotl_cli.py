@@ -52,10 +52,7 @@ def test_axolotl_trains_the_8bit_state_with_deepspeed_bnb_and_resumes_on_another
     assert "has not been tested" not in log  # Axolotl 0.19.0 is a tested release
     rc, log, two = train(axolotl, 3, "ours_z3_2ranks", 2, wrapped=True, resume=os.path.join(three, "checkpoint-3"))
     assert rc == 0, log[-5000:]
-    uninterrupted, resumed = framework_cli.logged_losses(three, 6), framework_cli.logged_losses(two, 6)
-    assert sorted(resumed) == list(range(1, 7)), resumed
-    assert max(abs(resumed[s] - uninterrupted[s]) for s in (4, 5, 6)) < FP32_TOL, (resumed, uninterrupted)
-    assert uninterrupted[6] < uninterrupted[1] - 0.1  # control: it trained
+    assert framework_cli.resume_gap(three, two) < FP32_TOL  # steps 4-6 against the run that never stopped
 
 
 def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number_of_ranks(axolotl):

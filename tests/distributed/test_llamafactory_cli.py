@@ -1,6 +1,6 @@
 """LLaMA-Factory's own command line, `llamafactory-cli train config.yaml`, with `optim: adamw_bnb_8bit` under ZeRO-2
-on 2 CPU ranks (its `FORCE_TORCHRUN=1 NPROC_PER_NODE=2` launch), turned on by `deepspeed-bnb run` in front of the
-unchanged command, resumed on 1 rank with its own `resume_from_checkpoint`.
+and ZeRO-3 on 2 CPU ranks (its `FORCE_TORCHRUN=1 NPROC_PER_NODE=2` launch), turned on by `deepspeed-bnb run` in front
+of the unchanged command, resumed on 1 rank with its own `resume_from_checkpoint`.
 
 LLaMA-Factory 0.9.5 (the release on the package index) pins transformers, Accelerate, TRL and datasets below the
 suite's, so it runs from a venv of its own (tests/support/framework_cli.py: built once, minutes). Oracle: the run that
@@ -27,19 +27,23 @@ def llamafactory(tmp_path_factory):
     return python, framework_cli.write_llamafactory_assets(str(tmp_path_factory.mktemp("llamafactory")))
 
 
-def train(llamafactory, stage, name, ranks, wrapped, resume=""):
+# ZeRO stage -> the DeepSpeed JSON its runs read (ZeRO-3 on CPU ranks: without train_batch_size, framework_cli says why)
+JSONS = {2: "zero2.json", 3: "derived_zero3.json"}
+
+
+def train(llamafactory, stage, name, ranks, wrapped, resume="", deepspeed=None):
     """One `llamafactory-cli train`: (exit code, its log, its output folder)."""
     from conftest import free_port
     python, paths = llamafactory
     out = os.path.join(os.path.dirname(paths["model"]), name)
-    config = framework_cli.llamafactory_config(paths, stage, out, ranks, resume)
+    config = framework_cli.llamafactory_config(paths, deepspeed or JSONS[stage], out, ranks, resume)
     log = out + ".log"
     launch = {"FORCE_TORCHRUN": "1", "NNODES": "1", "NPROC_PER_NODE": str(ranks), "MASTER_PORT": str(free_port())}
     rc = framework_cli.run(["llamafactory-cli", "train", config], log, wrapped, python=python, **launch)
     return rc, framework_cli.read(log), out
 
 
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_llamafactory_trains_the_8bit_state_with_deepspeed_bnb_and_resumes_on_another_number_of_ranks(
         llamafactory, stage):
     rc, log, two = train(llamafactory, stage, f"ours_z{stage}_2ranks", 2, wrapped=True)
@@ -50,10 +54,7 @@ def test_llamafactory_trains_the_8bit_state_with_deepspeed_bnb_and_resumes_on_an
     rc, log, one = train(llamafactory, stage, f"ours_z{stage}_1rank", 1, wrapped=True,
                          resume=os.path.join(two, "checkpoint-3"))
     assert rc == 0, log[-5000:]
-    uninterrupted, resumed = framework_cli.logged_losses(two, 6), framework_cli.logged_losses(one, 6)
-    assert sorted(resumed) == list(range(1, 7)), resumed
-    assert max(abs(resumed[s] - uninterrupted[s]) for s in (4, 5, 6)) < FP32_TOL, (resumed, uninterrupted)
-    assert uninterrupted[6] < uninterrupted[1] - 0.1  # control: it trained
+    assert framework_cli.resume_gap(two, one) < FP32_TOL  # steps 4-6 against the run that never stopped
 
 
 def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number_of_ranks(llamafactory):
@@ -63,14 +64,12 @@ def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number
     assert rc != 0 and "used a DP world size of 2 but the current world size is 1" in log, log[-5000:]
 
 
-def test_zero3_stops_before_any_optimizer_on_cpu_ranks_stock_alike(llamafactory):
-    """ZeRO-3 under LLaMA-Factory does not start on CPU ranks, with or without deepspeed_bnb: transformers'
-    from_pretrained enters zero.Init, whose DeepSpeedConfig is built before the process group exists (world size 1:
-    "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 4 * 1 * 1"). Both
-    runs fail there, before any optimizer is built; should a release fix it, this fails and the ZeRO-3 case above
-    should be turned on."""
-    wanted = "8 != 4 * 1 * 1"
-    for wrapped in (True, False):
-        rc, log, _ = train(llamafactory, 3, f"z3_{'ours' if wrapped else 'stock'}", 2, wrapped=wrapped)
-        assert rc != 0 and wanted in log and "from_pretrained" in log, log[-5000:]
-        assert "BnbZero" not in log  # it stopped before an optimizer was built
+def test_zero3_with_an_auto_train_batch_size_stops_before_any_optimizer_on_cpu_ranks(llamafactory):
+    """The JSON LLaMA-Factory's examples ship ("train_batch_size": "auto") does not start ZeRO-3 on CPU ranks, with or
+    without deepspeed_bnb (measured both ways; this runs ours): transformers' from_pretrained enters zero.Init, whose
+    DeepSpeedConfig is built before the process group exists, against the Trainer's batch for 2 ranks
+    ("8 != 4 * 1 * 1"); it stops there, before any optimizer. docs/clients.md says to leave the key out on CPU ranks;
+    should a release fix it, this fails and the note can go."""
+    rc, log, _ = train(llamafactory, 3, "z3_auto_batch", 2, wrapped=True, deepspeed="zero3.json")
+    assert rc != 0 and "8 != 4 * 1 * 1" in log and "from_pretrained" in log, log[-5000:]
+    assert "BnbZero" not in log  # it stopped before an optimizer was built

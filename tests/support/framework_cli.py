@@ -92,6 +92,28 @@ def read(log: str) -> str:
         return f.read()
 
 
+def resume_gap(uninterrupted: str, resumed: str) -> float:
+    """The largest difference between the losses of steps 4-6 of the `resumed` run (from checkpoint-3) and of the run
+    that never stopped, each read from its checkpoint-6; an AssertionError where either did not log steps 1-6, or
+    where the uninterrupted run did not train (a resume of a frozen run would prove nothing)."""
+    never_stopped, again = logged_losses(uninterrupted, 6), logged_losses(resumed, 6)
+    if sorted(never_stopped) != list(range(1, 7)) or sorted(again) != list(range(1, 7)):
+        raise AssertionError(f"steps 1-6 not all logged: {never_stopped}, {again}")
+    if not never_stopped[6] < never_stopped[1] - 0.1:
+        raise AssertionError(f"the uninterrupted run did not train: {never_stopped}")
+    return max(abs(again[step] - never_stopped[step]) for step in (4, 5, 6))
+
+
+def _write_yaml(lines, output_dir: str, resume: str) -> str:
+    """`lines` (and the framework's resume_from_checkpoint: `resume`, if any) as output_dir.yaml; its path."""
+    if resume:
+        lines = [*lines, f"resume_from_checkpoint: {resume}"]
+    path = output_dir + ".yaml"
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
 def logged_losses(output_dir: str, step: int) -> dict:
     """step -> loss from the Trainer state of `output_dir`/checkpoint-`step` (the log the framework keeps)."""
     with open(os.path.join(output_dir, f"checkpoint-{step}", "trainer_state.json")) as f:
@@ -127,20 +149,22 @@ def framework_python(framework) -> str:
     return python
 
 
-def write_zero_configs(paths: dict, folder: str, without=()) -> None:
+def write_zero_configs(paths: dict, folder: str, without=(), prefix: str = "zero") -> None:
     """ZeRO-2 and ZeRO-3 DeepSpeed JSONs (no deepspeed_bnb key, nor the keys `without`) in `folder`, as
-    paths["zero2.json"], ["zero3.json"]."""
+    paths[f"{prefix}2.json"] and paths[f"{prefix}3.json"]."""
     for stage in (2, 3):
-        paths[f"zero{stage}.json"] = os.path.join(folder, f"zero{stage}.json")
+        name = f"{prefix}{stage}.json"
+        paths[name] = os.path.join(folder, name)
         zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
         config = {key: value for key, value in DEEPSPEED.items() if key not in without}
-        with open(paths[f"zero{stage}.json"], "w") as f:
+        with open(paths[name], "w") as f:
             json.dump({**config, "zero_optimization": zero}, f)
 
 
 def write_llamafactory_assets(folder: str) -> dict:
     """An alpaca-format dataset registered in a dataset_info.json, and ZeRO-2 and ZeRO-3 DeepSpeed JSONs (no
-    deepspeed_bnb key) beside write_assets()'s model."""
+    deepspeed_bnb key; zero*.json with the Trainer's "auto" train_batch_size, derived_zero*.json without it) beside
+    write_assets()'s model."""
     paths = write_assets(folder)
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog while eight bit states stay whole".split()
@@ -153,24 +177,23 @@ def write_llamafactory_assets(folder: str) -> dict:
     with open(os.path.join(paths["lf_data"], "dataset_info.json"), "w") as f:
         json.dump({"tiny": {"file_name": "train.json"}}, f)
     write_zero_configs(paths, folder)
+    # on CPU ranks transformers' from_pretrained enters zero.Init before the process group exists, where DeepSpeed's
+    # batch check sees one rank against the Trainer's "auto" train_batch_size for all ("8 != 4 * 1 * 1"): without
+    # the key DeepSpeed derives it, for one rank there and for all at deepspeed.initialize
+    write_zero_configs(paths, folder, without=("train_batch_size",), prefix="derived_zero")
     return paths
 
 
-def llamafactory_config(paths: dict, stage: int, output_dir: str, ranks: int, resume: str = "") -> str:
+def llamafactory_config(paths: dict, deepspeed: str, output_dir: str, ranks: int, resume: str = "") -> str:
     """A `llamafactory-cli train` YAML: full SFT of the tiny model, `optim: adamw_bnb_8bit`, 6 steps of a global
-    batch of 8, a checkpoint at 3, fp32; its path."""
+    batch of 8, a checkpoint at 3, fp32, the DeepSpeed JSON paths[`deepspeed`]; its path."""
     lines = [f"model_name_or_path: {paths['model']}", "stage: sft", "do_train: true", "finetuning_type: full",
-             f"deepspeed: {paths[f'zero{stage}.json']}", "dataset: tiny", f"dataset_dir: {paths['lf_data']}",
+             f"deepspeed: {paths[deepspeed]}", "dataset: tiny", f"dataset_dir: {paths['lf_data']}",
              "template: empty", "cutoff_len: 64", "overwrite_cache: true", "preprocessing_num_workers: 1",
              f"output_dir: {output_dir}", "logging_steps: 1", "save_steps: 3",
              f"per_device_train_batch_size: {8 // ranks}", "learning_rate: 1.0e-3", "max_steps: 6",
              "optim: adamw_bnb_8bit", "report_to: none", "bf16: false", "use_cpu: true", "seed: 0"]
-    if resume:
-        lines.append(f"resume_from_checkpoint: {resume}")
-    path = output_dir + ".yaml"
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    return _write_yaml(lines, output_dir, resume)
 
 
 def write_axolotl_assets(folder: str) -> dict:
@@ -195,9 +218,4 @@ def axolotl_config(paths: dict, stage: int, output_dir: str, resume: str = "") -
              "learning_rate: 0.001", "lr_scheduler: constant",
              f"deepspeed: {paths[f'zero{stage}.json']}", f"output_dir: {output_dir}", "save_steps: 3",
              "logging_steps: 1", "bf16: false", "fp16: false", "tf32: false", "seed: 0", "val_set_size: 0"]
-    if resume:
-        lines.append(f"resume_from_checkpoint: {resume}")
-    path = output_dir + ".yaml"
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    return _write_yaml(lines, output_dir, resume)

@@ -80,7 +80,7 @@ LAUNCH_CALLS = ("torchrun", "run_ranks", "accelerate_launch")  # the suite's way
 LAUNCHERS = ("torch.distributed.run", "deepspeed.launcher", "accelerate.commands.launch",  # `python -m` launchers
              "--num_processes",  # a command that launches through accelerate (a framework's own CLI: trl sft)
              "FORCE_TORCHRUN",  # LLaMA-Factory's switch that makes llamafactory-cli start torchrun
-             "--nproc_per_node")  # torchrun's option, passed on by a framework's CLI (axolotl train --launcher torchrun)
+             "--nproc_per_node")  # torchrun's option, passed on by a framework's CLI (axolotl train)
 
 OUTSIDE_KINDS = "a test module outside the kind folders"
 DUPLICATE = "a test module whose name another test module has"
