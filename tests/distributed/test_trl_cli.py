@@ -67,6 +67,23 @@ def test_the_same_commands_without_deepspeed_bnb_cannot_resume_on_another_number
     assert "The checkpoint being loaded used a DP world size of 2 but the current world size is 1" in stock["one_log"]
 
 
+def test_zero3_steps_the_8bit_state_and_resumes_on_another_number_of_ranks(assets, tmp_path):
+    """The same two commands with ZeRO-3 in the Accelerate config: deepspeed_bnb's stage-3 optimizer, and the resume
+    on 1 rank of the 2-rank checkpoint tracks the run that never stopped (measured: 4.8e-7)."""
+    from conftest import free_port
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    rcs = []
+    for out, ranks, extra in ((two, 2, ()), (one, 1, ("--resume_from_checkpoint", os.path.join(two, "checkpoint-3")))):
+        argv = sft(assets, out, ranks, free_port(), extra)
+        argv[argv.index("--config_file") + 1] = assets["accelerate_zero3.yaml"]
+        rcs.append(framework_cli.run(argv, out + ".log", wrapped=True))
+    logs = [framework_cli.read(out + ".log") for out in (two, one)]
+    assert rcs == [0, 0], [log[-5000:] for log in logs]
+    assert "deepspeed_bnb's BnbZeroStage3Optimizer steps bitsandbytes.optim.adamw.AdamW's state under ZeRO stage 3" \
+        in logs[0], logs[0][-5000:]
+    assert framework_cli.resume_gap(two, one) < FP32_TOL  # steps 4-6 against the run that never stopped
+
+
 # TRL's (HF Trainer's) optimizer options for bnb and the settings frameworks pass along: the bnb class each builds
 OPTIONS = [("paged_adamw_8bit", (), "bitsandbytes.optim.adamw.AdamW"),
            ("lion_8bit", (), "bitsandbytes.optim.lion.Lion"),

@@ -34,8 +34,8 @@ same_network: true
 
 
 def write_assets(folder: str) -> dict:
-    """The model, the dataset, and the DeepSpeed and Accelerate configs (ZeRO-2, and ZeRO-2 with the optimizer
-    offloaded) under `folder`; their paths."""
+    """The model, the dataset, and the DeepSpeed and Accelerate configs (ZeRO-2, ZeRO-2 with the optimizer
+    offloaded, ZeRO-3) under `folder`; their paths."""
     from transformers import AddedToken, ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
     paths = {name: os.path.join(folder, name) for name in ("model", "data")}
     tokenizer = ByT5Tokenizer(eos_token=AddedToken("</s>", lstrip=False, rstrip=False))
@@ -51,9 +51,11 @@ def write_assets(folder: str) -> dict:
         for _ in range(96):
             text = " ".join(rng.choice(words) for _ in range(40))[:TEXT_BYTES].ljust(TEXT_BYTES, ".")
             f.write(json.dumps({"text": text}) + "\n")
-    # the same with the optimizer state offloaded to the CPU (ZeRO-Offload), zero_force_ds_cpu_optimizer left out
+    # the same with the optimizer state offloaded to the CPU (ZeRO-Offload), zero_force_ds_cpu_optimizer left out;
+    # and ZeRO-3
     offload = {**DEEPSPEED, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    for suffix, config in (("", DEEPSPEED), ("_offload", offload)):
+    zero3 = {**DEEPSPEED, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    for suffix, config in (("", DEEPSPEED), ("_offload", offload), ("_zero3", zero3)):
         paths[f"ds{suffix}.json"] = os.path.join(folder, f"ds{suffix}.json")
         paths[f"accelerate{suffix}.yaml"] = os.path.join(folder, f"accelerate{suffix}.yaml")
         with open(paths[f"ds{suffix}.json"], "w") as f:
