@@ -20,27 +20,30 @@ TESTED = {
 }
 
 
-def running(modules: Mapping[str, object] = sys.modules) -> Optional[Tuple[str, str]]:
-    """(distribution, installed release) of the framework this process runs, judged by what it has imported; None
-    when it runs none of them (a script of its own) or the release cannot be read."""
-    for name, (distribution, _) in TESTED.items():
+def _imported(modules: Mapping[str, object]) -> Optional[Tuple[str, str, Tuple[str, ...]]]:
+    """(distribution, installed release, tested releases) of the framework this process runs, judged by what it has
+    imported; None when it runs none of them (a script of its own) or the release cannot be read."""
+    for name, (distribution, tested) in TESTED.items():
         if name in modules:
             try:
-                return distribution, version(distribution)
+                return distribution, version(distribution), tested
             except PackageNotFoundError:  # imported from a source folder: no release to compare
                 return None
     return None
 
 
+def running(modules: Mapping[str, object] = sys.modules) -> Optional[Tuple[str, str]]:
+    """(distribution, installed release) of the framework this process runs; None as _imported says."""
+    found = _imported(modules)
+    return None if found is None else found[:2]
+
+
 def untested_release(modules: Mapping[str, object] = sys.modules) -> Optional[str]:
     """A sentence naming the framework release this process runs when it is not one the suite ran; None otherwise."""
-    found = running(modules)
-    if found is None:
+    found = _imported(modules)
+    if found is None or found[1] in found[2]:
         return None
-    distribution, release = found
-    tested = next(releases for dist, releases in TESTED.values() if dist == distribution)
-    if release in tested:
-        return None
+    distribution, release, tested = found
     return (f"deepspeed-bnb run: {distribution} {release} has not been tested with deepspeed_bnb (tested: "
             f"{', '.join(tested)}). deepspeed_bnb hooks DeepSpeed, not {distribution}, so it should work; if "
             f"{distribution} changed what it passes to DeepSpeed (its optimizer, its DeepSpeed config, how it "

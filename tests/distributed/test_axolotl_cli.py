@@ -28,7 +28,11 @@ def axolotl(tmp_path_factory):
         python = framework_cli.framework_python(framework_cli.AXOLOTL)
     except RuntimeError as exc:
         pytest.skip(str(exc))
-    return python, framework_cli.write_axolotl_assets(str(tmp_path_factory.mktemp("axolotl")))
+    return python, framework_cli.write_assets(str(tmp_path_factory.mktemp("axolotl")))
+
+
+# ZeRO stage -> the DeepSpeed JSON its runs read (on CPU ranks without train_batch_size: framework_cli says why)
+JSONS = {2: "ds_derived.json", 3: "ds_zero3_derived.json"}
 
 
 def train(axolotl, stage, name, ranks, wrapped, resume=""):
@@ -36,7 +40,7 @@ def train(axolotl, stage, name, ranks, wrapped, resume=""):
     from conftest import free_port
     python, paths = axolotl
     out = os.path.join(os.path.dirname(paths["model"]), name)
-    config = framework_cli.axolotl_config(paths, stage, out, resume)
+    config = framework_cli.axolotl_config(paths, JSONS[stage], out, resume)
     log = out + ".log"
     argv = ["axolotl", "train", config, "--launcher", "torchrun", "--",
             f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]

@@ -28,7 +28,7 @@ def llamafactory(tmp_path_factory):
 
 
 # ZeRO stage -> the DeepSpeed JSON its runs read (ZeRO-3 on CPU ranks: without train_batch_size, framework_cli says why)
-JSONS = {2: "zero2.json", 3: "derived_zero3.json"}
+JSONS = {2: "ds.json", 3: "ds_zero3_derived.json"}
 
 
 def train(llamafactory, stage, name, ranks, wrapped, resume="", deepspeed=None):
@@ -70,6 +70,6 @@ def test_zero3_with_an_auto_train_batch_size_stops_before_any_optimizer_on_cpu_r
     DeepSpeedConfig is built before the process group exists, against the Trainer's batch for 2 ranks
     ("8 != 4 * 1 * 1"); it stops there, before any optimizer. docs/clients.md says to leave the key out on CPU ranks;
     should a release fix it, this fails and the note can go."""
-    rc, log, _ = train(llamafactory, 3, "z3_auto_batch", 2, wrapped=True, deepspeed="zero3.json")
+    rc, log, _ = train(llamafactory, 3, "z3_auto_batch", 2, wrapped=True, deepspeed="ds_zero3.json")
     assert rc != 0 and "8 != 4 * 1 * 1" in log and "from_pretrained" in log, log[-5000:]
     assert "BnbZero" not in log  # it stopped before an optimizer was built

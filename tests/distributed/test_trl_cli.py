@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.multi_rank, pytest.mark.frameworks]
 FP32_TOL = 1e-5  # the project's bar for a resume at another size in fp32 (measured: 1e-6)
 
 
-def sft(assets, output_dir, ranks, port, extra=()):
-    return ["trl", "sft", "--config_file", assets["accelerate.yaml"], "--num_processes", str(ranks),
+def sft(assets, output_dir, ranks, port, extra=(), accelerate="accelerate.yaml"):
+    """The `trl sft` command: `ranks` ranks through the Accelerate config assets[`accelerate`]."""
+    return ["trl", "sft", "--config_file", assets[accelerate], "--num_processes", str(ranks),
             "--main_process_port", str(port), "--model_name_or_path", assets["model"], "--dataset_name",
             assets["data"], "--output_dir", output_dir, "--optim", "adamw_bnb_8bit", "--max_steps", "6",
             "--save_steps", "3", "--logging_steps", "1", "--report_to", "none", "--max_length", "64", "--packing",
@@ -74,8 +75,7 @@ def test_zero3_steps_the_8bit_state_and_resumes_on_another_number_of_ranks(asset
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
     rcs = []
     for out, ranks, extra in ((two, 2, ()), (one, 1, ("--resume_from_checkpoint", os.path.join(two, "checkpoint-3")))):
-        argv = sft(assets, out, ranks, free_port(), extra)
-        argv[argv.index("--config_file") + 1] = assets["accelerate_zero3.yaml"]
+        argv = sft(assets, out, ranks, free_port(), extra, accelerate="accelerate_zero3.yaml")
         rcs.append(framework_cli.run(argv, out + ".log", wrapped=True))
     logs = [framework_cli.read(out + ".log") for out in (two, one)]
     assert rcs == [0, 0], [log[-5000:] for log in logs]
@@ -115,8 +115,8 @@ def test_optimizer_offload_keeps_the_bnb_optimizer_without_a_config_change(asset
     Accelerate would replace the bnb optimizer by DeepSpeedCPUAdam (docs/clients.md); under `deepspeed-bnb run` rank 0
     says the bnb optimizer is kept and deepspeed_bnb's optimizer steps it, and the run trains."""
     from conftest import free_port
-    argv = sft(assets, str(tmp_path / "out"), 2, free_port(), ["--max_steps", "4", "--save_steps", "100"])
-    argv[argv.index("--config_file") + 1] = assets["accelerate_offload.yaml"]
+    argv = sft(assets, str(tmp_path / "out"), 2, free_port(), ["--max_steps", "4", "--save_steps", "100"],
+               accelerate="accelerate_offload.yaml")
     log = str(tmp_path / "run.log")
     rc = framework_cli.run(argv, log, wrapped=True)
     output = framework_cli.read(log)

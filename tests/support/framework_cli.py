@@ -19,6 +19,22 @@ TEXT_BYTES = 63
 DEEPSPEED = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
              "steps_per_print": 10**6}
+ZERO2 = {"stage": 2}
+ZERO3 = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+# name -> (zero_optimization, keys of DEEPSPEED left out)
+DEEPSPEED_CONFIGS = {
+    "ds": (ZERO2, ()),
+    "ds_offload": ({**ZERO2, "offload_optimizer": {"device": "cpu"}}, ()),  # zero_force_ds_cpu_optimizer left out
+    "ds_zero3": (ZERO3, ()),
+    # train_batch_size left to DeepSpeed, which derives it: on CPU ranks an "auto" one is filled for another number of
+    # ranks than DeepSpeed's batch check sees. Under LLaMA-Factory, transformers' from_pretrained enters ZeRO-3's
+    # zero.Init before the process group exists, where the check sees one rank against the Trainer's batch for all
+    # ("8 != 4 * 1 * 1"); under Axolotl, Accelerate counts one process (Axolotl makes its distributed state before
+    # DeepSpeed's process group, without Accelerate's cpu flag), so the Trainer fills it for one rank and the check
+    # stops every run at more ("4 != 4 * 1 * 2")
+    "ds_derived": (ZERO2, ("train_batch_size",)),
+    "ds_zero3_derived": (ZERO3, ("train_batch_size",)),
+}
 ACCELERATE = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
@@ -34,8 +50,8 @@ same_network: true
 
 
 def write_assets(folder: str) -> dict:
-    """The model, the dataset, and the DeepSpeed and Accelerate configs (ZeRO-2, ZeRO-2 with the optimizer
-    offloaded, ZeRO-3) under `folder`; their paths."""
+    """The model, the dataset, and each of DEEPSPEED_CONFIGS as NAME.json with an Accelerate config reading it
+    (accelerate_SUFFIX.yaml for ds_SUFFIX.json; accelerate.yaml for ds.json) under `folder`; their paths."""
     from transformers import AddedToken, ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
     paths = {name: os.path.join(folder, name) for name in ("model", "data")}
     tokenizer = ByT5Tokenizer(eos_token=AddedToken("</s>", lstrip=False, rstrip=False))
@@ -51,17 +67,14 @@ def write_assets(folder: str) -> dict:
         for _ in range(96):
             text = " ".join(rng.choice(words) for _ in range(40))[:TEXT_BYTES].ljust(TEXT_BYTES, ".")
             f.write(json.dumps({"text": text}) + "\n")
-    # the same with the optimizer state offloaded to the CPU (ZeRO-Offload), zero_force_ds_cpu_optimizer left out;
-    # and ZeRO-3
-    offload = {**DEEPSPEED, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    zero3 = {**DEEPSPEED, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
-    for suffix, config in (("", DEEPSPEED), ("_offload", offload), ("_zero3", zero3)):
-        paths[f"ds{suffix}.json"] = os.path.join(folder, f"ds{suffix}.json")
-        paths[f"accelerate{suffix}.yaml"] = os.path.join(folder, f"accelerate{suffix}.yaml")
-        with open(paths[f"ds{suffix}.json"], "w") as f:
-            json.dump(config, f)
-        with open(paths[f"accelerate{suffix}.yaml"], "w") as f:
-            f.write(ACCELERATE.format(deepspeed=paths[f"ds{suffix}.json"]))
+    for name, (zero, without) in DEEPSPEED_CONFIGS.items():
+        config = {key: value for key, value in DEEPSPEED.items() if key not in without}
+        paths[f"{name}.json"] = os.path.join(folder, f"{name}.json")
+        paths[f"accelerate{name[2:]}.yaml"] = os.path.join(folder, f"accelerate{name[2:]}.yaml")
+        with open(paths[f"{name}.json"], "w") as f:
+            json.dump({**config, "zero_optimization": zero}, f)
+        with open(paths[f"accelerate{name[2:]}.yaml"], "w") as f:
+            f.write(ACCELERATE.format(deepspeed=paths[f"{name}.json"]))
     return paths
 
 
@@ -151,22 +164,8 @@ def framework_python(framework) -> str:
     return python
 
 
-def write_zero_configs(paths: dict, folder: str, without=(), prefix: str = "zero") -> None:
-    """ZeRO-2 and ZeRO-3 DeepSpeed JSONs (no deepspeed_bnb key, nor the keys `without`) in `folder`, as
-    paths[f"{prefix}2.json"] and paths[f"{prefix}3.json"]."""
-    for stage in (2, 3):
-        name = f"{prefix}{stage}.json"
-        paths[name] = os.path.join(folder, name)
-        zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
-        config = {key: value for key, value in DEEPSPEED.items() if key not in without}
-        with open(paths[name], "w") as f:
-            json.dump({**config, "zero_optimization": zero}, f)
-
-
 def write_llamafactory_assets(folder: str) -> dict:
-    """An alpaca-format dataset registered in a dataset_info.json, and ZeRO-2 and ZeRO-3 DeepSpeed JSONs (no
-    deepspeed_bnb key; zero*.json with the Trainer's "auto" train_batch_size, derived_zero*.json without it) beside
-    write_assets()'s model."""
+    """write_assets(), and an alpaca-format dataset registered in a dataset_info.json."""
     paths = write_assets(folder)
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog while eight bit states stay whole".split()
@@ -178,11 +177,6 @@ def write_llamafactory_assets(folder: str) -> dict:
         json.dump(rows, f)
     with open(os.path.join(paths["lf_data"], "dataset_info.json"), "w") as f:
         json.dump({"tiny": {"file_name": "train.json"}}, f)
-    write_zero_configs(paths, folder)
-    # on CPU ranks transformers' from_pretrained enters zero.Init before the process group exists, where DeepSpeed's
-    # batch check sees one rank against the Trainer's "auto" train_batch_size for all ("8 != 4 * 1 * 1"): without
-    # the key DeepSpeed derives it, for one rank there and for all at deepspeed.initialize
-    write_zero_configs(paths, folder, without=("train_batch_size",), prefix="derived_zero")
     return paths
 
 
@@ -198,19 +192,10 @@ def llamafactory_config(paths: dict, deepspeed: str, output_dir: str, ranks: int
     return _write_yaml(lines, output_dir, resume)
 
 
-def write_axolotl_assets(folder: str) -> dict:
-    """write_assets()'s model and texts, and ZeRO-2 and ZeRO-3 JSONs without train_batch_size: on CPU ranks Accelerate
-    counts one process under Axolotl (its distributed state is made before DeepSpeed's process group, without
-    Accelerate's cpu flag), so the Trainer would fill an "auto" train_batch_size for one rank and DeepSpeed's batch
-    check would stop every run at more ("4 != 4 * 1 * 2"); left out, DeepSpeed derives it."""
-    paths = write_assets(folder)
-    write_zero_configs(paths, folder, without=("train_batch_size",))
-    return paths
-
-
-def axolotl_config(paths: dict, stage: int, output_dir: str, resume: str = "") -> str:
+def axolotl_config(paths: dict, deepspeed: str, output_dir: str, resume: str = "") -> str:
     """An `axolotl train` YAML: full fine-tuning of the tiny model on write_assets()'s texts as completions,
-    `optimizer: adamw_bnb_8bit`, 6 steps of micro batches of 4, a checkpoint at 3, fp32; its path. (Every rank trains
+    `optimizer: adamw_bnb_8bit`, 6 steps of micro batches of 4, a checkpoint at 3, fp32, the DeepSpeed JSON
+    paths[`deepspeed`]; its path. (Every rank trains
     on the same micro batches on CPU ranks, where Accelerate counts one process: the run is the same at any number of
     ranks, which is what a resume at another number is held to.)"""
     lines = [f"base_model: {paths['model']}", "datasets:", f"  - path: {os.path.join(paths['data'], 'train.jsonl')}",
@@ -218,6 +203,6 @@ def axolotl_config(paths: dict, stage: int, output_dir: str, resume: str = "") -
              f"dataset_prepared_path: {output_dir}_prepared", "sequence_len: 64", "sample_packing: false",
              "micro_batch_size: 4", "gradient_accumulation_steps: 1", "max_steps: 6", "optimizer: adamw_bnb_8bit",
              "learning_rate: 0.001", "lr_scheduler: constant",
-             f"deepspeed: {paths[f'zero{stage}.json']}", f"output_dir: {output_dir}", "save_steps: 3",
+             f"deepspeed: {paths[deepspeed]}", f"output_dir: {output_dir}", "save_steps: 3",
              "logging_steps: 1", "bf16: false", "fp16: false", "tf32: false", "seed: 0", "val_set_size: 0"]
     return _write_yaml(lines, output_dir, resume)
