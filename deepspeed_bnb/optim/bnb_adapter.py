@@ -16,8 +16,8 @@ import torch
 
 from deepspeed_bnb.ops import bnb_update, compensated
 from deepspeed_bnb.optim import batched_update
-from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, StateClassError, classify, \
-    zeros_like_partitioned
+from deepspeed_bnb.optim.flat_state import FlatKeys, stored_name
+from deepspeed_bnb.optim.state_classes import StateClass, StateClassError, classify
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment, uses_8bit_state
 
 if TYPE_CHECKING:
@@ -178,8 +178,8 @@ class BnbAdapter:
                     raise StateClassError(f"optimizer state key {name!r} of fp32-state parameters is one value per "
                                           f"256-element block; deepspeed_bnb packs fp32 state without block "
                                           f"alignment and cannot partition it.")
-                stored = name if (eight_bit or cls == StateClass.SCALAR) else FP32_PREFIX + name
-                keys.append(StateKey(name=name, stored_as=stored, cls=cls, eight_bit=eight_bit, template=value))
+                keys.append(StateKey(name=name, stored_as=stored_name(name, cls, eight_bit), cls=cls,
+                                     eight_bit=eight_bit, template=value))
             self._specs[eight_bit] = keys
         return self._specs[eight_bit]
 
@@ -193,44 +193,32 @@ class BnbAdapter:
         self.device = torch.device(device)
         state = {"step": 0}  # a partition of pure padding still counts steps like its peers
         fp32_numel = sum(s.numel for s in segments if not s.eight_bit)
-        for eight_bit, length in ((True, partition_size), (False, fp32_numel)):
+        for eight_bit in (True, False):
             if eight_bit not in group_eight_bit:
                 continue
-            for key in self.state_keys(group, gindex, eight_bit, device):
-                value = key.template
-                if key.cls.partitioned:
-                    state[key.stored_as] = zeros_like_partitioned(key.cls, value, length, device)
-                elif key.cls == StateClass.WHOLE:
-                    state[key.stored_as] = value.to(device)
-                elif key.cls == StateClass.SCALAR:
-                    state[key.stored_as] = value
-                else:
-                    self._scratch[key.name] = value.to(device)
+            keys = self.state_keys(group, gindex, eight_bit, device)
+            stored = [key for key in keys if key.cls != StateClass.SCRATCH]
+            self._scratch.update({key.name: key.template.to(device) for key in keys if key.cls == StateClass.SCRATCH})
+            flat = FlatKeys({key.stored_as: key.cls for key in stored})
+            state.update(flat.zeros({key.stored_as: key.template for key in stored}, partition_size, fp32_numel,
+                                    device))
         return state
 
-    def stored_classes(self, state: dict) -> Dict[str, StateClass]:
-        """Class of every key in a flat state (SCRATCH keys are never stored)."""
+    def stored_classes(self, state: dict) -> FlatKeys:
+        """The keys of a flat state and their classes (SCRATCH keys are never stored)."""
         classes = {"step": StateClass.SCALAR}
         for keys in self._specs.values():
             for key in keys:
                 if key.stored_as in state:
                     classes[key.stored_as] = key.cls
-        return classes
+        return FlatKeys(classes)
 
     def _segment_state(self, state: dict, segment: Segment, step) -> dict:
-        views = {}
-        for key in self._specs[segment.eight_bit]:
-            if key.cls == StateClass.SCRATCH:
-                views[key.name] = self._scratch[key.name]
-                continue
-            stored = state[key.stored_as]
-            if key.cls.partitioned:
-                start = segment.offset if segment.eight_bit else segment.fp32_offset
-                views[key.name] = key.cls.narrow(stored, start, segment.numel)
-            elif key.cls == StateClass.SCALAR:
-                views[key.name] = step if key.name == "step" else stored
-            else:
-                views[key.name] = stored
+        """bnb's state dict of one segment: views into the flat state, the step bnb's update reads, its scratch."""
+        views = self.stored_classes(state).views(state, segment)
+        views["step"] = step
+        views.update({key.name: self._scratch[key.name] for key in self._specs[segment.eight_bit]
+                      if key.cls == StateClass.SCRATCH})
         return views
 
     @torch.no_grad()

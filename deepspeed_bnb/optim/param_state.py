@@ -157,6 +157,10 @@ class ParamState(Mapping):
         keys = ", ".join(f"{k}: {self.classes[k].value}" for k in self.values)
         return f"ParamState(numel={self.numel}, {'8-bit' if self.eight_bit else '32-bit'}, {{{keys}}})"
 
+    def whole(self) -> Dict[str, object]:
+        """The whole keys' values (the maps: the same for every parameter of the optimizer)."""
+        return {k: v for k, v in self.values.items() if self.classes[k] == StateClass.WHOLE}
+
     @property
     def eight_bit(self) -> bool:
         return any(self._is_codes(k) for k in self.values)

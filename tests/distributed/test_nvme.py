@@ -28,7 +28,8 @@ import pytest
 from conftest import ROOT, torchrun, without_launch_vars
 from support import background
 from support.nvme_scenarios import KINDS, LOADERS_ELSEWHERE, SAVE_AT
-from support.release_limits import FIRST_CPU_SWAPPING, NO_CPU_SWAPPING
+from support import async_io
+from support.async_io import aio_missing, require_aio
 
 BF16_TOL = 5e-3  # as test_elastic.py: a change of DP size under bf16
 
@@ -48,34 +49,6 @@ def nvme_benchmark():
     """The benchmark's results (its job is queued early where a collected test uses this fixture)."""
     require_aio()
     return background.json_result(NVME_BENCHMARK, "out", "nvme_offload.json")["results"]
-
-
-LIBAIO_HEADER = "/usr/include/libaio.h"  # where libaio-dev puts its header on Debian/Ubuntu
-
-
-def aio_missing():
-    """Why NVMe offload cannot run here, or None: this DeepSpeed's swappers cannot run on CPU ranks
-    (support/release_limits.py), or its async_io op cannot be built."""
-    import deepspeed
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-    from packaging.version import Version
-    if Version(Version(deepspeed.__version__).base_version) < Version(FIRST_CPU_SWAPPING):
-        return f"DeepSpeed {deepspeed.__version__}'s {NO_CPU_SWAPPING}"
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        if os.path.isfile(LIBAIO_HEADER):  # the builder's own compile-and-link check failed
-            return (f"DeepSpeed {deepspeed.__version__}'s async_io builder finds no usable libaio although "
-                    f"{LIBAIO_HEADER} is installed (its check compiles and links a call of io_submit): see "
-                    f"`python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder as B; "
-                    f"B().is_compatible(verbose=True)'`")
-        return ("NVMe offload needs DeepSpeed's async_io op, which needs libaio's headers and library: install them "
-                "(Debian/Ubuntu: `apt-get install libaio-dev`; `make test` does so when run as root), then rerun")
-    return None
-
-
-def require_aio() -> None:
-    missing = aio_missing()
-    if missing:
-        pytest.skip(missing)
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +99,10 @@ def test_checkpoints_load_at_dp1(results, saved, loader):
 def test_without_libaio_the_skip_names_the_package(monkeypatch):
     from deepspeed.ops.op_builder import AsyncIOBuilder
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
-    monkeypatch.setattr(sys.modules[__name__], "FIRST_CPU_SWAPPING", "0.0")  # any release reaches the libaio check
-    monkeypatch.setattr(sys.modules[__name__], "LIBAIO_HEADER", os.path.join(os.path.dirname(__file__), "no-libaio.h"))
+    monkeypatch.setattr(async_io, "FIRST_CPU_SWAPPING", "0.0")  # any release reaches the libaio check
+    monkeypatch.setattr(async_io, "LIBAIO_HEADER", os.path.join(os.path.dirname(__file__), "no-libaio.h"))
     assert "apt-get install libaio-dev" in aio_missing()
-    monkeypatch.setattr(sys.modules[__name__], "LIBAIO_HEADER", __file__)  # a header that is there: a failed build
+    monkeypatch.setattr(async_io, "LIBAIO_HEADER", __file__)  # a header that is there: a failed build
     assert "finds no usable libaio although" in aio_missing() and "apt-get" not in aio_missing()
     monkeypatch.undo()
     real = aio_missing()  # control: the real check answers too (None, libaio, or this DeepSpeed's CPU limit)

@@ -22,7 +22,7 @@ from deepspeed_bnb.checkpoint.format.records import GroupRecord, SavedPart, chec
 from deepspeed_bnb.checkpoint.format.safe_load import TRUST_ENV, load_file, trusted
 from deepspeed_bnb.checkpoint.format.sources import FileSource
 from deepspeed_bnb.optim.param_state import ParamState
-from deepspeed_bnb.optim.state_classes import StateClass
+from deepspeed_bnb.optim.flat_state import FlatKeys
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout, layout_from_dict
 
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d\d+)_optim_states\.pt$")
@@ -236,8 +236,8 @@ class SavedCheckpoint:
         """GroupLayout (stage 1/2) or ShardedLayout (stage 3) of group g as saved."""
         return layout_from_dict(self.groups[g][C.LAYOUT_KEY])
 
-    def key_classes(self, g: int) -> Dict[str, StateClass]:
-        return {k: StateClass(v) for k, v in self.groups[g][C.KEY_CLASSES_KEY].items()}
+    def key_classes(self, g: int) -> FlatKeys:
+        return FlatKeys(self.groups[g][C.KEY_CLASSES_KEY])
 
     def parts(self, g: int) -> List[SavedPart]:
         """The saved partitionings of group g: one over every rank file, or, in an expert group (DeepSpeed MoE), one
@@ -289,8 +289,7 @@ class SavedCheckpoint:
 
     def param_states(self, g: int) -> List[ParamState]:
         """The state of every parameter of group g, part by part (see param_state.gather_param_states)."""
-        whole = {k: v for k, v in self.groups[g][C.STATE_KEY].items()
-                 if self.key_classes(g).get(k) == StateClass.WHOLE}
+        whole = self.key_classes(g).whole(self.groups[g][C.STATE_KEY])  # saved once, by rank 0
         out = []
         for part in self.parts(g):
             states = [{**self.record(rank)[C.GROUPS_KEY][g][C.STATE_KEY], **whole} for rank in part.files]

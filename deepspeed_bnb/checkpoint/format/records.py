@@ -19,7 +19,8 @@ from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelP
 from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
+from deepspeed_bnb.optim.flat_state import FlatKeys, in_fp32_space
+from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.state_layout import GroupLayout, layout_from_dict
 
 
@@ -31,30 +32,26 @@ class GroupRecord:
     layout: GroupLayout  # block-aligned flat layout of the group
     param_names: List[str]  # model parameter names in flat order
     eight_bit: List[bool]  # per parameter in flat order: 8-bit state (True) or fp32 state (False)
-    key_classes: Dict[str, StateClass]  # flat-state key -> class (the same on every rank)
+    key_classes: FlatKeys  # flat-state key -> class (the same on every rank)
     state: dict  # the flat state of this rank's partition (live tensors, loaded in place)
     master: Optional[torch.Tensor] = None  # this rank's master-weight partition, fp32 or bf16 (loaded in place)
     master_error: Optional[torch.Tensor] = None  # its int8 error term where the master weights are "bf16+8"
     master_layout: Optional[object] = None  # layout of the master weights as saved, when not `layout` (ZeRO-3)
     expert: Optional[ExpertPlacement] = None  # an expert group's placement (DeepSpeed MoE); param_names are global
 
+    def __post_init__(self):
+        self.key_classes = FlatKeys.of(self.key_classes)  # a plain key -> class mapping is accepted
+
 
 def empty_group_record(layout: GroupLayout, rank: int, param_names: Sequence[str], eight_bit: Sequence[bool],
                        key_classes: Dict[str, StateClass], templates: dict, hyperparams: dict) -> GroupRecord:
     """A zero GroupRecord for `rank` of `layout`, its tensors shaped like `templates` (rows, dtype; whole tensors and
     scalars are copied): what offline writers fill before build_record."""
-    fp32_numel = layout.fp32_numel(rank, eight_bit)
-    state = {}
-    for key, cls in key_classes.items():
-        value = templates[key]
-        length = fp32_numel if key.startswith(FP32_PREFIX) else layout.partition_size
-        if cls.partitioned:
-            state[key] = zeros_like_partitioned(cls, value, length, device="cpu")
-        else:
-            state[key] = value.clone() if torch.is_tensor(value) else value
+    keys = FlatKeys.of(key_classes)
+    state = keys.zeros(templates, layout.partition_size, layout.fp32_numel(rank, eight_bit))
     return GroupRecord(hyperparams={**{k: v for k, v in hyperparams.items() if k != "params"}, "params": []},
                        layout=layout, param_names=list(param_names), eight_bit=list(eight_bit),
-                       key_classes=dict(key_classes), state=state,
+                       key_classes=keys, state=state,
                        master=torch.zeros(layout.partition_size, dtype=torch.float32))
 
 
@@ -78,8 +75,7 @@ def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups
             C.PARAM_NAMES_KEY: list(g.param_names),
             C.EIGHT_BIT_KEY: list(g.eight_bit),
             C.KEY_CLASSES_KEY: {k: cls.value for k, cls in g.key_classes.items()},
-            C.STATE_KEY: {k: v for k, v in g.state.items()
-                          if k in g.key_classes and (dp_rank == 0 or g.key_classes[k] != StateClass.WHOLE)},
+            C.STATE_KEY: FlatKeys.of(g.key_classes).saved_by(g.state, dp_rank),
             **({C.MASTER_LAYOUT_KEY: g.master_layout.to_dict()} if g.master_layout is not None else {}),
             **({C.EXPERTS_KEY: g.expert.to_dict()} if g.expert is not None else {}),
         } for g in groups],
@@ -423,7 +419,7 @@ def check_saved_records(source, optimizer_class: Optional[str] = None) -> None:
 
     groups = []  # per group: key classes, meta-device state, saved parts
     for g, saved in enumerate(first[C.GROUPS_KEY]):
-        classes = {k: StateClass(v) for k, v in saved[C.KEY_CLASSES_KEY].items()}
+        classes = FlatKeys(saved[C.KEY_CLASSES_KEY])
         state = {}
         for key, cls in classes.items():
             value = saved[C.STATE_KEY].get(key)
@@ -490,23 +486,19 @@ def _check_saved_state(saved: dict, live: GroupRecord, part: SavedPart, rank: in
             _expect(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                     f"{where}: state {key!r} should be a number, not {str(value)[:80]}.")
             continue
-        length = cls.length(fp32_numel if key.startswith(FP32_PREFIX) else old.partition_size, old.block)
+        length = live.key_classes.length(key, old.partition_size, fp32_numel)
         _check_tensor(value, (*target.shape[:-1], length), target.dtype, f"{where}: state {key!r}")
 
 
 def _apply_group(g: int, live: GroupRecord, runs: Sequence[Run], record) -> None:
     first = record(0)[C.GROUPS_KEY][g]
-    for key, cls in live.key_classes.items():
-        if cls == StateClass.SCALAR:
-            live.state[key] = first[C.STATE_KEY][key]
-        elif cls == StateClass.WHOLE:
-            live.state[key].copy_(first[C.STATE_KEY][key])
-        else:
-            fp32_space = key.startswith(FP32_PREFIX)
-            mine = [run for run in runs if live.eight_bit[run.slot] != fp32_space]
-            live.state[key].zero_()
-            copy_runs(live.state[key], lambda rank: record(rank)[C.GROUPS_KEY][g][C.STATE_KEY][key], mine, cls,
-                      fp32_space)
+
+    def copy_partitioned(key: str, cls: StateClass, tensor: torch.Tensor) -> None:
+        fp32_space = in_fp32_space(key)
+        mine = [run for run in runs if live.eight_bit[run.slot] != fp32_space]
+        copy_runs(tensor, lambda rank: record(rank)[C.GROUPS_KEY][g][C.STATE_KEY][key], mine, cls, fp32_space)
+
+    live.key_classes.load(live.state, first[C.STATE_KEY], copy_partitioned)
     # the group's structure stays the engine's: its parameters, and an expert group's name and mark (DeepSpeed finds
     # the expert-data-parallel group by the name, which changes with the expert-parallel size)
     kept = {k: live.hyperparams[k] for k in ("params", "name", "moe") if k in live.hyperparams} \

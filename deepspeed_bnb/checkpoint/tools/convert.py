@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.format.param_state import held_keys, scatter_param_states
+from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
@@ -31,6 +31,7 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim import master_weights
+from deepspeed_bnb.optim.flat_state import FlatKeys
 from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
@@ -104,7 +105,7 @@ def _stock_hyperparams(ckpt: SavedCheckpoint, g: int) -> dict:
     return dict(params)  # elastic stock checkpoints keep no param groups: the ds_config's optimizer section
 
 
-def target_keys(adapter, group: dict, eight_bit) -> Tuple[dict, dict]:
+def target_keys(adapter, group: dict, eight_bit) -> Tuple[FlatKeys, dict]:
     """The target optimizer's state keys for the precisions in `eight_bit`: stored name -> class, and -> template."""
     key_classes, templates = {}, {}
     for precision in sorted(set(eight_bit)):
@@ -113,7 +114,7 @@ def target_keys(adapter, group: dict, eight_bit) -> Tuple[dict, dict]:
                 continue
             key_classes[key.stored_as] = key.cls
             templates[key.stored_as] = key.template
-    return key_classes, templates
+    return FlatKeys(key_classes), templates
 
 
 def group_filler(plans, shapes, stage: int, dp: int):
@@ -257,7 +258,7 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         # an 8-bit universal source of the same update rule: each parameter's state as saved, where the target holds
         # it at the same precision with the same maps (bit for bit; anything else goes through its moments)
         saved = ckpt.param_states(g) if carries_over else [None] * len(eight_bit)
-        kept = [state is not None and state.eight_bit == is8 and set(state) == held_keys(key_classes, is8) and all(
+        kept = [state is not None and state.eight_bit == is8 and set(state) == key_classes.held(is8) and all(
             torch.equal(state[name], qmap) for name, qmap in qmaps.items() if name in state)
             for state, is8 in zip(saved, eight_bit)]
         if moments is None:

@@ -19,7 +19,8 @@ import torch
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
-from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
+from deepspeed_bnb.optim.flat_state import FlatKeys, bnb_name
+from deepspeed_bnb.optim.state_classes import StateClass
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2: quantization tensors
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")  # where training scripts put optimizer.state_dict()
@@ -152,16 +153,14 @@ class BnbRun(RanklessSource):
     def master_weights(self, g: int) -> List[torch.Tensor]:
         return [self.weights[name].reshape(-1).float() for name in self.names[self.group_slice(g)]]
 
-    def param_states(self, g: int, key_classes: Dict[str, StateClass], templates: dict) -> List[dict]:
+    def param_states(self, g: int, key_classes: FlatKeys, templates: dict) -> List[dict]:
         """The group's per-parameter states shaped for scatter_param_states, each checked against the target class's
         keys, and its tensors against the templates' rows and dtypes and the parameter's size."""
         out = []
         for name, state in zip(self.names[self.group_slice(g)], self.states[self.group_slice(g)]):
             numel = self.weights[name].numel()
             eight_bit = state["state1"].dtype == torch.uint8
-            wanted = {k[len(FP32_PREFIX):] if k.startswith(FP32_PREFIX) else k: (k, cls)
-                      for k, cls in key_classes.items()
-                      if (not k.startswith(FP32_PREFIX)) == eight_bit or cls == StateClass.SCALAR}
+            wanted = {bnb_name(k): (k, key_classes[k]) for k in key_classes.of_precision(eight_bit)}
             flat = {}
             for key, (stored, cls) in wanted.items():
                 if key not in state:
@@ -225,8 +224,8 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
         key_classes, templates = target_keys(adapter, group, eight_bit)
         per_param = run.param_states(g, key_classes, templates)
         for state, name in zip(per_param, group_shapes):  # 8-bit codes mean what the target's maps say
-            for key, cls_ in key_classes.items():
-                if cls_ == StateClass.WHOLE and key in state and not torch.equal(state[key], templates[key]):
+            for key, template in key_classes.whole(templates).items():
+                if key in state and not torch.equal(state[key], template):
                     raise CheckpointMismatchError(f"{optimizer_path}: parameter {name} has a {key} that differs from "
                                                   f"{optimizer_class}'s; its codes cannot be carried over.")
         hyperparams = {**{k: v for k, v in group.items() if k != "params"}, **run.hyperparams(g)}

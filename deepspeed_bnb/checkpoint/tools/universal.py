@@ -35,7 +35,6 @@ from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 from deepspeed_bnb.optim.param_state import ParamState
-from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, TRUST_RATIO_RULES
 
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
@@ -102,8 +101,7 @@ def _write_8bit_files(ckpt: SavedCheckpoint, record: dict, staged: str, progress
                                                  disable=not progress):
             folder = _parameter_folder(staged, name, ckpt)
             torch.save({PARAM: master.reshape(shape).clone()}, os.path.join(folder, "fp32.pt"))
-            shared = [k for k, cls in state.classes.items() if cls == StateClass.WHOLE
-                      and torch.equal(whole.setdefault(k, state[k]), state[k])]
+            shared = [k for k, value in state.whole().items() if torch.equal(whole.setdefault(k, value), value)]
             os.makedirs(os.path.join(folder, BNB_DIR))
             torch.save(state.to_record(leave_out=shared), os.path.join(folder, BNB_DIR, BNB_STATE))
         groups.append(record[C.GROUPS_KEY][g][C.HYPERPARAMS_KEY])

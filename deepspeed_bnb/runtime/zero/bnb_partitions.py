@@ -25,7 +25,6 @@ from deepspeed_bnb.optim.fused import route as fused_route
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.optim.fused.route import Route, describe_routes
 from deepspeed_bnb.optim.master_weights import MasterWeights, resolve
-from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.zero.compat import BF16_MASTER_VALIDATORS, autocast_gradscaler, by_name, \
     require_bf16_master
 from deepspeed_bnb.runtime.zero.config import BnbSettings
@@ -251,8 +250,7 @@ class BnbPartitionsMixin:
 
     def _bnb_check_whole_state(self, records: List[GroupRecord]) -> None:
         # Whole tensors are saved once (by rank 0) for all ranks: make sure they really are the same everywhere.
-        keys = [(g, key) for g, record in enumerate(records) for key in sorted(record.state)
-                if record.key_classes.get(key) == StateClass.WHOLE]
+        keys = [(g, key) for g, record in enumerate(records) for key in sorted(record.key_classes.whole(record.state))]
         if not keys:
             return
         mine = torch.tensor([zlib.crc32(records[g].state[key].detach().cpu().contiguous().view(torch.uint8)

@@ -22,13 +22,10 @@ from typing import List, Optional
 from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 
-from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.runtime.swap_tensor.bnb_state_swapper import BnbStateSwapper, NVMeSwapError, file_size, release
 from deepspeed_bnb.runtime.zero import compat
 
 SWAP_SUBFOLDER = os.path.join("zero_stage_3", "bnb_state")  # under nvme_path, beside DeepSpeed's "optimizer"
-SWAPPED = tuple(cls for cls in StateClass if cls.partitioned)  # state classes written to NVMe (whole tensors and
-# scalars stay)
 SHOWN = 3  # swap failures named per rank in the error (the rest counted)
 
 
@@ -99,10 +96,10 @@ class BnbNVMeStateMixin:
         return self.bnb_swapper is not None and self._swappable_optimizer_subgroup(i)
 
     def _bnb_swapped_state(self, i: int) -> dict:
-        """The tensors of sub-group i's bnb state that live on NVMe, by key."""
+        """The tensors of sub-group i's bnb state that live on NVMe, by key: the partitioned ones (whole tensors and
+        scalars stay in memory)."""
         state = self.optimizer.state.get(self.fp32_partitioned_groups_flat[i], {})
-        classes = self.bnb.stored_classes(state) if state else {}
-        return {key: value for key, value in state.items() if classes.get(key) in SWAPPED}
+        return self.bnb.stored_classes(state).partitioned(state) if state else {}
 
     @contextlib.contextmanager
     def _bnb_state_resident(self, i: int, read_only: bool = False):

@@ -38,7 +38,6 @@ from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelP
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
@@ -392,8 +391,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                     states.append(state)
                     masters.append(master)
             classes = self.bnb.stored_classes(states[0])
-            state = {key: _joined([s[key] for s in states]) if classes[key].partitioned else states[0][key]
-                     for key in states[0] if key in classes}
+            state = classes.join(states)
             master = _joined(masters)
             error = _joined([self.bnb_master_errors[i] for i in subs]) if self.bnb_master.compensated else None
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[gindex], layout=layout,
@@ -422,20 +420,10 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         """Sub-group i's part of a loaded group record, from `offset` (8-bit and master) / `fp32_offset` (fp32 state)
         on, written into its state and master weights."""
         partition = self.fp32_partitioned_groups_flat[i]
-        state = self.optimizer.state[partition]
         size = self.bnb_layouts[i].partition_size
         fp32_size = sum(s.numel for s in self.bnb_segments[i] if not s.eight_bit)
-        for key, cls in record.key_classes.items():
-            saved = record.state[key]
-            if cls == StateClass.SCALAR:
-                state[key] = saved
-            elif saved is state[key]:
-                continue  # a param group of one sub-group is loaded in place
-            elif cls.partitioned:
-                start, length = (fp32_offset, fp32_size) if key.startswith(FP32_PREFIX) else (offset, size)
-                state[key].copy_(cls.narrow(saved, start, length))
-            else:
-                state[key].copy_(saved)
+        record.key_classes.cut_into(self.optimizer.state[partition], record.state, offset, size, fp32_offset,
+                                    fp32_size)
         if record.master.data_ptr() != partition.data_ptr():  # several sub-groups: a joined copy
             partition.data.copy_(record.master.narrow(0, offset, size))
             if record.master_error is not None:
