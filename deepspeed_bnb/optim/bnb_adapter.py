@@ -10,7 +10,7 @@ config overrides) is decided here per *model* parameter, once, before ZeRO repla
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,7 +132,7 @@ class BnbAdapter:
         self._current_override: dict = {}
         optimizer.get_config = self._get_config  # instance attribute: bnb's init_state/update_step call it
         self._specs: Dict[bool, List[StateKey]] = {}
-        self._scratch: Dict[str, torch.Tensor] = {}
+        self._scratch: Dict[bool, Dict[str, torch.Tensor]] = {}  # precision -> bnb's scratch keys (never stored)
 
     def _get_config(self, gindex, pindex, group):
         config = self._bnb_get_config(gindex, pindex, group)
@@ -191,18 +191,23 @@ class BnbAdapter:
         or unused tensors), so all ranks hold the same keys and whole tensors exist on rank 0 for checkpoints.
         """
         self.device = torch.device(device)
+        keys, templates = self.flat_keys(group, gindex, group_eight_bit, device)
+        for eight_bit in set(group_eight_bit):
+            self._scratch[eight_bit] = {key.name: key.template.to(device) for key in self._specs[eight_bit]
+                                        if key.cls == StateClass.SCRATCH}
         state = {"step": 0}  # a partition of pure padding still counts steps like its peers
-        fp32_numel = sum(s.numel for s in segments if not s.eight_bit)
-        for eight_bit in (True, False):
-            if eight_bit not in group_eight_bit:
-                continue
-            keys = self.state_keys(group, gindex, eight_bit, device)
-            stored = [key for key in keys if key.cls != StateClass.SCRATCH]
-            self._scratch.update({key.name: key.template.to(device) for key in keys if key.cls == StateClass.SCRATCH})
-            flat = FlatKeys({key.stored_as: key.cls for key in stored})
-            state.update(flat.zeros({key.stored_as: key.template for key in stored}, partition_size, fp32_numel,
-                                    device))
+        state.update(keys.zeros(templates, partition_size, sum(s.numel for s in segments if not s.eight_bit), device))
         return state
+
+    def flat_keys(self, group: dict, gindex: int, eight_bit: Iterable[bool], device) -> Tuple[FlatKeys, dict]:
+        """The keys a flat partition holds for parameters of the precisions in `eight_bit` (8-bit ones first), and
+        bnb's probe tensor of each (rows, dtype, whole values): scratch keys are never stored."""
+        classes, templates = {}, {}
+        for precision in sorted(set(eight_bit), reverse=True):
+            for key in self.state_keys(group, gindex, precision, device):
+                if key.cls != StateClass.SCRATCH:
+                    classes[key.stored_as], templates[key.stored_as] = key.cls, key.template
+        return FlatKeys(classes), templates
 
     def stored_classes(self, state: dict) -> FlatKeys:
         """The keys of a flat state and their classes (SCRATCH keys are never stored)."""
@@ -217,8 +222,7 @@ class BnbAdapter:
         """bnb's state dict of one segment: views into the flat state, the step bnb's update reads, its scratch."""
         views = self.stored_classes(state).views(state, segment)
         views["step"] = step
-        views.update({key.name: self._scratch[key.name] for key in self._specs[segment.eight_bit]
-                      if key.cls == StateClass.SCRATCH})
+        views.update(self._scratch[segment.eight_bit])
         return views
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ import torch
 
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states, scatter_param_states
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.flat_state import FlatKeys, bnb_name, stored_name
+from deepspeed_bnb.optim.flat_state import bnb_name, stored_name
 from deepspeed_bnb.optim.param_state import ParamState, Requantization
 from deepspeed_bnb.optim.state_classes import REGISTRY, StateClass
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout
@@ -40,10 +40,7 @@ def bnb_run(factory, steps=3, seed=0):
 def flat_keys(optimizer, eight_bit):
     """The flat keys and templates a live partition of this group holds (what the engine's adapter probes)."""
     adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
-    group = optimizer.param_groups[0]
-    specs = [k for e in sorted(set(eight_bit)) for k in adapter.state_keys(group, 0, e, "cpu")
-             if k.cls != StateClass.SCRATCH]
-    return FlatKeys({k.stored_as: k.cls for k in specs}), {k.stored_as: k.template for k in specs}
+    return adapter.flat_keys(optimizer.param_groups[0], 0, eight_bit, "cpu")
 
 
 FACTORIES = {

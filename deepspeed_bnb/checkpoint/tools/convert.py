@@ -31,8 +31,6 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.flat_state import FlatKeys
-from deepspeed_bnb.optim.state_classes import StateClass
 from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
@@ -103,18 +101,6 @@ def _stock_hyperparams(ckpt: SavedCheckpoint, g: int) -> dict:
         return {k: v for k, v in base["param_groups"][g].items() if k != "params"}
     params = ckpt.source.blob(0).get("ds_config", {}).get("optimizer", {}).get("params", {})
     return dict(params)  # elastic stock checkpoints keep no param groups: the ds_config's optimizer section
-
-
-def target_keys(adapter, group: dict, eight_bit) -> Tuple[FlatKeys, dict]:
-    """The target optimizer's state keys for the precisions in `eight_bit`: stored name -> class, and -> template."""
-    key_classes, templates = {}, {}
-    for precision in sorted(set(eight_bit)):
-        for key in adapter.state_keys(group, 0, precision, "cpu"):
-            if key.cls == StateClass.SCRATCH:  # rebuilt by every step, never stored (LAMB's, LARS' unorm_vec)
-                continue
-            key_classes[key.stored_as] = key.cls
-            templates[key.stored_as] = key.template
-    return FlatKeys(key_classes), templates
 
 
 def group_filler(plans, shapes, stage: int, dp: int):
@@ -252,7 +238,7 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         if to == "8bit" and not can_8bit:
             raise ValueError(f"convert --to 8bit: {target} keeps 32-bit state; pass an 8-bit class such as "
                              f"{DEFAULT_CLASS['8bit']}")
-        key_classes, templates = target_keys(adapter, group, eight_bit)
+        key_classes, templates = adapter.flat_keys(group, 0, eight_bit, "cpu")
         per_param = []
         qmaps = {name: templates[name] for name in ("qmap1", "qmap2") if name in templates}
         # an 8-bit universal source of the same update rule: each parameter's state as saved, where the target holds

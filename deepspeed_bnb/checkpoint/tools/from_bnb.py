@@ -201,7 +201,7 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
                      allow_large_dp: bool = False) -> str:
     """Write a plain bnb run (optimizer state dict + weights) as a deepspeed_bnb checkpoint for `dp` ranks at ZeRO
     `stage`; returns a report line."""
-    from deepspeed_bnb.checkpoint.tools.convert import _build, _load_class, group_filler, target_keys
+    from deepspeed_bnb.checkpoint.tools.convert import _build, _load_class, group_filler
     from deepspeed_bnb.checkpoint.tools.rank_files import check_dp
     from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
     from deepspeed_bnb.state_layout import BLOCK_SIZE
@@ -221,7 +221,7 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
         if len(steps) > 1:  # a ZeRO partition steps its parameters together
             raise CheckpointMismatchError(f"{optimizer_path}: the parameters of param group {g} are at different "
                                           f"steps {sorted(steps)}; ZeRO keeps one step per param group.")
-        key_classes, templates = target_keys(adapter, group, eight_bit)
+        key_classes, templates = adapter.flat_keys(group, 0, eight_bit, "cpu")
         per_param = run.param_states(g, key_classes, templates)
         for state, name in zip(per_param, group_shapes):  # 8-bit codes mean what the target's maps say
             for key, template in key_classes.whole(templates).items():
