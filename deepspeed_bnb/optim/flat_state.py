@@ -16,7 +16,7 @@ import torch
 
 from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX, StateClass, zeros_like_partitioned
-from deepspeed_bnb.state_layout import Segment
+from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment
 
 
 def bnb_name(stored: str) -> str:
@@ -81,10 +81,10 @@ class FlatKeys(Mapping):
 
     # ---- sizes -----------------------------------------------------------------------------------------------------
 
-    def length(self, key: str, partition_size: int, fp32_numel: int) -> Optional[int]:
+    def length(self, key: str, partition_size: int, fp32_numel: int, block: int = BLOCK_SIZE) -> Optional[int]:
         """The last dimension of a partitioned key for a partition of `partition_size` elements whose fp32 pieces
         hold `fp32_numel`; None for a key that does not follow the partition (whole, scalar)."""
-        return self._classes[key].length(fp32_numel if in_fp32_space(key) else partition_size)
+        return self._classes[key].length(fp32_numel if in_fp32_space(key) else partition_size, block)
 
     def zeros(self, templates: Mapping, partition_size: int, fp32_numel: int, device=None) -> dict:
         """Zero flat state for such a partition, shaped like `templates` (bnb's tensors for a probe: rows, dtype);

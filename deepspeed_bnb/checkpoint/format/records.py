@@ -486,7 +486,7 @@ def _check_saved_state(saved: dict, live: GroupRecord, part: SavedPart, rank: in
             _expect(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                     f"{where}: state {key!r} should be a number, not {str(value)[:80]}.")
             continue
-        length = live.key_classes.length(key, old.partition_size, fp32_numel)
+        length = live.key_classes.length(key, old.partition_size, fp32_numel, old.block)
         _check_tensor(value, (*target.shape[:-1], length), target.dtype, f"{where}: state {key!r}")
 
 
