@@ -76,9 +76,12 @@ inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale,
 }
 
 // codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,
-// by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once).
-inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const float* x, float reciprocal_absmax,
-                       uint8_t* codes) {
+// by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once); then, where `floor.zero` >= 0,
+// dsbnb::floor_positive (Adam's second moment) in the same registers. Inlined: its constants are hoisted out of the
+// block's loop (as a call, they were set up again for every 16 values).
+__attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const float* x,
+                                                     float reciprocal_absmax, uint8_t* codes,
+                                                     PositiveFloor floor = PositiveFloor()) {
     using cpu::kKeyMantissaBits;
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
@@ -108,6 +111,11 @@ inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const flo
     if (near) {  // within 256 ulps of the midpoint (~1/256 of values): the exact compare, as nearest_sorted does
         const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, midpoints, 4);
         index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
+    }
+    if (floor.zero >= 0) {  // a positive value whose nearest code is 0's takes the smallest positive code
+        const __mmask16 lifted = _mm512_cmpeq_epi32_mask(index, _mm512_set1_epi32(floor.zero)) &
+                                 _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ);
+        index = _mm512_mask_mov_epi32(index, lifted, _mm512_set1_epi32(floor.smallest));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(index));
 }

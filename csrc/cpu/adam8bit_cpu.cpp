@@ -64,8 +64,7 @@ void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
             max2 = dsbnb::cpu::block_absmax(len, v);
         }
         dsbnb::cpu::quantize_full_block(t1, m, dsbnb::reciprocal(max1), c1);
-        dsbnb::cpu::quantize_full_block(t2, v, dsbnb::reciprocal(max2), c2);
-        dsbnb::cpu::floor_positive_block(len, v, c2, t2.generic.floor);
+        dsbnb::cpu::quantize_full_block(t2, v, dsbnb::reciprocal(max2), c2, t2.generic.floor);
         *a1 = max1;
         *a2 = max2;
         return;
