@@ -227,12 +227,14 @@ class BnbAdapter:
 
     @torch.no_grad()
     def step(self, group: dict, gindex: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-             segments: Sequence[Segment], overrides: Sequence[dict], error: Optional[torch.Tensor] = None) -> None:
+             segments: Sequence[Segment], overrides: Sequence[dict], error: Optional[torch.Tensor] = None,
+             grad_scale: Optional[torch.Tensor] = None) -> None:
         """One bnb update of every segment of a flat partition, in place (padding is never touched). The master
         weights `params` are fp32 or bf16 (bnb steps either); with `error` (int8, compensated master weights:
         ops/compensated.py), bf16 plus that error term, which each piece is widened to fp32 with for bnb's update and
         split back into after it. Small 32-bit segments share one call where that gives the same bits
-        (batched_update.py)."""
+        (batched_update.py). `grad_scale`: a 0-dim tensor each segment's gradient is multiplied by first, as
+        DeepSpeed's unscale/clip multiplies the partition's (in place; a batch's joined copy once)."""
         step = state["step"]
         # bnb counts elements in 32 bits; compensated pieces are widened to fp32 scratch
         piece = bnb_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
@@ -252,9 +254,11 @@ class BnbAdapter:
         for run in batched_update.runs(segments, overrides, batchable, piece):
             if len(run) > 1:
                 views = self._step_batch(group, gindex, params, grads, state, [segments[i] for i in run],
-                                         overrides[run[0]], error, step)
+                                         overrides[run[0]], error, step, grad_scale)
                 eight_bit = False
             else:
+                if grad_scale is not None:
+                    grads.narrow(0, segments[run[0]].offset, segments[run[0]].numel).mul_(grad_scale)
                 for segment in split_segment(segments[run[0]], piece):
                     p = params.narrow(0, segment.offset, segment.numel)
                     grad = grads.narrow(0, segment.offset, segment.numel)
@@ -285,13 +289,16 @@ class BnbAdapter:
         return views
 
     def _step_batch(self, group: dict, gindex: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-                    run: Sequence[Segment], override: dict, error: Optional[torch.Tensor], step) -> dict:
+                    run: Sequence[Segment], override: dict, error: Optional[torch.Tensor], step,
+                    grad_scale: Optional[torch.Tensor] = None) -> dict:
         """One bnb update of 32-bit segments with adjacent packed state (batched_update.runs): their weights and
         gradients gathered, stepped as one piece, the weights put back; the views of the state."""
         weights = [params.narrow(0, s.offset, s.numel) for s in run]
         errors = [error.narrow(0, s.offset, s.numel) for s in run] if error is not None else None
         p = torch.cat([compensated.join(w, e) for w, e in zip(weights, errors)] if errors else weights)
         grad = torch.cat([grads.narrow(0, s.offset, s.numel) for s in run])
+        if grad_scale is not None:  # the joined copy: the same products as each segment's, in one call
+            grad.mul_(grad_scale)
         merged = Segment(slot=run[0].slot, param_start=0, numel=p.numel(), offset=run[0].offset, eight_bit=False,
                          fp32_offset=run[0].fp32_offset)
         views = self._update(group, gindex, state, merged, override, p, grad.float() if errors else grad, step)

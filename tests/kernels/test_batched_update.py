@@ -68,3 +68,44 @@ def test_a_probe_that_cannot_run_is_not_kept(monkeypatch):
         patched.setattr(F, "optimizer_update_32bit", refuses)
         assert not batched_update.position_invariant("adam")
     assert batched_update.position_invariant("adam")
+
+
+def test_a_gradient_scale_gives_what_scaling_the_partition_first_gives():
+    """adapter.step's grad_scale (DeepSpeed's unscale/clip factor, applied to a batch's joined gradient copy once and
+    to a lone segment in place) steps every segment as multiplying the partition's gradient in place first does, as
+    DeepSpeed's unscale_and_clip_grads would: weights and state bit for bit, for a batched run, a lone 32-bit segment
+    and 8-bit ones. Control: without the scale the weights differ."""
+    import bitsandbytes as bnb
+    from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
+    from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+    from deepspeed_bnb.state_layout import GroupLayout
+    numels = (300, 40, 70, 5000, 20, 4096)  # small ones batch, 5000 and 4096 are 8-bit
+
+    def run(mode):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in numels]
+        optimizer = bnb.optim.AdamW8bit(params, lr=1e-2, min_8bit_size=4096)
+        adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), 256)
+        eight_bit = [adapter.eight_bit(p) for p in params]
+        assert eight_bit == [n >= 4096 for n in numels]
+        layout, group = GroupLayout(numels, 1), optimizer.param_groups[0]
+        segments = layout.segments(0, eight_bit)
+        flat = torch.zeros(layout.total_numel)
+        for slot, p in zip(layout.slots, params):
+            flat.narrow(0, slot.offset, slot.numel).copy_(p.detach())
+        state = adapter.allocate(group, 0, segments, layout.partition_size, eight_bit, "cpu")
+        scale = torch.tensor(0.37)
+        for _ in range(3):
+            grad = torch.randn(layout.total_numel, generator=g)
+            if mode == "in place":
+                for s in segments:
+                    grad.narrow(0, s.offset, s.numel).mul_(scale)
+            adapter.step(group, 0, flat, grad, state, segments, [{}] * len(segments),
+                         grad_scale=scale if mode == "scale" else None)
+        return flat, gather_param_states(layout, eight_bit, adapter.stored_classes(state), [state])
+
+    (mine, my_states), (theirs, their_states) = run("scale"), run("in place")
+    assert torch.equal(mine, theirs)
+    for a, b in zip(my_states, their_states):
+        assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+    assert not torch.equal(run("none")[0], theirs)

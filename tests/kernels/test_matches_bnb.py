@@ -133,10 +133,11 @@ def test_per_parameter_overrides_match_plain_bnb(one_rank):
     assert not torch.equal(model.head.weight.detach(), control.head.weight.detach())  # the lr override moved it
 
 
-def test_fused_unscale_factor_is_deepspeeds(one_rank):
+def test_fused_unscale_factor_is_deepspeeds(one_rank, monkeypatch):
     """The unscale/clip factor handed to the fused kernel is the one DeepSpeed's own unscale_and_clip_grads multiplies
     the gradient partition by, for clipping norms, norms below the bar and invalid norms (inf, NaN, -1)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed_bnb.runtime.zero.stage_1_and_2 import combined_unscale_factor as stage_1_and_2_factor
     model = make_model(0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model)),
                                       config=ds_config(1, stage=2, clip=0.05))
@@ -160,10 +161,24 @@ def test_fused_unscale_factor_is_deepspeeds(one_rank):
     opt.unscale_and_clip_grads([[other]], torch.tensor(123.0))
     DeepSpeedZeroOptimizer.unscale_and_clip_grads(opt, [[theirs]], torch.tensor(123.0))
     assert torch.equal(other, theirs) and not torch.equal(other, grad)
-    # neither clipping nor a loss scale: nothing to fold in
-    opt.clip_grad = 0.0
+    # DeepSpeed calls it once per param group with the step's one norm tensor: computed once for it, and again when
+    # the norm changed in place or the clip did
+    from deepspeed_bnb.runtime.zero import stage_1_and_2 as ours
+    computed = []
+    monkeypatch.setattr(ours, "combined_unscale_factor",
+                        lambda *args: computed.append(1) or stage_1_and_2_factor(*args))
     partition.grad = grad.clone()
-    opt.unscale_and_clip_grads([partition.grad], torch.tensor(123.0))
+    norm = torch.tensor(123.0)
+    opt.unscale_and_clip_grads([partition.grad], norm)
+    first = opt._bnb_inv_scale.pop(0)
+    opt.unscale_and_clip_grads([partition.grad], norm)
+    assert torch.equal(opt._bnb_inv_scale.pop(0), first) and len(computed) == 1
+    norm.fill_(1230.0)
+    opt.unscale_and_clip_grads([partition.grad], norm)
+    assert float(opt._bnb_inv_scale.pop(0)) < float(first) and len(computed) == 2
+    # neither clipping nor a loss scale: nothing to fold in (the same norm tensor as before)
+    opt.clip_grad = 0.0
+    opt.unscale_and_clip_grads([partition.grad], norm)
     assert opt._bnb_inv_scale.pop(0) is None and torch.equal(partition.grad, grad)
     partition.grad = None
 

@@ -138,9 +138,7 @@ class PartitionStep:
             self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale,
                             master_error)
         bnb_segments = [self.segments[i] for i in self._bnb]
-        if inv_scale is not None:
-            for segment in bnb_segments:  # what DeepSpeed's grad.mul_(1 / combined_scale) does, segment by segment
-                grads.narrow(0, segment.offset, segment.numel).mul_(inv_scale)
-        # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once
+        # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once;
+        # bnb's segments get what DeepSpeed's grad.mul_(1 / combined_scale) gives them (inv_scale)
         self.adapter.step(group, self.gindex, params, grads, state, bnb_segments,
-                          [self.variants[self.variant[s.slot]] for s in bnb_segments], master_error)
+                          [self.variants[self.variant[s.slot]] for s in bnb_segments], master_error, inv_scale)

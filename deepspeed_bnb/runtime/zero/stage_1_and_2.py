@@ -66,6 +66,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_after_deepspeed(self.single_partition_of_fp32_groups)
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
         # partition's device), folded into the step
+        self._bnb_unscale_of = (None, None)  # (the norm tensor it was computed for and its version, scales; factor)
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -199,7 +200,14 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # only the segments bnb steps): one pass over the partition saved, and the factor, a 0-dim tensor on the
         # device when it clips, is never read back by the host. Any other gradients are multiplied here, as
         # DeepSpeed does.
-        factor = combined_unscale_factor(self, total_norm)
+        # DeepSpeed calls this once per param group with the step's one norm tensor: its factor (about ten small
+        # tensor operations) is computed once per step, keyed by that tensor, its version and the scales it used
+        key = (total_norm, total_norm._version, self.loss_scale, self.clip_grad) if torch.is_tensor(total_norm) \
+            else None
+        cached_key, factor = self._bnb_unscale_of
+        if key is None or cached_key is None or cached_key[0] is not key[0] or cached_key[1:] != key[1:]:
+            factor = combined_unscale_factor(self, total_norm)
+            self._bnb_unscale_of = (key, factor)
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
             if len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
                 self._bnb_inv_scale[i] = _as_step_scale(factor, partition.grad.device)
