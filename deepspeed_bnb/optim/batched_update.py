@@ -46,6 +46,22 @@ def runs(segments: Sequence[Segment], overrides: Sequence[dict], batchable: Call
     return grouped
 
 
+_POSITIONS: Dict[tuple, torch.Tensor] = {}  # (device, (offset, numel) per segment) -> positions of their elements
+_POSITIONS_KEPT = 256  # index tensors kept (a partition's runs repeat at every step)
+
+
+def positions(run: Sequence[Segment], device) -> torch.Tensor:
+    """The partition positions of a run's elements in order, for one index_select / index_copy_ per step instead of
+    a narrow and a copy per segment (built once per run, then reused)."""
+    key = (str(device), tuple((s.offset, s.numel) for s in run))
+    found = _POSITIONS.get(key)
+    if found is None:
+        if len(_POSITIONS) >= _POSITIONS_KEPT:
+            _POSITIONS.clear()
+        found = _POSITIONS[key] = torch.cat([torch.arange(s.offset, s.offset + s.numel) for s in run]).to(device)
+    return found
+
+
 def allowed(rule: str, device) -> bool:
     """Whether 32-bit segments of bnb's `rule` may be batched on `device` (the probe runs once per rule)."""
     return torch.device(device).type == "cpu" and rule in ELEMENT_WISE and position_invariant(rule)

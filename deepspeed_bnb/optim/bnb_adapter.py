@@ -292,24 +292,24 @@ class BnbAdapter:
                     run: Sequence[Segment], override: dict, error: Optional[torch.Tensor], step,
                     grad_scale: Optional[torch.Tensor] = None) -> dict:
         """One bnb update of 32-bit segments with adjacent packed state (batched_update.runs): their weights and
-        gradients gathered, stepped as one piece, the weights put back; the views of the state."""
-        weights = [params.narrow(0, s.offset, s.numel) for s in run]
-        errors = [error.narrow(0, s.offset, s.numel) for s in run] if error is not None else None
-        p = torch.cat([compensated.join(w, e) for w, e in zip(weights, errors)] if errors else weights)
-        grad = torch.cat([grads.narrow(0, s.offset, s.numel) for s in run])
+        gradients gathered, stepped as one piece, the weights put back; the views of the state. The gathers and the
+        put-back are one indexed copy each (batched_update.positions), not one per segment."""
+        where = batched_update.positions(run, params.device)
+        p = params.index_select(0, where) if error is None else \
+            compensated.join(params.index_select(0, where), error.index_select(0, where))
+        grad = grads.index_select(0, where)
         if grad_scale is not None:  # the joined copy: the same products as each segment's, in one call
             grad.mul_(grad_scale)
         merged = Segment(slot=run[0].slot, param_start=0, numel=p.numel(), offset=run[0].offset, eight_bit=False,
                          fp32_offset=run[0].fp32_offset)
-        views = self._update(group, gindex, state, merged, override, p, grad.float() if errors else grad, step)
-        at = 0
-        for i, w in enumerate(weights):
-            stepped = p.narrow(0, at, w.numel())
-            if errors:
-                compensated.split_(stepped, w, errors[i])
-            else:
-                w.copy_(stepped)
-            at += w.numel()
+        views = self._update(group, gindex, state, merged, override, p, grad if error is None else grad.float(),
+                             step)
+        if error is None:
+            params.index_copy_(0, where, p)
+        else:
+            hi, lo = compensated.split(p)
+            params.index_copy_(0, where, hi)
+            error.index_copy_(0, where, lo)
         return views
 
 
