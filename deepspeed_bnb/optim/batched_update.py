@@ -46,20 +46,17 @@ def runs(segments: Sequence[Segment], overrides: Sequence[dict], batchable: Call
     return grouped
 
 
-_POSITIONS: Dict[tuple, torch.Tensor] = {}  # (device, (offset, numel) per segment) -> positions of their elements
-_POSITIONS_KEPT = 256  # index tensors kept (a partition's runs repeat at every step)
-
-
 def positions(run: Sequence[Segment], device) -> torch.Tensor:
-    """The partition positions of a run's elements in order, for one index_select / index_copy_ per step instead of
-    a narrow and a copy per segment (built once per run, then reused)."""
-    key = (str(device), tuple((s.offset, s.numel) for s in run))
-    found = _POSITIONS.get(key)
-    if found is None:
-        if len(_POSITIONS) >= _POSITIONS_KEPT:
-            _POSITIONS.clear()
-        found = _POSITIONS[key] = torch.cat([torch.arange(s.offset, s.offset + s.numel) for s in run]).to(device)
-    return found
+    """The partition positions of a run's elements in order, for one index_select / index_copy_ instead of a narrow
+    and a copy per segment: a few tensor operations whatever the number of segments, and nothing kept between steps
+    (a cache of them would be memory no one plans for)."""
+    lengths = [s.numel for s in run]
+    shifts, at = [], 0  # each segment's offset minus the elements before it in the run
+    for segment in run:
+        shifts.append(segment.offset - at)
+        at += segment.numel
+    return torch.arange(at, device=device) + torch.repeat_interleave(
+        torch.tensor(shifts, device=device), torch.tensor(lengths, device=device), output_size=at)
 
 
 def allowed(rule: str, device) -> bool:

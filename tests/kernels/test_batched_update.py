@@ -109,3 +109,11 @@ def test_a_gradient_scale_gives_what_scaling_the_partition_first_gives():
     for a, b in zip(my_states, their_states):
         assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
     assert not torch.equal(run("none")[0], theirs)
+
+
+def test_positions_are_each_segments_elements_in_order():
+    segments = [_segment(256, 5), _segment(512, 3, fp32_offset=5), _segment(1024, 1, fp32_offset=8),
+                _segment(1280, 300, fp32_offset=9)]
+    expected = torch.cat([torch.arange(s.offset, s.offset + s.numel) for s in segments])
+    assert torch.equal(batched_update.positions(segments, "cpu"), expected)
+    assert torch.equal(batched_update.positions(segments[1:2], "cpu"), torch.arange(512, 515))
