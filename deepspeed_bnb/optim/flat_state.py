@@ -1,12 +1,13 @@
 """A rank's flat partition state as a type: which keys it holds, where each parameter piece's state lies in them, and
-that piece's ParamState; the flat counterpart of param_state.ParamState, so no caller switches on the state class.
+that piece's ParamState; the flat counterpart of param_state.ParamState, so the code that cuts, joins, saves and loads
+flat state does not switch on the state class itself.
 
 A ZeRO partition keeps the state of all its parameter pieces in one flat dict, which is what DeepSpeed's
 `optimizer.state[partition]` and its checkpoints hold. 8-bit pieces keep bnb's keys over the partition's element space
 (codes, one absmax per block, the maps once), fp32 pieces their moments under `FP32_PREFIX + name` over a compact space
 of their own (no block padding), and the step is one number for the partition. `FlatKeys` is the key -> class
 mapping of such a dict plus everything that follows from it: a piece's views, writing a piece back, zero storage, what
-a rank saves, and the cuts and joins of ZeRO-3 sub-groups.
+a rank saves, loading a saved one, its whole and its partitioned keys, and the cuts and joins of ZeRO-3 sub-groups.
 """
 
 from collections.abc import Mapping
