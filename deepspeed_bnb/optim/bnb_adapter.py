@@ -218,9 +218,10 @@ class BnbAdapter:
                     classes[key.stored_as] = key.cls
         return FlatKeys(classes)
 
-    def _segment_state(self, state: dict, segment: Segment, step) -> dict:
-        """bnb's state dict of one segment: views into the flat state, the step bnb's update reads, its scratch."""
-        views = self.stored_classes(state).views(state, segment)
+    def _segment_state(self, keys: FlatKeys, state: dict, segment: Segment, step) -> dict:
+        """bnb's state dict of one segment: views into the flat state (whose keys are `keys`), the step bnb's update
+        reads, its scratch."""
+        views = keys.views(state, segment)
         views["step"] = step
         views.update(self._scratch[segment.eight_bit])
         return views
@@ -236,6 +237,7 @@ class BnbAdapter:
         (batched_update.py). `grad_scale`: a 0-dim tensor each segment's gradient is multiplied by first, as
         DeepSpeed's unscale/clip multiplies the partition's (in place; a batch's joined copy once)."""
         step = state["step"]
+        keys = self.stored_classes(state)  # once per step, not per segment
         # bnb counts elements in 32 bits; compensated pieces are widened to fp32 scratch
         piece = bnb_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
         scalars = {"step": step + 1}  # what bnb's update_step leaves; also right for a partition of pure padding
@@ -254,7 +256,7 @@ class BnbAdapter:
         for run in batched_update.runs(segments, overrides, batchable, piece):
             if len(run) > 1:
                 views = self._step_batch(group, gindex, params, grads, state, [segments[i] for i in run],
-                                         overrides[run[0]], error, step, grad_scale)
+                                         overrides[run[0]], error, step, keys, grad_scale)
                 eight_bit = False
             else:
                 if grad_scale is not None:
@@ -266,7 +268,7 @@ class BnbAdapter:
                     if error is not None:
                         hi, lo = p, error.narrow(0, segment.offset, segment.numel)
                         p, grad = compensated.join(hi, lo), grad.float()
-                    views = self._update(group, gindex, state, segment, overrides[run[0]], p, grad, step)
+                    views = self._update(group, gindex, keys, state, segment, overrides[run[0]], p, grad, step)
                     if error is not None:
                         compensated.split_(p, hi, lo)
                 eight_bit = segments[run[0]].eight_bit
@@ -274,12 +276,12 @@ class BnbAdapter:
             scalars = {k.stored_as: views[k.name] for k in self._specs[eight_bit] if k.cls == StateClass.SCALAR}
         state.update(scalars)
 
-    def _update(self, group: dict, gindex: int, state: dict, segment: Segment, override: dict, p: torch.Tensor,
-                grad: torch.Tensor, step) -> dict:
+    def _update(self, group: dict, gindex: int, keys: FlatKeys, state: dict, segment: Segment, override: dict,
+                p: torch.Tensor, grad: torch.Tensor, step) -> dict:
         """bnb's update_step of one parameter piece `p` (gradient `grad`) whose state is `segment`'s views; the views."""
         bnb_state = self.optimizer.state
         p.grad = grad
-        views = bnb_state[p] = self._segment_state(state, segment, step)
+        views = bnb_state[p] = self._segment_state(keys, state, segment, step)
         self._current_override = override
         try:
             self.optimizer.update_step(group, p, gindex, 0)
@@ -289,7 +291,7 @@ class BnbAdapter:
         return views
 
     def _step_batch(self, group: dict, gindex: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-                    run: Sequence[Segment], override: dict, error: Optional[torch.Tensor], step,
+                    run: Sequence[Segment], override: dict, error: Optional[torch.Tensor], step, keys: FlatKeys,
                     grad_scale: Optional[torch.Tensor] = None) -> dict:
         """One bnb update of 32-bit segments with adjacent packed state (batched_update.runs): their weights and
         gradients gathered, stepped as one piece, the weights put back; the views of the state. The gathers and the
@@ -302,8 +304,8 @@ class BnbAdapter:
             grad.mul_(grad_scale)
         merged = Segment(slot=run[0].slot, param_start=0, numel=p.numel(), offset=run[0].offset, eight_bit=False,
                          fp32_offset=run[0].fp32_offset)
-        views = self._update(group, gindex, state, merged, override, p, grad if error is None else grad.float(),
-                             step)
+        views = self._update(group, gindex, keys, state, merged, override, p,
+                             grad if error is None else grad.float(), step)
         if error is None:
             params.index_copy_(0, where, p)
         else:

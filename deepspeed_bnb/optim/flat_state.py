@@ -82,10 +82,16 @@ class FlatKeys(Mapping):
 
     # ---- sizes -----------------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _in_space(key: str, elements, fp32):
+        """`fp32` for a key of the compact fp32 space, `elements` for one of the partition's elements (a size, an
+        offset, or both)."""
+        return fp32 if in_fp32_space(key) else elements
+
     def length(self, key: str, partition_size: int, fp32_numel: int, block: int = BLOCK_SIZE) -> Optional[int]:
         """The last dimension of a partitioned key for a partition of `partition_size` elements whose fp32 pieces
         hold `fp32_numel`; None for a key that does not follow the partition (whole, scalar)."""
-        return self._classes[key].length(fp32_numel if in_fp32_space(key) else partition_size, block)
+        return self._classes[key].length(self._in_space(key, partition_size, fp32_numel), block)
 
     def zeros(self, templates: Mapping, partition_size: int, fp32_numel: int, device=None) -> dict:
         """Zero flat state for such a partition, shaped like `templates` (bnb's tensors for a probe: rows, dtype);
@@ -94,7 +100,7 @@ class FlatKeys(Mapping):
         for key, cls in self._classes.items():
             value = templates[key]
             if cls.partitioned:
-                state[key] = zeros_like_partitioned(cls, value, fp32_numel if in_fp32_space(key) else partition_size,
+                state[key] = zeros_like_partitioned(cls, value, self._in_space(key, partition_size, fp32_numel),
                                                     device)
             elif torch.is_tensor(value):
                 state[key] = value.to(device) if device is not None else value.clone()
@@ -111,7 +117,7 @@ class FlatKeys(Mapping):
         for key in self.of_precision(seg.eight_bit):
             cls, value = self._classes[key], state[key]
             if cls.partitioned:
-                value = cls.narrow(value, seg.fp32_offset if in_fp32_space(key) else seg.offset, seg.numel)
+                value = cls.narrow(value, self._in_space(key, seg.offset, seg.fp32_offset), seg.numel)
             views[bnb_name(key)] = value
         return views
 
@@ -127,8 +133,8 @@ class FlatKeys(Mapping):
             if cls == StateClass.SCALAR:
                 state[key] = piece[key]
             elif cls.partitioned:
-                start = seg.fp32_offset if in_fp32_space(key) else seg.offset
-                cls.narrow(state[key], start, seg.numel).copy_(piece[bnb_name(key)])
+                cls.narrow(state[key], self._in_space(key, seg.offset, seg.fp32_offset), seg.numel).copy_(
+                    piece[bnb_name(key)])
 
     # ---- a rank's record -------------------------------------------------------------------------------------------
 
@@ -170,7 +176,7 @@ class FlatKeys(Mapping):
             elif saved is live[key]:
                 continue  # a param group of one partition is loaded in place
             elif cls.partitioned:
-                start, length = (fp32_offset, fp32_size) if in_fp32_space(key) else (offset, size)
+                start, length = self._in_space(key, (offset, size), (fp32_offset, fp32_size))
                 live[key].copy_(cls.narrow(saved, start, length))
             else:
                 live[key].copy_(saved)

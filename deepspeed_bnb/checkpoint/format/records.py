@@ -75,7 +75,7 @@ def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups
             C.PARAM_NAMES_KEY: list(g.param_names),
             C.EIGHT_BIT_KEY: list(g.eight_bit),
             C.KEY_CLASSES_KEY: {k: cls.value for k, cls in g.key_classes.items()},
-            C.STATE_KEY: FlatKeys.of(g.key_classes).saved_by(g.state, dp_rank),
+            C.STATE_KEY: g.key_classes.saved_by(g.state, dp_rank),  # a FlatKeys (GroupRecord makes it one)
             **({C.MASTER_LAYOUT_KEY: g.master_layout.to_dict()} if g.master_layout is not None else {}),
             **({C.EXPERTS_KEY: g.expert.to_dict()} if g.expert is not None else {}),
         } for g in groups],
