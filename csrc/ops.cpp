@@ -9,7 +9,9 @@
 // Every operator steps fp32 master weights, bf16 ones (params bf16), or compensated ones (params bf16 and error, their
 // int8 error terms): csrc/include/dsbnb/master_weights.h. inv_scale: None, or a one-element float32 tensor on params'
 // device holding DeepSpeed's unscale/clip factor (read by the kernel, so the host never waits for its value).
-// arithmetic: "ieee" (every fp32 operation rounded on its own: the reference's, on every device).
+// arithmetic: "ieee" (every fp32 operation rounded on its own: the reference's, on every device), "bnb_cuda" (CUDA:
+// bitsandbytes' own CUDA kernels' rounding) or "bnb_cpu" (CPU: "ieee" for 8-bit segments, bnb's own 32-bit CPU update
+// for fp32 ones); deepspeed_bnb/ops/rules.py names them.
 TORCH_LIBRARY(deepspeed_bnb, m) {
     // One fused AdamW step of a flat ZeRO partition, in place (see deepspeed_bnb/ops/reference.py for semantics).
     // segments: int64 [S, 5] (offset, numel, eight_bit, fp32_offset, hyper_row); hyper: float32 [H, 7]

@@ -111,7 +111,21 @@ def _kernels(args):
                 failures += problem is not None
                 print(f"  {device} {rule}, {master} master weights: "
                       + ("same bits as the reference" if problem is None else f"FAILS: {problem}"))
+                if problem is None and torch.device(device).type == "cpu":
+                    print(f"  {device} {rule}, {master} master weights, 32-bit state: {_cpu32_route(rule, master)}")
     return 1 if failures else 0
+
+
+def _cpu32_route(rule: str, master: str) -> str:
+    """Who steps 32-bit-state parameters on this CPU (optim/fused/route.py: kernel_arithmetic), and why."""
+    from deepspeed_bnb.ops import rules, self_check
+    from deepspeed_bnb.optim import own_update
+    missing = own_update.missing("cpu")
+    if missing:
+        return f"the kernel in the reference's arithmetic (bitsandbytes has no CPU update here: {missing})"
+    problem = self_check.disagreement(rule, "cpu", master, rules.BNB_CPU)
+    return ("the kernel, same bits as bitsandbytes' own update" if problem is None else
+            f"bitsandbytes' own update (the kernel's copy of it differs: {problem})")
 
 
 def parser() -> argparse.ArgumentParser:

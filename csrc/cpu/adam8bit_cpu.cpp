@@ -4,14 +4,18 @@
 // Per block, in one pass: gradient unscale/clip factor, dequantize (qmap[code] * absmax), moments, decoupled weight
 // decay and parameter update (fp32 master weights, or bf16 / compensated ones widened per block: fused_cpu.h), then
 // per-block absmax and requantization to the nearest code.
-// Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/kernels/test_fused_rules.py); the arithmetic itself
-// lives in csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the partition walk, checks, dispatch and
-// quantizer helpers in fused_cpu.h, shared with the Lion kernel (lion8bit_cpu.cpp).
+// Semantics: deepspeed_bnb/ops/reference.py, bit for bit (tests/kernels/test_fused_rules.py), in its 'ieee'
+// arithmetic or its 'bnb_cpu' one (fp32 segments as bnb's own 32-bit CPU update: bnb_cpu32.h, in two passes around
+// torch's sqrt); the arithmetic itself lives in csrc/include/dsbnb/adam8bit.h, shared with the CUDA kernel; the
+// partition walk, checks, dispatch and quantizer helpers in fused_cpu.h, shared with the Lion kernel
+// (lion8bit_cpu.cpp).
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (kOptimizerStatic8bit2StateBlockwise), llm.c's AdamW kernels.
 // Build: JIT by deepspeed_bnb/ops/loader.py (ninja; cached under TORCH_EXTENSIONS_DIR), or ahead of time with
 // `DEEPSPEED_BNB_BUILD_EXT=1 pip install -e .`. Flags that keep it exact: -ffp-contract=off, no -ffast-math.
 // Test: pytest tests/kernels/test_fused_rules.py -k adam, tests/kernels/test_fused_adam.py;
 // speed: python benchmarks/bench_optimizer_step.py.
+
+#include <ATen/ops/sqrt.h>
 
 #include "fused_cpu.h"
 
@@ -99,13 +103,35 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
     }
 }
 
+// The 'bnb_cpu' arithmetic of an fp32 segment (bnb_cpu32.h), in two passes around torch's own square root of the
+// packed second moments: first the moments of up to one block in place, every element (bnb lets a non-finite gradient
+// into the state) ...
+template <typename GradT, bool Scale>
+void bnb32_moments(const Hyper& hyper, int64_t len, const GradT* __restrict__ g_in, float* __restrict__ s1,
+                   float* __restrict__ s2, float inv_scale) {
+    const Hyper h = hyper;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+        dsbnb::cpu::bnb32::adam_moments(h, s1[j], s2[j], dsbnb::cpu::bnb32::grad<GradT, Scale>(g_in[j], inv_scale),
+                                        s1[j], s2[j]);
+    }
+}
+
+// ... then the parameters, from the new first moments and the square roots of the second ones.
+inline void bnb32_params(const Hyper& hyper, int64_t len, float* __restrict__ p, const float* __restrict__ s1,
+                         const float* __restrict__ root) {
+    const Hyper h = hyper;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) p[j] = dsbnb::cpu::bnb32::adam_param(h, p[j], s1[j], root[j]);
+}
+
 void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor codes2,
                        at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                        const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
                        const at::Tensor& hyper, const std::optional<at::Tensor>& scale,
                        const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
     const dsbnb::cpu::Checker check("adam8bit_step_");
-    dsbnb::cpu::require_ieee(check, arithmetic);
+    const bool bnb_cpu = dsbnb::cpu::bnb_cpu_arithmetic(check, arithmetic);
     const double inv_scale = dsbnb::cpu::scale_of(check, scale);
     const dsbnb::Master master = dsbnb::cpu::master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);
@@ -132,6 +158,20 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
     dsbnb::cpu::dispatch(check, params, grads, inv_scale, [&](auto* g, auto scale) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         constexpr bool kScale = decltype(scale)::value;
+        // 'bnb_cpu': the fp32 segments' moments first, then torch's own sqrt of the packed second moments, which is
+        // what bnb's update divides by (fp32 state of segments outside this launch is read, never written)
+        at::Tensor root;
+        if (bnb_cpu && state2.numel() > 0) {
+            dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
+                                                           int64_t base) {
+                if (!s.eight_bit) {
+                    bnb32_moments<G, kScale>(h[s.hyper_row], len, g + base, s1 + s.fp32_offset + start,
+                                             s2 + s.fp32_offset + start, inv);
+                }
+            });
+            root = at::sqrt(state2);
+        }
+        const float* r = root.defined() ? root.data_ptr<float>() : nullptr;
         dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
                                                        int64_t base) {
             dsbnb::cpu::with_fp32_master(master, base, len, [&](float* p) {
@@ -139,6 +179,8 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
                     const int64_t block = base / kBlock;
                     block_8bit<G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, c2 + base, a1 + block,
                                           a2 + block, q1, q2, t1, t2, inv);
+                } else if (r != nullptr) {
+                    bnb32_params(h[s.hyper_row], len, p, s1 + s.fp32_offset + start, r + s.fp32_offset + start);
                 } else {
                     block_fp32<G, kScale>(h[s.hyper_row], len, p, g + base, s1 + s.fp32_offset + start,
                                           s2 + s.fp32_offset + start, inv);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "adam8bit_avx512.h"
+#include "bnb_cpu32.h"
 #include "dsbnb/adam8bit.h"
 #include "dsbnb/master_weights.h"
 #include "quantize_keys.h"
@@ -239,11 +240,14 @@ inline double scale_of(const Checker& check, const std::optional<at::Tensor>& in
     return static_cast<double>(inv_scale->item<float>());
 }
 
-// The CPU kernels compute the IEEE arithmetic only (deepspeed_bnb/ops/reference.py); bnb's CUDA arithmetic rests on
-// the GPU's approximate reciprocal and square root.
-inline void require_ieee(const Checker& check, c10::string_view arithmetic) {
-    check(arithmetic == "ieee", "the CPU kernels compute the 'ieee' arithmetic only, got '" +
-                                    std::string(arithmetic.data(), arithmetic.size()) + "'");
+// Whether a CPU kernel computes the 'bnb_cpu' arithmetic (fp32 segments as bnb's own 32-bit CPU update: bnb_cpu32.h;
+// 8-bit segments as 'ieee') rather than 'ieee' (deepspeed_bnb/ops/reference.py throughout); bnb's CUDA arithmetic
+// rests on the GPU's approximate reciprocal and square root, which no CPU computes.
+inline bool bnb_cpu_arithmetic(const Checker& check, c10::string_view arithmetic) {
+    check(arithmetic == "ieee" || arithmetic == "bnb_cpu",
+          "the CPU kernels compute the 'ieee' and 'bnb_cpu' arithmetics, got '" +
+              std::string(arithmetic.data(), arithmetic.size()) + "'");
+    return arithmetic == "bnb_cpu";
 }
 
 // Checks the segment and hyper tables against the partition and the states' arrays, and lists every block of every
@@ -337,7 +341,8 @@ void for_each_block(const at::Tensor& segments, const std::vector<Work>& work, B
 
 // --- one-state rules (Lion, SGD-momentum): everything but the arithmetic -----------------------------------------
 // A Rule provides: `using Row` (its hyper-table row) and `kHyperFields`; `element(row, p_old, m_old, g, p, m)`, the new
-// parameter and momentum of one element with a finite gradient (inlined into one_state_update's vectorized loop); and,
+// parameter and momentum of one element with a finite gradient (inlined into one_state_update's vectorized loop);
+// `bnb32(row, p_old, m_old, g, p, m)`, the same in the 'bnb_cpu' arithmetic of fp32 segments (bnb_cpu32.h); and,
 // where DSBNB_AVX512, `full_block<kind, Scale>(row, p, g, codes, absmax, fast tables, inv_scale, m, max)`, the
 // register update of a full block that returns false when a new momentum is NaN.
 
@@ -357,6 +362,21 @@ void one_state_update(const typename Rule::Row& hyper, int64_t len, float* __res
         const bool ok = finite(g[j]);
         p[j] = select(ok, pn, p_old);
         m[j] = select(ok, mn, old);
+    }
+}
+
+// The 'bnb_cpu' update of up to one block of a one-state rule's fp32 segment (bnb_cpu32.h): p and the momentum m in
+// place, every element (bnb lets a non-finite gradient into the state).
+template <typename Rule, typename GradT, bool Scale>
+void bnb32_one_state_update(const typename Rule::Row& hyper, int64_t len, float* __restrict__ p,
+                            const GradT* __restrict__ g_in, float inv_scale, float* __restrict__ m) {
+    const typename Rule::Row h = hyper;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+        float pn, mn;
+        Rule::bnb32(h, p[j], m[j], bnb32::grad<GradT, Scale>(g_in[j], inv_scale), pn, mn);
+        p[j] = pn;
+        m[j] = mn;
     }
 }
 
@@ -394,7 +414,7 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
                     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& error,
                     c10::string_view arithmetic) {
     const Checker check(op);
-    require_ieee(check, arithmetic);
+    const bool bnb_cpu = bnb_cpu_arithmetic(check, arithmetic);
     const double inv_scale = scale_of(check, scale);
     const Master master = master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);
@@ -419,6 +439,9 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
                 if (s.eight_bit) {
                     one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, a1 + base / kBlock,
                                                      q1, t1, inv);
+                } else if (bnb_cpu) {
+                    bnb32_one_state_update<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, inv,
+                                                            s1 + s.fp32_offset + start);
                 } else {
                     float* m = s1 + s.fp32_offset + start;
                     one_state_update<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, m, inv, m);

@@ -32,6 +32,11 @@ struct LionRule {
         m = dsbnb::lion_momentum(m_old, g, h);
     }
 
+    // The same in the 'bnb_cpu' arithmetic of fp32 segments: bnb's own 32-bit CPU update (bnb_cpu32.h).
+    static void bnb32(const LionHyper& h, float p_old, float m_old, float g, float& p, float& m) {
+        dsbnb::cpu::bnb32::lion(h, p_old, m_old, g, p, m);
+    }
+
 #if DSBNB_AVX512
     template <dsbnb::avx512::Grad kind, bool Scale>
     static bool full_block(const Row& hyper, float* p, const void* g, const uint8_t* c1, float absmax,

@@ -33,6 +33,11 @@ struct MomentumRule {
         p = dsbnb::momentum_param(p_old, m, h);
     }
 
+    // The same in the 'bnb_cpu' arithmetic of fp32 segments: bnb's own 32-bit CPU update (bnb_cpu32.h).
+    static void bnb32(const MomentumHyper& h, float p_old, float m_old, float g, float& p, float& m) {
+        dsbnb::cpu::bnb32::momentum(h, p_old, m_old, g, p, m);
+    }
+
 #if DSBNB_AVX512
     template <dsbnb::avx512::Grad kind, bool Scale>
     static bool full_block(const Row& hyper, float* p, const void* g, const uint8_t* c1, float absmax,

@@ -66,13 +66,15 @@ def _segments(table: torch.Tensor):
 @torch.no_grad()
 def step_(rule: str, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
           absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
-          segments: torch.Tensor, hyper: torch.Tensor, inv_scale: Optional[torch.Tensor] = None,
+          segments: torch.Tensor, hyper, inv_scale: Optional[torch.Tensor] = None,
           error: Optional[torch.Tensor] = None) -> None:
     """bnb's update of every segment of a flat partition in place, arguments as the fused operator's (ops/rules.py,
-    one tensor per moment in codes/absmax/state/qmaps; hyper: BnbHyper rows). Needs bnb's update on params' device."""
+    one tensor per moment in codes/absmax/state/qmaps; hyper: BnbHyper rows, as the fp32 tensor the kernels read or
+    as BnbHyper objects, whose values bnb then gets unrounded, as update_step hands them on a CPU). Needs bnb's
+    update on params' device."""
     import bitsandbytes.functional as F
     two = len(codes) == 2
-    rows = hyper.detach().cpu().double().tolist()
+    rows = hyper.detach().cpu().double().tolist() if torch.is_tensor(hyper) else [r.row() for r in hyper]
     for whole, row in _segments(segments.detach().cpu()):
         beta1, beta2, eps, weight_decay, lr, step, gnorm_scale = rows[row]
         for piece in split_segment(whole, MAX_UPDATE_NUMEL):
@@ -99,3 +101,22 @@ def step_(rule: str, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[
                     gnorm_scale)
             if error is not None:
                 compensated.split_(p, hi, lo)
+
+
+def cpu32_oracle(rule: str, configs: Sequence[dict], step: int):
+    """The oracle of the bnb_cpu arithmetic against bitsandbytes itself, with the fused operator's arguments: bnb's own
+    update of the fp32 segments (its 32-bit CPU update, with the unrounded values of the bnb get_config dicts
+    `configs`, one per hyper row, at bnb's step `step`), and the pure-torch reference of the 8-bit ones (which bnb_cpu
+    computes in the ieee arithmetic). The operator's own `hyper` argument is read for the 8-bit segments only."""
+    from deepspeed_bnb.ops import reference, rules
+    update = rules.get(rule)
+    n = update.moments
+    bnb_rows = [BnbHyper.of(config, step) for config in configs]
+
+    def oracle(params, grads, *rest):
+        segments, hyper, inv_scale, error = rest[4 * n:4 * n + 4]
+        eight_bit = segments[:, 2] != 0
+        update.reference(params, grads, *rest[:4 * n], segments[eight_bit], hyper, inv_scale, error, reference.IEEE)
+        step_(rule, params, grads, rest[:n], rest[n:2 * n], rest[2 * n:3 * n], rest[3 * n:4 * n],
+              segments[~eight_bit], bnb_rows, inv_scale, error)
+    return oracle

@@ -68,9 +68,11 @@ from typing import ClassVar, Optional, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.ops import bnb_cpu32, compensated
 from deepspeed_bnb.state_layout import BLOCK_SIZE  # pure math: importable without DeepSpeed and bitsandbytes
 
+IEEE = "ieee"  # the arithmetic defined above, every segment (ops/rules.py names the arithmetics)
+BNB_CPU = "bnb_cpu"  # the same for 8-bit segments; fp32 segments as bnb's own 32-bit CPU update (ops/bnb_cpu32.py)
 SEGMENT_FIELDS = 5  # columns of the segment table: offset, numel, eight_bit, fp32_offset, hyper_row
 HYPER_FIELDS = 7  # columns of the AdamW hyper-parameter table, see AdamHyper.row()
 LION_HYPER_FIELDS = 6  # columns of the Lion hyper-parameter table, see LionHyper.row()
@@ -302,17 +304,22 @@ def _master_kind(params: torch.Tensor, error: Optional[torch.Tensor]) -> None:
 
 def _scale(inv_scale: Optional[torch.Tensor], arithmetic: str) -> Optional[torch.Tensor]:
     """The unscale factor as an fp32 scalar tensor on the CPU (None: none), after checking the arithmetic: the
-    reference defines the IEEE one only (bnb's CUDA arithmetic uses the GPU's approximate reciprocal and square root,
-    which no CPU reproduces; tests/gpu holds that one to bitsandbytes itself)."""
-    if arithmetic != "ieee":
-        raise ValueError(f"the pure-torch reference computes the 'ieee' arithmetic only, not {arithmetic!r}")
+    reference defines the IEEE one and BNB_CPU (the IEEE one with fp32 segments as bnb's own 32-bit CPU update,
+    ops/bnb_cpu32.py); bnb's CUDA arithmetic uses the GPU's approximate reciprocal and square root, which no CPU
+    reproduces (tests/gpu holds that one to bitsandbytes itself)."""
+    if arithmetic not in (IEEE, BNB_CPU):
+        raise ValueError(f"the pure-torch reference computes the {IEEE!r} and {BNB_CPU!r} arithmetics, not "
+                         f"{arithmetic!r}")
     return None if inv_scale is None else inv_scale.detach().reshape(()).float().cpu()
 
 
-def _walk(params, grads, segments, hyper, inv_scale, update, error=None, arithmetic: str = "ieee") -> None:
+def _walk(params, grads, segments, hyper, inv_scale, update, error=None, arithmetic: str = IEEE,
+          bnb_fp32_update=None) -> None:
     """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's fp32 master weights,
     a view of params, or for bf16 and compensated ones a widened copy stored back after; g: its scaled fp32 gradient,
-    finite: isfinite(g), h: its hyper row)."""
+    finite: isfinite(g), h: its hyper row); in the BNB_CPU arithmetic, bnb_fp32_update(segment, p, g, h) instead for
+    fp32 segments, with g the gradient bnb reads (the unscale factor applied in the gradient's own dtype, as
+    DeepSpeed's grad.mul_ applies it, then widened)."""
     _master_kind(params, error)
     inv_scale = _scale(inv_scale, arithmetic)
     hyper = hyper.float()
@@ -320,10 +327,16 @@ def _walk(params, grads, segments, hyper, inv_scale, update, error=None, arithme
         p = params.narrow(0, offset, numel)
         lo = None if error is None else error.narrow(0, offset, numel)
         wide = p if p.dtype == torch.float32 else (p.float() if lo is None else compensated.join(p, lo))
-        g = grads.narrow(0, offset, numel).float()
-        if inv_scale is not None:
-            g = g * inv_scale.to(g.device)
-        update(_Segment(offset, numel, bool(eight_bit), fp32_offset), wide, g, torch.isfinite(g), hyper[row])
+        segment = _Segment(offset, numel, bool(eight_bit), fp32_offset)
+        if arithmetic == BNB_CPU and not eight_bit:
+            g = grads.narrow(0, offset, numel)
+            g = (g if inv_scale is None else g * inv_scale.to(g.device)).float()
+            bnb_fp32_update(segment, wide, g, hyper[row])
+        else:
+            g = grads.narrow(0, offset, numel).float()
+            if inv_scale is not None:
+                g = g * inv_scale.to(g.device)
+            update(segment, wide, g, torch.isfinite(g), hyper[row])
         if lo is not None:
             compensated.split_(wide, p, lo)
         elif wide is not p:
@@ -335,7 +348,7 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
                   absmax1: torch.Tensor, absmax2: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
                   qmap1: torch.Tensor, qmap2: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
                   inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
-                  arithmetic: str = "ieee") -> None:
+                  arithmetic: str = IEEE) -> None:
     """In place: one AdamW step of every segment of a flat partition (see the module docstring for semantics).
 
     params fp32 or bf16 [P] (master weights; error: int8 [P], their error terms when compensated); grads
@@ -352,14 +365,18 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         p.copy_(torch.where(finite, _param_update(p, m, v, h), p))
         first.store(m)
         second.store(v)
-    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic)
+
+    def bnb_fp32_update(segment, p, g, h):
+        bnb_cpu32.adam(p, state1.narrow(0, segment.fp32_offset, segment.numel),
+                       state2.narrow(0, segment.fp32_offset, segment.numel), g, h)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update)
 
 
 @torch.no_grad()
 def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                   state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
                   inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
-                  arithmetic: str = "ieee") -> None:
+                  arithmetic: str = IEEE) -> None:
     """In place: one Lion step of every segment of a flat partition (see the module docstring for semantics).
 
     As adam8bit_step with one state (the momentum): codes1 uint8 [P] and absmax1 fp32 [P/256] for 8-bit segments,
@@ -371,14 +388,17 @@ def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
         new_p, m = _lion_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic)
+
+    def bnb_fp32_update(segment, p, g, h):
+        bnb_cpu32.lion(p, state1.narrow(0, segment.fp32_offset, segment.numel), g, h)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update)
 
 
 @torch.no_grad()
 def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                       state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
                       inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
-                      arithmetic: str = "ieee") -> None:
+                      arithmetic: str = IEEE) -> None:
     """In place: one SGD-with-momentum step of every segment of a flat partition (see the module docstring).
 
     Arguments as lion8bit_step (one state, the momentum); hyper fp32 [H, 4] (MomentumHyper rows).
@@ -389,4 +409,7 @@ def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.T
         new_p, m = _momentum_update(p, old_m, g, h)
         p.copy_(torch.where(finite, new_p, p))
         momentum.store(torch.where(finite, m, old_m))
-    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic)
+
+    def bnb_fp32_update(segment, p, g, h):
+        bnb_cpu32.momentum(p, state1.narrow(0, segment.fp32_offset, segment.numel), g, h)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update)

@@ -49,11 +49,16 @@ from deepspeed_bnb.state_layout import Segment
 
 SIGNED_MAPS = (True, False)  # bnb's map of moment 1 (m) is signed, of moment 2 (Adam's v) unsigned
 # The rounding rules an operator follows (its `arithmetic` argument):
-IEEE = "ieee"  # every fp32 operation rounded on its own, the pure-torch reference's (ops/reference.py): CPU and CUDA
+IEEE = reference.IEEE  # every fp32 operation rounded on its own, the pure-torch reference's (ops/reference.py): CPU
+# and CUDA
 BNB_CUDA = "bnb_cuda"  # bitsandbytes' own CUDA kernels, operation by operation (csrc/include/dsbnb/bnb_cuda_math.h):
 # CUDA only; its oracle is bitsandbytes itself (ops/bnb_update.py); hyper rows are bnb's arguments (BnbHyper)
-ARITHMETICS = (IEEE, BNB_CUDA)
-DEVICE_ARITHMETIC = {"cpu": IEEE, "cuda": BNB_CUDA}  # what the fused step computes on each device type
+BNB_CPU = reference.BNB_CPU  # CPU only: 8-bit segments as IEEE, fp32 segments as bitsandbytes' own 32-bit CPU update
+# (ops/bnb_cpu32.py, csrc/cpu/bnb_cpu32.h); ieee hyper rows; its oracle is the reference (which computes both)
+ARITHMETICS = (IEEE, BNB_CUDA, BNB_CPU)
+# what the fused step computes on each device type by default (on a CPU, BNB_CPU where the kernel's copy of bnb's
+# 32-bit update agrees with bnb there: optim/fused/route.py, kernel_arithmetic)
+DEVICE_ARITHMETIC = {"cpu": IEEE, "cuda": BNB_CUDA}
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class UpdateRule:
         return hyper_table([self.row(c, step) for c in configs], self.hyper)
 
     def oracle(self, arithmetic: str = IEEE) -> Callable:
-        """What the kernel is held to, with the operator's arguments: the pure-torch reference (ieee), or
+        """What the kernel is held to, with the operator's arguments: the pure-torch reference (ieee, bnb_cpu), or
         bitsandbytes' own update (bnb_cuda; on a GPU, bnb's CUDA kernels)."""
         if arithmetic != BNB_CUDA:
             return self.reference

@@ -9,9 +9,11 @@ every path (8-bit and fp32 segments, a block tail, an all-zero block, NaN/Inf/hu
 unscale factor; fp32, bf16 or compensated master weights, whichever the run steps) and is compared with its oracle in
 the arithmetic it computes there (ops/rules.py): on a CPU the pure-torch reference (the oracle the test suite holds
 the CPU kernels to), on a GPU bitsandbytes' own update on that GPU (ops/bnb_update.py: the kernels promise its bits);
-a kernel that raises or differs by one bit is not used. Every rule of the registry is checked the same way: its
+a kernel that raises or differs by one bit is not used. On a CPU the kernel's copy of bnb's own 32-bit CPU update
+(the bnb_cpu arithmetic) is checked apart, against bnb itself: where it differs, bnb's update keeps the 32-bit state
+(optim/fused/route.py: kernel_arithmetic). Every rule of the registry is checked the same way: its
 partition, hyper rows and argument list follow from its moment count and its row builder.
-Cost: a few milliseconds, once per rule and device per process. It uses bnb's default maps: a custom map's own
+Cost: a few milliseconds, once per rule, device, master and arithmetic per process. It uses bnb's default maps: a custom map's own
 quantizer path (an unsorted map, one the compact key table refuses) is covered by the test suite only.
 """
 
@@ -19,7 +21,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import compensated, master_kinds, reference, rules
+from deepspeed_bnb.ops import bnb_update, compensated, master_kinds, reference, rules
 from deepspeed_bnb.state_layout import GroupLayout
 
 STEPS = 3  # steps compared: state starts at zero, so the first step alone would not dequantize anything
@@ -31,15 +33,18 @@ HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
 CONFIGS = ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
            {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0})
 MASTERS = master_kinds.MODES  # the master weights a kernel steps
-_verdicts: Dict[Tuple[str, str, str], Optional[str]] = {}  # (rule, device, master) -> disagreement or None
+# (rule, device, master, arithmetic) -> disagreement or None
+_verdicts: Dict[Tuple[str, str, str, str], Optional[str]] = {}
 
 
-def disagreement(rule: str, device, master: str = "fp32") -> Optional[str]:
-    """Why the compiled kernel of `rule` must not be used on `device` for `master` weights (it raised, or differs
-    from its oracle), or None; checked once per rule, device and master. The caller has loaded the kernels."""
-    key = (rule, str(torch.device(device)), master)
+def disagreement(rule: str, device, master: str = "fp32", arithmetic: Optional[str] = None) -> Optional[str]:
+    """Why the compiled kernel of `rule` must not be used on `device` for `master` weights in `arithmetic` (default:
+    the device's, rules.arithmetic_for) (it raised, or differs from its oracle), or None; checked once per rule,
+    device, master and arithmetic. The caller has loaded the kernels."""
+    arithmetic = arithmetic or rules.arithmetic_for(device)
+    key = (rule, str(torch.device(device)), master, arithmetic)
     if key not in _verdicts:
-        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel(), master)
+        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel(), master, arithmetic)
     return _verdicts[key]
 
 
@@ -108,11 +113,13 @@ def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp
     `device`) for STEPS steps of one small partition of `master` weights; describe the first difference (or the
     kernel's exception), or return None when every tensor agrees bit for bit after every step. The ieee oracle, the
     pure-torch reference, runs on the CPU; the bnb_cuda one, bitsandbytes' own update, on `device` (on a GPU, bnb's
-    CUDA kernels), from the gradients the engine would hand it (bf16 ones for bf16 and compensated weights)."""
+    CUDA kernels), from the gradients the engine would hand it (bf16 ones for bf16 and compensated weights); the
+    bnb_cpu one, bitsandbytes' own 32-bit CPU update for the fp32 segments (from CONFIGS' unrounded values, as
+    update_step hands them) and the reference for the 8-bit ones (bnb_update.cpu32_oracle)."""
     arithmetic = arithmetic or rules.arithmetic_for(device)
     bnb = arithmetic == rules.BNB_CUDA
     oracle_device = device if bnb else torch.device("cpu")
-    oracle_name = "bitsandbytes' own update" if bnb else "the reference"
+    oracle_name = "the reference" if arithmetic == rules.IEEE else "bitsandbytes' own update"
     ours = _partition(rule, device, master, arithmetic)
     theirs = _partition(rule, oracle_device, master, arithmetic)
     generator = torch.Generator().manual_seed(1)
@@ -125,8 +132,9 @@ def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp
             kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale, arithmetic))
         except Exception as exc:  # e.g. no code for this GPU in the build: the reference can still run
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        rules.get(rule).oracle(arithmetic)(*_arguments(rule, theirs, grads.to(oracle_device),
-                                                       hyper.to(oracle_device), inv_scale, arithmetic))
+        oracle = (bnb_update.cpu32_oracle(rule, CONFIGS, step) if arithmetic == rules.BNB_CPU else
+                  rules.get(rule).oracle(arithmetic))
+        oracle(*_arguments(rule, theirs, grads.to(oracle_device), hyper.to(oracle_device), inv_scale, arithmetic))
         for name in ours:
             mine, expected = bits(ours[name].cpu()), bits(theirs[name].cpu())
             if not torch.equal(mine, expected):

@@ -226,16 +226,18 @@ class PerParameterReference:
 @pytest.mark.parametrize("name", ["AdamW8bit", "Adam8bit", "AdamW_32bit", "Lion8bit", "Lion_32bit",
                                   "SGD8bit_momentum", "SGD_32bit_momentum"])
 def test_default_zero_dp1_is_kernel_reference_or_plain_bnb(one_rank, name):
-    """Under ZeRO with the default bnb_fused_kernel ("auto"), each 8-bit parameter is stepped as the fused kernel's
-    reference steps that parameter alone, and each 32-bit-state parameter as plain bnb steps it, bit for bit (the
+    """Under ZeRO with the default bnb_fused_kernel ("auto"), the kernel steps every parameter: each 8-bit one as the
+    fused kernel's reference steps that parameter alone, and each 32-bit-state one as plain bnb steps it, bit for bit (the
     reference model: the same split, no ZeRO); every parameter's state has plain bnb's keys, dtypes and shapes
     (checkpoints load with either path)."""
     model = make_model(0)
     copy, bnb_copy = clone(model), clone(model)
     factory = FUSED_FACTORIES[name]
     engine, *_ = deepspeed.initialize(model=model, optimizer=factory(param_groups(model)), config=ds_config(1, stage=2))
-    routes = engine.optimizer.bnb_routes
-    fused = [q for (pname, _), q in zip(model.named_parameters(), copy.parameters()) if routes[pname] is FUSED]
+    routes, eight_bit = engine.optimizer.bnb_routes, engine.optimizer.bnb.eight_bit
+    # the kernel steps every parameter here; its 8-bit ones as its reference, its 32-bit ones as bnb (bnb_cpu)
+    assert all(route is FUSED for route in routes.values()), routes
+    fused = [q for p, q in zip(model.parameters(), copy.parameters()) if eight_bit(p)]
     assert bool(fused) == ("32bit" not in name), "8-bit Adam, Lion and SGD-momentum parameters: fused by default"
     per_parameter = PerParameterReference(factory, param_groups(copy), fused)
     plain = factory(param_groups(bnb_copy))
@@ -255,7 +257,7 @@ def test_default_zero_dp1_is_kernel_reference_or_plain_bnb(one_rank, name):
             assert type(mine[key]) is type(theirs[key]), f"{pname}.{key}"
             if torch.is_tensor(mine[key]):
                 assert (mine[key].dtype, mine[key].shape) == (theirs[key].dtype, theirs[key].shape), f"{pname}.{key}"
-        if routes[pname] is not FUSED:  # the same bnb update on the same weights and gradients: the same state
+        if all(q is not f for f in fused):  # the same bnb update on the same weights and gradients: the same state
             expected = flat_bnb_state(per_parameter.others.state[q], q.numel())
             assert all(torch.equal(mine[k], expected[k]) if torch.is_tensor(mine[k]) else mine[k] == expected[k]
                        for k in mine), f"{name}: state of {pname}"

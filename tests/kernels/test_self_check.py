@@ -5,6 +5,8 @@
 - Controls, so the check cannot pass vacuously: "kernels" made from the reference with one plausible bug each (one code
   off, the unscale factor ignored, NaN gradients applied as zeros, every segment stepped with the first hyper row, an
   exception such as a build without code for this GPU) are all caught, and the message names what differs.
+- On a CPU the kernel's copy of bnb's own 32-bit CPU update (the bnb_cpu arithmetic) is checked against bnb itself;
+  the kernel in the ieee arithmetic fails that check (control).
 - The ZeRO optimizer steps with bnb's own update, after one warning naming the disagreement, when its kernel fails
   the check (tests/unit/test_routing.py holds the engine-level test).
 """
@@ -105,6 +107,23 @@ def test_cpu_kernel_passes_self_check():
     _passes_on("cpu")
 
 
+@pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
+@pytest.mark.parametrize("rule", RULES)
+def test_cpu_kernel_steps_32bit_state_as_bnb_itself(rule):
+    """The bnb_cpu check compares the kernel's fp32 segments with bitsandbytes' own 32-bit CPU update (and its 8-bit
+    ones with the reference): the compiled kernel passes it for every master-weight mode; the same kernel in the ieee
+    arithmetic (every operation rounded on its own) does not (control: the check compares with bnb, not with us)."""
+    kernel = rules.get(rule).kernel()
+    for master in self_check.MASTERS:
+        assert self_check.compare(rule, torch.device("cpu"), kernel, master, rules.BNB_CPU) is None, master
+
+    def ieee(*args):
+        kernel(*args[:-1], rules.IEEE)
+
+    problem = self_check.compare(rule, torch.device("cpu"), ieee, "fp32", rules.BNB_CPU)
+    assert problem is not None and "differs from bitsandbytes' own update" in problem, problem
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_kernel_passes_self_check():
@@ -119,12 +138,17 @@ def test_cli_reports_the_check(capsys, monkeypatch):
     assert cli.main(["kernels", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "fused kernels: " in out and "build, CPU " in out
-    assert all(f"cpu {rule}, {master} master weights: same bits as the reference" in out
-               for rule in RULES for master in self_check.MASTERS), out
-    monkeypatch.setattr(self_check, "disagreement",
-                        lambda rule, device, master: "codes1 differs (planted)" if rule == "lion" else None)
+    assert all(f"cpu {rule}, {master} master weights: same bits as the reference" in out and
+               f"cpu {rule}, {master} master weights, 32-bit state: the kernel, same bits as bitsandbytes' own update"
+               in out for rule in RULES for master in self_check.MASTERS), out
+    monkeypatch.setattr(self_check, "disagreement", lambda rule, device, master, arithmetic=None:
+                        "codes1 differs (planted)" if rule == "lion" else
+                        "params differs (planted)" if arithmetic == rules.BNB_CPU else None)
     assert cli.main(["kernels", "--device", "cpu"]) == 1
-    assert "cpu lion, bf16+8 master weights: FAILS: codes1 differs (planted)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cpu lion, bf16+8 master weights: FAILS: codes1 differs (planted)" in out
+    assert ("cpu adam, fp32 master weights, 32-bit state: bitsandbytes' own update (the kernel's copy of it differs: "
+            "params differs (planted))") in out
 
 
 @pytest.mark.parametrize("device, says", [("foo", "not a device name"), ("cuda:99", "CUDA GPU(s); use cpu"),

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import deepspeed_bnb  # noqa: F401
 from support.bnb_optimizers import FACTORIES
+from deepspeed_bnb.ops import rules, self_check
 from deepspeed_bnb.optim import batched_update
 from deepspeed_bnb.optim.fused import partition_step
 from deepspeed_bnb.runtime.engine import stock_deepspeed
@@ -82,19 +83,37 @@ def _partitions(engine):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_one_kernel_call_per_partition_and_bnb_only_where_planned(one_rank, stage, monkeypatch):
-    """On a CPU the fused kernel steps every 8-bit parameter of a partition in one call, and bnb's own update the
-    32-bit ones (bit for bit bnb's), all of a partition's small ones in one call (optim/batched_update.py; they share
-    a config here). Control: without batching, one bnb call per 32-bit segment."""
+def test_one_kernel_call_per_partition_and_no_bnb_call(one_rank, stage):
+    """On a CPU the fused kernel steps every parameter of a partition in one call: the 8-bit ones, and the 32-bit ones
+    in bnb's own 32-bit CPU arithmetic (ops/rules.py: bnb_cpu; tests/kernels/test_bnb_cpu32.py holds it to bnb)."""
     engine = _engine(_bnb(make_model(0)), stage)
     plan = _partitions(engine)
     counter = _counted_steps(engine)
     assert len(plan) >= 2, "the toy model gives several partitions (two param groups, or several sub-groups)"
+    assert engine.optimizer.bnb_arithmetic == rules.BNB_CPU
+    assert all(bnb == 0 for _, bnb in plan)
+    assert counter.counts[KERNEL] == len(plan)
+    assert counter.counts[BNB_32BIT] == counter.counts[BNB_8BIT] == 0
+    eight_bit = sum(p.numel() >= MIN_8BIT_SIZE for p in engine.module.parameters())
+    assert sum(fused for fused, _ in plan) > eight_bit  # the 32-bit-state parameters are the kernel's too
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_control_bnb_steps_32bit_state_where_the_kernels_copy_differs(one_rank, stage, monkeypatch):
+    """Where the kernel's copy of bnb's 32-bit CPU update fails its check against bnb (planted here), the kernel keeps
+    the 8-bit parameters and bnb's own update the 32-bit ones, all of a partition's small ones in one call
+    (optim/batched_update.py; they share a config here); without batching, one bnb call per 32-bit segment."""
+    real = self_check.disagreement
+    monkeypatch.setattr(self_check, "disagreement", lambda rule, device, master="fp32", arithmetic=None:
+                        "planted" if arithmetic == rules.BNB_CPU else real(rule, device, master, arithmetic))
+    with pytest.warns(RuntimeWarning, match="32-bit CPU update differs from it on this machine"):
+        engine = _engine(_bnb(make_model(0)), stage)
+    plan = _partitions(engine)
+    counter = _counted_steps(engine)
+    assert engine.optimizer.bnb_arithmetic == rules.IEEE
     assert counter.counts[KERNEL] == sum(1 for fused, _ in plan if fused)
     assert counter.counts[BNB_32BIT] == sum(1 for _, bnb in plan if bnb) > 0
     assert counter.counts[BNB_8BIT] == 0  # every 8-bit parameter is the kernel's
-    eight_bit = sum(p.numel() >= MIN_8BIT_SIZE for p in engine.module.parameters())
-    assert sum(fused for fused, _ in plan) >= eight_bit  # each 8-bit parameter has a segment in some partition
     monkeypatch.setattr(batched_update, "allowed", lambda rule, device: False)
     assert _counted_steps(engine).counts[BNB_32BIT] == sum(bnb for _, bnb in plan) > sum(1 for _, b in plan if b)
 

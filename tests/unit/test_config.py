@@ -75,13 +75,13 @@ def test_fused_kernel_setting(one_rank):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(**zero))
         return [step.fused.rule if step.fused else None for step in engine.optimizer.bnb_steps]
 
-    # param group 1 holds only small parameters (bnb's default min_8bit_size: 32-bit state), so bnb's update steps it
-    # no fused kernel for RMSprop: bnb's own update
+    # param group 1 holds only small parameters (bnb's default min_8bit_size: 32-bit state), which the kernel steps in
+    # bnb's own 32-bit CPU arithmetic (ops/rules.py: bnb_cpu); no fused kernel for RMSprop: bnb's own update
     assert fused_rules(bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3), bnb_fused_kernel="auto") == [None, None]
     with pytest.raises(ValueError, match="bnb_fused_kernel: true.*'rmsprop'.*auto"):
         fused_rules(bnb.optim.RMSprop8bit(param_groups(model), lr=1e-3), bnb_fused_kernel=True)
     sgd = bnb.optim.SGD8bit(param_groups(model), lr=1e-2, momentum=0.9)
-    assert fused_rules(sgd, bnb_fused_kernel=True) == ["momentum", None]
-    assert fused_rules(bnb.optim.Lion8bit(param_groups(model)), bnb_fused_kernel=True) == ["lion", None]
-    assert fused_rules(bnb.optim.AdamW8bit(param_groups(model))) == ["adam", None]
+    assert fused_rules(sgd, bnb_fused_kernel=True) == ["momentum", "momentum"]
+    assert fused_rules(bnb.optim.Lion8bit(param_groups(model)), bnb_fused_kernel=True) == ["lion", "lion"]
+    assert fused_rules(bnb.optim.AdamW8bit(param_groups(model))) == ["adam", "adam"]
     assert fused_rules(bnb.optim.AdamW8bit(param_groups(model)), bnb_fused_kernel=False) == [None, None]

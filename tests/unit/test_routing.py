@@ -101,19 +101,24 @@ def test_control_without_the_contract_the_default_differs(one_rank, factory, mon
 
 
 def test_routes_are_logged_once_with_names_and_reasons(one_rank, caplog):
+    """The 32-bit-state parameters go to bnb's own update where a trust ratio (max_unorm) scales their update, which
+    the kernel does not compute; by default the kernel steps them too (bnb's own 32-bit CPU arithmetic)."""
     logger = logging.getLogger("DeepSpeed")
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger="DeepSpeed"):
-            _, engine = trained(lambda p: bnb.optim.AdamW8bit(p, lr=1e-3, min_8bit_size=1000))
+            _, engine = trained(lambda p: Optimizer2State("adam", p, lr=1e-3, optim_bits=8, min_8bit_size=1000,
+                                                          max_unorm=1.0))
     finally:
         logger.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if "the fused kernel steps" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "AdamW8bit: the fused kernel steps 4 parameter(s)" in lines[0]
-    assert "bnb's own update steps 5 (" in lines[0] and "fc1.bias" in lines[0] and "32-bit state" in lines[0]
+    assert "Optimizer2State: the fused kernel steps 4 parameter(s)" in lines[0]
+    assert "bnb's own update steps 5 (" in lines[0] and "fc1.bias" in lines[0] and "max_unorm" in lines[0]
     assert engine.optimizer.bnb_update_summary() == ("fused kernel (C++) for 4 of 9 parameters, bnb's own update "
                                                      "for the rest")
+    _, engine = trained(lambda p: bnb.optim.AdamW8bit(p, lr=1e-3, min_8bit_size=1000))
+    assert engine.optimizer.bnb_update_summary() == "fused kernel (C++)"
 
 
 def test_a_config_change_reroutes_at_the_next_step(one_rank):

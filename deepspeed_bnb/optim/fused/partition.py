@@ -6,7 +6,8 @@ the partition's `step`; so a checkpoint written by either path loads with the ot
 both (partition_step.py decides which segment goes where). Lion and SGD-momentum (bnb's Optimizer1State "lion" and
 "momentum") have the first of each only. The hyper-parameter rows come from bnb's own per-parameter config
 (`get_config` with overrides), so a learning-rate schedule or a per-parameter override reaches the kernel as it
-reaches bnb. The arithmetic follows the device (rules.arithmetic_for): the reference's on a CPU, bnb's own on a GPU.
+reaches bnb. The arithmetic follows the device (route.kernel_arithmetic): on a CPU the reference's for 8-bit state and
+bnb's own 32-bit CPU update for fp32 state (bnb_cpu, where that agrees with bnb here), on a GPU bnb's own.
 On a GPU the rows travel from pinned host memory without blocking, so a step never waits for the device.
 """
 
@@ -22,14 +23,16 @@ from deepspeed_bnb.state_layout import Segment
 class FusedPartition:
     """The fused step of some segments of one partition (segment table built once, hyper rows every step)."""
 
-    def __init__(self, rule: str, segments: Sequence[Segment], rows: Sequence[int], device, use_kernel: bool = True):
+    def __init__(self, rule: str, segments: Sequence[Segment], rows: Sequence[int], device, use_kernel: bool = True,
+                 arithmetic: Optional[str] = None):
         self.update_rule = rules.get(rule)  # its registry entry; a ValueError for a rule without a fused kernel
         self.rule = rule  # bnb's rule name
         device = torch.device(device)
         self.table = rules.segment_table(segments, rows).to(device)  # rows: index into step()'s configs
         self.use_kernel = use_kernel  # False: the kernel's oracle (tests only)
         self.device = device
-        self.arithmetic = rules.arithmetic_for(device)  # which rounding rules the kernel follows here
+        # which rounding rules the kernel follows here (route.kernel_arithmetic; default: the device's)
+        self.arithmetic = arithmetic or rules.arithmetic_for(device)
         self._empty = torch.zeros(0, device=device)
         self._empty_codes = torch.zeros(0, dtype=torch.uint8, device=device)
         self._no_map = torch.zeros(256, device=device)  # never read: no 8-bit segment

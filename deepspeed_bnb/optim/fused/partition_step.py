@@ -18,12 +18,11 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from deepspeed_bnb.ops import rules
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused.contract import optimizer_reason
 from deepspeed_bnb.optim.fused.partition import FusedPartition
-from deepspeed_bnb.optim.fused.route import Route, route_table
+from deepspeed_bnb.optim.fused.route import Route, kernel_arithmetic, route_table
 from deepspeed_bnb.state_layout import Segment
 
 
@@ -84,7 +83,7 @@ class PartitionStep:
 
     def __init__(self, adapter: BnbAdapter, gindex: int, segments: Sequence[Segment], overrides: Sequence[dict],
                  eight_bit: Sequence[bool], device, kernel: Route,
-                 on_reroute: Optional[Callable] = None):
+                 on_reroute: Optional[Callable] = None, arithmetic: Optional[str] = None):
         self.adapter = adapter
         self.gindex = gindex
         self.segments = tuple(segments)  # this rank's pieces of the parameters, in its flat order
@@ -93,8 +92,8 @@ class PartitionStep:
         self.device = device
         self.kernel = kernel  # the optimizer-wide route on this device (FUSED: each parameter's own, route_table)
         self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
-        # what the kernel computes on `device` (ieee where there are no kernels: nothing is fused there)
-        self.arithmetic = rules.DEVICE_ARITHMETIC.get(torch.device(device).type, rules.IEEE)
+        # what the kernel computes on `device` (route.kernel_arithmetic, for fp32 master weights unless given)
+        self.arithmetic = arithmetic or kernel_arithmetic(kernel, adapter.optimizer, device)
         self.on_reroute = on_reroute  # called with (old routes, new routes) per parameter when they change
         self.param_routes: Optional[List[Route]] = None  # per parameter: which code steps it
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
@@ -120,8 +119,8 @@ class PartitionStep:
         fused = [i for i, s in enumerate(self.segments) if new[s.slot].fused]
         self._bnb = [i for i, s in enumerate(self.segments) if not new[s.slot].fused]
         self._fused_variants, rows = distinct([self.variant[self.segments[i].slot] for i in fused])
-        self.fused = (FusedPartition(self.adapter.optimizer_name, [self.segments[i] for i in fused], rows, self.device)
-                      if fused else None)
+        self.fused = (FusedPartition(self.adapter.optimizer_name, [self.segments[i] for i in fused], rows, self.device,
+                                     arithmetic=self.arithmetic) if fused else None)
         if old is not None and self.on_reroute is not None:
             self.on_reroute(old, new)
 

@@ -22,8 +22,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
+import torch
+
 from deepspeed_bnb.ops import loader, rules, self_check
-from deepspeed_bnb.optim import master_weights
+from deepspeed_bnb.optim import master_weights, own_update
 from deepspeed_bnb.optim.fused.contract import KERNEL_DEVICES, fp32_param_reason, optimizer_reason, param_reason
 
 
@@ -96,6 +98,27 @@ def _kernel_reason(setting: FusedKernel, optimizer, device, master: str) -> Opti
     return reason
 
 
+def kernel_arithmetic(kernel: Route, optimizer, device, master: str = master_weights.FP32) -> str:
+    """What the fused kernel computes for `optimizer` on `device` (ops/rules.py): on a GPU bnb's CUDA arithmetic; on a
+    CPU the bnb_cpu one, whose fp32 path is bnb's own 32-bit CPU update (so 32-bit-state parameters step in the
+    kernel's launch too), where bnb has a CPU update and the kernel's copy of it agrees with it here (its first-use
+    check against bnb itself: torch's fused multiply-add needs FMA hardware, its sqrt is its build's own); else the
+    ieee one, and bnb's own update keeps the 32-bit state. `kernel`: the optimizer-wide route (kernel_route)."""
+    device = torch.device(device)
+    base = rules.DEVICE_ARITHMETIC.get(device.type, rules.IEEE)
+    if not kernel.fused or device.type != "cpu" or optimizer.optimizer_name not in rules.RULES \
+            or own_update.missing(device):
+        return base
+    problem = self_check.disagreement(optimizer.optimizer_name, device, master, rules.BNB_CPU)
+    if problem:
+        warnings.warn(f"deepspeed_bnb: the fused '{optimizer.optimizer_name}' kernel's copy of bitsandbytes' own "
+                      f"32-bit CPU update differs from it on this machine ({problem}); bnb's own update steps the "
+                      f"32-bit-state parameters (same results, slower). Please report it with your CPU model and "
+                      f"torch version.", RuntimeWarning, stacklevel=3)
+        return base
+    return rules.BNB_CPU
+
+
 def _fall_back(setting: FusedKernel, reason: str) -> None:
     if setting is not FusedKernel.ON:  # `true` raises instead (_kernel_reason)
         warnings.warn(f"deepspeed_bnb: {reason}. bitsandbytes' own update steps this run instead (same optimizer, "
@@ -114,8 +137,8 @@ def route(optimizer, kernel: Route, config: dict, eight_bit: bool,
     if whole:
         return Route(whole)
     reason = param_reason(optimizer.optimizer_name, config, eight_bit)
-    if reason is not None and not eight_bit and (no_own_update or arithmetic == rules.BNB_CUDA):
-        # the kernel's fp32 path is bnb's own 32-bit CUDA update (bnb_cuda), or the only update there is
+    if reason is not None and not eight_bit and (no_own_update or arithmetic in (rules.BNB_CUDA, rules.BNB_CPU)):
+        # the kernel's fp32 path is bnb's own 32-bit update (bnb_cuda, bnb_cpu), or the only update there is
         return _route(fp32_param_reason(optimizer.optimizer_name, config))
     return _route(reason)
 

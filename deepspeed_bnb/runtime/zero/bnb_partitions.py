@@ -69,6 +69,9 @@ class BnbPartitionsMixin:
         # why no parameter may be fused here (None: the contract decides per parameter)
         self.bnb_kernel: Route = fused_route.kernel_route(self.bnb_settings.fused_kernel, self.optimizer,
                                                           self._bnb_device(), self.bnb_master.mode)
+        # what the kernel computes there (ops/rules.py: on a CPU, whether it steps 32-bit state as bnb would)
+        self.bnb_arithmetic: str = fused_route.kernel_arithmetic(self.bnb_kernel, self.optimizer, self._bnb_device(),
+                                                                 self.bnb_master.mode)
 
     def _bnb_add_partition(self, i: int, params, gindex: int, layout, rank: int,
                            state_eight_bit: Optional[Sequence[bool]] = None) -> None:
@@ -184,7 +187,8 @@ class BnbPartitionsMixin:
         """The step of partition i on this rank: its model parameters in flat order with their precisions, this rank's
         segments of them; routed by optim/fused/route.py under the optimizer-wide `self.bnb_kernel`."""
         return PartitionStep(self.bnb, gindex, segments, [self.bnb.override(p) for p in params], eight_bit, device,
-                             self.bnb_kernel, on_reroute=functools.partial(self._bnb_log_reroute, i))
+                             self.bnb_kernel, on_reroute=functools.partial(self._bnb_log_reroute, i),
+                             arithmetic=self.bnb_arithmetic)
 
     def _bnb_param_name(self, param, where: str) -> str:
         return self.param_names.get(param, where)
