@@ -103,21 +103,30 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
     }
 }
 
-// The 'bnb_cpu' arithmetic of an fp32 segment (bnb_cpu32.h), in two passes around torch's own square root of the
-// packed second moments: first the moments of up to one block in place, every element (bnb lets a non-finite gradient
-// into the state) ...
+// The 'bnb_cpu' arithmetic of the fp32 segments (bnb_cpu32.h), in two passes around torch's own square root of the
+// packed second moments. First pass, here: every fp32 segment's moments in place (every element: bnb lets a
+// non-finite gradient into the state); returns that square root (fp32 state outside the launch is read, never
+// written).
 template <typename GradT, bool Scale>
-void bnb32_moments(const Hyper& hyper, int64_t len, const GradT* __restrict__ g_in, float* __restrict__ s1,
-                   float* __restrict__ s2, float inv_scale) {
-    const Hyper h = hyper;
+at::Tensor bnb32_moments(const at::Tensor& segments, const std::vector<dsbnb::cpu::Work>& work, const Hyper* hyper,
+                         const GradT* grads, float* s1, float* s2, const at::Tensor& state2, float inv_scale) {
+    dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
+                                                   int64_t base) {
+        if (s.eight_bit) return;
+        const Hyper h = hyper[s.hyper_row];
+        const GradT* __restrict__ g = grads + base;
+        float* __restrict__ m = s1 + s.fp32_offset + start;
+        float* __restrict__ v = s2 + s.fp32_offset + start;
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) {
-        dsbnb::cpu::bnb32::adam_moments(h, s1[j], s2[j], dsbnb::cpu::bnb32::grad<GradT, Scale>(g_in[j], inv_scale),
-                                        s1[j], s2[j]);
-    }
+        for (int64_t j = 0; j < len; ++j) {
+            dsbnb::cpu::bnb32::adam_moments(h, m[j], v[j], dsbnb::cpu::bnb32::grad<GradT, Scale>(g[j], inv_scale),
+                                            m[j], v[j]);
+        }
+    });
+    return at::sqrt(state2);
 }
 
-// ... then the parameters, from the new first moments and the square roots of the second ones.
+// Second pass, per block: the parameters, from the new first moments and the square roots of the second ones.
 inline void bnb32_params(const Hyper& hyper, int64_t len, float* __restrict__ p, const float* __restrict__ s1,
                          const float* __restrict__ root) {
     const Hyper h = hyper;
@@ -159,18 +168,10 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         constexpr bool kScale = decltype(scale)::value;
         // 'bnb_cpu': the fp32 segments' moments first, then torch's own sqrt of the packed second moments, which is
-        // what bnb's update divides by (fp32 state of segments outside this launch is read, never written)
-        at::Tensor root;
-        if (bnb_cpu && state2.numel() > 0) {
-            dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
-                                                           int64_t base) {
-                if (!s.eight_bit) {
-                    bnb32_moments<G, kScale>(h[s.hyper_row], len, g + base, s1 + s.fp32_offset + start,
-                                             s2 + s.fp32_offset + start, inv);
-                }
-            });
-            root = at::sqrt(state2);
-        }
+        // what bnb's update divides by
+        const at::Tensor root = bnb_cpu && state2.numel() > 0
+                                    ? bnb32_moments<G, kScale>(segments, work, h, g, s1, s2, state2, inv)
+                                    : at::Tensor();
         const float* r = root.defined() ? root.data_ptr<float>() : nullptr;
         dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
                                                        int64_t base) {
