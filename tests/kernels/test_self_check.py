@@ -109,7 +109,7 @@ def test_cpu_kernel_passes_self_check():
 
 @pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
 @pytest.mark.parametrize("rule", RULES)
-def test_cpu_kernel_steps_32bit_state_as_bnb_itself(rule):
+def test_bnb_cpu_check_holds_the_compiled_kernel_to_bnb_itself(rule):
     """The bnb_cpu check compares the kernel's fp32 segments with bitsandbytes' own 32-bit CPU update (and its 8-bit
     ones with the reference): the compiled kernel passes it for every master-weight mode; the same kernel in the ieee
     arithmetic (every operation rounded on its own) does not (control: the check compares with bnb, not with us)."""
