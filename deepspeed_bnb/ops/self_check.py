@@ -134,7 +134,12 @@ def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         oracle = (bnb_update.cpu32_oracle(rule, CONFIGS, step) if arithmetic == rules.BNB_CPU else
                   rules.get(rule).oracle(arithmetic))
-        oracle(*_arguments(rule, theirs, grads.to(oracle_device), hyper.to(oracle_device), inv_scale, arithmetic))
+        try:
+            oracle(*_arguments(rule, theirs, grads.to(oracle_device), hyper.to(oracle_device), inv_scale, arithmetic))
+        except Exception as exc:  # bnb's own CPU update missing or broken here: nothing to hold the kernel to
+            if arithmetic != rules.BNB_CPU:
+                raise
+            return f"{oracle_name} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         for name in ours:
             mine, expected = bits(ours[name].cpu()), bits(theirs[name].cpu())
             if not torch.equal(mine, expected):

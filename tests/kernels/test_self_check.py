@@ -124,6 +124,22 @@ def test_bnb_cpu_check_holds_the_compiled_kernel_to_bnb_itself(rule):
     assert problem is not None and "differs from bitsandbytes' own update" in problem, problem
 
 
+def test_bnb_cpu_check_fails_cleanly_where_bnb_cannot_update(monkeypatch):
+    """Where bnb's own CPU update raises (a trimmed or broken install), the bnb_cpu check reports it instead of raising,
+    so the engine keeps bnb's update (or the ieee kernel) for 32-bit state."""
+    from deepspeed_bnb.ops import bnb_update
+
+    def broken(rule, configs, step):
+        def oracle(*args):
+            raise OSError("libbitsandbytes_cpu.so: cannot open shared object file (planted)")
+        return oracle
+
+    monkeypatch.setattr(bnb_update, "cpu32_oracle", broken)
+    problem = self_check.compare("adam", torch.device("cpu"), rules.get("adam").reference, "fp32", rules.BNB_CPU)
+    assert problem == "bitsandbytes' own update raised OSError: libbitsandbytes_cpu.so: cannot open shared object " \
+                      "file (planted)", problem
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_kernel_passes_self_check():
