@@ -6,9 +6,9 @@ computes in fp64 (1 - beta1, eps * sqrt(1 - beta2^t), -lr * sqrt(1 - beta2^t) / 
 rounds each to fp32 where an operation takes it, which is what the ieee hyper rows hold (reference.AdamHyper,
 LionHyper, MomentumHyper). So the same operations with the rows' values give bnb's bits: torch's add with alpha
 and its addcmul fuse a multiply-add, its sqrt is whatever this torch build computes, and no element is skipped for a
-non-finite gradient. Differences from bnb's call: none for the rules here, except that a weight decay of 0 multiplies
-the weights by exactly 1.0 (which changes no value) where bnb skips the multiplication. The operations are in-place
-on views, as bnb's are; `g` is the gradient bnb would read (DeepSpeed's unscale applied in the gradient's dtype).
+non-finite gradient. One difference from bnb's call, which changes no value: with a weight decay of 0 the weights are
+multiplied by exactly 1.0 where bnb skips the multiplication. The operations are in place on views, as bnb's are; `g`
+is the gradient bnb would read (DeepSpeed's unscale factor applied in the gradient's own dtype, then widened).
 References: bitsandbytes 0.50.2 backends/cpu/ops.py (_optimizer_update_32bit_cpu).
 Test: pytest tests/kernels/test_bnb_cpu32.py (against bitsandbytes itself and the compiled kernels).
 """

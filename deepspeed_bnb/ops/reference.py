@@ -47,7 +47,10 @@ kernels round, skip non-finite gradients and apply weight decay differently, as 
   sqrt((1 - beta2) g^2) instead of the v accumulated so far (measured on a 2-layer GPT-2: a single-element update of
   4.5 x lr where bnb's own update moved no element more than 1.4 x lr). bnb's CUDA kernel rounds the same way (and
   shares the spike); bnb's CPU path never stores 0 for a positive value (its look-up rounds small values up).
-- fp32 state segments keep their state in fp32 arrays packed in segment order.
+- fp32 state segments keep their state in fp32 arrays packed in segment order. In the "bnb_cpu" arithmetic (BNB_CPU,
+  CPU kernels only) they follow bitsandbytes' own 32-bit CPU update instead, operation by operation (ops/bnb_cpu32.py:
+  its fused multiply-adds, torch's own sqrt, no element skipped for a non-finite gradient), so that the kernel's launch
+  can step 32-bit-state parameters with bnb's bits; 8-bit segments are the same in both.
 - Master weights (`params`): fp32; or bf16, widened exactly and the updated value rounded to nearest even (bnb's own
   update of a bf16 parameter rounds its fp32 result once, the same way); or compensated bf16 + int8 error terms
   (`error`, ops/compensated.py), joined to fp32 and split again. Every stored NaN is bf16's quiet NaN 0x7FC0.

@@ -11,10 +11,11 @@ the arithmetic it computes there (ops/rules.py): on a CPU the pure-torch referen
 the CPU kernels to), on a GPU bitsandbytes' own update on that GPU (ops/bnb_update.py: the kernels promise its bits);
 a kernel that raises or differs by one bit is not used. On a CPU the kernel's copy of bnb's own 32-bit CPU update
 (the bnb_cpu arithmetic) is checked apart, against bnb itself: where it differs, bnb's update keeps the 32-bit state
-(optim/fused/route.py: kernel_arithmetic). Every rule of the registry is checked the same way: its
-partition, hyper rows and argument list follow from its moment count and its row builder.
-Cost: a few milliseconds, once per rule, device, master and arithmetic per process. It uses bnb's default maps: a custom map's own
-quantizer path (an unsorted map, one the compact key table refuses) is covered by the test suite only.
+(optim/fused/route.py: kernel_arithmetic). Every rule of the registry is checked the same way: its partition, hyper
+rows and argument list follow from its moment count and its row builder.
+Cost: a few milliseconds, once per rule, device, master and arithmetic per process. It uses bnb's default maps: a
+custom map's own quantizer path (an unsorted map, one the compact key table refuses) is covered by the test suite
+only.
 """
 
 from typing import Callable, Dict, Optional, Tuple
