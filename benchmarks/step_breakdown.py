@@ -1,0 +1,163 @@
+"""`engine.step()` of the demo GPT taken apart: configurations stepped alternately in one process, each part timed.
+
+Where `compare_adam.py` runs each configuration as a job of its own (so its peak memory is its own) and reads the
+whole step, this builds the engines of several configurations in one job, steps them in turn on the same batches and
+times `engine.step()` and the parts of it that differ between them, by wrapping these methods for the run:
+  norm          DeepSpeed's gradient norm (`scaled_global_norm`: fp64 per-parameter norms and their all-reduce)
+  unscale       DeepSpeed's unscale/clip (`unscale_and_clip_grads`; deepspeed_bnb's computes the factor only)
+  optimizer     the partition steps (`_optimizer_step`, all param groups): torch's optimizer, or deepspeed_bnb's:
+    route         which code steps each parameter, re-checked every step (`PartitionStep.route`)
+    fused         the fused kernel's step of a partition (`FusedPartition.step`: hyper rows and the call)
+    kernel          the compiled operator's call itself (`rules.step_`)
+    bnb           bitsandbytes' own update of what the kernel does not step (`BnbAdapter.step`)
+  flatten       the gradient partition's flatten (`flatten_dense_tensors`)
+  weights       the fp32 -> model-dtype copy (`_update_model_bit16_weights`)
+  all-gather    the updated partitions' all-gather (`all_gather_dp_groups`)
+Per configuration the median over the timed steps of each part's time per step, in ms, and the step's ratio to the
+last configuration's. Same model, data, schedule and hyper-parameters as compare_adam.py (compare_adam_worker.py).
+
+    python benchmarks/step_breakdown.py                      # 1 rank, bnb8_fused vs torch_adamw_fused, 120 steps
+    python benchmarks/step_breakdown.py --nproc 2 --steps 200
+    python benchmarks/step_breakdown.py --configs bnb8_fused bnb8_fallback torch_adamw_fused
+"""
+
+import argparse
+import collections
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from compare_adam_configs import BF16_ONLY, CONFIGS, LABELS  # noqa: E402
+
+PARTS = ("norm", "unscale", "optimizer", "route", "fused", "kernel", "bnb", "flatten", "weights", "all-gather")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c not in BF16_ONLY],
+                   default=["bnb8_fused", "torch_adamw_fused"], help="the last one is the ratios' reference")
+    p.add_argument("--nproc", type=int, default=1, help="data-parallel CPU ranks (one job)")
+    p.add_argument("--steps", type=int, default=120, help="steps per configuration; the first 10 are not timed")
+    p.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)  # a rank of the job: write RESULT (JSON)
+    return p.parse_args()
+
+
+class Timer:
+    """Accumulates the time spent in wrapped callables, per label, until reset()."""
+
+    def __init__(self):
+        self.spent = collections.defaultdict(float)
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        @functools.wraps(real)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.spent[label] += time.perf_counter() - started
+        setattr(owner, name, timed)
+
+    def reset(self) -> dict:
+        spent, self.spent = dict(self.spent), collections.defaultdict(float)
+        return spent
+
+
+def instrument(timer: Timer) -> None:
+    import torch
+    from deepspeed.runtime.zero import stage_1_and_2 as zero
+
+    from deepspeed_bnb.ops import rules
+    from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+    from deepspeed_bnb.optim.fused.partition import FusedPartition
+    from deepspeed_bnb.optim.fused.partition_step import PartitionStep
+    from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
+    for owner in (zero.DeepSpeedZeroOptimizer, BnbZeroOptimizer):  # ours overrides both: each class's own method
+        timer.wrap(owner, "unscale_and_clip_grads", "unscale")
+        timer.wrap(owner, "_optimizer_step", "optimizer")
+    for owner, name, label in ((zero.DeepSpeedZeroOptimizer, "scaled_global_norm", "norm"),
+                               (zero.DeepSpeedZeroOptimizer, "_update_model_bit16_weights", "weights"),
+                               (zero, "all_gather_dp_groups", "all-gather"),
+                               (torch._C._nn, "flatten_dense_tensors", "flatten"),
+                               (PartitionStep, "route", "route"), (FusedPartition, "step", "fused"),
+                               (rules, "step_", "kernel"), (BnbAdapter, "step", "bnb")):
+        timer.wrap(owner, name, label)
+
+
+def worker(args) -> None:
+    import deepspeed
+    import torch
+
+    import deepspeed_bnb  # noqa: F401
+    import compare_adam_worker
+    from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
+    from deepspeed_bnb.demo.text import ByteBatches, stdlib_bytes
+    from deepspeed_bnb.utils.teardown import finish
+    timer = Timer()
+    instrument(timer)
+    engines = {}
+    for config in args.configs:  # compare_adam_worker's settings for this configuration
+        settings = argparse.Namespace(config=config, batch=16, stage=2, bf16=0, offload=0, lr=3e-3,
+                                      warmup_lr_steps=30)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(context=128, width=128, depth=4, heads=4))
+        groups = decay_groups(model, 0.1)
+        engines[config], *_ = deepspeed.initialize(
+            model=model, optimizer=compare_adam_worker.client_optimizer(settings, groups), model_parameters=groups,
+            config=compare_adam_worker.ds_config(settings))
+    batches, generator = ByteBatches(stdlib_bytes(), 128), torch.Generator().manual_seed(0)
+    times = {c: collections.defaultdict(list) for c in engines}
+    for step in range(args.steps):
+        tokens, targets = batches.sample("train", 16, generator)
+        for config, engine in engines.items():
+            engine.backward(engine(tokens, targets))
+            timer.reset()
+            started = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - started
+            if step >= 10:
+                times[config]["engine.step()"].append(total)
+                for label, spent in timer.reset().items():
+                    times[config][label].append(spent)
+    if deepspeed.comm.get_rank() == 0:
+        with open(args.worker, "w") as f:
+            json.dump({c: {k: statistics.median(v) for k, v in parts.items()} for c, parts in times.items()}, f)
+    finish()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from launch import torchrun
+    with tempfile.TemporaryDirectory() as folder:
+        result = os.path.join(folder, "step_breakdown.json")
+        wall = torchrun(os.path.abspath(__file__), args.nproc, ["--configs", *args.configs, "--steps", args.steps,
+                                                                 "--worker", result])
+        with open(result) as f:
+            medians = json.load(f)
+    reference = medians[args.configs[-1]]["engine.step()"]
+    shown = [p for p in PARTS if any(p in medians[c] for c in args.configs)]
+    print(f"`python benchmarks/step_breakdown.py {' '.join(sys.argv[1:])}`: demo GPT, ZeRO-2, {args.nproc} CPU "
+          f"rank(s), {args.steps - 10} timed steps per configuration, stepped in turn ({wall:.0f} s). Medians per step "
+          f"in ms, rank 0; a part nested in `optimizer` (route, fused, kernel, bnb) is counted in it as well.\n")
+    print("| configuration | engine.step() | vs last | " + " | ".join(shown) + " |")
+    print("|---|---:|---:|" + "---:|" * len(shown))
+    for config in args.configs:
+        parts = medians[config]
+        cells = [f"{parts[p] * 1e3:.3f}" if p in parts else "-" for p in shown]
+        print(f"| {LABELS[config]} | {parts['engine.step()'] * 1e3:.3f} | "
+              f"{parts['engine.step()'] / reference:.2f}x | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

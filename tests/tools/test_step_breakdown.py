@@ -1,0 +1,38 @@
+"""Smoke test of benchmarks/step_breakdown.py: one rank, a few steps, the fused 8-bit path and torch's fused AdamW.
+
+Checks what the table must show whatever the machine's speed: both configurations' rows, the parts each one runs
+and only those (the fused kernel and its route in deepspeed_bnb's row; neither in stock DeepSpeed's with torch's
+optimizer, whose `optimizer` part is torch's), nested parts no longer than the part they sit in, and the ratio column
+against the last configuration. Control: the torch row's kernel cell is "-", so a wrapper that timed nothing or
+everything would show.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, without_launch_vars
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return {cells[0]: dict(zip(header, cells)) for cells in
+            ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:])}
+
+
+def test_step_breakdown_times_the_parts_each_path_runs():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_breakdown.py"), "--steps", "14"],
+                          env=without_launch_vars(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = _rows(done.stdout)
+    ours, torch_row = rows["bnb AdamW8bit, fused kernel"], rows["torch AdamW(fused=True) (fp32)"]
+    assert torch_row["vs last"] == "1.00x" and ours["vs last"].endswith("x")
+    for part in ("engine.step()", "norm", "optimizer", "route", "fused", "kernel", "bnb", "all-gather"):
+        assert ours[part] != "-" and float(ours[part]) > 0, part
+    assert float(ours["kernel"]) <= float(ours["fused"]) <= float(ours["optimizer"]) <= float(ours["engine.step()"])
+    assert float(torch_row["optimizer"]) > 0 and float(torch_row["norm"]) > 0
+    assert torch_row["kernel"] == torch_row["route"] == torch_row["bnb"] == "-"
