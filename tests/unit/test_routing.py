@@ -135,6 +135,21 @@ def test_a_config_change_reroutes_at_the_next_step(one_rank):
     assert all(step.fused is None for step in engine.optimizer.bnb_steps)
 
 
+def test_each_step_rechecks_each_distinct_config_once_not_each_parameter(one_rank, monkeypatch):
+    """The per-step re-check (configs change during training) asks the contract once per distinct (config variant,
+    precision) pair of a partition, whatever its number of parameters (a per-parameter check would ask it once for
+    each of the partition's parameters: more calls, which the count rules out)."""
+    _, engine = trained(_adamw8bit)
+    steps = engine.optimizer.bnb_steps
+    calls = []
+    real = fused_route.route
+    monkeypatch.setattr(fused_route, "route", lambda *args, **kwargs: calls.append(args[3]) or real(*args, **kwargs))
+    train_steps(engine, range(STEPS, STEPS + 1))
+    distinct = sum(len(set(zip(step.variant, step.eight_bit))) for step in steps)
+    assert len(calls) == distinct < sum(len(step.eight_bit) for step in steps)
+    assert all(step.fused is not None for step in steps)  # and the routes it keeps still step the partitions
+
+
 def _adamw8bit(params):
     return bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=1000)
 

@@ -22,7 +22,7 @@ from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused.contract import optimizer_reason
 from deepspeed_bnb.optim.fused.partition import FusedPartition
-from deepspeed_bnb.optim.fused.route import Route, kernel_arithmetic, route_table
+from deepspeed_bnb.optim.fused.route import Route, kernel_arithmetic, route_decisions
 from deepspeed_bnb.state_layout import Segment
 
 
@@ -90,12 +90,15 @@ class PartitionStep:
         self.variants, self.variant = distinct(overrides)  # distinct per-parameter overrides; each parameter's one
         self.eight_bit = tuple(eight_bit)  # per parameter: 8-bit state?
         self.device = device
-        self.kernel = kernel  # the optimizer-wide route on this device (FUSED: each parameter's own, route_table)
+        self.kernel = kernel  # the optimizer-wide route on this device (FUSED: each parameter's own, route_decisions)
         self.no_own_update = own_update.missing(device)  # why bnb's own update cannot run on `device` (None: it can)
         # what the kernel computes on `device` (route.kernel_arithmetic, for fp32 master weights unless given)
         self.arithmetic = arithmetic or kernel_arithmetic(kernel, adapter.optimizer, device)
         self.on_reroute = on_reroute  # called with (old routes, new routes) per parameter when they change
         self.param_routes: Optional[List[Route]] = None  # per parameter: which code steps it
+        # the distinct (variant, precision) pairs of the parameters: what decides their routes
+        self._keys = list(dict.fromkeys(zip(self.variant, self.eight_bit)))
+        self._decided: Optional[dict] = None  # the route of each pair, as of the last route()
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
         self._fused_variants: List[int] = []  # variant of each hyper row of the kernel
         self._configs: List[dict] = []  # bnb's config of each variant, as of the last route()
@@ -104,8 +107,13 @@ class PartitionStep:
     def route(self, group: dict) -> None:
         """(Re)decide each parameter's path from `group`'s current config; the kernel is rebuilt only on change."""
         self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
-        new = route_table(self.adapter.optimizer, self.kernel, self._configs, self.variant, self.eight_bit,
-                          self.no_own_update, self.arithmetic)
+        # every step: one decision per distinct pair, not per parameter (a partition may hold thousands)
+        decided = route_decisions(self.adapter.optimizer, self.kernel, self._configs, self._keys, self.no_own_update,
+                                  self.arithmetic)
+        if decided == self._decided:
+            return
+        self._decided = decided
+        new = [decided[key] for key in zip(self.variant, self.eight_bit)]
         if new == self.param_routes:
             return
         if self.no_own_update:

@@ -14,7 +14,7 @@ Two questions, asked in this order, both answered with a `Route` (FUSED, or bnb'
    it. 32-bit state takes the kernel's fp32 path (contract.fp32_param_reason) where that is bnb's own update (bnb's
    CUDA arithmetic reproduces its 32-bit kernels too, so on a GPU one launch steps the whole partition) or where bnb
    has no update of its own (own_update.py).
-partition_step.py asks `route` through `route_table`; the ZeRO optimizers of every stage ask `kernel_route`.
+partition_step.py asks `route` through `route_decisions`; the ZeRO optimizers of every stage ask `kernel_route`.
 """
 
 import enum
@@ -143,16 +143,21 @@ def route(optimizer, kernel: Route, config: dict, eight_bit: bool,
     return _route(reason)
 
 
+def route_decisions(optimizer, kernel: Route, configs: Sequence[dict], keys: Sequence[tuple],
+                    no_own_update: Optional[str] = None, arithmetic: str = rules.IEEE) -> Dict[tuple, Route]:
+    """`route` per distinct (config variant among `configs`, precision) pair in `keys`: what a partition re-checks
+    every step, as many calls as it has distinct pairs whatever its number of parameters."""
+    return {key: route(optimizer, kernel, configs[key[0]], key[1], no_own_update, arithmetic) for key in keys}
+
+
 def route_table(optimizer, kernel: Route, configs: Sequence[dict], variant: Sequence[int],
                 eight_bit: Sequence[bool], no_own_update: Optional[str] = None,
                 arithmetic: str = rules.IEEE) -> List[Route]:
     """`route` per parameter, given its config variant among `configs` and its precision (computed once per
     distinct pair)."""
-    memo = {}  # (variant, precision) -> route
-    for key in zip(variant, eight_bit):
-        if key not in memo:
-            memo[key] = route(optimizer, kernel, configs[key[0]], key[1], no_own_update, arithmetic)
-    return [memo[key] for key in zip(variant, eight_bit)]
+    decided = route_decisions(optimizer, kernel, configs, list(dict.fromkeys(zip(variant, eight_bit))),
+                              no_own_update, arithmetic)
+    return [decided[key] for key in zip(variant, eight_bit)]
 
 
 def describe_routes(optimizer: str, routes: Mapping[str, Route], shown: int = 8) -> str:
