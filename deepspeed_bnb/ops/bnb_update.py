@@ -27,7 +27,7 @@ from typing import ClassVar, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.ops import compensated, reference
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment
 
 MAX_UPDATE_NUMEL = 1 << 30  # elements per call of bnb's update: every int bnb's CUDA kernels derive stays < 2^31
@@ -103,13 +103,12 @@ def step_(rule: str, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[
                 compensated.split_(p, hi, lo)
 
 
-def cpu32_oracle(rule: str, configs: Sequence[dict], step: int):
-    """The oracle of the bnb_cpu arithmetic against bitsandbytes itself, with the fused operator's arguments: bnb's own
-    update of the fp32 segments (its 32-bit CPU update, with the unrounded values of the bnb get_config dicts
-    `configs`, one per hyper row, at bnb's step `step`), and the pure-torch reference of the 8-bit ones (which bnb_cpu
-    computes in the ieee arithmetic). The operator's own `hyper` argument is read for the 8-bit segments only."""
-    from deepspeed_bnb.ops import reference, rules
-    update = rules.get(rule)
+def cpu32_oracle(update, configs: Sequence[dict], step: int):
+    """The oracle of the bnb_cpu arithmetic against bitsandbytes itself, with the fused operator's arguments, for the
+    update rule `update` (its ops/rules.py entry): bnb's own update of the fp32 segments (its 32-bit CPU update, with
+    the unrounded values of the bnb get_config dicts `configs`, one per hyper row, at bnb's step `step`), and the
+    pure-torch reference of the 8-bit ones (which bnb_cpu computes in the ieee arithmetic). The operator's own `hyper`
+    argument is read for the 8-bit segments only."""
     n = update.moments
     bnb_rows = [BnbHyper.of(config, step) for config in configs]
 
@@ -117,6 +116,6 @@ def cpu32_oracle(rule: str, configs: Sequence[dict], step: int):
         segments, hyper, inv_scale, error = rest[4 * n:4 * n + 4]
         eight_bit = segments[:, 2] != 0
         update.reference(params, grads, *rest[:4 * n], segments[eight_bit], hyper, inv_scale, error, reference.IEEE)
-        step_(rule, params, grads, rest[:n], rest[n:2 * n], rest[2 * n:3 * n], rest[3 * n:4 * n],
+        step_(update.name, params, grads, rest[:n], rest[n:2 * n], rest[2 * n:3 * n], rest[3 * n:4 * n],
               segments[~eight_bit], bnb_rows, inv_scale, error)
     return oracle

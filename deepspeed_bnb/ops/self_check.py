@@ -133,7 +133,7 @@ def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp
             kernel(*_arguments(rule, ours, grads.to(device), hyper.to(device), inv_scale, arithmetic))
         except Exception as exc:  # e.g. no code for this GPU in the build: the reference can still run
             return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        oracle = (bnb_update.cpu32_oracle(rule, CONFIGS, step) if arithmetic == rules.BNB_CPU else
+        oracle = (bnb_update.cpu32_oracle(rules.get(rule), CONFIGS, step) if arithmetic == rules.BNB_CPU else
                   rules.get(rule).oracle(arithmetic))
         try:
             oracle(*_arguments(rule, theirs, grads.to(oracle_device), hyper.to(oracle_device), inv_scale, arithmetic))

@@ -42,7 +42,7 @@ def step(part, number: int, grads, inv_scale, how: str):
     args = rules.arguments(rule, part.params, grads, *state, part.qmaps, part.table, rule.rows(CONFIGS, number),
                            inv_scale, part.error, arithmetic)
     run_it = {"kernel": rule.kernel, "reference": lambda: rule.oracle(arithmetic),
-              "bnb": lambda: bnb_update.cpu32_oracle(rule.name, CONFIGS, number)}[kind]()
+              "bnb": lambda: bnb_update.cpu32_oracle(rule, CONFIGS, number)}[kind]()
     run_it(*args)
 
 
