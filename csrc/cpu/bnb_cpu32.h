@@ -27,10 +27,8 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <c10/util/string_view.h>
 
 #include <cmath>
-#include <string>
 
 #include "dsbnb/adam8bit.h"
 
