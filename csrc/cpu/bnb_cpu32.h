@@ -9,7 +9,7 @@
 //   so v = fma((1 - beta2) * g, g, v * beta2);
 // - `p.mul_(1 - lr * wd)` then `p.add_(state1 / (state2.sqrt() + eps_hat), alpha=step_size)`: the division and the
 //   sum round on their own, the step is another fused multiply-add; the square root is torch's own (at::sqrt, called
-//   by the operator on the packed state: torch's CPU sqrt is not the correctly rounded one on every build, e.g. MKL's);
+//   by the operator on the packed state: torch 2.13.0+cpu's fp32 sqrt is not the correctly rounded one, measured);
 // - Lion: m' = fma(g, 1 - beta1, m * beta1), p = fma(sign(m'), -lr, p * decay) (exact product: p * decay - lr * sign),
 //   m = fma(g, 1 - beta2, m * beta2); torch.sign gives 0 for NaN, as lion_sign;
 // - SGD-momentum: g' = fma(p, wd, g) when wd > 0, m = g' at step 1 else m * beta1 + g', p = fma(m, -lr, p);
