@@ -237,13 +237,13 @@ class BnbAdapter:
         (batched_update.py). `grad_scale`: a 0-dim tensor each segment's gradient is multiplied by first, as
         DeepSpeed's unscale/clip multiplies the partition's (in place; a batch's joined copy once)."""
         step = state["step"]
-        if not segments:  # the kernel stepped every segment: only the partition's step advances, as bnb's would
+        if not segments:  # the kernel stepped every segment (or pure padding): only the partition's step advances
             state["step"] = step + 1
             return
         keys = self.stored_classes(state)  # once per step, not per segment
         # bnb counts elements in 32 bits; compensated pieces are widened to fp32 scratch
         piece = bnb_update.MAX_UPDATE_NUMEL if error is None else COMPENSATED_PIECE
-        scalars = {"step": step + 1}  # what bnb's update_step leaves; also right for a partition of pure padding
+        scalars = {"step": step + 1}  # what bnb's update_step leaves
         batching = batched_update.allowed(self.optimizer_name, params.device)
         trust_ratio: List[tuple] = []  # (override, whether its config bounds updates by a trust ratio), memoized
 

@@ -208,16 +208,19 @@ def test_gpu_default_is_the_kernel_once_its_first_use_check_holds(one_rank, monk
 
 def test_gpu_plan_steps_32bit_state_in_the_kernel_too(one_rank):
     """On a GPU the kernel computes bnb's own CUDA arithmetic, its 32-bit kernels included: every parameter of the
-    toy (8-bit and 32-bit state) routes to the kernel there, so one launch steps a whole partition. Control: on a CPU
-    the 32-bit ones stay with bnb's own update (its CPU path is torch operations the IEEE kernel does not reproduce)."""
+    toy (8-bit and 32-bit state) routes to the kernel there, so one launch steps a whole partition. Control: in the
+    ieee arithmetic the 32-bit ones stay with bnb's own update (its CPU path is torch operations that arithmetic does
+    not reproduce; the bnb_cpu one does: tests/kernels/test_step_launches.py)."""
     from deepspeed_bnb.ops import rules
     _, engine = trained(_adamw8bit)
     optimizer = engine.optimizer
+
+    def routes(step, arithmetic):
+        decided = fused_route.route_decisions(optimizer.optimizer, FUSED, step._configs, step._keys, None, arithmetic)
+        return [decided[key] for key in zip(step.variant, step.eight_bit)]
+
     for step in optimizer.bnb_steps:
-        gpu = fused_route.route_table(optimizer.optimizer, FUSED, step._configs, step.variant, step.eight_bit, None,
-                                      rules.BNB_CUDA)
-        cpu = fused_route.route_table(optimizer.optimizer, FUSED, step._configs, step.variant, step.eight_bit, None,
-                                      rules.IEEE)
+        gpu, cpu = routes(step, rules.BNB_CUDA), routes(step, rules.IEEE)
         assert all(route is FUSED for route in gpu)
         assert [route is FUSED for route in cpu] == list(step.eight_bit)
     assert not all(all(step.eight_bit) for step in optimizer.bnb_steps)  # the toy has 32-bit state to route

@@ -113,9 +113,7 @@ class PartitionStep:
         if decided == self._decided:
             return
         self._decided = decided
-        new = [decided[key] for key in zip(self.variant, self.eight_bit)]
-        if new == self.param_routes:
-            return
+        new = [decided[key] for key in zip(self.variant, self.eight_bit)]  # every pair is some parameter's: it changed
         if self.no_own_update:
             stuck, _ = distinct([(self.variants[v], eight_bit, chosen.reason) for v, eight_bit, chosen
                                  in zip(self.variant, self.eight_bit, new) if not chosen.fused])

@@ -20,7 +20,7 @@ partition_step.py asks `route` through `route_decisions`; the ZeRO optimizers of
 import enum
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -148,16 +148,6 @@ def route_decisions(optimizer, kernel: Route, configs: Sequence[dict], keys: Seq
     """`route` per distinct (config variant among `configs`, precision) pair in `keys`: what a partition re-checks
     every step, as many calls as it has distinct pairs whatever its number of parameters."""
     return {key: route(optimizer, kernel, configs[key[0]], key[1], no_own_update, arithmetic) for key in keys}
-
-
-def route_table(optimizer, kernel: Route, configs: Sequence[dict], variant: Sequence[int],
-                eight_bit: Sequence[bool], no_own_update: Optional[str] = None,
-                arithmetic: str = rules.IEEE) -> List[Route]:
-    """`route` per parameter, given its config variant among `configs` and its precision (computed once per
-    distinct pair)."""
-    decided = route_decisions(optimizer, kernel, configs, list(dict.fromkeys(zip(variant, eight_bit))),
-                              no_own_update, arithmetic)
-    return [decided[key] for key in zip(variant, eight_bit)]
 
 
 def describe_routes(optimizer: str, routes: Mapping[str, Route], shown: int = 8) -> str:
