@@ -105,14 +105,18 @@ void block_fp32(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
 
 // The 'bnb_cpu' arithmetic of the fp32 segments (bnb_cpu32.h), in two passes around torch's own square root of the
 // packed second moments. First pass, here: every fp32 segment's moments in place (every element: bnb lets a
-// non-finite gradient into the state); returns that square root (fp32 state outside the launch is read, never
-// written).
+// non-finite gradient into the state), over those segments' blocks only (a partition's 8-bit blocks may number
+// millions); returns that square root (fp32 state outside the launch is read, never written).
 template <typename GradT, bool Scale>
-at::Tensor bnb32_moments(const at::Tensor& segments, const std::vector<dsbnb::cpu::Work>& work, const Hyper* hyper,
-                         const GradT* grads, float* s1, float* s2, const at::Tensor& state2, float inv_scale) {
-    dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
-                                                   int64_t base) {
-        if (s.eight_bit) return;
+at::Tensor bnb32_moments(const at::Tensor& segments, const Hyper* hyper, const GradT* grads, float* s1, float* s2,
+                         const at::Tensor& state2, float inv_scale) {
+    const auto* table = reinterpret_cast<const dsbnb::Segment*>(segments.data_ptr<int64_t>());
+    std::vector<dsbnb::cpu::Work> fp32_work;
+    for (int64_t i = 0; i < segments.size(0); ++i) {
+        for (int64_t b = 0; !table[i].eight_bit && b * kBlock < table[i].numel; ++b) fp32_work.push_back({i, b});
+    }
+    dsbnb::cpu::for_each_block(segments, fp32_work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
+                                                        int64_t base) {
         const Hyper h = hyper[s.hyper_row];
         const GradT* __restrict__ g = grads + base;
         float* __restrict__ m = s1 + s.fp32_offset + start;
@@ -170,7 +174,7 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
         // 'bnb_cpu': the fp32 segments' moments first, then torch's own sqrt of the packed second moments, which is
         // what bnb's update divides by
         const at::Tensor root = bnb_cpu && state2.numel() > 0
-                                    ? bnb32_moments<G, kScale>(segments, work, h, g, s1, s2, state2, inv)
+                                    ? bnb32_moments<G, kScale>(segments, h, g, s1, s2, state2, inv)
                                     : at::Tensor();
         const float* r = root.defined() ? root.data_ptr<float>() : nullptr;
         dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,

@@ -36,16 +36,12 @@ namespace dsbnb {
 namespace cpu {
 namespace bnb32 {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-
 // The gradient bnb's update reads: DeepSpeed's grad.mul_(factor) rounds the product to the gradient's dtype (bf16 and
-// fp16 round to nearest even), and bnb widens it.
+// fp16 round to nearest even), and bnb widens it (fp32, bf16 and fp16 all convert to float exactly).
 template <typename GradT, bool Scale>
 inline float grad(GradT g, float inv_scale) {
-    if (!Scale) return widen(g);
-    return widen(static_cast<GradT>(widen(g) * inv_scale));
+    if (!Scale) return static_cast<float>(g);
+    return static_cast<float>(static_cast<GradT>(static_cast<float>(g) * inv_scale));
 }
 
 // AdamW's moments (the operator then takes torch's sqrt of v).
