@@ -28,7 +28,7 @@ from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 from support.bnb_state import flat_bnb_state
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.ops import rule_fields, rules
-from deepspeed_bnb.optim.fused import partition_step, route as fused_route
+from deepspeed_bnb.optim.fused import contract, partition_step, route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused.route import FUSED, Route
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
@@ -362,3 +362,66 @@ def test_control_relation_check_catches_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(partition_step.PartitionStep, "step", wrong_lr)
     outcome = run(bnb.optim.AdamW8bit, VARIANTS[0])
     assert any("weights off" in b for b in outcome.breaks), outcome.breaks
+
+
+def _config_family():
+    """bnb's config of an AdamW8bit parameter, and that config with one field changed, for each field: the values a
+    schedule, a user or a subclass may set, including ones the kernel does not model."""
+    optimizer = construct(bnb.optim.AdamW8bit, initial_params())
+    base = optimizer.get_config(0, 0, optimizer.param_groups[0])
+    values = {"lr": [1e-3, 0.5, 3, float("nan"), float("inf"), -float("inf")],
+              "betas": [(0.9, 0.999), [0.9, 0.999], (0.9, 0.999, 0.5), (1.0, 0.999), (0.8, 0.99)],
+              "eps": [1e-8, 1e-3], "weight_decay": [0.0, 0.1, -0.1, float("nan")], "alpha": [0.0, 2.0],
+              "t_alpha": [None, 10], "t_beta3": [None, 10], "optim_bits": [8, 32], "min_8bit_size": [1000, 0],
+              "max_unorm": [0.0, 0.5], "skip_zeros": [False, True], "my_scale": [1.5]}
+    return [base] + [{**base, field: value} for field, choices in values.items() for value in choices]
+
+
+def test_route_key_equal_keys_give_equal_routes():
+    """contract.route_key is what the per-step re-check compares (partition_step.py): wherever two configs have the
+    same key, every reason (each rule, 8-bit and 32-bit state) is the same; learning rates that are all finite share
+    one key (a schedule is not re-checked); non-finite ones do not."""
+    configs = _config_family()
+    keys = [contract.route_key(c) for c in configs]
+    assert None not in keys
+    reasons = [[(contract.param_reason(rule, c, eight_bit), contract.fp32_param_reason(rule, c))
+                for rule in rules.RULES for eight_bit in (True, False)] for c in configs]
+    pairs = [(i, j) for i in range(len(configs)) for j in range(i) if keys[i] == keys[j]]
+    assert all(reasons[i] == reasons[j] for i, j in pairs)
+    lr_keys = {contract.route_key({**configs[0], "lr": lr}) for lr in (1e-3, 0.5, 7e-4)}
+    assert len(lr_keys) == 1 and contract.route_key({**configs[0], "lr": float("nan")}) not in lr_keys
+    # control: the family does hold configs whose reasons differ, so the check above is not vacuous
+    assert len({repr(r) for r in reasons}) > 5
+
+
+def test_route_key_sees_a_change_in_place_or_refuses():
+    """A list in the config (bnb's get_config hands the group's own betas) changed in place after the key was taken
+    gives another key; a value that could change in place unseen (a tensor) gives no key at all (decide again)."""
+    config = {**_config_family()[0], "betas": [0.9, 0.999]}
+    before = contract.route_key(config)
+    config["betas"][0] = 1.0  # in place: the same list object
+    assert contract.route_key(config) != before
+    restored = {**config, "betas": (0.9, 0.999)}
+    assert contract.param_reason("adam", config, True) != contract.param_reason("adam", restored, True)
+    assert contract.route_key({**config, "lr": torch.tensor(1e-3)}) is None
+    assert contract.route_key({**config, "betas": (torch.tensor(0.9), 0.999)}) is None
+
+
+def test_route_key_assumes_lr_is_checked_for_finiteness_only():
+    """route_key reduces lr to whether it is a finite float: true as long as every rule checks lr with
+    rule_fields.finite; a rule that checks more must change route_key first."""
+    assert all(rule.fields["lr"] is rule_fields.finite for rule in rules.RULES.values())
+
+
+def test_hyper_table_rounds_each_value_once_from_double():
+    """The hyper table holds each row's fp64 value rounded once to fp32 (the kernels' constants): equal, bit for bit,
+    to a float64 table converted to float32, over random configs of every rule and steps up to 10^6."""
+    g = torch.Generator().manual_seed(0)
+    for rule in rules.RULES.values():
+        for _ in range(200):
+            lr, wd, b1, b2, eps = (torch.rand(5, generator=g, dtype=torch.float64) ** 4).tolist()
+            step = int(torch.randint(1, 10 ** 6, (1,), generator=g))
+            config = {"lr": lr, "betas": (b1 * 0.999, b2 * 0.9999), "eps": eps * 1e-6, "weight_decay": wd}
+            rows = [rule.row(config, step), rule.row({**config, "lr": lr * 3}, step + 1)]
+            expected = torch.tensor([r.row() for r in rows], dtype=torch.float64).float()
+            assert torch.equal(rules.hyper_table(rows).view(torch.int32), expected.view(torch.int32))

@@ -18,7 +18,7 @@ from bitsandbytes.optim.optimizer import Optimizer2State
 
 import deepspeed_bnb  # noqa: F401
 from deepspeed_bnb.ops import loader, self_check
-from deepspeed_bnb.optim.fused import route as fused_route
+from deepspeed_bnb.optim.fused import partition_step, route as fused_route
 from deepspeed_bnb.optim.fused.route import FUSED
 import deepspeed.runtime.engine as ds_engine
 from deepspeed_bnb import installer
@@ -136,18 +136,61 @@ def test_a_config_change_reroutes_at_the_next_step(one_rank):
 
 
 def test_each_step_rechecks_each_distinct_config_once_not_each_parameter(one_rank, monkeypatch):
-    """The per-step re-check (configs change during training) asks the contract once per distinct (config variant,
-    precision) pair of a partition, whatever its number of parameters (a per-parameter check would ask it once for
-    each of the partition's parameters: more calls, which the count rules out)."""
+    """A config change the routes depend on (here eps, in every group) is re-checked at the next step once per
+    distinct (config variant, precision) pair of a partition, whatever its number of parameters (a per-parameter check
+    would ask the contract once for each of the partition's parameters: more calls, which the count rules out)."""
     _, engine = trained(_adamw8bit)
     steps = engine.optimizer.bnb_steps
     calls = []
     real = fused_route.route
     monkeypatch.setattr(fused_route, "route", lambda *args, **kwargs: calls.append(args[3]) or real(*args, **kwargs))
+    for group in engine.optimizer.optimizer.param_groups:
+        group["eps"] = 2e-8
     train_steps(engine, range(STEPS, STEPS + 1))
     distinct = sum(len(set(zip(step.variant, step.eight_bit))) for step in steps)
     assert len(calls) == distinct < sum(len(step.eight_bit) for step in steps)
     assert all(step.fused is not None for step in steps)  # and the routes it keeps still step the partitions
+
+
+def test_a_learning_rate_schedule_is_not_rechecked_but_a_non_finite_lr_is(one_rank, monkeypatch):
+    """What a route depends on in lr is whether it is a finite number (contract.route_key): a schedule that changes
+    lr every step asks the contract nothing, and the kernel steps with each new lr: the weights equal those of the
+    same run re-checked at every step (no key), which differ from a run without the schedule (the control that the
+    comparison sees lr). And an lr that turns NaN is re-checked at once and goes to bnb's update."""
+    schedule = [1e-3, 7e-4, 3e-4]
+
+    def run(lrs, keyed=True):
+        if not keyed:
+            monkeypatch.setattr(partition_step, "route_key", lambda config: None)
+        model = make_model(0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw8bit(param_groups(model)),
+                                          config=ds_config(1, stage=2))
+        train_steps(engine, range(1))
+        calls = []
+        real = fused_route.route
+        monkeypatch.setattr(fused_route, "route", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+        for step, lr in enumerate(lrs, start=1):
+            for group in engine.optimizer.optimizer.param_groups:
+                group["lr"] = lr
+            train_steps(engine, range(step, step + 1))
+        monkeypatch.undo()
+        return model, engine, calls
+
+    model, engine, calls = run(schedule)
+    assert calls == [] and all(step.fused is not None for step in engine.optimizer.bnb_steps)
+    rechecked, _, every_step = run(schedule, keyed=False)
+    assert len(every_step) >= len(schedule) and max_difference(model, rechecked) == 0.0
+    constant, _, _ = run([schedule[0]] * len(schedule))
+    assert max_difference(model, constant) > 0.0
+
+    recheck = []
+    real = fused_route.route
+    monkeypatch.setattr(fused_route, "route", lambda *a, **k: recheck.append(a[3]) or real(*a, **k))
+    partition, group = engine.optimizer.bnb_steps[0], engine.optimizer.optimizer.param_groups[0]
+    group["lr"] = float("nan")
+    partition.route(group)
+    assert recheck and not any(route.fused for route in partition.param_routes)
+    assert "lr=nan is not a finite number" in partition.param_routes[0].reason
 
 
 def _adamw8bit(params):

@@ -15,12 +15,15 @@ own CUDA arithmetic (ops/rules.py: BNB_CUDA). A parameter is fused only if
 Anything else is stepped by bnb's own `update_step`. Pure functions: no DeepSpeed, no torch.distributed.
 """
 
+import math
 from typing import Callable, Mapping, Optional
 
 from deepspeed_bnb.ops import rules
 from deepspeed_bnb.ops.rule_fields import FIELDS, LEGACY_FIELDS, any_value, equals
 
 KERNEL_DEVICES = ("cpu", "cuda")  # device types with compiled kernels (csrc/cpu, csrc/cuda)
+_SCALARS = (int, float, str, type(None))  # config values that cannot change in place (bool is an int)
+_FINITE_LR = object()  # route_key's stand-in for every finite float lr
 
 
 def base_update_step(rule: str):
@@ -72,3 +75,24 @@ def fp32_param_reason(rule: str, config: dict) -> Optional[str]:
     """
     checks = {**rules.get(rule).fields, "optim_bits": any_value, "max_unorm": equals(0.0)}
     return _field_reason(checks, config)
+
+
+def route_key(config: dict) -> Optional[tuple]:
+    """What the reasons above read of a bnb `config`, as a value that a later change to the config cannot reach: every
+    field as it is (a list as a tuple), but a finite float `lr`, which every rule checks only for being a finite
+    number (rule_fields.finite), as one stand-in, so that a learning-rate schedule leaves the key alone. Equal keys,
+    equal routes and reasons. None when a value could change in place unseen (say a tensor learning rate that a
+    scheduler fills): then the caller decides again."""
+    items = []
+    for name, value in config.items():
+        if name == "lr" and isinstance(value, float) and math.isfinite(value):
+            value = _FINITE_LR
+        elif isinstance(value, (list, tuple)):
+            value = tuple(value)
+            if not all(isinstance(v, _SCALARS) for v in value):
+                return None
+        elif not isinstance(value, _SCALARS):
+            return None
+        items.append((name, value))
+    return tuple(items)
+

@@ -20,7 +20,7 @@ import torch
 
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
-from deepspeed_bnb.optim.fused.contract import optimizer_reason
+from deepspeed_bnb.optim.fused.contract import optimizer_reason, route_key
 from deepspeed_bnb.optim.fused.partition import FusedPartition
 from deepspeed_bnb.optim.fused.route import Route, kernel_arithmetic, route_decisions
 from deepspeed_bnb.state_layout import Segment
@@ -102,12 +102,20 @@ class PartitionStep:
         self.fused: Optional[FusedPartition] = None  # the kernel over the fused segments (None: there are none)
         self._fused_variants: List[int] = []  # variant of each hyper row of the kernel
         self._configs: List[dict] = []  # bnb's config of each variant, as of the last route()
+        self._route_keys: Optional[list] = None  # contract.route_key of each of those configs
         self._bnb: List[int] = []  # indices of the segments bnb steps
 
     def route(self, group: dict) -> None:
         """(Re)decide each parameter's path from `group`'s current config; the kernel is rebuilt only on change."""
         self._configs = [self.adapter.config(group, self.gindex, v) for v in self.variants]
-        # every step: one decision per distinct pair, not per parameter (a partition may hold thousands)
+        # every step: nothing to decide where no config changed in what the routes depend on (a learning-rate
+        # schedule changes only lr's value), else one decision per distinct pair, not per parameter (a partition
+        # may hold thousands)
+        keys = [route_key(c) for c in self._configs]
+        unchanged = self._decided is not None and None not in keys and keys == self._route_keys
+        self._route_keys = keys
+        if unchanged:
+            return
         decided = route_decisions(self.adapter.optimizer, self.kernel, self._configs, self._keys, self.no_own_update,
                                   self.arithmetic)
         if decided == self._decided:

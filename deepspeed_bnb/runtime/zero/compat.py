@@ -40,6 +40,7 @@ release that added it; the functions below read them):
   states (0.19.3), the engine's `checkpoint_mp_rank` (0.19.6).
 """
 
+import functools
 import inspect
 import os
 
@@ -50,6 +51,13 @@ from packaging.version import Version
 PARAMETER_PADDING_SINCE = "0.19.7"
 PADDING_ENV = "DEEPSPEED_BNB_ZERO_PADDING"
 PARAM_PADDING, PADDING_TENSORS = "param_padding", "tensors"  # how the block-aligned ZeRO-1/2 layout is placed
+
+
+@functools.lru_cache(maxsize=None)
+def _release_at_least(deepspeed_version: str, first: str) -> bool:
+    """Whether DeepSpeed release `deepspeed_version` (pre-releases as their release) is `first` or later; memoized:
+    some of the predicates below are asked on every optimizer step, and parsing versions costs more than the rest."""
+    return Version(Version(deepspeed_version).base_version) >= Version(first)
 
 
 def by_name(deepspeed_init, args: tuple, kwargs: dict) -> dict:
@@ -127,7 +135,7 @@ def wait_for_offload_copies(zero_optimizer) -> None:
 
 def reduces_grad_accum(deepspeed_version: str = deepspeed.__version__) -> bool:
     """Whether DeepSpeed averages a separate fp32 gradient accumulator across ranks (0.19.8 on; see above)."""
-    return Version(Version(deepspeed_version).base_version) >= Version("0.19.8")
+    return _release_at_least(deepspeed_version, "0.19.8")
 
 
 def require_reduced_grad_accum(use_grad_accum_attribute: bool, dp_world_size: int,
@@ -145,20 +153,20 @@ def require_reduced_grad_accum(use_grad_accum_attribute: bool, dp_world_size: in
 
 def clips_invalid_norm_as_inf(deepspeed_version: str = deepspeed.__version__) -> bool:
     """Whether ZeRO-1/2's unscale_and_clip_grads clips an invalid gradient norm as an infinite one (0.19.8)."""
-    return Version(Version(deepspeed_version).base_version) >= Version("0.19.8")
+    return _release_at_least(deepspeed_version, "0.19.8")
 
 
 def waits_every_gather_handle(deepspeed_version: str = deepspeed.__version__) -> bool:
     """Whether ZeRO-3's coalesced all-gather of several parameters waits on each of its asynchronous all-gathers
     (0.19.8 on; before, only on the last: racy on gloo, runtime/zero/partition_parameters.py)."""
-    return Version(Version(deepspeed_version).base_version) >= Version("0.19.8")
+    return _release_at_least(deepspeed_version, "0.19.8")
 
 
 def partitions_empty_secondary_chunks(deepspeed_version: str = deepspeed.__version__) -> bool:
     """Whether ZeRO-3's hpZ partitioning (`Init._partition_param_sec`) copies nothing into a rank's secondary chunk
     that lies wholly in a parameter's padding (0.19.5 on; before, it calls narrow() at a start past the parameter's
     end: IndexError). Stock padding never makes such a chunk; the block-aligned padding of bnb parameters does."""
-    return Version(Version(deepspeed_version).base_version) >= Version("0.19.5")
+    return _release_at_least(deepspeed_version, "0.19.5")
 
 
 def is_decoupled(checkpoint_engine) -> bool:
