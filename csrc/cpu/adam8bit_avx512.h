@@ -82,7 +82,6 @@ inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale,
 __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const float* x,
                                                      float reciprocal_absmax, uint8_t* codes,
                                                      PositiveFloor floor = PositiveFloor()) {
-    using cpu::kKeyMantissaBits;
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
     const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
@@ -92,17 +91,12 @@ __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, co
                                                                                              _mm512_set1_ps(1.0f)))));
         u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
     }
+    // the key: the top 16 bits of the value's ordered integer (signed; the table is indexed from its middle)
     const __m512i bits = _mm512_castps_si512(u);
-    const __m512i lowest = _mm512_set1_epi32(t.low_exponent << kKeyMantissaBits);
-    const __m512i magnitude = _mm512_min_epi32(
-        _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x7FFF)), lowest),
-        _mm512_set1_epi32(cpu::kKeyMaxExponent << kKeyMantissaBits | ((1 << kKeyMantissaBits) - 1)));
-    const __m512i key = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 19), _mm512_set1_epi32(1 << 12)),
-                                        _mm512_sub_epi32(magnitude, lowest));
-    const __m512i entry = _mm512_i32gather_epi32(key, t.packed, 4);
-    // compare the value's ordered top 24 bits with the midpoint's: above, below, or too close to tell
     const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
                                                                    _mm512_set1_epi32(0x7FFFFFFF)));
+    const __m512i entry = _mm512_i32gather_epi32(_mm512_srai_epi32(order, 16), t.centered(), 4);
+    // compare the value's ordered top 24 bits with the midpoint's: above, below, or too close to tell
     const __m512i split = _mm512_srai_epi32(entry, 8), top = _mm512_srai_epi32(order, 8);
     const __m512i one = _mm512_set1_epi32(1);
     __m512i index = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));

@@ -1,0 +1,170 @@
+// key_table_check.cpp — holds the CPU kernels' compact quantizer (csrc/cpu/quantize_keys.h: KeyTable, one look-up of
+// the value's top 16 ordered bits and one integer compare) to the literal search it replaces: the count of fp32
+// midpoints strictly below u (the project's IEEE rule, ops/reference.py), on the host, through each of its three
+// spellings the build has: KeyTable::lookup (portable), lookup8 (AVX2) and avx512::quantize16 (AVX-512 VBMI), a
+// value near its bucket's midpoint settled by the one exact compare the kernels make.
+// Usage: key_table_check MAP.bin [near|all]
+//   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint or a map value,
+//   4 ulps of every bucket edge, special values (signed zeros, subnormals, 1, 2, the largest float, infinities) and
+//   2^24 random bit patterns; all: every one of the 2^32 floats. NaN is never looked up (the kernels normalize it
+//   to 0 first).
+// Prints one line "checked N mismatches M usable U paths P" (P: how many spellings ran) and the first mismatches;
+// exit code 1 on any mismatch.
+// Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/key_table_check.cpp
+// (tests/kernels/test_key_table.py; -DKEY_TABLE_MUTANT builds its control, which settles near values the wrong way).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "adam8bit_avx512.h"
+#include "quantize_keys.h"
+
+namespace {
+
+float float_of(uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
+uint32_t bits_of(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return bits;
+}
+
+struct Checker {
+    const dsbnb::QuantTables& generic;
+    const dsbnb::cpu::KeyTable& keys;
+    uint64_t checked = 0, mismatches = 0;
+    std::vector<float> pending;  // values batched for the vector spellings
+
+    int settle(int index, bool near, float u) const {
+#ifdef KEY_TABLE_MUTANT  // a control: ties go up instead of down
+        return near ? index + (generic.midpoints[index] <= u ? 1 : 0) : index;
+#else
+        return near ? index + (generic.midpoints[index] < u ? 1 : 0) : index;
+#endif
+    }
+
+    int want(float u) const {
+        return static_cast<int>(std::lower_bound(generic.midpoints, generic.midpoints + 255, u) - generic.midpoints);
+    }
+
+    void report(const char* path, float u, int got) {
+        if (++mismatches <= 10) {
+            std::printf("mismatch (%s) at 0x%08x (%.9g): %d, the count of midpoints below is %d\n", path, bits_of(u),
+                        u, got, want(u));
+        }
+    }
+
+    void check(uint32_t pattern) {
+        const float u = float_of(pattern);
+        if (u != u) return;
+        ++checked;
+        bool near = false;
+        const int index = keys.lookup(u, near);
+        const int got = settle(index, near, u);
+        if (got != want(u)) report("lookup", u, got);
+        pending.push_back(u);
+        if (pending.size() == 16) flush();
+    }
+
+    void flush() {
+        while (pending.size() < 16) pending.push_back(0.0f);
+#if defined(__AVX2__)
+        for (int half = 0; half < 2; ++half) {
+            uint8_t out[8];
+            const int near = keys.lookup8(_mm256_loadu_ps(pending.data() + 8 * half), out);
+            for (int k = 0; k < 8; ++k) {
+                const float u = pending[8 * half + k];
+                const int got = settle(out[k], near >> k & 1, u);
+                if (got != want(u)) report("lookup8", u, got);
+            }
+        }
+#endif
+#if DSBNB_AVX512
+        uint8_t codes[16];
+        dsbnb::avx512::quantize16(keys, generic.midpoints, pending.data(), 1.0f, codes);
+        for (int k = 0; k < 16; ++k) {
+            // quantize16 settles near values itself (its exact compare); x * 1.0f is x for every non-NaN float
+            const float u = pending[k];
+#ifdef KEY_TABLE_MUTANT
+            const int got = codes[k] + (generic.midpoints[codes[k]] == u ? 1 : 0);
+#else
+            const int got = codes[k];
+#endif
+            if (got != want(u)) report("quantize16", u, got);
+        }
+#endif
+        pending.clear();
+    }
+
+    void around(float x, int ulps) {
+        const uint32_t b = bits_of(x);
+        for (int d = -ulps; d <= ulps; ++d) {
+            const int64_t p = static_cast<int64_t>(b & 0x7FFFFFFFu) + d;
+            if (p < 0 || p > 0x7F800000LL) continue;
+            check(static_cast<uint32_t>(p) | (b & 0x80000000u));
+            check(static_cast<uint32_t>(p) ^ 0x80000000u ^ (b & 0x80000000u));  // the other sign too
+        }
+    }
+};
+
+int paths() {
+    int n = 1;
+#if defined(__AVX2__)
+    ++n;
+#endif
+#if DSBNB_AVX512
+    ++n;
+#endif
+    return n;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: %s MAP.bin [near|all]\n", argv[0]);
+        return 2;
+    }
+    float code[256];
+    FILE* f = std::fopen(argv[1], "rb");
+    if (!f || std::fread(code, sizeof(float), 256, f) != 256) {
+        std::fprintf(stderr, "cannot read 256 float32 from %s\n", argv[1]);
+        return 2;
+    }
+    std::fclose(f);
+    const bool all = argc > 2 && std::string(argv[2]) == "all";
+    auto generic = std::make_unique<dsbnb::QuantTables>(code);
+    auto keys = std::make_unique<dsbnb::cpu::KeyTable>(*generic);
+    Checker c{*generic, *keys};
+    if (keys->usable) {
+        if (all) {
+            for (uint64_t p = 0; p <= 0xFFFFFFFFull; ++p) c.check(static_cast<uint32_t>(p));
+        } else {
+            for (int i = 0; i < 255; ++i) c.around(generic->midpoints[i], 256);
+            for (int i = 0; i < 256; ++i) c.around(code[i], 256);
+            for (uint32_t key = 0; key < (1u << 16); ++key) {  // every bucket's edges, as ordered integers
+                const int32_t first = static_cast<int32_t>(key << 16);
+                const int32_t bits = first ^ ((first >> 31) & 0x7FFFFFFF);
+                c.around(float_of(static_cast<uint32_t>(bits)), 4);
+            }
+            for (float x : {0.0f, -0.0f, 1e-45f, 1.17549435e-38f, 1.0f, 2.0f, 3.4028235e38f, INFINITY}) {
+                c.around(x, 300);
+            }
+            std::mt19937 rng(12345);
+            for (int i = 0; i < (1 << 24); ++i) c.check(rng());
+        }
+        c.flush();
+    }
+    std::printf("checked %llu mismatches %llu usable %d paths %d\n", static_cast<unsigned long long>(c.checked),
+                static_cast<unsigned long long>(c.mismatches), keys->usable ? 1 : 0, paths());
+    return c.mismatches ? 1 : 0;
+}
