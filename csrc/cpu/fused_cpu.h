@@ -294,10 +294,27 @@ inline void with_fp32_master(const Master& master, int64_t base, int64_t len, St
         step(static_cast<float*>(master.values) + base);
         return;
     }
+    // one loop per kind, not load_master's switch per element: each vectorizes
     alignas(64) float p[kBlock];
-    for (int64_t j = 0; j < len; ++j) p[j] = load_master(master, base + j);
+    const uint16_t* __restrict__ hi = static_cast<const uint16_t*>(master.values) + base;
+    if (master.kind == MasterKind::kBFloat16) {
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) p[j] = bf16_value(hi[j]);
+    } else {
+        const int8_t* __restrict__ lo = master.error + base;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) p[j] = join(hi[j], lo[j]);
+    }
     step(p);
-    for (int64_t j = 0; j < len; ++j) store_master(master, base + j, p[j]);
+    uint16_t* __restrict__ hi_out = static_cast<uint16_t*>(master.values) + base;
+    if (master.kind == MasterKind::kBFloat16) {
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) hi_out[j] = bf16_round(p[j]);
+    } else {
+        int8_t* __restrict__ lo_out = master.error + base;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) split(p[j], hi_out[j], lo_out[j]);
+    }
 }
 
 // Calls f(grad pointer, std::integral_constant<bool, scale>) with the typed gradient pointer: one instantiation per
