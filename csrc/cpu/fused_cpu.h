@@ -294,7 +294,7 @@ inline void with_fp32_master(const Master& master, int64_t base, int64_t len, St
         step(static_cast<float*>(master.values) + base);
         return;
     }
-    // one loop per kind, not load_master's switch per element: each vectorizes
+    // one loop per kind, not a switch per element: each vectorizes
     alignas(64) float p[kBlock];
     const uint16_t* __restrict__ hi = static_cast<const uint16_t*>(master.values) + base;
     if (master.kind == MasterKind::kBFloat16) {

@@ -4,13 +4,15 @@
 // compensated ones, a bf16 weight plus an int8 rounding error (deepspeed_bnb/ops/compensated.py: `join` and `split`,
 // bit for bit, which the pure-torch reference uses).
 //
-// Every kernel updates an fp32 value w = load(i) and stores it back with store(i, w): so one update rule serves the
-// three kinds, and a kind costs the kernel nothing but its loads and stores. A NaN stored as bf16 is the quiet NaN
+// Every kernel widens a block's master weights to fp32 (bf16_value, join), updates them and stores them back
+// (bf16_round, split): so one update rule serves the three kinds, and a kind costs the kernel nothing but its loads
+// and stores (csrc/cpu/fused_cpu.h: with_fp32_master; csrc/cuda/fused_step.cuh). A NaN stored as bf16 is the quiet NaN
 // 0x7FC0 (torch's scalar conversion; its vectorized one writes 0xFFFF: the reference canonicalizes the same way).
 // References: torch's c10::BFloat16 round_to_nearest_even; FlashOptim's 24-bit master weights (bf16 + 8 error bits).
 // Build: header only, included by the kernels (see csrc/cpu/adam8bit_cpu.cpp and csrc/cuda/adam8bit.cu).
 // Test: pytest tests/kernels/test_fused_rules.py -k "master_weights or rounding" (kernel == reference, bit for bit, per
-// rule and kind; the reference within one rounding of bnb), tests/unit/test_master_weights.py (the engine).
+// rule and kind; the reference within one rounding of bnb), tests/kernels/test_master_weights_native.py (error_unit,
+// join and split against their frexp/ldexp definition, exhaustively), tests/unit/test_master_weights.py (the engine).
 #pragma once
 
 #include <cmath>
@@ -70,7 +72,7 @@ DSBNB_HD uint16_t bf16_round(float x) {
 // vectorization: they made a compensated step ~8x an fp32 one there): E is the biased exponent - 126 for normal
 // numbers; zero and subnormals (biased exponent 0) fall under kMinExponent; 2^(E - 16) is a normal float down to
 // 2^-126 and a subnormal one below (2^-141 at the least). Equal to the frexpf/ldexpf form for every finite bf16 value
-// (tests/kernels/test_fused_rules.py); for an infinite or NaN weight (whose frexp exponent is unspecified) any finite
+// (tests/native/master_weights_check.cpp); for an infinite or NaN weight (whose frexp exponent is unspecified) any finite
 // unit gives the same join and split.
 DSBNB_HD float error_unit(float hi) {
     const int biased = static_cast<int>((float_to_bits(hi) >> 23) & 0xFFu);
@@ -94,24 +96,6 @@ DSBNB_HD void split(float w, uint16_t& hi, int8_t& lo) {
     if (!(fabsf(steps) <= 3.40282347e+38f)) steps = 0.0f;
     steps = steps < -kMaxErrorSteps ? -kMaxErrorSteps : (steps > kMaxErrorSteps ? kMaxErrorSteps : steps);
     lo = static_cast<int8_t>(steps);
-}
-
-// The fp32 master weight of element i.
-DSBNB_HD float load_master(const Master& m, int64_t i) {
-    switch (m.kind) {
-        case MasterKind::kBFloat16: return bf16_value(static_cast<const uint16_t*>(m.values)[i]);
-        case MasterKind::kCompensated: return join(static_cast<const uint16_t*>(m.values)[i], m.error[i]);
-        default: return static_cast<const float*>(m.values)[i];
-    }
-}
-
-// Stores the updated fp32 master weight w of element i.
-DSBNB_HD void store_master(const Master& m, int64_t i, float w) {
-    switch (m.kind) {
-        case MasterKind::kBFloat16: static_cast<uint16_t*>(m.values)[i] = bf16_round(w); break;
-        case MasterKind::kCompensated: split(w, static_cast<uint16_t*>(m.values)[i], m.error[i]); break;
-        default: static_cast<float*>(m.values)[i] = w;
-    }
 }
 
 }  // namespace dsbnb

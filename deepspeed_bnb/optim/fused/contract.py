@@ -95,4 +95,3 @@ def route_key(config: dict) -> Optional[tuple]:
             return None
         items.append((name, value))
     return tuple(items)
-
