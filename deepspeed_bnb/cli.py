@@ -95,6 +95,7 @@ def _kernels(args):
     import torch
 
     from deepspeed_bnb.ops import cpu_features, loader, rules, self_check
+    from deepspeed_bnb.optim.fused.route import cpu32_choice
     devices = [_checkable_device(d) for d in args.device] if args.device else \
         ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if not loader.load():
@@ -112,20 +113,9 @@ def _kernels(args):
                 print(f"  {device} {rule}, {master} master weights: "
                       + ("same bits as the reference" if problem is None else f"FAILS: {problem}"))
                 if problem is None and torch.device(device).type == "cpu":
-                    print(f"  {device} {rule}, {master} master weights, 32-bit state: {_cpu32_route(rule, master)}")
+                    print(f"  {device} {rule}, {master} master weights, 32-bit state: "
+                          f"{cpu32_choice(rule, master).why}")
     return 1 if failures else 0
-
-
-def _cpu32_route(rule: str, master: str) -> str:
-    """Who steps 32-bit-state parameters on this CPU (optim/fused/route.py: kernel_arithmetic), and why."""
-    from deepspeed_bnb.ops import rules, self_check
-    from deepspeed_bnb.optim import own_update
-    missing = own_update.missing("cpu")
-    if missing:
-        return f"the kernel in the reference's arithmetic (bitsandbytes has no CPU update here: {missing})"
-    problem = self_check.disagreement(rule, "cpu", master, rules.BNB_CPU)
-    return ("the kernel, same bits as bitsandbytes' own update" if problem is None else
-            f"bitsandbytes' own update (the kernel's copy of it differs: {problem})")
 
 
 def parser() -> argparse.ArgumentParser:

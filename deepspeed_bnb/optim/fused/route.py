@@ -98,25 +98,48 @@ def _kernel_reason(setting: FusedKernel, optimizer, device, master: str) -> Opti
     return reason
 
 
+@dataclass(frozen=True)
+class Cpu32Choice:
+    """Who steps a rule's 32-bit-state parameters on a CPU, and why (kernel_arithmetic acts on it, `deepspeed-bnb
+    kernels` prints it)."""
+
+    arithmetic: str  # rules.BNB_CPU: the kernel, in bnb's own 32-bit CPU arithmetic; else rules.IEEE (see `why`)
+    why: str  # who steps them, and why, in words
+    disagreement: Optional[str] = None  # how the kernel's copy of bnb's update differs from bnb's here, if it does
+
+
+def cpu32_choice(rule: str, master: str = master_weights.FP32, device="cpu") -> Cpu32Choice:
+    """The bnb_cpu arithmetic where bnb has a CPU update and the kernel's copy of it agrees with it on this machine
+    (the first-use check against bnb itself); else the ieee one: the kernel's own fp32 path where bnb has no CPU
+    update (0.49; own_update.py), bnb's own update where the copy differs."""
+    missing = own_update.missing(device)
+    if missing:
+        return Cpu32Choice(rules.IEEE, f"the kernel in the reference's arithmetic (bitsandbytes has no CPU update "
+                                       f"here: {missing})")
+    problem = self_check.disagreement(rule, device, master, rules.BNB_CPU)
+    if problem:
+        return Cpu32Choice(rules.IEEE, f"bitsandbytes' own update (the kernel's copy of it differs: {problem})",
+                           problem)
+    return Cpu32Choice(rules.BNB_CPU, "the kernel, same bits as bitsandbytes' own update")
+
+
 def kernel_arithmetic(kernel: Route, optimizer, device, master: str = master_weights.FP32) -> str:
     """What the fused kernel computes for `optimizer` on `device` (ops/rules.py): on a GPU bnb's CUDA arithmetic; on a
-    CPU the bnb_cpu one, whose fp32 path is bnb's own 32-bit CPU update (so 32-bit-state parameters step in the
-    kernel's launch too), where bnb has a CPU update and the kernel's copy of it agrees with it here (its first-use
-    check against bnb itself: torch's fused multiply-add needs FMA hardware, its sqrt is its build's own); else the
-    ieee one, and bnb's own update keeps the 32-bit state. `kernel`: the optimizer-wide route (kernel_route)."""
+    CPU cpu32_choice's: bnb_cpu, whose fp32 path is bnb's own 32-bit CPU update (so 32-bit-state parameters step in
+    the kernel's launch too), where bnb has a CPU update and the kernel's copy of it agrees with it here (torch's
+    fused multiply-add needs FMA hardware, its sqrt is its build's own), with a warning where it does not; else ieee.
+    `kernel`: the optimizer-wide route (kernel_route)."""
     device = torch.device(device)
     base = rules.DEVICE_ARITHMETIC.get(device.type, rules.IEEE)
-    if not kernel.fused or device.type != "cpu" or optimizer.optimizer_name not in rules.RULES \
-            or own_update.missing(device):
+    if not kernel.fused or device.type != "cpu" or optimizer.optimizer_name not in rules.RULES:
         return base
-    problem = self_check.disagreement(optimizer.optimizer_name, device, master, rules.BNB_CPU)
-    if problem:
+    choice = cpu32_choice(optimizer.optimizer_name, master, device)
+    if choice.disagreement:
         warnings.warn(f"deepspeed_bnb: the fused '{optimizer.optimizer_name}' kernel's copy of bitsandbytes' own "
-                      f"32-bit CPU update differs from it on this machine ({problem}); bnb's own update steps the "
-                      f"32-bit-state parameters (same results, slower). Please report it with your CPU model and "
-                      f"torch version.", RuntimeWarning, stacklevel=3)
-        return base
-    return rules.BNB_CPU
+                      f"32-bit CPU update differs from it on this machine ({choice.disagreement}); bnb's own update "
+                      f"steps the 32-bit-state parameters (same results, slower). Please report it with your CPU "
+                      f"model and torch version.", RuntimeWarning, stacklevel=3)
+    return choice.arithmetic
 
 
 def _fall_back(setting: FusedKernel, reason: str) -> None:
