@@ -15,6 +15,8 @@
 #include <random>
 #include <string>
 
+#include "native_check.h"
+
 #include "dsbnb/compact_quantizer.h"
 
 using dsbnb::compact::Table;
@@ -54,15 +56,6 @@ struct Checker {
         }
     }
 
-    void around(float x, int ulps) {
-        const uint32_t b = dsbnb::compact::bits_of(x);
-        for (int d = -ulps; d <= ulps; ++d) {
-            const int64_t p = static_cast<int64_t>(b & 0x7FFFFFFFu) + d;
-            if (p < 0 || p > 0x7F800000LL) continue;
-            check(static_cast<uint32_t>(p) | (b & 0x80000000u));
-            check(static_cast<uint32_t>(p) ^ 0x80000000u ^ (b & 0x80000000u));  // the other sign too
-        }
-    }
 };
 
 }  // namespace
@@ -73,26 +66,25 @@ int main(int argc, char** argv) {
         return 2;
     }
     float code[256];
-    FILE* f = std::fopen(argv[1], "rb");
-    if (!f || std::fread(code, sizeof(float), 256, f) != 256) {
-        std::fprintf(stderr, "cannot read 256 float32 from %s\n", argv[1]);
-        return 2;
-    }
-    std::fclose(f);
+    if (!native_check::read_map(argv[1], code)) return 2;
     const bool is_signed = std::string(argv[2]) == "signed";
     const bool all = argc > 3 && std::string(argv[3]) == "all";
     static Table table(code);  // static: 8 KB of lo entries
     Checker c{code, is_signed, table};
+    const auto visit = [&c](uint32_t pattern) { c.check(pattern); };
     if (table.usable) {
         if (all) {
             for (uint64_t p = 0; p <= 0xFFFFFFFFull; ++p) c.check(static_cast<uint32_t>(p));
         } else {
-            for (int i = 0; i < 255; ++i) c.around(table.mid[i], 256);
-            for (int i = 0; i < 256; ++i) c.around(code[i], 256);
+            for (int i = 0; i < 255; ++i) native_check::around(table.mid[i], 256, visit);
+            for (int i = 0; i < 256; ++i) native_check::around(code[i], 256, visit);
             for (int k = 0; k <= table.span; ++k) {  // bucket edges, and the ends of the exponent range
-                c.around(dsbnb::compact::float_of(static_cast<uint32_t>((table.e_lo << 7) + k) << 16), 4);
+                native_check::around(dsbnb::compact::float_of(static_cast<uint32_t>((table.e_lo << 7) + k) << 16), 4,
+                                     visit);
             }
-            for (float x : {0.0f, 1e-45f, 1.17549435e-38f, 1.0f, 2.0f, 3.4028235e38f, INFINITY}) c.around(x, 300);
+            for (float x : {0.0f, 1e-45f, 1.17549435e-38f, 1.0f, 2.0f, 3.4028235e38f, INFINITY}) {
+                native_check::around(x, 300, visit);
+            }
             c.check(0x7FC00000u);  // NaNs
             c.check(0xFFC00000u);
             c.check(0x7F800001u);

@@ -19,6 +19,8 @@
 #include <memory>
 #include <random>
 #include <string>
+
+#include "native_check.h"
 #include <vector>
 
 #include "adam8bit_avx512.h"
@@ -105,15 +107,6 @@ struct Checker {
         pending.clear();
     }
 
-    void around(float x, int ulps) {
-        const uint32_t b = bits_of(x);
-        for (int d = -ulps; d <= ulps; ++d) {
-            const int64_t p = static_cast<int64_t>(b & 0x7FFFFFFFu) + d;
-            if (p < 0 || p > 0x7F800000LL) continue;
-            check(static_cast<uint32_t>(p) | (b & 0x80000000u));
-            check(static_cast<uint32_t>(p) ^ 0x80000000u ^ (b & 0x80000000u));  // the other sign too
-        }
-    }
 };
 
 int paths() {
@@ -135,29 +128,25 @@ int main(int argc, char** argv) {
         return 2;
     }
     float code[256];
-    FILE* f = std::fopen(argv[1], "rb");
-    if (!f || std::fread(code, sizeof(float), 256, f) != 256) {
-        std::fprintf(stderr, "cannot read 256 float32 from %s\n", argv[1]);
-        return 2;
-    }
-    std::fclose(f);
+    if (!native_check::read_map(argv[1], code)) return 2;
     const bool all = argc > 2 && std::string(argv[2]) == "all";
     auto generic = std::make_unique<dsbnb::QuantTables>(code);
     auto keys = std::make_unique<dsbnb::cpu::KeyTable>(*generic);
     Checker c{*generic, *keys};
+    const auto visit = [&c](uint32_t pattern) { c.check(pattern); };
     if (keys->usable) {
         if (all) {
             for (uint64_t p = 0; p <= 0xFFFFFFFFull; ++p) c.check(static_cast<uint32_t>(p));
         } else {
-            for (int i = 0; i < 255; ++i) c.around(generic->midpoints[i], 256);
-            for (int i = 0; i < 256; ++i) c.around(code[i], 256);
+            for (int i = 0; i < 255; ++i) native_check::around(generic->midpoints[i], 256, visit);
+            for (int i = 0; i < 256; ++i) native_check::around(code[i], 256, visit);
             for (uint32_t key = 0; key < (1u << 16); ++key) {  // every bucket's edges, as ordered integers
                 const int32_t first = static_cast<int32_t>(key << 16);
                 const int32_t bits = first ^ ((first >> 31) & 0x7FFFFFFF);
-                c.around(float_of(static_cast<uint32_t>(bits)), 4);
+                native_check::around(float_of(static_cast<uint32_t>(bits)), 4, visit);
             }
             for (float x : {0.0f, -0.0f, 1e-45f, 1.17549435e-38f, 1.0f, 2.0f, 3.4028235e38f, INFINITY}) {
-                c.around(x, 300);
+                native_check::around(x, 300, visit);
             }
             std::mt19937 rng(12345);
             for (int i = 0; i < (1 << 24); ++i) c.check(rng());

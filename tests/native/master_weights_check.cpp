@@ -1,8 +1,8 @@
-// master_weights_check.cpp — holds csrc/include/dsbnb/master_weights.h's compensated master weights (bf16 + int8 error)
-// to their literal definition (deepspeed_bnb/ops/compensated.py: one error step is 2^(E - 16), E the frexp exponent
-// of the bf16 weight, at least -125), on the host: error_unit for every finite bf16 value against frexpf/ldexpf;
-// join for every bf16 value and every error byte; split for every float within 64 ulps of every bf16 value's
-// neighbourhood edges and 2^24 random bit patterns, against the same formulas spelled with frexpf/ldexpf.
+// master_weights_check.cpp — holds csrc/include/dsbnb/master_weights.h's compensated master weights (bf16 + int8
+// error) to their literal definition (deepspeed_bnb/ops/compensated.py: one error step is 2^(E - 16), E the frexp
+// exponent of the bf16 weight, at least -125), on the host: error_unit for every finite bf16 value against
+// frexpf/ldexpf; join for every bf16 value and every error byte; split for every float within 64 ulps of every bf16
+// value and 2^24 random bit patterns, against the same formulas spelled with frexpf/ldexpf.
 // Usage: master_weights_check. Prints "checked N mismatches M" and the first mismatches; exit code 1 on any.
 // Build: g++ -O2 -march=native -std=c++17 -Icsrc/include tests/native/master_weights_check.cpp
 // (tests/kernels/test_master_weights_native.py; -DMASTER_CHECK_MUTANT builds its control, a unit off by one exponent

@@ -1,0 +1,33 @@
+// native_check.h — what the host checks in tests/native share: reading a map file, and walking the floats around a
+// value. Header only, included from beside it by compact_quantizer_check.cpp and key_table_check.cpp.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+namespace native_check {
+
+// The 256 float32 values of the map file `path` into `code`; false, after a message, when it cannot be read.
+inline bool read_map(const char* path, float* code) {
+    FILE* f = std::fopen(path, "rb");
+    const bool ok = f != nullptr && std::fread(code, sizeof(float), 256, f) == 256;
+    if (f != nullptr) std::fclose(f);
+    if (!ok) std::fprintf(stderr, "cannot read 256 float32 from %s\n", path);
+    return ok;
+}
+
+// check(bits) for every float whose magnitude is within `ulps` of x's, up to infinity, with either sign.
+template <typename Check>
+void around(float x, int ulps, Check&& check) {
+    uint32_t b;
+    std::memcpy(&b, &x, sizeof(b));
+    for (int d = -ulps; d <= ulps; ++d) {
+        const int64_t p = static_cast<int64_t>(b & 0x7FFFFFFFu) + d;
+        if (p < 0 || p > 0x7F800000LL) continue;
+        check(static_cast<uint32_t>(p) | (b & 0x80000000u));
+        check(static_cast<uint32_t>(p) ^ 0x80000000u ^ (b & 0x80000000u));  // the other sign too
+    }
+}
+
+}  // namespace native_check
