@@ -286,6 +286,38 @@ inline Master master_of(const Checker& check, const at::Tensor& params, const st
     return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
 }
 
+// Asks the caches for kLines 64-byte lines from `offset` bytes past `base` (a hint: it cannot fault, whatever the
+// address; integer arithmetic, since the range may pass the end of the array). Always inlined, as is prefetch_block:
+// gcc finds a function that only prefetches free of effects and deletes the calls to it.
+template <int kLines, int kForWrite>
+__attribute__((always_inline)) inline void prefetch_lines(const void* base, int64_t offset) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(offset);
+#pragma GCC unroll 16
+    for (int line = 0; line < kLines; ++line) {
+        __builtin_prefetch(reinterpret_cast<const void*>(first + 64 * line), kForWrite);
+    }
+}
+
+// The lines of the 8-bit block that starts at element `at` of the partition (the one after the block being stepped):
+// its master weights, gradients and codes (c2: null for one-state rules). In a training step the partition comes
+// from memory, not the caches (the backward pass ran in between), and the hardware prefetcher does not run far enough
+// ahead of a block's many operations: measured on the AdamW kernel, 0.44M elements after a 32 MB pass, one thread,
+// 0.75-0.80 -> 0.61-0.64 ms (one block ahead; two and four blocks ahead gained less), the same from the caches.
+template <typename GradT>
+__attribute__((always_inline)) inline void prefetch_block(const Master& master, const GradT* grads, const uint8_t* c1,
+                                                         const uint8_t* c2, int64_t at) {
+    static_assert(kBlock == 256, "the line counts below are those of a 256-element block");
+    if (master.kind == MasterKind::kFloat32) {
+        prefetch_lines<16, 1>(master.values, at * 4);
+    } else {
+        prefetch_lines<8, 1>(master.values, at * 2);
+        if (master.kind == MasterKind::kCompensated) prefetch_lines<4, 1>(master.error, at);
+    }
+    prefetch_lines<4 * static_cast<int>(sizeof(GradT)), 0>(grads, at * static_cast<int64_t>(sizeof(GradT)));
+    prefetch_lines<4, 1>(c1, at);
+    if (c2 != nullptr) prefetch_lines<4, 1>(c2, at);
+}
+
 // Runs step(p) with p the fp32 master weights of the block base..base+len: the partition's own when they are fp32;
 // else a widened copy, stored back after (every element: an unchanged one goes back to the same bits, NaN aside).
 template <typename Step>
@@ -452,6 +484,7 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         constexpr bool kScale = decltype(scale)::value;
         for_each_block(segments, work, [&](const Segment& s, int64_t start, int64_t len, int64_t base) {
+            if (s.eight_bit) prefetch_block(master, g, c1, nullptr, base + kBlock);
             with_fp32_master(master, base, len, [&](float* p) {
                 if (s.eight_bit) {
                     one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, a1 + base / kBlock,
