@@ -328,22 +328,22 @@ inline void with_fp32_master(const Master& master, int64_t base, int64_t len, St
     }
     // one loop per kind, not a switch per element: each vectorizes
     alignas(64) float p[kBlock];
-    const uint16_t* __restrict__ hi = static_cast<const uint16_t*>(master.values) + base;
+    const uint16_t* hi = static_cast<const uint16_t*>(master.values) + base;
     if (master.kind == MasterKind::kBFloat16) {
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) p[j] = bf16_value(hi[j]);
     } else {
-        const int8_t* __restrict__ lo = master.error + base;
+        const int8_t* lo = master.error + base;
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) p[j] = join(hi[j], lo[j]);
     }
     step(p);
-    uint16_t* __restrict__ hi_out = static_cast<uint16_t*>(master.values) + base;
+    uint16_t* hi_out = static_cast<uint16_t*>(master.values) + base;
     if (master.kind == MasterKind::kBFloat16) {
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) hi_out[j] = bf16_round(p[j]);
     } else {
-        int8_t* __restrict__ lo_out = master.error + base;
+        int8_t* lo_out = master.error + base;
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) split(p[j], hi_out[j], lo_out[j]);
     }
