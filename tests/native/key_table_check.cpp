@@ -19,26 +19,16 @@
 #include <memory>
 #include <random>
 #include <string>
-
-#include "native_check.h"
 #include <vector>
 
 #include "adam8bit_avx512.h"
+#include "native_check.h"
 #include "quantize_keys.h"
 
 namespace {
 
-float float_of(uint32_t bits) {
-    float x;
-    std::memcpy(&x, &bits, sizeof(x));
-    return x;
-}
-
-uint32_t bits_of(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof(bits));
-    return bits;
-}
+using native_check::bits_of;
+using native_check::float_of;
 
 struct Checker {
     const dsbnb::QuantTables& generic;
@@ -141,9 +131,7 @@ int main(int argc, char** argv) {
             for (int i = 0; i < 255; ++i) native_check::around(generic->midpoints[i], 256, visit);
             for (int i = 0; i < 256; ++i) native_check::around(code[i], 256, visit);
             for (uint32_t key = 0; key < (1u << 16); ++key) {  // every bucket's edges, as ordered integers
-                const int32_t first = static_cast<int32_t>(key << 16);
-                const int32_t bits = first ^ ((first >> 31) & 0x7FFFFFFF);
-                native_check::around(float_of(static_cast<uint32_t>(bits)), 4, visit);
+                native_check::around(dsbnb::cpu::KeyTable::from_ordered(static_cast<int32_t>(key << 16)), 4, visit);
             }
             for (float x : {0.0f, -0.0f, 1e-45f, 1.17549435e-38f, 1.0f, 2.0f, 3.4028235e38f, INFINITY}) {
                 native_check::around(x, 300, visit);

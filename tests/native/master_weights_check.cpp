@@ -9,12 +9,13 @@
 // for subnormal weights).
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <random>
 
 #include "dsbnb/master_weights.h"
 
 namespace {
+
+using dsbnb::float_to_bits;
 
 // The literal definitions, as compensated.py states them.
 float literal_unit(float hi) {
@@ -41,12 +42,6 @@ void literal_split(float w, uint16_t& hi, int8_t& lo) {
     lo = static_cast<int8_t>(steps);
 }
 
-uint32_t bits(float x) {
-    uint32_t b;
-    std::memcpy(&b, &x, sizeof(b));
-    return b;
-}
-
 float unit_under_test(float hi) {
 #ifdef MASTER_CHECK_MUTANT
     const float unit = dsbnb::error_unit(hi);
@@ -70,16 +65,18 @@ int main() {
     Counter c;
     for (uint32_t h = 0; h < (1u << 16); ++h) {
         const float hi = dsbnb::bf16_value(static_cast<uint16_t>(h));
-        if (std::isfinite(hi)) c.expect(bits(unit_under_test(hi)) == bits(literal_unit(hi)), "error_unit", h, 0);
+        if (std::isfinite(hi)) {
+            c.expect(float_to_bits(unit_under_test(hi)) == float_to_bits(literal_unit(hi)), "error_unit", h, 0);
+        }
         for (int lo = -128; lo < 128; ++lo) {
             const float got = dsbnb::join(static_cast<uint16_t>(h), static_cast<int8_t>(lo));
             const float want = literal_join(static_cast<uint16_t>(h), static_cast<int8_t>(lo));
-            c.expect(bits(got) == bits(want) || (got != got && want != want), "join", h, static_cast<uint32_t>(lo));
+            const bool same = float_to_bits(got) == float_to_bits(want) || (got != got && want != want);
+            c.expect(same, "join", h, static_cast<uint32_t>(lo));
         }
     }
     auto check_split = [&](uint32_t pattern) {
-        float w;
-        std::memcpy(&w, &pattern, sizeof(w));
+        const float w = dsbnb::bits_to_float(pattern);
         uint16_t hi, want_hi;
         int8_t lo, want_lo;
         dsbnb::split(w, hi, lo);

@@ -1,5 +1,6 @@
 // native_check.h — what the host checks in tests/native share: reading a map file, and walking the floats around a
-// value. Header only, included from beside it by compact_quantizer_check.cpp and key_table_check.cpp.
+// value, and a float's bits. Header only, included from beside it by compact_quantizer_check.cpp and
+// key_table_check.cpp.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,18 @@
 #include <cstring>
 
 namespace native_check {
+
+inline float float_of(uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
+inline uint32_t bits_of(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return bits;
+}
 
 // The 256 float32 values of the map file `path` into `code`; false, after a message, when it cannot be read.
 inline bool read_map(const char* path, float* code) {
@@ -20,8 +33,7 @@ inline bool read_map(const char* path, float* code) {
 // check(bits) for every float whose magnitude is within `ulps` of x's, up to infinity, with either sign.
 template <typename Check>
 void around(float x, int ulps, Check&& check) {
-    uint32_t b;
-    std::memcpy(&b, &x, sizeof(b));
+    const uint32_t b = bits_of(x);
     for (int d = -ulps; d <= ulps; ++d) {
         const int64_t p = static_cast<int64_t>(b & 0x7FFFFFFFu) + d;
         if (p < 0 || p > 0x7F800000LL) continue;
