@@ -50,7 +50,8 @@ struct FastTables {
 };
 
 // out[i] = qmap[codes[i]] * scale for 64 codes, as four vectors of 16 in order.
-inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale, __m512 out[4]) {
+__attribute__((always_inline)) inline void dequantize64(const FastTables& t, const uint8_t* codes, float scale,
+                                                       __m512 out[4]) {
     // element e of the output sits, after the byte interleave below, at byte (e % 16 / 4) * 16 + e / 16 * 4 + e % 4
     // of the permuted codes: a 4x4 transpose of 4-byte groups, undone up front
     alignas(64) static const uint8_t transpose[64] = {

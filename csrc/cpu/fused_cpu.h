@@ -205,8 +205,9 @@ constexpr avx512::Grad grad_kind() {
 
 // quantize_block for a full block of a map with usable fast tables (same codes, one gather per 16 values), followed
 // by floor_positive_block where `floor` is given (its codes applied in the same pass).
-inline void quantize_full_block(const MapTables& t, const float* x, float reciprocal_absmax, uint8_t* codes,
-                                PositiveFloor floor = PositiveFloor()) {
+__attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x,
+                                                               float reciprocal_absmax, uint8_t* codes,
+                                                               PositiveFloor floor = PositiveFloor()) {
     for (int64_t j = 0; j < kBlock; j += 16) {
         avx512::quantize16(t.keys, t.generic.midpoints, x + j, reciprocal_absmax, codes + j, floor);
     }
