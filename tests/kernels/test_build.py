@@ -121,6 +121,9 @@ def test_jit_build_is_named_after_the_instruction_sets(monkeypatch, tmp_path):
     # two kinds of CPU sharing one TORCH_EXTENSIONS_DIR get two builds; the same kind, one
     import torch.utils.cpp_extension as cpp_extension
     names = []
+    # _build records what it built (file, instruction sets) in the loader's state: a copy here, so the faked builds
+    # do not become what built_file() and compiled_for() report for the real one in later tests
+    monkeypatch.setattr(loader, "_state", dict(loader._state))
     monkeypatch.setattr(cpp_extension, "load", lambda name, **kwargs: names.append(name))
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
     monkeypatch.setattr(loader, "_prebuilt_refusal", lambda: None)
