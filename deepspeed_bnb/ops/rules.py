@@ -78,11 +78,17 @@ class UpdateRule:
         """The compiled operator, loaded; a RuntimeError saying why when it cannot be (never the reference)."""
         return getattr(loader.require(), self.operator)
 
+    def row_objects(self, configs: Sequence[dict], step: int, arithmetic: str = IEEE) -> list:
+        """The hyper rows (self.hyper, or BnbHyper in bnb's CUDA arithmetic) of bnb get_config dicts `configs` at
+        bnb's step `step` (counted from 1)."""
+        if arithmetic == BNB_CUDA:
+            return [BnbHyper.of(c, step) for c in configs]
+        return [self.row(c, step) for c in configs]
+
     def rows(self, configs: Sequence[dict], step: int, arithmetic: str = IEEE) -> torch.Tensor:
         """The hyper table of bnb get_config dicts `configs` at bnb's step `step` (counted from 1) in `arithmetic`."""
-        if arithmetic == BNB_CUDA:
-            return hyper_table([BnbHyper.of(c, step) for c in configs], BnbHyper)
-        return hyper_table([self.row(c, step) for c in configs], self.hyper)
+        return hyper_table(self.row_objects(configs, step, arithmetic),
+                           BnbHyper if arithmetic == BNB_CUDA else self.hyper)
 
     def oracle(self, arithmetic: str = IEEE) -> Callable:
         """What the kernel is held to, with the operator's arguments: the pure-torch reference (ieee, bnb_cpu), or

@@ -17,6 +17,7 @@ import torch
 from deepspeed_bnb.ops import bnb_update, compensated
 from deepspeed_bnb.optim import batched_update
 from deepspeed_bnb.optim.flat_state import FlatKeys, stored_name
+from deepspeed_bnb.optim.grad_mode import without_grad
 from deepspeed_bnb.optim.state_classes import StateClass, StateClassError, classify
 from deepspeed_bnb.state_layout import BLOCK_SIZE, Segment, split_segment, uses_8bit_state
 
@@ -226,7 +227,7 @@ class BnbAdapter:
         views.update(self._scratch[segment.eight_bit])
         return views
 
-    @torch.no_grad()
+    @without_grad
     def step(self, group: dict, gindex: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
              segments: Sequence[Segment], overrides: Sequence[dict], error: Optional[torch.Tensor] = None,
              grad_scale: Optional[torch.Tensor] = None) -> None:

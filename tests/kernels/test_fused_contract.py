@@ -17,6 +17,7 @@ per-step relation check catches a kernel run with a wrong learning rate.
 """
 
 import copy
+import types
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -30,6 +31,7 @@ from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.ops import rule_fields, rules
 from deepspeed_bnb.optim.fused import contract, partition_step, route as fused_route
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
+from deepspeed_bnb.optim.fused.partition import FusedPartition
 from deepspeed_bnb.optim.fused.route import FUSED, Route
 from deepspeed_bnb.optim.fused.partition_step import PartitionStep
 from deepspeed_bnb.state_layout import GroupLayout
@@ -417,6 +419,7 @@ def test_hyper_table_rounds_each_value_once_from_double():
     """The hyper table holds each row's fp64 value rounded once to fp32 (the kernels' constants): equal, bit for bit,
     to a float64 table converted to float32, over random configs of every rule and steps up to 10^6."""
     g = torch.Generator().manual_seed(0)
+    cpu_table = types.SimpleNamespace(_hyper_values=None, _hyper=None)
     for rule in rules.RULES.values():
         for _ in range(200):
             lr, wd, b1, b2, eps = (torch.rand(5, generator=g, dtype=torch.float64) ** 4).tolist()
@@ -425,3 +428,32 @@ def test_hyper_table_rounds_each_value_once_from_double():
             rows = [rule.row(config, step), rule.row({**config, "lr": lr * 3}, step + 1)]
             expected = torch.tensor([r.row() for r in rows], dtype=torch.float64).float()
             assert torch.equal(rules.hyper_table(rows).view(torch.int32), expected.view(torch.int32))
+            # the CPU partition's reused table (FusedPartition._cpu_hyper: array('f') storage) rounds alike
+            assert torch.equal(FusedPartition._cpu_hyper(cpu_table, rows).view(torch.int32),
+                               expected.view(torch.int32))
+
+
+def test_reused_cpu_hyper_table_rounds_as_torch_does():
+    """FusedPartition's CPU table (one array('f') storage rewritten every step, viewed by one tensor) holds what
+    rules.hyper_table's fresh tensor holds, bit for bit, at the hard cases of the double -> float32 rounding: ties
+    (to even), subnormals, values past the largest float, signed zeros; and its view shows each step's rows (the
+    control: a view of values written before no longer equals the new table)."""
+    ties = [1 + 2 ** -24, 1 + 3 * 2 ** -24, -(1 + 2 ** -24), 2 ** -149 * 1.5, 2 ** -149 * 0.5, 2 ** -150 * 1.000001,
+            3.4028235677973366e38, 3.4028235677973362e38, -0.0, 0.0, 1e-45, 1e39]
+
+    class Row:  # any hyper row: row() gives its values
+        def __init__(self, values):
+            self.values = values
+
+        def row(self):
+            return tuple(self.values)
+    table = types.SimpleNamespace(_hyper_values=None, _hyper=None)
+    first = FusedPartition._cpu_hyper(table, [Row(ties[:6]), Row(ties[6:])])
+    expected = torch.tensor([ties[:6], ties[6:]], dtype=torch.float32)
+    assert torch.equal(first.view(torch.int32), expected.view(torch.int32))
+    snapshot = first.clone()
+    second = FusedPartition._cpu_hyper(table, [Row(ties[6:]), Row(ties[:6])])
+    assert second is first  # the same storage and view, rewritten
+    assert torch.equal(second.view(torch.int32), torch.tensor([ties[6:], ties[:6]], dtype=torch.float32).view(
+        torch.int32))
+    assert not torch.equal(snapshot, second)

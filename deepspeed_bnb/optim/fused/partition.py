@@ -11,11 +11,13 @@ bnb's own 32-bit CPU update for fp32 state (bnb_cpu, where that agrees with bnb 
 On a GPU the rows travel from pinned host memory without blocking, so a step never waits for the device.
 """
 
+import array
 from typing import Optional, Sequence
 
 import torch
 
 from deepspeed_bnb.ops import rules
+from deepspeed_bnb.optim.grad_mode import without_grad
 from deepspeed_bnb.optim.state_classes import FP32_PREFIX
 from deepspeed_bnb.state_layout import Segment
 
@@ -36,8 +38,11 @@ class FusedPartition:
         self._empty = torch.zeros(0, device=device)
         self._empty_codes = torch.zeros(0, dtype=torch.uint8, device=device)
         self._no_map = torch.zeros(256, device=device)  # never read: no 8-bit segment
+        # on a CPU, the hyper table's storage, rewritten every step (_cpu_hyper); None until the first step
+        self._hyper_values: Optional[array.array] = None
+        self._hyper: Optional[torch.Tensor] = None  # a float32 [H, fields] view of _hyper_values
 
-    @torch.no_grad()
+    @without_grad
     def step(self, configs: Sequence[dict], step: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
              inv_scale: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None) -> None:
         """Update the segments in place at bnb step `step`, hyper row i from configs[i]; state["step"] is the
@@ -45,11 +50,12 @@ class FusedPartition:
         if not self.table.numel():
             return
         update = self.update_rule
-        hyper = update.rows(configs, step, self.arithmetic)
-        if self.device.type == "cuda":  # a fresh pinned buffer: the caching host allocator keeps it until the copy ran
-            hyper = hyper.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cpu":
+            hyper = self._cpu_hyper(update.row_objects(configs, step, self.arithmetic))
+        elif self.device.type == "cuda":  # a fresh pinned buffer: the caching host allocator keeps it until the copy ran
+            hyper = update.rows(configs, step, self.arithmetic).pin_memory().to(self.device, non_blocking=True)
         else:
-            hyper = hyper.to(self.device)
+            hyper = update.rows(configs, step, self.arithmetic).to(self.device)
         # bnb's keys per moment k: codes "state<k>", "absmax<k>", fp32 state FP32_PREFIX + "state<k>", map "qmap<k>"
         # (a partition without 8-bit parameters has no codes, scales or maps)
         moments = range(1, update.moments + 1)
@@ -58,3 +64,16 @@ class FusedPartition:
                     [state.get(f"{FP32_PREFIX}state{k}", self._empty) for k in moments],
                     [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale, error,
                     self.arithmetic, use_kernel=self.use_kernel)
+
+    def _cpu_hyper(self, rows: Sequence) -> torch.Tensor:
+        """The hyper table of `rows`, written into this partition's own storage: the kernel reads it during the call
+        and keeps nothing, so one table serves every step, where a new tensor per step measured ~25 us inside a
+        training step (cold caches). array('f') rounds each Python float to float32 to nearest, as
+        rules.hyper_table's torch.tensor(..., dtype=float32) does: the same bits (tests/kernels/test_fused_rules.py)."""
+        values = array.array("f", [v for row in rows for v in row.row()])
+        if self._hyper_values is None or len(self._hyper_values) != len(values):
+            self._hyper_values = values
+            self._hyper = torch.frombuffer(values, dtype=torch.float32).reshape(len(rows), -1)
+        else:
+            self._hyper_values[:] = values  # same length: the view stays valid
+        return self._hyper

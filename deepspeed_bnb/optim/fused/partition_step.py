@@ -23,6 +23,7 @@ from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.optim.fused.contract import optimizer_reason, route_key
 from deepspeed_bnb.optim.fused.partition import FusedPartition
 from deepspeed_bnb.optim.fused.route import Route, kernel_arithmetic, route_decisions
+from deepspeed_bnb.optim.grad_mode import without_grad
 from deepspeed_bnb.state_layout import Segment
 
 
@@ -138,7 +139,7 @@ class PartitionStep:
         if old is not None and self.on_reroute is not None:
             self.on_reroute(old, new)
 
-    @torch.no_grad()
+    @without_grad
     def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict,
              inv_scale: Optional[torch.Tensor] = None, master_error: Optional[torch.Tensor] = None):
         """One optimizer step of the partition in place. `inv_scale`: None, or DeepSpeed's unscale/clip factor as a
