@@ -62,8 +62,9 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage of every configuration")
     p.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU in every configuration")
-    p.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, interleaved; the "
-                   "step times are the median of the rounds' medians (each round's in the JSON)")
+    p.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, interleaved (the "
+                   "order reversed every other round); the step times are the median of the rounds' medians (each "
+                   "round's in the JSON)")
     args = p.parse_args()
     args.preset = dict(QUICK if args.quick else FULL)
     if args.steps:
@@ -99,8 +100,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
     results, rounds = {}, {config: [] for config in args.configs}
-    for _ in range(args.rounds):  # interleaved: a slow spell of a shared machine hits every configuration alike
-        for config in args.configs:
+    for index in range(args.rounds):  # interleaved: a slow spell of a shared machine hits every configuration alike
+        # and in turn-about order (A B, B A, ...): no configuration always runs first, or always after the same job
+        for config in args.configs if index % 2 == 0 else args.configs[::-1]:
             load = os.getloadavg()[0]  # the machine may be shared: say how busy it was when each job started
             r = run_config(config, args) | {"load_avg_1min_at_start": load}
             rounds[config].append(r)
