@@ -52,10 +52,11 @@ class FusedPartition:
         update = self.update_rule
         if self.device.type == "cpu":
             hyper = self._cpu_hyper(update.row_objects(configs, step, self.arithmetic))
-        elif self.device.type == "cuda":  # a fresh pinned buffer: the caching host allocator keeps it until the copy ran
-            hyper = update.rows(configs, step, self.arithmetic).pin_memory().to(self.device, non_blocking=True)
         else:
-            hyper = update.rows(configs, step, self.arithmetic).to(self.device)
+            hyper = update.rows(configs, step, self.arithmetic)
+            # on a GPU a fresh pinned buffer: the caching host allocator keeps it until the copy ran
+            hyper = (hyper.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda"
+                     else hyper.to(self.device))
         # bnb's keys per moment k: codes "state<k>", "absmax<k>", fp32 state FP32_PREFIX + "state<k>", map "qmap<k>"
         # (a partition without 8-bit parameters has no codes, scales or maps)
         moments = range(1, update.moments + 1)
