@@ -3,6 +3,7 @@
 Where `compare_adam.py` runs each configuration as a job of its own (so its peak memory is its own) and reads the
 whole step, this builds the engines of several configurations in one job, steps them in turn on the same batches and
 times `engine.step()` and the parts of it that differ between them, by wrapping these methods for the run:
+  overflow      DeepSpeed's check for inf/NaN gradients (`check_overflow`: fp16, and bf16 where it is on)
   norm          DeepSpeed's gradient norm (`scaled_global_norm`: fp64 per-parameter norms and their all-reduce)
   unscale       DeepSpeed's unscale/clip (`unscale_and_clip_grads`; deepspeed_bnb's computes the factor only)
   optimizer     the partition steps (`_optimizer_step`, all param groups): torch's optimizer, or deepspeed_bnb's:
@@ -35,7 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from compare_adam_configs import BF16_ONLY, CONFIGS, LABELS  # noqa: E402
 
-PARTS = ("norm", "unscale", "optimizer", "route", "fused", "kernel", "bnb", "flatten", "weights", "all-gather")
+PARTS = ("overflow", "norm", "unscale", "optimizer", "route", "fused", "kernel", "bnb", "flatten", "weights", "all-gather")
+TOP_LEVEL = ("overflow", "norm", "unscale", "optimizer", "flatten", "weights", "all-gather")  # none nested in another
 
 
 def parse_args():
@@ -49,20 +51,24 @@ def parse_args():
 
 
 class Timer:
-    """Accumulates the time spent in wrapped callables, per label, until reset()."""
+    """Accumulates the time spent in wrapped callables, per label, until reset(). With `sync` (a GPU's
+    synchronize), each wrapped call starts and ends with it, so that a part's time holds the device work it queued."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.spent = collections.defaultdict(float)
+        self.sync = sync or (lambda: None)
 
     def wrap(self, owner, name: str, label: str) -> None:
         real = getattr(owner, name)
 
         @functools.wraps(real)
         def timed(*args, **kwargs):
+            self.sync()
             started = time.perf_counter()
             try:
                 return real(*args, **kwargs)
             finally:
+                self.sync()
                 self.spent[label] += time.perf_counter() - started
         setattr(owner, name, timed)
 
@@ -71,7 +77,8 @@ class Timer:
         return spent
 
 
-def instrument(timer: Timer) -> None:
+def instrument(timer: Timer, parts=PARTS) -> None:
+    """Wrap the methods behind each of `parts` (PARTS' labels) for the rest of the process."""
     import torch
     from deepspeed.runtime.zero import stage_1_and_2 as zero
 
@@ -80,16 +87,18 @@ def instrument(timer: Timer) -> None:
     from deepspeed_bnb.optim.fused.partition import FusedPartition
     from deepspeed_bnb.optim.fused.partition_step import PartitionStep
     from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
+    wrapped = []
     for owner in (zero.DeepSpeedZeroOptimizer, BnbZeroOptimizer):  # ours overrides both: each class's own method
-        timer.wrap(owner, "unscale_and_clip_grads", "unscale")
-        timer.wrap(owner, "_optimizer_step", "optimizer")
-    for owner, name, label in ((zero.DeepSpeedZeroOptimizer, "scaled_global_norm", "norm"),
-                               (zero.DeepSpeedZeroOptimizer, "_update_model_bit16_weights", "weights"),
-                               (zero, "all_gather_dp_groups", "all-gather"),
-                               (torch._C._nn, "flatten_dense_tensors", "flatten"),
-                               (PartitionStep, "route", "route"), (FusedPartition, "step", "fused"),
-                               (rules, "step_", "kernel"), (BnbAdapter, "step", "bnb")):
-        timer.wrap(owner, name, label)
+        wrapped += [(owner, "unscale_and_clip_grads", "unscale"), (owner, "_optimizer_step", "optimizer")]
+    wrapped += [(zero.DeepSpeedZeroOptimizer, "check_overflow", "overflow"),
+                (zero.DeepSpeedZeroOptimizer, "scaled_global_norm", "norm"),
+                (zero.DeepSpeedZeroOptimizer, "_update_model_bit16_weights", "weights"),
+                (zero, "all_gather_dp_groups", "all-gather"), (torch._C._nn, "flatten_dense_tensors", "flatten"),
+                (PartitionStep, "route", "route"), (FusedPartition, "step", "fused"), (rules, "step_", "kernel"),
+                (BnbAdapter, "step", "bnb")]
+    for owner, name, label in wrapped:
+        if label in parts:
+            timer.wrap(owner, name, label)
 
 
 def worker(args) -> None:

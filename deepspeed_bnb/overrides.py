@@ -184,6 +184,13 @@ OVERRIDES: Tuple[Override, ...] = (
               ("self", "grad_groups_flat", "total_norm")),
     _subclass(ZERO12, ZERO12_PY, "_optimizer_step", "steps the partition segment by segment (fused kernel or bnb's "
               "update per parameter)", ("self", "group_no")),
+    _subclass(ZERO12, ZERO12_PY, "has_overflow_partitioned_grads_serial", "the inf/NaN check before an fp16/bf16 "
+              "step: the same answer (a bool tensor of shape [1] on the device, as every supported release returns "
+              "it) from one batched fp64 norm per gradient piece instead of seven operations per piece "
+              "(runtime/utils.py: any_inf_or_nan); tests/unit/test_overflow_check.py holds it to DeepSpeed's own",
+              ("self",)),
+    Override(ZERO12, "averaged_gradients", CALL, OBJECT_SCOPE, "", "the gradient pieces of each param group "
+             "(read by the inf/NaN check, as DeepSpeed's own reads them)"),
     _subclass(ZERO12, ZERO12_PY, "state_dict", "writes the versioned per-rank record instead of element-wise "
               "trimmed state", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "load_state_dict", "refused: loading goes through engine.load_checkpoint",

@@ -10,6 +10,8 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   factor folded in through `unscale_and_clip_grads`), and bnb's own `update_step` steps the others, segment by
   segment (optim/fused/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and
   alignment padding is never updated, so it stays exactly zero;
+- `has_overflow_partitioned_grads_serial` (the inf/NaN check before an fp16 or bf16 step): the same answer in a few
+  batched operations instead of seven per gradient piece (runtime/utils.py);
 - `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
   dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
 - `state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's element-wise
@@ -23,6 +25,7 @@ from typing import List, Optional
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, DS_VERSION
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -32,6 +35,7 @@ from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.runtime.utils import any_inf_or_nan
 from deepspeed_bnb.runtime.zero import compat, padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
@@ -192,6 +196,12 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         link_param_states(self)
 
     # ---- step ---------------------------------------------------------------------------------------------------
+
+    def has_overflow_partitioned_grads_serial(self):
+        # DeepSpeed tests each gradient piece with seven small operations (a kernel launch each on a GPU), summed
+        # into a count; the same answer from one fp64 norm per piece, batched (runtime/utils.py says why it is exact)
+        return any_inf_or_nan((grad for i in range(len(self.bit16_groups)) for grad in self.averaged_gradients[i]),
+                              get_accelerator().current_device_name())
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         # DeepSpeed's step multiplies the gradient partition of group i by 1 / (loss scale * clip) here, just before

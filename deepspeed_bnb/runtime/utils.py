@@ -1,0 +1,33 @@
+"""Whether any of many gradient pieces holds an inf or a NaN, in a few operations instead of seven per piece.
+
+Mirrors deepspeed/runtime/utils.py (`has_inf_or_nan`). Before every ZeRO-1/2 step in fp16, and in bf16 where
+`bf16.check_grad_overflow` is on (DeepSpeed >= 0.17's default), DeepSpeed asks `has_inf_or_nan` of each gradient piece
+in turn: amax, amin, two isfinite, logical_and, logical_not and an add per piece (0.19.8; earlier releases copy the
+piece to fp32 and test isnan and isinf). On a GPU each of those is a kernel launch of its own, ~1,700 for a GPT of
+245 parameters, where the host, not the device, sets the pace; on the CPU they were a quarter of a bf16 demo step.
+
+`any_inf_or_nan` answers the same question with one fp64 2-norm per piece (`torch._foreach_norm`: one launch for up to
+several hundred pieces on a GPU) and their sum. The answer is exactly DeepSpeed's:
+- a piece with an inf or a NaN has a non-finite norm (inf squared is inf, NaN stays NaN, and the squares are never
+  negative, so no inf - inf), and a sum with a non-finite term is non-finite;
+- a piece of finite values has a finite norm, whatever the summation order: the largest fp32 value squared is
+  1.2e77, so even 2^63 of them sum to ~1.1e96, far below fp64's 1.8e308 (fp16 and bf16 values are fp32 values).
+torch accumulates `_foreach_norm(..., dtype=torch.float64)` in fp64 on every device (its CUDA kernel's accumulator
+is the output dtype's opmath type; the CPU path calls linalg.vector_norm with that dtype).
+"""
+
+from typing import Iterable, Optional
+
+import torch
+
+
+def any_inf_or_nan(pieces: Iterable[Optional[torch.Tensor]], device) -> torch.Tensor:
+    """A bool tensor of shape [1] on `device`: True when some piece holds an inf or a NaN (None pieces are skipped),
+    as DeepSpeed's has_overflow_partitioned_grads_serial returns it. Never reads the answer back to the host."""
+    dense = [piece for piece in pieces if piece is not None]
+    if not dense:
+        return torch.zeros([1], dtype=torch.bool, device=device)
+    if any(piece.is_sparse for piece in dense):  # only the stored values can be non-finite
+        dense = [piece._values() if piece.is_sparse else piece for piece in dense]
+    total = torch.stack(torch._foreach_norm([piece.detach() for piece in dense], 2.0, dtype=torch.float64)).sum()
+    return total.isfinite().logical_not().reshape(1).to(device)
