@@ -20,6 +20,7 @@ last configuration's. Same model, data, schedule and hyper-parameters as compare
     python benchmarks/step_breakdown.py                      # 1 rank, bnb8_fused vs torch_adamw_fused, 120 steps
     python benchmarks/step_breakdown.py --nproc 2 --steps 200
     python benchmarks/step_breakdown.py --configs bnb8_fused bnb8_fallback torch_adamw_fused
+    python benchmarks/step_breakdown.py --bf16 --nproc 2 --configs bnb8_fused bnb8_master_bf16 torch_adamw_fused
 """
 
 import argparse
@@ -42,12 +43,16 @@ TOP_LEVEL = ("overflow", "norm", "unscale", "optimizer", "flatten", "weights", "
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c not in BF16_ONLY],
-                   default=["bnb8_fused", "torch_adamw_fused"], help="the last one is the ratios' reference")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["bnb8_fused", "torch_adamw_fused"],
+                   help=f"the last one is the ratios' reference ({', '.join(BF16_ONLY)}: with --bf16 only)")
+    p.add_argument("--bf16", action="store_true", help="a bf16 model (DeepSpeed's bf16 section), as compare_adam.py's")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel CPU ranks (one job)")
     p.add_argument("--steps", type=int, default=120, help="steps per configuration; the first 10 are not timed")
     p.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)  # a rank of the job: write RESULT (JSON)
-    return p.parse_args()
+    args = p.parse_args()
+    if not args.bf16 and set(args.configs) & set(BF16_ONLY):
+        p.error(f"{', '.join(sorted(set(args.configs) & set(BF16_ONLY)))}: bf16 master weights, for --bf16 only")
+    return args
 
 
 class Timer:
@@ -114,7 +119,7 @@ def worker(args) -> None:
     instrument(timer)
     engines = {}
     for config in args.configs:  # compare_adam_worker's settings for this configuration
-        settings = argparse.Namespace(config=config, batch=16, stage=2, bf16=0, offload=0, lr=3e-3,
+        settings = argparse.Namespace(config=config, batch=16, stage=2, bf16=int(args.bf16), offload=0, lr=3e-3,
                                       warmup_lr_steps=30)
         torch.manual_seed(0)
         model = GPT(GPTConfig(context=128, width=128, depth=4, heads=4))
@@ -151,12 +156,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "step_breakdown.json")
         wall = torchrun(os.path.abspath(__file__), args.nproc, ["--configs", *args.configs, "--steps", args.steps,
-                                                                 "--worker", result])
+                                                                 "--worker", result, *(["--bf16"] if args.bf16 else [])])
         with open(result) as f:
             medians = json.load(f)
     reference = medians[args.configs[-1]]["engine.step()"]
     shown = [p for p in PARTS if any(p in medians[c] for c in args.configs)]
-    print(f"`python benchmarks/step_breakdown.py {' '.join(sys.argv[1:])}`: demo GPT, ZeRO-2, {args.nproc} CPU "
+    print(f"`python benchmarks/step_breakdown.py {' '.join(sys.argv[1:])}`: demo GPT{' (bf16)' if args.bf16 else ''}, "
+          f"ZeRO-2, {args.nproc} CPU "
           f"rank(s), {args.steps - 10} timed steps per configuration, stepped in turn ({wall:.0f} s). Medians per step "
           f"in ms, rank 0; a part nested in `optimizer` (route, fused, kernel, bnb) is counted in it as well.\n")
     print("| configuration | engine.step() | vs last | " + " | ".join(shown) + " |")
