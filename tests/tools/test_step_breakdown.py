@@ -3,7 +3,7 @@
 Checks what the table must show whatever the machine's speed: both configurations' rows, the parts each one runs
 and only those (the fused kernel and its route in deepspeed_bnb's row; neither in stock DeepSpeed's with torch's
 optimizer, whose `optimizer` part is torch's), nested parts no longer than the part they sit in, and the ratio column
-against the last configuration. Control: the torch row's kernel cell is "-", so a wrapper that timed nothing or
+against the last configuration; with `--bf16`, the inf/NaN check in both rows (and in neither with fp32). Control: the torch row's kernel cell is "-", so a wrapper that timed nothing or
 everything would show.
 """
 
@@ -24,11 +24,15 @@ def _rows(stdout: str) -> dict:
             ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:])}
 
 
-def test_step_breakdown_times_the_parts_each_path_runs():
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_breakdown.py"), "--steps", "14"],
+def _run(*args) -> dict:
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_breakdown.py"), *args],
                           env=without_launch_vars(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    rows = _rows(done.stdout)
+    return _rows(done.stdout)
+
+
+def test_step_breakdown_times_the_parts_each_path_runs():
+    rows = _run("--steps", "14")
     ours, torch_row = rows["bnb AdamW8bit, fused kernel"], rows["torch AdamW(fused=True) (fp32)"]
     assert torch_row["vs last"] == "1.00x" and ours["vs last"].endswith("x")
     for part in ("engine.step()", "norm", "optimizer", "route", "fused", "kernel", "bnb", "all-gather"):
@@ -36,3 +40,11 @@ def test_step_breakdown_times_the_parts_each_path_runs():
     assert float(ours["kernel"]) <= float(ours["fused"]) <= float(ours["optimizer"]) <= float(ours["engine.step()"])
     assert float(torch_row["optimizer"]) > 0 and float(torch_row["norm"]) > 0
     assert torch_row["kernel"] == torch_row["route"] == torch_row["bnb"] == "-"
+    assert "overflow" not in ours  # an fp32 step checks no gradient for inf/NaN
+
+
+def test_step_breakdown_of_a_bf16_model_times_the_overflow_check():
+    """bf16 (DeepSpeed checks the gradients for inf/NaN before the step): both rows time that check."""
+    rows = _run("--steps", "12", "--bf16")
+    for row in rows.values():
+        assert float(row["overflow"]) > 0 and float(row["overflow"]) <= float(row["engine.step()"])
