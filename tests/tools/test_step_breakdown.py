@@ -3,8 +3,8 @@
 Checks what the table must show whatever the machine's speed: both configurations' rows, the parts each one runs
 and only those (the fused kernel and its route in deepspeed_bnb's row; neither in stock DeepSpeed's with torch's
 optimizer, whose `optimizer` part is torch's), nested parts no longer than the part they sit in, and the ratio column
-against the last configuration; with `--bf16`, the inf/NaN check in both rows (and in neither with fp32). Control: the torch row's kernel cell is "-", so a wrapper that timed nothing or
-everything would show.
+against the last configuration; with `--bf16`, the inf/NaN check in both rows (and in neither with fp32). Control:
+the torch row's kernel cell is "-", so a wrapper that timed nothing or everything would show.
 """
 
 import os
