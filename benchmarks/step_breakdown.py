@@ -37,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from compare_adam_configs import BF16_ONLY, CONFIGS, LABELS  # noqa: E402
 
-PARTS = ("overflow", "norm", "unscale", "optimizer", "route", "fused", "kernel", "bnb", "flatten", "weights", "all-gather")
+PARTS = ("overflow", "norm", "unscale", "optimizer", "route", "fused", "kernel", "bnb", "flatten", "weights",
+         "all-gather")
 TOP_LEVEL = ("overflow", "norm", "unscale", "optimizer", "flatten", "weights", "all-gather")  # none nested in another
 
 
@@ -155,8 +156,8 @@ def main() -> None:
     from launch import torchrun
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "step_breakdown.json")
-        wall = torchrun(os.path.abspath(__file__), args.nproc, ["--configs", *args.configs, "--steps", args.steps,
-                                                                 "--worker", result, *(["--bf16"] if args.bf16 else [])])
+        worker_args = ["--configs", *args.configs, "--steps", args.steps, "--worker", result]
+        wall = torchrun(os.path.abspath(__file__), args.nproc, worker_args + (["--bf16"] if args.bf16 else []))
         with open(result) as f:
             medians = json.load(f)
     reference = medians[args.configs[-1]]["engine.step()"]

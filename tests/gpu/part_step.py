@@ -20,8 +20,10 @@ that decide the ratio (the fused kernel, bnb's own update, torch's fused AdamW),
 On the CPU rehearsal the model is a stand-in and there is no device timeline (the host's operations are shown).
 """
 
+import gc
 import statistics
 import time
+import traceback
 
 import proof_common as common
 from part_speed import BNB_UPDATE, FUSED, MICRO_BATCH, MODELS, TORCH_FUSED, build, configurations, sync
@@ -81,7 +83,6 @@ def short(name: str) -> str:
 
 def profiled(engine, tokens, targets, device: str) -> dict:
     """One engine.step() under torch.profiler: wall, device busy, launches, syncs, top kernels and host ops."""
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     train_step(engine, tokens, targets, device)
@@ -198,6 +199,7 @@ def body(args, result):
     configs, model_args = configurations(2, False), MODELS[device][SIZE]
     parts, profiles, norms, failed, params = {}, {}, {}, {}, 0
     for label in LABELS:
+        engine = None
         try:
             engine, _, tokens, targets, params = build(configs[label], 2, False, model_args, device)
             for _ in range(WARMUP[device]):
@@ -207,13 +209,13 @@ def body(args, result):
             parts[label] = breakdown(engine, tokens, targets, device, timer)
             profiles[label] = profiled(engine, tokens, targets, device)
             norms[label] = norm_alternatives(engine, tokens, targets, device)
-            engine.destroy()
-            del engine
         except Exception as exc:  # one configuration failing must not hide the others
-            import traceback
             traceback.print_exc()
             failed[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        import gc
+        finally:  # the next configuration's memory is its own
+            if engine is not None:
+                engine.destroy()
+            del engine
         gc.collect()
         if device == "cuda":
             import torch

@@ -107,7 +107,8 @@ def test_in_a_bf16_engine_the_check_sees_a_nan_gradient_as_deepspeed_does(one_ra
     engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)),
                                   config=ds_config(1, stage=2, bf16=True))[0]
     optimizer = engine.optimizer
-    assert type(optimizer).has_overflow_partitioned_grads_serial is BnbZeroOptimizer.has_overflow_partitioned_grads_serial
+    ours = BnbZeroOptimizer.has_overflow_partitioned_grads_serial
+    assert type(optimizer).has_overflow_partitioned_grads_serial is ours
     tokens, targets = global_batch(0)
     found = []
     for poison in (None, float("nan"), float("inf")):
