@@ -39,7 +39,7 @@ def pieces(dtype, seed: int, bad=None):
     """Two param groups of pieces spanning the dtype's range; `bad` (a value) put at a random place of one piece."""
     g = torch.Generator().manual_seed(seed)
     info = torch.finfo(dtype)
-    sizes = [1, 255, 257, 4096, 0, 31]
+    sizes = [1, 255, 257, 4096, 31]  # empty pieces: test_the_batched_check_on_no_pieces_and_on_empty_ones
     group0 = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g).float())
               .clamp(-info.max, info.max).to(dtype) for n in sizes]
     group1 = [torch.full((100_000,), info.max, dtype=dtype), torch.full((7,), -info.max, dtype=dtype),
@@ -69,7 +69,13 @@ def test_the_batched_check_answers_as_deepspeeds(dtype):
 
 def test_the_batched_check_on_no_pieces_and_on_empty_ones():
     for groups in ([[]], [[None, None]], [[torch.empty(0)], [torch.empty(0, dtype=torch.bfloat16)]]):
-        assert ours(groups) is False and deepspeeds_answer(groups) is False
+        assert ours(groups) is False
+        try:
+            theirs = deepspeeds_answer(groups)
+        except RuntimeError:  # before 0.19.8 DeepSpeed's check takes the max of an empty tensor, which torch refuses
+            assert any(g is not None and g.numel() == 0 for group in groups for g in group)
+            continue
+        assert theirs is False
 
 
 def test_many_of_the_largest_floats_stay_finite_in_fp64():
