@@ -102,8 +102,9 @@ def test_a_few_operations_instead_of_several_per_piece():
     with CountOps() as theirs:
         deepspeeds_answer(groups)
     assert theirs.count >= 5 * 200  # control: DeepSpeed's check is per piece
-    # the CPU runs _foreach_norm as one norm per piece (a GPU in one launch); the rest is a fixed few
-    assert mine.count <= 200 + 10, mine.count
+    # on a CPU torch runs _foreach_norm as a norm per piece (one operation per piece from torch 2.13, two in 2.6; a GPU
+    # takes one launch for all of them); the rest is a fixed few
+    assert mine.count <= 2 * 200 + 10, mine.count
 
 
 def test_in_a_bf16_engine_the_check_sees_a_nan_gradient_as_deepspeed_does(one_rank):
