@@ -63,6 +63,25 @@ def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True):
     return run
 
 
+KEY_LOOKUP_ENV = "DEEPSPEED_BNB_CPU_KEY_LOOKUP"  # csrc/cpu/quantize_keys.h: KeyLookup
+
+
+def with_key_lookup(run, lookup: str):
+    """`run` with the CPU kernels' key-table look-up set to `lookup` ("gather" or "scalar") for each of its calls: the
+    kernels read the setting at every call, so rows with either interleave in one process."""
+    def wrapped():
+        before = os.environ.get(KEY_LOOKUP_ENV)
+        os.environ[KEY_LOOKUP_ENV] = lookup
+        try:
+            run()
+        finally:
+            if before is None:
+                del os.environ[KEY_LOOKUP_ENV]
+            else:
+                os.environ[KEY_LOOKUP_ENV] = before
+    return wrapped
+
+
 def torch_optimizer(n, factory, device="cpu"):
     param = torch.nn.Parameter(torch.randn(n, device=device))
     param.grad = torch.randn(n, device=device) * 1e-3
@@ -85,9 +104,13 @@ def deepspeed_cpu_adam(n):
 
 
 YARDSTICK = "memory: in-place pass x = -x (the ceiling; fastest round)"
+SCALAR_KEYS = "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads"
 IMPLEMENTATIONS = {
     YARDSTICK: memory_pass,
     "deepspeed_bnb C++ kernel (8-bit)": lambda n: fused("adam", n, True),
+    # the same kernel with the quantizer's key entries loaded one by one instead of gathered (faster where gathers
+    # are slow; the same codes)
+    SCALAR_KEYS: lambda n: with_key_lookup(fused("adam", n, True), "scalar"),
     # the same kernel and update without the 8-bit round trip: what requantizing costs, by difference
     "deepspeed_bnb C++ kernel, fp32 state (no quantization)": lambda n: fused("adam", n, True, eight_bit=False),
     "bitsandbytes CPU AdamW8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(

@@ -79,10 +79,11 @@ __attribute__((always_inline)) inline void dequantize64(const FastTables& t, con
 // codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,
 // by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once); then, where `floor.zero` >= 0,
 // dsbnb::floor_positive (Adam's second moment) in the same registers. Inlined: its constants are hoisted out of the
-// block's loop (as a call, they were set up again for every 16 values).
+// block's loop (as a call, they were set up again for every 16 values). `scalar`: the key entries by scalar loads
+// instead of the gather (quantize_keys.h: KeyLookup; the same entries).
 __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const float* x,
                                                      float reciprocal_absmax, uint8_t* codes,
-                                                     PositiveFloor floor = PositiveFloor()) {
+                                                     PositiveFloor floor = PositiveFloor(), bool scalar = false) {
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
     const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
@@ -96,7 +97,15 @@ __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, co
     const __m512i bits = _mm512_castps_si512(u);
     const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
                                                                    _mm512_set1_epi32(0x7FFFFFFF)));
-    const __m512i entry = _mm512_i32gather_epi32(_mm512_srai_epi32(order, 16), t.centered(), 4);
+    __m512i entry;
+    if (scalar) {
+        alignas(64) int32_t key[16], found[16];
+        _mm512_store_si512(key, _mm512_srai_epi32(order, 16));
+        for (int i = 0; i < 16; ++i) found[i] = t.centered()[key[i]];
+        entry = _mm512_load_si512(found);
+    } else {
+        entry = _mm512_i32gather_epi32(_mm512_srai_epi32(order, 16), t.centered(), 4);
+    }
     // compare the value's ordered top 24 bits with the midpoint's: above, below, or too close to tell
     const __m512i split = _mm512_srai_epi32(entry, 8), top = _mm512_srai_epi32(order, 8);
     const __m512i one = _mm512_set1_epi32(1);

@@ -145,6 +145,7 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
                        const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
     const dsbnb::cpu::Checker check("adam8bit_step_");
     const bool bnb_cpu = dsbnb::cpu::bnb_cpu_arithmetic(check, arithmetic);
+    dsbnb::cpu::choose_key_lookup(check);
     const double inv_scale = dsbnb::cpu::scale_of(check, scale);
     const dsbnb::Master master = dsbnb::cpu::master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -129,6 +130,7 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
         int64_t done = 0;
 #if defined(__AVX2__)
         const __m256 r = _mm256_set1_ps(reciprocal_absmax);
+        const bool scalar = key_lookup().load(std::memory_order_relaxed) == KeyLookup::kScalar;
         for (; done + 8 <= len; done += 8) {
             __m256 u = _mm256_mul_ps(_mm256_loadu_ps(x + done), r);
             if (_mm256_movemask_ps(_mm256_cmp_ps(u, u, _CMP_UNORD_Q))) {  // rare: normalize()'s inf * 0 and NaN rules
@@ -136,7 +138,7 @@ inline void quantize_block(int64_t len, const float* x, float reciprocal_absmax,
                 for (int k = 0; k < 8; ++k) exact[k] = normalize(x[done + k], reciprocal_absmax);
                 u = _mm256_load_ps(exact);
             }
-            const int near = keys.lookup8(u, codes + done);
+            const int near = keys.lookup8(u, codes + done, scalar);
             if (near) {  // only the flagged lanes, here: no second pass over the block
                 alignas(32) float value[8];
                 _mm256_store_ps(value, u);
@@ -208,8 +210,9 @@ constexpr avx512::Grad grad_kind() {
 __attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x,
                                                                float reciprocal_absmax, uint8_t* codes,
                                                                PositiveFloor floor = PositiveFloor()) {
+    const bool scalar = key_lookup().load(std::memory_order_relaxed) == KeyLookup::kScalar;
     for (int64_t j = 0; j < kBlock; j += 16) {
-        avx512::quantize16(t.keys, t.generic.midpoints, x + j, reciprocal_absmax, codes + j, floor);
+        avx512::quantize16(t.keys, t.generic.midpoints, x + j, reciprocal_absmax, codes + j, floor, scalar);
     }
 }
 #endif
@@ -249,6 +252,17 @@ inline bool bnb_cpu_arithmetic(const Checker& check, c10::string_view arithmetic
           "the CPU kernels compute the 'ieee' and 'bnb_cpu' arithmetics, got '" +
               std::string(arithmetic.data(), arithmetic.size()) + "'");
     return arithmetic == "bnb_cpu";
+}
+
+// KeyLookup from the environment (quantize_keys.h): DEEPSPEED_BNB_CPU_KEY_LOOKUP unset, "gather" or "scalar"; read
+// at every operator call, before its threads start.
+inline void choose_key_lookup(const Checker& check) {
+    const char* set = std::getenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP");
+    const std::string value = set == nullptr ? "" : set;
+    check(value.empty() || value == "gather" || value == "scalar",
+          "DEEPSPEED_BNB_CPU_KEY_LOOKUP='" + value + "' must be 'gather' (the default) or 'scalar': how the CPU kernels "
+          "look up the quantizer's key table (unset it for the default)");
+    key_lookup().store(value == "scalar" ? KeyLookup::kScalar : KeyLookup::kGather, std::memory_order_relaxed);
 }
 
 // Checks the segment and hyper tables against the partition and the states' arrays, and lists every block of every
@@ -465,6 +479,7 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
                     c10::string_view arithmetic) {
     const Checker check(op);
     const bool bnb_cpu = bnb_cpu_arithmetic(check, arithmetic);
+    choose_key_lookup(check);
     const double inv_scale = scale_of(check, scale);
     const Master master = master_of(check, params, error);
     check.expect(codes1, "codes1", at::kByte);

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,18 @@
 
 namespace dsbnb {
 namespace cpu {
+
+// How the vector paths look a key's entry up: one gather instruction per 16 (AVX-512) or 8 (AVX2) values, the default,
+// or one scalar load per value. Both read the same entries, so the codes are the same; which is faster depends on
+// the CPU: on the AMD family-26 (Zen 5) core this was measured on, the gather (the AdamW step ~15% slower with scalar
+// loads); where gathers are slow (Intel cores under the Gather Data Sampling microcode mitigation, for one) scalar
+// loads may be faster. DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar selects them (fused_cpu.h: choose_key_lookup, read at
+// every operator call, before its threads start); the GPU proof's part o times both on its host.
+enum class KeyLookup { kGather, kScalar };
+inline std::atomic<KeyLookup>& key_lookup() {
+    static std::atomic<KeyLookup> chosen{KeyLookup::kGather};
+    return chosen;
+}
 
 constexpr int kKeyBits = 16;                        // the key: the top bits of the value's ordered integer
 constexpr int32_t kKeyCenter = 1 << (kKeyBits - 1);  // entry of key 0 (ordered integers are signed)
@@ -99,12 +112,21 @@ struct KeyTable {
 #if defined(__AVX2__)
     // lookup() for 8 normalized values, with an explicit gather: gcc's own vectorization of lookup() on AVX2 CPUs
     // spells the gather as 8 extract/insert pairs (its tuning for AMD Zen avoids VPGATHERDD), ~1.7x slower here.
-    // Stores the 8 sorted indices as bytes; returns the near lanes as a bit mask.
-    int lookup8(__m256 u, uint8_t* out) const {
+    // Stores the 8 sorted indices as bytes; returns the near lanes as a bit mask. `scalar`: the entries by scalar
+    // loads instead of the gather (KeyLookup).
+    int lookup8(__m256 u, uint8_t* out, bool scalar = false) const {
         const __m256i bits = _mm256_castps_si256(u);
         const __m256i order = _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi32(bits, 31),
                                                                        _mm256_set1_epi32(0x7FFFFFFF)));
-        const __m256i entry = _mm256_i32gather_epi32(centered(), _mm256_srai_epi32(order, 16), 4);
+        __m256i entry;
+        if (scalar) {
+            alignas(32) int32_t key[8], found[8];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(key), _mm256_srai_epi32(order, 16));
+            for (int i = 0; i < 8; ++i) found[i] = centered()[key[i]];
+            entry = _mm256_load_si256(reinterpret_cast<const __m256i*>(found));
+        } else {
+            entry = _mm256_i32gather_epi32(centered(), _mm256_srai_epi32(order, 16), 4);
+        }
         const __m256i split = _mm256_srai_epi32(entry, 8), top = _mm256_srai_epi32(order, 8);
         // index + (top > split): the compare is all ones (-1) where true
         const __m256i index = _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFF)),
