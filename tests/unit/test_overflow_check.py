@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import deepspeed_bnb  # noqa: F401  (DeepSpeed's classes with deepspeed_bnb's integration, as users get them)
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed_bnb.runtime.utils import any_inf_or_nan
+from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from support.toy import ds_config, global_batch, loss_fn, make_model, param_groups
 
@@ -107,12 +108,19 @@ def test_a_few_operations_instead_of_several_per_piece():
     assert mine.count <= 2 * 200 + 10, mine.count
 
 
-def test_in_a_bf16_engine_the_check_sees_a_nan_gradient_as_deepspeed_does(one_rank):
-    import deepspeed
-    model = make_model(0, dtype=torch.bfloat16)
+@pytest.mark.parametrize("stage,padding", [(2, PARAM_PADDING), (1, PARAM_PADDING), (2, PADDING_TENSORS)])
+def test_in_a_bf16_engine_the_check_sees_a_nan_gradient_as_deepspeed_does(one_rank, monkeypatch, stage, padding):
+    """ZeRO-2 and 1, the block-aligned layout through DeepSpeed's per-parameter padding and through padding tensors
+    (each layout gives DeepSpeed's check other pieces)."""
     import bitsandbytes as bnb
+    import deepspeed
+    if padding == PARAM_PADDING and not has_parameter_padding():
+        pytest.skip("this DeepSpeed release has no per-parameter padding (the padding tensors case runs)")
+    monkeypatch.setenv(PADDING_ENV, padding)
+    model = make_model(0, dtype=torch.bfloat16)
     engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)),
-                                  config=ds_config(1, stage=2, bf16=True))[0]
+                                  config=ds_config(1, stage=stage, bf16=True))[0]
+    assert engine.optimizer.bnb_padding_mode == padding
     optimizer = engine.optimizer
     ours = BnbZeroOptimizer.has_overflow_partitioned_grads_serial
     assert type(optimizer).has_overflow_partitioned_grads_serial is ours
