@@ -10,8 +10,8 @@ A bf16 GPT (deepspeed_bnb/demo/gpt.py) trains on the one device with each config
 Interleaved: every round builds each configuration's engine in turn, warms it up and times its steps (the whole
 training step, and engine.step() alone), then frees it; ROUNDS rounds, so each configuration's timed steps come from
 separate rounds and a drift of the machine shows as spread, not as a ranking. Reported: the median and the range of
-each, the host synchronizations one engine.step() makes (torch.cuda.set_sync_debug_mode counts them; stock
-DeepSpeed with torch's fused AdamW is the reference count), and the ratios the project aims at (fused 8-bit
+each, the host synchronizations one engine.step() and one backward make (torch.cuda.set_sync_debug_mode counts
+them; stock DeepSpeed with torch's fused AdamW is the reference count), and the ratios the project aims at (fused 8-bit
 engine.step() at most 0.8x torch's fused AdamW, the whole step at most 1.02x, bf16 and bf16+8 master weights at most
 1.1x the fp32-master 8-bit step) as checks on a GPU. Peak memory comes from fresh processes (part m), since engines
 built one after another in one process leave memory behind.
@@ -155,18 +155,23 @@ def timed_round(label: str, config: Config, stage: int, offload: bool, model_arg
                 into: dict) -> None:
     """Build, warm up and time one configuration once; its times, losses and sync counts go into into[label]."""
     import torch
-    row = into.setdefault(label, {"steps": [], "optimizer_steps": [], "syncs": [], "losses": [], "params": None})
+    row = into.setdefault(label, {"steps": [], "optimizer_steps": [], "syncs": [], "backward_syncs": [], "losses": [],
+                                  "params": None})
     engine, model, tokens, targets, row["params"] = build(config, stage, offload, model_args, device)
     row["update"] = engine.optimizer.bnb_update_summary() if hasattr(engine.optimizer, "bnb_update_summary") else \
         type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
     for i in range(WARMUP[device] + TIMED[device]):
         sync(device)
         t0 = time.perf_counter()
+        counting = i == WARMUP[device] - 1 and not row["syncs"]  # once per configuration, untimed
         loss = engine(tokens, targets)
-        engine.backward(loss)
+        # the backward's own host syncs too: under ZeRO-Offload DeepSpeed reads an inf/NaN check of every
+        # parameter's gradient back to the host there
+        with counting_syncs(device, row["backward_syncs"]) if counting else contextlib.nullcontext():
+            engine.backward(loss)
         sync(device)
         t1 = time.perf_counter()
-        if i == WARMUP[device] - 1 and not row["syncs"]:  # once per configuration, untimed
+        if counting:
             with counting_syncs(device, row["syncs"]):
                 engine.step()
         else:
@@ -220,15 +225,17 @@ def suite(args, result, stage: int, offload: bool, sizes, labels) -> None:
             ratio = "-" if reference is None else \
                 f"{statistics.median(r['optimizer_steps']) / statistics.median(reference['optimizer_steps']):.2f}"
             table.append([label, r["update"], spread(r["steps"]), spread(r["optimizer_steps"]), ratio,
-                          r["syncs"][0] if r["syncs"] else "-", f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"])
-        table += [[label, "-", "failed", "-", "-", "-", why] for label, why in failed.items()]
+                          r["syncs"][0] if r["syncs"] else "-",
+                          r["backward_syncs"][0] if r["backward_syncs"] else "-",
+                          f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"])
+        table += [[label, "-", "failed", "-", "-", "-", "-", why] for label, why in failed.items()]
         params = next(iter(ok.values()))["params"] if ok else 0
         named = size if args.device == "cuda" else f"stand-in for the {size}"
         result.table(f"{where}, {named} GPT ({params / 1e6:,.1f}M parameters), bf16, micro batch "
                      f"{MICRO_BATCH[args.device]} x {model_args['context']} tokens: ms, median (range) of "
                      f"{ROUNDS[args.device]} x {TIMED[args.device]} steps, configurations interleaved",
                      ["configuration", "update", "step ms", "engine.step() ms", "engine.step() / torch fused",
-                      "host syncs in engine.step()", "loss first -> last"], table)
+                      "host syncs in engine.step()", "host syncs in backward", "loss first -> last"], table)
         ratios(args, result, where, size, ok)
 
 
