@@ -40,9 +40,9 @@ namespace cpu {
 
 // How the vector paths look a key's entry up: one gather instruction per 16 (AVX-512) or 8 (AVX2) values, the default,
 // or one scalar load per value. Both read the same entries, so the codes are the same; which is faster depends on
-// the CPU: on the AMD family-26 (Zen 5) core this was measured on, the gather (with scalar loads the AdamW step ran at
-// 0.89x its rate); where gathers are slow (Intel cores under the Gather Data Sampling microcode mitigation, for one)
-// scalar loads may be faster. DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar selects them (fused_cpu.h: choose_key_lookup, read at
+// the CPU. The gather on both measured: with scalar loads the AdamW step ran at 0.89x its rate on an AMD family-26
+// (Zen 5) core and at 0.60x on a 16-thread Xeon (the GPU proof's part o); where gathers are slow (Intel cores under
+// the Gather Data Sampling microcode mitigation, for one) scalar loads may be faster. DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar selects them (fused_cpu.h: choose_key_lookup, read at
 // every operator call, before its threads start); the GPU proof's part o times both on its host.
 enum class KeyLookup { kGather, kScalar };
 inline std::atomic<KeyLookup>& key_lookup() {
