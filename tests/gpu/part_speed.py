@@ -148,7 +148,9 @@ def build(config: Config, stage: int, offload: bool, model_args: dict, device: s
                                       config=ds_config)[0]
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab, (MICRO_BATCH[device], cfg.context), generator=g).to(device)
-    return engine, model, tokens, tokens.roll(-1, dims=1), sum(p.numel() for p in model.parameters())
+    # ZeRO-3 has partitioned the parameters by now: their full sizes are ds_numel
+    return engine, model, tokens, tokens.roll(-1, dims=1), sum(getattr(p, "ds_numel", p.numel())
+                                                               for p in model.parameters())
 
 
 def timed_round(label: str, config: Config, stage: int, offload: bool, model_args: dict, device: str,

@@ -29,6 +29,11 @@ import proof_common as common
 from part_speed import BNB_UPDATE, FUSED, MICRO_BATCH, MODELS, TORCH_FUSED, build, configurations, sync
 
 LABELS = (FUSED, BNB_UPDATE, TORCH_FUSED)
+# ZeRO-3's step (DeepSpeedZeroOptimizer_Stage3.step, DeepSpeed 0.19.8), method by method: (method, label)
+STAGE3_PARTS = (("_partition_all_parameters", "partition"), ("_overflow_check_and_loss_scale_update", "overflow"),
+                ("_get_norm_groups", "norm"), ("_prepare_sub_group", "prepare"), ("unscale_and_clip_grads", "unscale"),
+                ("_optimizer_step", "optimizer"), ("_reassign_or_swap_out_partitioned_parameters", "weights"),
+                ("_release_sub_group", "release"), ("_post_step", "post"))
 SIZE = "1B"
 WARMUP = {"cuda": 2, "cpu": 1}
 TIMED = {"cuda": 5, "cpu": 2}
@@ -45,9 +50,24 @@ def train_step(engine, tokens, targets, device: str) -> None:
     sync(device)
 
 
-def breakdown(engine, tokens, targets, device: str, timer) -> dict:
-    """label -> median seconds per step of each part, engine.step() and what the parts leave ("other")."""
+def instrument(timer, stage: int) -> tuple:
+    """Wrap the methods behind the parts of the stage's `step()` (each class's own where deepspeed_bnb's overrides
+    one); returns the parts' labels."""
     import step_breakdown
+    if stage != 3:
+        step_breakdown.instrument(timer, step_breakdown.TOP_LEVEL)
+        return step_breakdown.TOP_LEVEL
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
+    timer.wrap(BnbZeroStage3Optimizer, "_optimizer_step", "optimizer")  # does not call DeepSpeed's
+    for name, label in STAGE3_PARTS:
+        timer.wrap(DeepSpeedZeroOptimizer_Stage3, name, label)
+    return tuple(label for _, label in STAGE3_PARTS)
+
+
+def breakdown(engine, tokens, targets, device: str, timer, labels: tuple) -> dict:
+    """label -> median seconds per step of each part, engine.step() and what the parts leave ("other")."""
     times = {}
     for _ in range(TIMED[device]):
         train_step(engine, tokens, targets, device)
@@ -59,7 +79,7 @@ def breakdown(engine, tokens, targets, device: str, timer) -> dict:
         parts = timer.reset()
         times.setdefault("engine.step()", []).append(total)
         times.setdefault("other", []).append(total - sum(parts.values()))
-        for label in step_breakdown.TOP_LEVEL:
+        for label in labels:
             times.setdefault(label, []).append(parts.get(label, 0.0))
     return {label: statistics.median(values) for label, values in times.items()}
 
@@ -192,23 +212,26 @@ def body(args, result):
     common.one_rank(args.device)
     import deepspeed_bnb  # noqa: F401
     import step_breakdown
-    device = args.device
+    device, stage = args.device, args.stage
+    part = "s" if stage == 2 else "s3"
     timer = step_breakdown.Timer(sync=lambda: sync(device))
-    step_breakdown.instrument(timer, step_breakdown.TOP_LEVEL)
-    overflow_check_agrees(device, result)
+    labels = instrument(timer, stage)
+    if stage != 3:  # ZeRO-3 checks its flat gradient buffers itself
+        overflow_check_agrees(device, result)
     configs, model_args = configurations(2, False), MODELS[device][SIZE]
     parts, profiles, norms, failed, params = {}, {}, {}, {}, 0
     for label in LABELS:
         engine = None
         try:
-            engine, _, tokens, targets, params = build(configs[label], 2, False, model_args, device)
+            engine, _, tokens, targets, params = build(configs[label], stage, False, model_args, device)
             for _ in range(WARMUP[device]):
                 train_step(engine, tokens, targets, device)
                 engine.step()
             timer.reset()
-            parts[label] = breakdown(engine, tokens, targets, device, timer)
+            parts[label] = breakdown(engine, tokens, targets, device, timer, labels)
             profiles[label] = profiled(engine, tokens, targets, device)
-            norms[label] = norm_alternatives(engine, tokens, targets, device)
+            if stage != 3:  # ZeRO-3 computes its norm from the flat partitions, not per piece
+                norms[label] = norm_alternatives(engine, tokens, targets, device)
         except Exception as exc:  # one configuration failing must not hide the others
             traceback.print_exc()
             failed[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -221,38 +244,46 @@ def body(args, result):
             import torch
             torch.cuda.empty_cache()
     named = SIZE if device == "cuda" else f"stand-in for the {SIZE}"
-    where = f"ZeRO-2, bf16, {named} GPT ({params / 1e6:,.1f}M parameters), micro batch {MICRO_BATCH[device]}"
-    result.check("s: every configuration was taken apart and profiled", not failed and len(parts) == len(LABELS),
+    where = f"ZeRO-{stage}, bf16, {named} GPT ({params / 1e6:,.1f}M parameters), micro batch {MICRO_BATCH[device]}"
+    result.check(f"{part}: every configuration was taken apart and profiled", not failed and len(parts) == len(LABELS),
                  "; ".join(f"{k}: {v}" for k, v in failed.items()) or f"{len(parts)} configurations", "all")
-    columns = ("engine.step()", *step_breakdown.TOP_LEVEL, "other")
-    result.table(f"s: engine.step() taken apart, {where}: ms per step, median of {TIMED[device]} steps, each part "
+    columns = ("engine.step()", *labels, "other")
+    result.table(f"{part}: engine.step() taken apart, {where}: ms per step, median of {TIMED[device]} steps, each part "
                  f"between device synchronizations", ["configuration", *columns],
                  [[label, *(f"{row[c] * 1e3:.2f}" for c in columns)] for label, row in parts.items()])
     over = {label: row for label, row in parts.items() if row["other"] < -0.05 * row["engine.step()"]}
-    result.check("s: the parts add up to no more than the step (none counted twice)", not over,
+    result.check(f"{part}: the parts add up to no more than the step (none counted twice)", not over,
                  "; ".join(f"{k}: other {v['other'] * 1e3:.2f} ms" for k, v in over.items()) or "yes", "yes")
     rows = []
     for label, p in profiles.items():
         busy = "-" if p["busy"] is None else f"{p['busy'] * 1e3:.2f} ({p['busy'] / p['wall']:.0%})"
         rows.append([label, f"{p['wall'] * 1e3:.2f}", busy, p["launches"], p["syncs"]])
-    result.table(f"s: one engine.step() under torch.profiler, {where} (the profiler's own overhead included)",
+    result.table(f"{part}: one engine.step() under torch.profiler, {where} (the profiler's own overhead included)",
                  ["configuration", "wall ms", "device busy ms (of wall)", "kernel launches",
                   "synchronizing CUDA calls"], rows)
-    result.table("s: the longest kernels of that step (device time)", ["configuration", "kernel", "launches", "ms"],
+    result.table(f"{part}: the longest kernels of that step (device time)", ["configuration", "kernel", "launches", "ms"],
                  [[label, name, count, f"{spent / 1e3:.2f}"] for label, p in profiles.items()
                   for name, (count, spent) in p["kernels"]])
-    result.table("s: the host operations of that step with the most time of their own (host time)",
+    result.table(f"{part}: the host operations of that step with the most time of their own (host time)",
                  ["configuration", "operation", "calls", "ms"],
                  [[label, name, count, f"{spent / 1e3:.2f}"] for label, p in profiles.items()
                   for name, count, spent in p["host"]])
-    result.table("s: DeepSpeed's gradient norm against the same norms without its fp64 copy (this step's gradients)",
-                 ["configuration", "computed as", "pieces", "same bits as DeepSpeed's", "ms"],
-                 [[label, way, pieces, "yes" if same else "no", f"{spent * 1e3:.2f}"]
-                  for label, rows in norms.items() for way, pieces, same, spent in rows])
     if device == "cuda":
-        result.check("s: the profiler saw the device's work", all(p["busy"] for p in profiles.values()),
+        result.check(f"{part}: the profiler saw the device's work", all(p["busy"] for p in profiles.values()),
                      ", ".join(f"{p['busy']}" for p in profiles.values()), "device time in every profile")
+    if norms:
+        result.table(f"{part}: DeepSpeed's gradient norm against the same norms without its fp64 copy (this step's "
+                     "gradients)", ["configuration", "computed as", "pieces", "same bits as DeepSpeed's", "ms"],
+                     [[label, way, pieces, "yes" if same else "no", f"{spent * 1e3:.2f}"]
+                      for label, rows in norms.items() for way, pieces, same, spent in rows])
+
+
+def extra(parser):
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="the ZeRO stage taken apart")
 
 
 if __name__ == "__main__":
-    common.run_part("s", "where engine.step() spends its time", body)
+    import sys
+    stage = sys.argv[sys.argv.index("--stage") + 1] if "--stage" in sys.argv else "2"
+    common.run_part("s" if stage == "2" else "s3", "where engine.step() spends its time"
+                    + ("" if stage == "2" else ", ZeRO-3"), body, extra)
