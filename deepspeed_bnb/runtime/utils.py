@@ -1,10 +1,11 @@
 """Whether any of many gradient pieces holds an inf or a NaN, in a few operations instead of seven per piece.
 
 Mirrors deepspeed/runtime/utils.py (`has_inf_or_nan`). Before every ZeRO-1/2 step in fp16, and in bf16 where
-`bf16.check_grad_overflow` is on (DeepSpeed >= 0.17's default), DeepSpeed asks `has_inf_or_nan` of each gradient piece
-in turn: amax, amin, two isfinite, logical_and, logical_not and an add per piece (0.19.8; earlier releases copy the
-piece to fp32 and test isnan and isinf). On a GPU each of those is a kernel launch of its own, ~1,700 for a GPT of
-245 parameters, where the host, not the device, sets the pace; on the CPU they were a quarter of a bf16 demo step.
+`bf16.check_grad_overflow` is on (a key since DeepSpeed 0.17, on by default since 0.19.3), DeepSpeed asks
+`has_inf_or_nan` of each gradient piece in turn: amax, amin, two isfinite, logical_and, logical_not and an add per
+piece (0.19.8; earlier releases copy the piece to fp32 and test isnan and isinf). On a GPU each of those is a kernel
+launch of its own, ~1,700 for a GPT of 245 parameters, where the host, not the device, sets the pace (on an H200 at 1B
+the check took 59 ms of a 101 ms step); on the CPU they were a quarter of a bf16 demo step.
 
 `any_inf_or_nan` answers the same question with one fp64 2-norm per piece (`torch._foreach_norm`: one launch for up to
 several hundred pieces on a GPU) and their sum. The answer is exactly DeepSpeed's:
