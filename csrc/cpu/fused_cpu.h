@@ -260,8 +260,9 @@ inline void choose_key_lookup(const Checker& check) {
     const char* set = std::getenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP");
     const std::string value = set == nullptr ? "" : set;
     check(value.empty() || value == "gather" || value == "scalar",
-          "DEEPSPEED_BNB_CPU_KEY_LOOKUP='" + value + "' must be 'gather' (the default) or 'scalar': how the CPU kernels "
-          "look up the quantizer's key table (unset it for the default)");
+          "DEEPSPEED_BNB_CPU_KEY_LOOKUP='" + value +
+              "' must be 'gather' (the default) or 'scalar': how the CPU kernels look up the quantizer's key table "
+              "(unset it for the default)");
     key_lookup().store(value == "scalar" ? KeyLookup::kScalar : KeyLookup::kGather, std::memory_order_relaxed);
 }
 

@@ -42,8 +42,9 @@ namespace cpu {
 // or one scalar load per value. Both read the same entries, so the codes are the same; which is faster depends on
 // the CPU. The gather on both measured: with scalar loads the AdamW step ran at 0.89x its rate on an AMD family-26
 // (Zen 5) core and at 0.60x on a 16-thread Xeon (the GPU proof's part o); where gathers are slow (Intel cores under
-// the Gather Data Sampling microcode mitigation, for one) scalar loads may be faster. DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar selects them (fused_cpu.h: choose_key_lookup, read at
-// every operator call, before its threads start); the GPU proof's part o times both on its host.
+// the Gather Data Sampling microcode mitigation, for one) scalar loads may be faster.
+// DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar selects them (fused_cpu.h: choose_key_lookup, read at every operator call,
+// before its threads start); the GPU proof's part o times both on its host.
 enum class KeyLookup { kGather, kScalar };
 inline std::atomic<KeyLookup>& key_lookup() {
     static std::atomic<KeyLookup> chosen{KeyLookup::kGather};

@@ -183,12 +183,10 @@ def norm_alternatives(engine, tokens, targets, device: str) -> list:
 def overflow_check_agrees(device: str, result) -> None:
     """deepspeed_bnb's batched inf/NaN check (its fp64 norms) against DeepSpeed's per-piece one, on this device: the
     largest finite values of each dtype (2^20 of them: fp32 squares would overflow), +-inf and NaN."""
-    import types
-
     import torch
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from deepspeed_bnb.runtime.utils import any_inf_or_nan
+    from support.overflow_oracle import deepspeeds_answer
     wrong, cases = [], 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         largest = torch.finfo(dtype).max
@@ -197,9 +195,7 @@ def overflow_check_agrees(device: str, result) -> None:
                       torch.randn(4099, device=device).to(dtype), torch.zeros(0, dtype=dtype, device=device)]
             if bad is not None:
                 pieces[1][1234] = bad
-            holder = types.SimpleNamespace(bit16_groups=[pieces], averaged_gradients={0: pieces},
-                                           _has_inf_or_nan=DeepSpeedZeroOptimizer._has_inf_or_nan)
-            theirs = bool(DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(holder))
+            theirs = deepspeeds_answer([pieces])
             mine = bool(any_inf_or_nan(pieces, device))
             cases += 1
             if mine != theirs or theirs != (bad is not None):
@@ -261,7 +257,8 @@ def body(args, result):
     result.table(f"{part}: one engine.step() under torch.profiler, {where} (the profiler's own overhead included)",
                  ["configuration", "wall ms", "device busy ms (of wall)", "kernel launches",
                   "synchronizing CUDA calls"], rows)
-    result.table(f"{part}: the longest kernels of that step (device time)", ["configuration", "kernel", "launches", "ms"],
+    result.table(f"{part}: the longest kernels of that step (device time)",
+                 ["configuration", "kernel", "launches", "ms"],
                  [[label, name, count, f"{spent / 1e3:.2f}"] for label, p in profiles.items()
                   for name, (count, spent) in p["kernels"]])
     result.table(f"{part}: the host operations of that step with the most time of their own (host time)",

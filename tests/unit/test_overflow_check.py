@@ -7,8 +7,6 @@ with a NaN put into one gradient. Controls: both answers are True in some cases 
 check runs several operations per piece where ours runs a fixed few.
 """
 
-import types
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,16 +16,10 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed_bnb.runtime.utils import any_inf_or_nan
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
+from support.overflow_oracle import deepspeeds_answer
 from support.toy import ds_config, global_batch, loss_fn, make_model, param_groups
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def deepspeeds_answer(groups) -> bool:
-    """DeepSpeed's own check (the installed release's), on an object holding just what it reads."""
-    holder = types.SimpleNamespace(bit16_groups=groups, averaged_gradients=dict(enumerate(groups)),
-                                   _has_inf_or_nan=DeepSpeedZeroOptimizer._has_inf_or_nan)
-    return bool(DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(holder))
 
 
 def ours(groups) -> bool:
