@@ -29,17 +29,20 @@ int info_of(int* registers, int* blocks_per_sm) {
     cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
     if (status != cudaSuccess) return static_cast<int>(status);
     *registers = attributes.numRegs;
-    return static_cast<int>(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel,
-                                                                          device::kWarps * 32, 0));
+    return static_cast<int>(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks_per_sm, kernel, device::kWarps * 32, device::dynamic_shared_bytes<Tune>()));
 }
 
 // The shapes compared: the product's first; the single body it had before (bounds checks on every element); the
-// best shape per rule in the first sweep (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); two full
-// blocks per warp step (2 blocks per SM: no spills); and the quantizer compiled as the compact table alone (bnb's
-// maps have one), with one and with two blocks per step.
+// best shape per rule in the first sweeps (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); the quantizer
+// compiled as the compact table alone (bnb's maps have one) at 3 and 4 blocks per SM, with two full blocks per warp
+// step (2 blocks per SM: no spills), and with the index ahead; and the staged loop (the next block's bytes copied into
+// shared memory while a block is stepped) at 2 and 3 blocks per SM, with either quantizer.
 using Shapes = std::tuple<device::DefaultTuning, device::Tuning<3, false, false>, device::Tuning<4, true, true>,
-                          device::Tuning<3, true, true>, device::Tuning<2, true, false, 2>,
-                          device::Tuning<3, true, false, 1, true>, device::Tuning<2, true, false, 2, true>>;
+                          device::Tuning<3, true, true>, device::Tuning<3, true, false, 1, true>,
+                          device::Tuning<4, true, false, 1, true>, device::Tuning<4, true, true, 1, true>,
+                          device::Tuning<2, true, false, 2, true>, device::Tuning<3, true, false, 1, false, true>,
+                          device::Tuning<3, true, false, 1, true, true>, device::Tuning<2, true, false, 1, true, true>>;
 constexpr int kShapes = std::tuple_size<Shapes>::value;
 static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
               "variant 0 is the product's own shape");
@@ -69,10 +72,10 @@ void describe(int variant, char* name, size_t size) {
     if constexpr (V < kShapes) {
         using Tune = std::tuple_element_t<V, Shapes>;
         if (variant != V) return describe<V + 1>(variant, name, size);
-        snprintf(name, size, "%s%d blocks/SM%s%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
+        snprintf(name, size, "%s%d blocks/SM%s%s%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
                  Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "",
                  Tune::kBlocksPerStep == 2 ? ", 2 blocks per warp step" : "",
-                 Tune::kFastMaps ? ", table-only quantizer" : "");
+                 Tune::kFastMaps ? ", table-only quantizer" : "", Tune::kStaged ? ", staged in shared memory" : "");
     }
 }
 

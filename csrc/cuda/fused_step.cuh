@@ -12,7 +12,8 @@
 // - per-block constants (bias corrections) are computed by the warp from the segment's hyper row;
 // - full, aligned blocks run a copy of the body compiled for 8 valid elements per lane (Tuning: the launch shape is
 //   data, and the GPU proof's part k times the alternatives side by side; on an H200 this copy took the AdamW kernel
-//   from 39% to 59% of a device copy's bandwidth).
+//   from 39% to 59% of a device copy's bandwidth); a shape may stage the next block's bytes in shared memory while a
+//   block is stepped (staged_loop: cp.async, so a warp's loads stay in flight through its arithmetic).
 // A Rule (*_rules.cuh, launched by adam8bit.cu, lion8bit.cu, momentum8bit.cu) supplies the arithmetic; the two
 // arithmetics differ only there and in the quantizer's rounding (Ieee: ties low, NaN-propagating absmax, Adam's
 // positive floor; Bnb: bnb's quantize_2D, NaN-dropping absmax, the sign fix, the padding lanes of a partial block as
@@ -27,6 +28,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include "adam8bit_launch.h"
@@ -266,7 +268,8 @@ __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem&
 // --- the kernel ----------------------------------------------------------------------------------------------------
 // The launch shape: what benchmarks/kernel_variants/ varies (the GPU proof's part k holds every variant to bnb's own
 // update bit for bit and times them side by side); the kernels' own builds compile DefaultTuning only.
-template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1, bool FastMaps = false>
+template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1, bool FastMaps = false,
+          bool Staged = false>
 struct Tuning {
     static constexpr int kMinBlocks = MinBlocks;   // thread blocks per SM the register budget must allow
     static constexpr bool kSplitFull = SplitFull;  // full, aligned blocks run a copy of the body compiled for 8
@@ -277,9 +280,13 @@ struct Tuning {
                                                           // loads issued together, their arithmetic interleaved
     static constexpr bool kFastMaps = FastMaps;  // a kernel whose quantizer is the compact table alone, launched when
                                                  // every map has one (bnb's dynamic maps do; others get `Generic`)
+    static constexpr bool kStaged = Staged;  // the next full 8-bit block's bytes are copied into shared memory
+                                             // (cp.async) while this one is stepped: see staged_loop
     static_assert(BlocksPerStep == 1 || (SplitFull && !PrefetchSegment), "blocks stepped together: the full-block "
                   "body, without the index loaded ahead");
-    using Generic = Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, false>;
+    static_assert(!Staged || (SplitFull && !PrefetchSegment && BlocksPerStep == 1), "the staged loop: the full-block "
+                  "body, one block per step; it locates the next block itself");
+    using Generic = Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, false, Staged>;
 };
 // Measured on an H200 (benchmarks/results/gpu/2026-11-28-h200-kernels, part k; 256M elements, fp32 master weights):
 // the full-block body moves 59% / 63% / 72% of a copy's bandwidth for AdamW / Lion / SGD-momentum against 39% / 48% /
@@ -287,61 +294,23 @@ struct Tuning {
 // few percent, in different directions per rule.
 using DefaultTuning = Tuning<3, true, false>;
 
-// One 256-element block (`start` within segment `seg`, `len` of its elements valid) stepped by one warp. Full: the
-// caller knows len == kBlock and every array aligned, so each lane's 8 elements are valid and use wide accesses.
-// Rule: kStates (1 or 2), kBnb (which arithmetic), Consts and prepare(row pointer), and per element
-// update8(c, p, g, s) (s: dequantized old states in, new ones out) and update32(c, p, g, s, slot) (the fp32 state
-// path; slot = index in the segment mod 4); for Ieee, kFloor (Adam's second moment floored). A non-finite gradient
-// is the rule's to handle (Ieee keeps p and state; bnb's kernels differ per rule).
-template <typename Rule, MasterKind K, bool Full, bool FastMaps = false>
-__device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
-                                           const Scale& scale, const Segment& seg, int64_t start, int len,
-                                           int lane) {
+// The 8-bit part of one block's step once its inputs are in registers (p: master weights, g: gradients unscaled,
+// codes and absmax_old: the states as stored; i: the lane's first element, n of its 8 valid, vec: wide accesses):
+// dequantize, update, store the weights, the new absmax (with the padding lanes bnb's kernel steps in a partial
+// block), requantize and store the codes. step_block loads the inputs from global memory, the staged loop
+// (Tuning::kStaged) from their copies in shared memory.
+template <typename Rule, MasterKind K, bool Full, bool FastMaps>
+__device__ __forceinline__ void finish_8bit(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
+                                            const typename Rule::Consts& c, int64_t i, int64_t block, int n, bool vec,
+                                            int len, int lane, float (&p)[8], float (&g)[8],
+                                            uint8_t (&codes)[Rule::kStates][8],
+                                            const float (&absmax_old)[Rule::kStates]) {
     constexpr int S = Rule::kStates;
     constexpr bool kBnb = Rule::kBnb;
     constexpr bool kBf16 = K == MasterKind::kBFloat16;  // bnb's T = bf16 kernel
-    const typename Rule::Consts c = Rule::prepare(a.hyper + seg.hyper_row * a.hyper_fields);
-    const int first = lane * kPerLane;
-    const int n = Full ? kPerLane : max(0, min(kPerLane, len - first));  // this lane's valid elements
-    const int64_t i = seg.offset + start + first;                          // its first element in the partition
-    const bool vec = Full || (a.aligned && len == kBlock);
-
-    float p[8], g[8], s[S][8];
-    load_weights<K>(a.params, i, n, vec, p);
-    load_grads(a.grads, a.grad_type, i, n, vec, g);
+    float s[S][8], best[S];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) g[k] = unscale<kBnb>(g[k], a.grad_type, scale);
-
-    if (!seg.eight_bit) {  // 32-bit state: fp32 arrays packed in segment order
-        const int64_t f = seg.fp32_offset + start + first;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            if (k < n) {
-#pragma unroll
-                for (int j = 0; j < S; ++j) s[j][k] = a.state[j][f + k];
-                Rule::template update32<kBf16>(c, p[k], g[k], s, k, first + k);
-#pragma unroll
-                for (int j = 0; j < S; ++j) a.state[j][f + k] = s[j][k];
-            }
-        }
-        store_weights<K, kBnb && kBf16>(a.params, i, n, false, p);
-        return;
-    }
-
-    const int64_t block = (seg.offset + start) / kBlock;
-    float absmax_old[S], best[S];
-    uint8_t codes[S][8];
-#pragma unroll
-    for (int j = 0; j < S; ++j) {
-        absmax_old[j] = a.absmax[j][block];
-        if (vec) {
-            load_bytes(a.codes[j], i, codes[j]);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) codes[j][k] = k < n ? a.codes[j][i + k] : 0;
-        }
-        best[j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
-    }
+    for (int j = 0; j < S; ++j) best[j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         if (k >= n) continue;
@@ -369,7 +338,7 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
             best[j] = Rule::absmax_reduce(best[j], __shfl_xor_sync(0xFFFFFFFFu, best[j], offset));
         }
     }
-    if (lane == 0) {  // every lane has read absmax_old (above) before this write
+    if (lane == 0) {  // every lane has read absmax_old (its caller) before this write
 #pragma unroll
         for (int j = 0; j < S; ++j) a.absmax[j][block] = best[j];
     }
@@ -392,6 +361,64 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
             }
         }
     }
+}
+
+// One 256-element block (`start` within segment `seg`, `len` of its elements valid) stepped by one warp. Full: the
+// caller knows len == kBlock and every array aligned, so each lane's 8 elements are valid and use wide accesses.
+// Rule: kStates (1 or 2), kBnb (which arithmetic), Consts and prepare(row pointer), and per element
+// update8(c, p, g, s) (s: dequantized old states in, new ones out) and update32(c, p, g, s, slot) (the fp32 state
+// path; slot = index in the segment mod 4); for Ieee, kFloor (Adam's second moment floored). A non-finite gradient
+// is the rule's to handle (Ieee keeps p and state; bnb's kernels differ per rule).
+template <typename Rule, MasterKind K, bool Full, bool FastMaps = false>
+__device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
+                                           const Scale& scale, const Segment& seg, int64_t start, int len,
+                                           int lane) {
+    constexpr int S = Rule::kStates;
+    constexpr bool kBnb = Rule::kBnb;
+    constexpr bool kBf16 = K == MasterKind::kBFloat16;  // bnb's T = bf16 kernel
+    const typename Rule::Consts c = Rule::prepare(a.hyper + seg.hyper_row * a.hyper_fields);
+    const int first = lane * kPerLane;
+    const int n = Full ? kPerLane : max(0, min(kPerLane, len - first));  // this lane's valid elements
+    const int64_t i = seg.offset + start + first;                          // its first element in the partition
+    const bool vec = Full || (a.aligned && len == kBlock);
+
+    float p[8], g[8];
+    load_weights<K>(a.params, i, n, vec, p);
+    load_grads(a.grads, a.grad_type, i, n, vec, g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = unscale<kBnb>(g[k], a.grad_type, scale);
+
+    if (!seg.eight_bit) {  // 32-bit state: fp32 arrays packed in segment order
+        float s[S][8];
+        const int64_t f = seg.fp32_offset + start + first;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k < n) {
+#pragma unroll
+                for (int j = 0; j < S; ++j) s[j][k] = a.state[j][f + k];
+                Rule::template update32<kBf16>(c, p[k], g[k], s, k, first + k);
+#pragma unroll
+                for (int j = 0; j < S; ++j) a.state[j][f + k] = s[j][k];
+            }
+        }
+        store_weights<K, kBnb && kBf16>(a.params, i, n, false, p);
+        return;
+    }
+
+    const int64_t block = (seg.offset + start) / kBlock;
+    float absmax_old[S];
+    uint8_t codes[S][8];
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        absmax_old[j] = a.absmax[j][block];
+        if (vec) {
+            load_bytes(a.codes[j], i, codes[j]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) codes[j][k] = k < n ? a.codes[j][i + k] : 0;
+        }
+    }
+    finish_8bit<Rule, K, Full, FastMaps>(a, maps, c, i, block, n, vec, len, lane, p, g, codes, absmax_old);
 }
 
 // B full, aligned 8-bit blocks stepped by one warp at once (Tuning::kBlocksPerStep): step_block's full-block body
@@ -520,6 +547,134 @@ __device__ __forceinline__ void step_work(const StepArgs& a, const MapSmem (&map
     }
 }
 
+// --- the staged loop (Tuning::kStaged) -------------------------------------------------------------------------
+// A warp's loads are otherwise in flight only between its blocks: it waits for a block's bytes, then computes with
+// none outstanding. Here, while a warp steps one full 8-bit block, the next one's weights, gradients and codes travel
+// into shared memory by cp.async (no registers held, no wait), the pattern of CUTLASS's multistage main loops. Each
+// lane copies, and later reads back, its own bytes only: no barrier, only the lane's own wait (cp.async.wait_group).
+// Two slots per lane: one being filled while the other is read. Other blocks (partial, 32-bit state, unaligned
+// arrays) are stepped from global memory as step_one does. The arithmetic is finish_8bit's, so the codes, scales and
+// weights are those of the other shapes bit for bit.
+// References: CUDA C++ Programming Guide, "Asynchronous Data Copies" (__pipeline_memcpy_async); CUTLASS's sm80
+// multistage GEMM main loop.
+constexpr int kSlotBytes = 80;  // per lane and slot: [0, 32) weights (fp32; bf16 halves; compensated halves with the
+                                // error bytes at 16), [32, 64) gradients (fp32 or halves), [64, 64 + 8 S) codes per
+                                // state; slots 80 bytes apart keep 8 lanes' 16-byte reads on distinct banks
+constexpr int kStagedBytes = kWarps * 2 * 32 * kSlotBytes;  // dynamic shared memory per thread block (40 KiB)
+
+template <typename Tune>
+constexpr int dynamic_shared_bytes() {
+    return Tune::kStaged ? kStagedBytes : 0;
+}
+
+// Starts the copies of one lane's 8 elements (from element i) of a full, aligned 8-bit block into `slot`.
+template <MasterKind K, int S>
+__device__ __forceinline__ void stage_block(const StepArgs& a, int64_t i, uint8_t* slot) {
+    if (K == MasterKind::kFloat32) {
+        const float* w = static_cast<const float*>(a.params.values) + i;
+        __pipeline_memcpy_async(slot, w, 16);
+        __pipeline_memcpy_async(slot + 16, w + 4, 16);
+    } else {
+        __pipeline_memcpy_async(slot, static_cast<const uint16_t*>(a.params.values) + i, 16);
+        if (K == MasterKind::kCompensated) __pipeline_memcpy_async(slot + 16, a.params.error + i, 8);
+    }
+    if (a.grad_type == GradType::kFloat32) {
+        const float* g = static_cast<const float*>(a.grads) + i;
+        __pipeline_memcpy_async(slot + 32, g, 16);
+        __pipeline_memcpy_async(slot + 48, g + 4, 16);
+    } else {
+        __pipeline_memcpy_async(slot + 32, static_cast<const uint16_t*>(a.grads) + i, 16);
+    }
+#pragma unroll
+    for (int j = 0; j < S; ++j) __pipeline_memcpy_async(slot + 64 + 8 * j, a.codes[j] + i, 8);
+}
+
+// One full, aligned 8-bit block (its first element `first` in the partition, hyper row `row`) from the lane's staged
+// bytes; `absmax_old`: its scales, loaded with them.
+template <typename Rule, MasterKind K, bool FastMaps>
+__device__ __forceinline__ void step_staged(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
+                                            const Scale& scale, int64_t first, int64_t row, int lane, uint8_t* slot,
+                                            const float (&absmax_old)[Rule::kStates]) {
+    constexpr int S = Rule::kStates;
+    const typename Rule::Consts c = Rule::prepare(a.hyper + row * a.hyper_fields);
+    const Master staged{a.params.kind, slot, reinterpret_cast<int8_t*>(slot + 16)};
+    float p[8], g[8];
+    load_weights<K>(staged, 0, kPerLane, true, p);
+    load_grads(slot + 32, a.grad_type, 0, kPerLane, true, g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = unscale<Rule::kBnb>(g[k], a.grad_type, scale);
+    uint8_t codes[S][8];
+#pragma unroll
+    for (int j = 0; j < S; ++j) load_bytes(slot + 64 + 8 * j, 0, codes[j]);
+    finish_8bit<Rule, K, true, FastMaps>(a, maps, c, first + lane * kPerLane, first / kBlock, kPerLane, true, kBlock,
+                                         lane, p, g, codes, absmax_old);
+}
+
+// What a warp keeps of its next work item in the staged loop (few registers: a block that is not staged is located
+// again when it is stepped).
+template <int S>
+struct StagedItem {
+    int64_t first;    // its block's first element in the partition
+    int32_t segment;  // its segment's index
+    int32_t row;      // its segment's hyper row
+    bool staged;      // a full, aligned 8-bit block whose bytes are (being) copied into the lane's slot
+    float absmax[S];  // its block's scales before the step (staged blocks)
+};
+
+// Locates work item `item` and, for a full aligned 8-bit block, starts its copies into `slot`; one commit group
+// per item (empty for the others), so that waiting for all but the newest group waits for the item before it.
+template <MasterKind K, int S>
+__device__ __forceinline__ void fetch_item(const StepArgs& a, int64_t item, int lane, uint8_t* slot,
+                                           StagedItem<S>& it) {
+    Segment seg;
+    int64_t start;
+    int len;
+    it.segment = a.block_segment[item];
+    locate(a, item, it.segment, seg, start, len);
+    it.first = seg.offset + start;
+    it.row = static_cast<int32_t>(seg.hyper_row);
+    it.staged = a.aligned && len == kBlock && seg.eight_bit;
+    if (it.staged) {
+        stage_block<K, S>(a, it.first + lane * kPerLane, slot);
+#pragma unroll
+        for (int j = 0; j < S; ++j) it.absmax[j] = a.absmax[j][it.first / kBlock];
+    }
+    __pipeline_commit();
+}
+
+// Work items work, work + warps, ...: item n + 1's bytes copied while item n is stepped. `slots`: the warp's two
+// slots per lane (2 x 32 x kSlotBytes).
+template <typename Rule, MasterKind K, typename Tune>
+__device__ __forceinline__ void staged_loop(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
+                                            const Scale& scale, int64_t work, int64_t warps, int lane,
+                                            uint8_t* slots) {
+    constexpr int S = Rule::kStates;
+    if (work >= a.total_blocks) return;
+    uint8_t* const mine = slots + lane * kSlotBytes;  // slot f of the lane: mine + f * 32 * kSlotBytes
+    StagedItem<S> now, next;
+    next.staged = false;
+    fetch_item<K, S>(a, work, lane, mine, now);
+    for (int filling = 1; work < a.total_blocks; work += warps, filling ^= 1) {
+        if (work + warps < a.total_blocks) {
+            fetch_item<K, S>(a, work + warps, lane, mine + filling * 32 * kSlotBytes, next);
+        } else {
+            __pipeline_commit();  // an empty group: the wait below still means "the current item's copies"
+        }
+        __pipeline_wait_prior(1);
+        if (now.staged) {
+            step_staged<Rule, K, Tune::kFastMaps>(a, maps, scale, now.first, now.row, lane,
+                                                  mine + (filling ^ 1) * 32 * kSlotBytes, now.absmax);
+        } else {
+            Segment seg;
+            int64_t start;
+            int len;
+            locate(a, work, now.segment, seg, start, len);
+            step_one<Rule, K, Tune>(a, maps, scale, seg, start, len, lane);
+        }
+        now = next;
+    }
+}
+
 template <typename Rule, MasterKind K, typename Tune>
 __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kernel(StepArgs a) {
     constexpr int S = Rule::kStates;
@@ -533,6 +688,12 @@ __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kern
     const int lane = threadIdx.x & 31;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
     int64_t work = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    if constexpr (Tune::kStaged) {
+        extern __shared__ __align__(16) uint8_t staged_slots[];  // dynamic_shared_bytes<Tune>()
+        staged_loop<Rule, K, Tune>(a, maps, scale, work, warps, lane,
+                                   staged_slots + (threadIdx.x >> 5) * 2 * 32 * kSlotBytes);
+        return;
+    }
     if constexpr (Tune::kBlocksPerStep > 1) {  // items work + b * warps (b < B) together, then B * warps further on
         for (; work < a.total_blocks; work += Tune::kBlocksPerStep * warps) {
             step_work<Rule, K, Tune>(a, maps, scale, work, warps, lane);
@@ -558,11 +719,11 @@ __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kern
 
 // Thread blocks for the launch: every SM full (the occupancy the compiled kernel allows), no more than the work.
 template <typename Kernel>
-inline int grid_for(Kernel kernel, int64_t total_blocks) {
+inline int grid_for(Kernel kernel, int64_t total_blocks, int dynamic_bytes = 0) {
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, dynamic_bytes);
     const int64_t needed = (total_blocks + kWarps - 1) / kWarps;
     const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
     return static_cast<int>(needed < resident ? needed : resident);
@@ -585,7 +746,12 @@ int launch_kind(const StepArgs& a, void* stream) {
         if (!fast_maps<Rule>(a)) return launch_kind<Rule, K, typename Tune::Generic>(a, stream);
     }
     auto kernel = fused_step_kernel<Rule, K, Tune>;
-    kernel<<<grid_for(kernel, a.total_blocks), kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(a);
+    constexpr int dynamic = dynamic_shared_bytes<Tune>();
+    if (dynamic > 0) {  // above 48 KiB of shared memory in all, a kernel must ask for it
+        const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
+        if (status != cudaSuccess) return static_cast<int>(status);
+    }
+    kernel<<<grid_for(kernel, a.total_blocks, dynamic), kWarps * 32, dynamic, static_cast<cudaStream_t>(stream)>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
