@@ -191,6 +191,21 @@ OVERRIDES: Tuple[Override, ...] = (
               ("self",)),
     Override(ZERO12, "averaged_gradients", CALL, OBJECT_SCOPE, "", "the gradient pieces of each param group "
              "(read by the inf/NaN check, as DeepSpeed's own reads them)"),
+    _subclass(ZERO12, ZERO12_PY, "update_offload_overflow_tracker", "under CPU offload DeepSpeed reads an inf/NaN "
+              "test of every parameter's gradient back to the host during backward (a host sync each on a GPU): the "
+              "test's fp64 norm term is summed on the device instead (runtime/utils.py: inf_or_nan_term)",
+              ("self", "grad"), since="0.17.1"),
+    _subclass(ZERO12, ZERO12_PY, "has_overflow", "reads the summed offload terms once (into local_overflow, which "
+              "only this method reads), then DeepSpeed's own", ("self", "partition_gradients")),
+    _subclass(ZERO12, ZERO12_PY, "reset_cpu_buffers", "drops the pending offload terms where DeepSpeed resets "
+              "local_overflow", ("self",)),
+    _subclass(ZERO12, ZERO12_PY, "complete_grad_norm_calculation_for_cpu_offload", "DeepSpeed reads each "
+              "parameter's gradient norm with .item() (a host sync each on a GPU): its own loop runs on host copies "
+              "made in one transfer (runtime/utils.py: on_host)", ("self", "params")),
+    Override(ZERO12, "local_overflow", CALL, OBJECT_SCOPE, "", "the offload overflow flag has_overflow reads "
+             "(set here from the pending terms)"),
+    Override(ZERO12, "norm_for_param_grads", CALL, OBJECT_SCOPE, "", "parameter id -> its gradient's norm, a 0-dim "
+             "tensor (replaced by host copies for the duration of the norm's loop)"),
     _subclass(ZERO12, ZERO12_PY, "state_dict", "writes the versioned per-rank record instead of element-wise "
               "trimmed state", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "load_state_dict", "refused: loading goes through engine.load_checkpoint",

@@ -1,4 +1,5 @@
-"""Whether any of many gradient pieces holds an inf or a NaN, in a few operations instead of seven per piece.
+"""Whether any of many gradient pieces holds an inf or a NaN, in a few operations instead of seven per piece; and
+DeepSpeed's per-parameter host reads under CPU offload, batched.
 
 Mirrors deepspeed/runtime/utils.py (`has_inf_or_nan`). Before every ZeRO-1/2 step in fp16, and in bf16 where
 `bf16.check_grad_overflow` is on (a key since DeepSpeed 0.17, on by default since 0.19.3), DeepSpeed asks
@@ -32,3 +33,23 @@ def any_inf_or_nan(pieces: Iterable[Optional[torch.Tensor]], device) -> torch.Te
         dense = [piece._values() if piece.is_sparse else piece for piece in dense]
     total = torch.stack(torch._foreach_norm([piece.detach() for piece in dense], 2.0, dtype=torch.float64)).sum()
     return total.isfinite().logical_not().reshape(1).to(device)
+
+
+def inf_or_nan_term(piece: torch.Tensor) -> torch.Tensor:
+    """A 0-dim fp64 tensor on `piece`'s device that is finite exactly when `piece` holds no inf and no NaN (its fp64
+    2-norm; a sum of such terms answers for all of them, as any_inf_or_nan's does). Reads nothing back."""
+    if piece.is_sparse:  # only the stored values can be non-finite
+        piece = piece._values()
+    return torch.linalg.vector_norm(piece.detach(), 2.0, dtype=torch.float64)
+
+
+def on_host(values: dict) -> Optional[dict]:
+    """`values` (0-dim tensors of one dtype) with every tensor copied to the host in one transfer, as a new dict in
+    the same order; None when they are not all 0-dim tensors of one dtype (the caller then reads them one by one)."""
+    tensors = list(values.values())
+    if not tensors or any(not torch.is_tensor(t) or t.dim() != 0 or t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return None
+    return dict(zip(values, torch.stack(tensors).cpu().unbind()))

@@ -1,10 +1,14 @@
-"""The inf/NaN check before an fp16/bf16 ZeRO-1/2 step: deepspeed_bnb's batched check answers as DeepSpeed's own.
+"""The inf/NaN check before an fp16/bf16 ZeRO-1/2 step: deepspeed_bnb's batched check answers as DeepSpeed's own;
+and, with the optimizer offloaded to the CPU, the per-parameter tests and norms DeepSpeed reads back one by one.
 
 DeepSpeed's `has_overflow_partitioned_grads_serial` (seven small operations per gradient piece) is the oracle,
 called on the same pieces: finite pieces at the extremes of each dtype (the largest finite values, many of them,
 subnormals, signed zeros), pieces with +inf, -inf or NaN anywhere, empty and missing pieces; in a real bf16 engine
 with a NaN put into one gradient. Controls: both answers are True in some cases and False in others, and DeepSpeed's
 check runs several operations per piece where ours runs a fixed few.
+Under offload (DeepSpeed >= 0.17.1 for the test): a NaN or inf put into one gradient is seen as DeepSpeed sees it,
+backward reads nothing back to the host where a stock engine reads once per parameter (the control), and the
+gradient norm equals DeepSpeed's own method's on the same state, its loop reading host copies made in one transfer.
 """
 
 import pytest
@@ -13,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import deepspeed_bnb  # noqa: F401  (DeepSpeed's classes with deepspeed_bnb's integration, as users get them)
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed_bnb.runtime.utils import any_inf_or_nan
+from deepspeed_bnb.runtime.utils import any_inf_or_nan, on_host
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from support.overflow_oracle import deepspeeds_answer
@@ -128,3 +132,100 @@ def test_in_a_bf16_engine_the_check_sees_a_nan_gradient_as_deepspeed_does(one_ra
         found.append((optimizer.overflow, stock))
         engine.step()  # a step with an overflow is skipped, as DeepSpeed skips it
     assert found == [(False, False), (True, True), (True, True)]
+
+
+def host_reads(mode) -> int:
+    return mode.ops.get("aten._local_scalar_dense", 0) + mode.ops.get("aten.item", 0)
+
+
+class CountByName(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def offload_engine(stock: bool):
+    import bitsandbytes as bnb
+    import deepspeed
+    model = make_model(0, dtype=torch.bfloat16)
+    optimizer = (torch.optim.AdamW(param_groups(model), lr=1e-3) if stock
+                 else bnb.optim.AdamW8bit(param_groups(model)))
+    engine = deepspeed.initialize(model=model, optimizer=optimizer,
+                                  config=ds_config(1, stage=2, bf16=True, offload=True))[0]
+    assert isinstance(engine.optimizer, BnbZeroOptimizer) != stock and engine.optimizer.cpu_offload
+    return engine
+
+
+needs_offload_tracker = pytest.mark.skipif(
+    not hasattr(DeepSpeedZeroOptimizer, "update_offload_overflow_tracker"),
+    reason="DeepSpeed before 0.17.1 tests offloaded gradients in update_overflow_tracker_for_param_grad, which "
+           "deepspeed_bnb leaves as it is")
+
+
+@needs_offload_tracker
+def test_under_offload_backward_reads_nothing_back_and_sees_a_bad_gradient(one_rank):
+    tokens, targets = global_batch(0)
+    reads = {}
+    for stock in (True, False):
+        engine = offload_engine(stock)
+        optimizer = engine.optimizer
+        params = [p for group in optimizer.bit16_groups for p in group]
+        found = []
+        for poison in (None, float("nan"), float("inf")):
+            hook = None
+            if poison is not None:  # one element of one parameter's gradient, as backward produces it
+                hook = params[len(params) // 2].register_hook(lambda g, v=poison: g.index_fill(0, torch.tensor([0]), v))
+            with CountByName() as mode:
+                engine.backward(loss_fn(engine, tokens, targets))
+            reads.setdefault(stock, []).append(host_reads(mode))
+            if hook is not None:
+                hook.remove()
+            before = [p.detach().clone() for p in params]
+            engine.step()
+            found.append((optimizer.overflow, all(torch.equal(a, b) for a, b in zip(before, params))))
+        # no overflow: a step that moved the weights; NaN or inf in one gradient: the step skipped, weights as they were
+        assert found == [(False, False), (True, True), (True, True)], (stock, found)
+    assert min(reads[True]) >= len(params)  # control: DeepSpeed reads back each parameter's test
+    assert max(reads[False]) == 0, reads[False]
+
+
+def test_under_offload_the_norm_is_deepspeeds_from_host_copies(one_rank, monkeypatch):
+    engine = offload_engine(stock=False)
+    optimizer = engine.optimizer
+    tokens, targets = global_batch(1)
+    engine.backward(loss_fn(engine, tokens, targets))
+    norms = dict(optimizer.norm_for_param_grads)
+    assert len(norms) > 1
+    seen = []
+    stock_norm = DeepSpeedZeroOptimizer.complete_grad_norm_calculation_for_cpu_offload
+
+    def watching(self, params):  # DeepSpeed's own loop, with what it finds in norm_for_param_grads recorded
+        seen.append(dict(self.norm_for_param_grads))
+        return stock_norm(self, params)
+    for i, params in enumerate(optimizer.params_in_partition):
+        expected = stock_norm(optimizer, params)
+        monkeypatch.setattr(DeepSpeedZeroOptimizer, "complete_grad_norm_calculation_for_cpu_offload", watching)
+        got = optimizer.complete_grad_norm_calculation_for_cpu_offload(params)
+        monkeypatch.setattr(DeepSpeedZeroOptimizer, "complete_grad_norm_calculation_for_cpu_offload", stock_norm)
+        assert torch.equal(got, expected) and got.dtype == expected.dtype, (i, got, expected)
+        copies = seen[-1]
+        assert list(copies) == list(norms)  # every parameter's, in DeepSpeed's order
+        assert all(torch.equal(copies[k], norms[k]) and copies[k] is not norms[k] for k in norms)
+        assert len({t.untyped_storage().data_ptr() for t in copies.values()}) == 1  # one transfer
+        assert optimizer.norm_for_param_grads is not copies  # DeepSpeed's own dict is back after the call
+    # control: DeepSpeed's own norms are separate tensors (read one by one without the override)
+    assert len({t.untyped_storage().data_ptr() for t in norms.values()}) == len(norms)
+    engine.step()
+
+
+def test_host_copies_of_mixed_values_are_refused():
+    assert on_host({}) is None
+    assert on_host({1: torch.tensor(1.0), 2: torch.tensor(2.0, dtype=torch.float64)}) is None
+    assert on_host({1: torch.tensor([1.0])}) is None
+    copies = on_host({3: torch.tensor(1.5, dtype=torch.float64), 1: torch.tensor(-2.0, dtype=torch.float64)})
+    assert list(copies) == [3, 1] and [float(v) for v in copies.values()] == [1.5, -2.0]

@@ -12,6 +12,10 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   alignment padding is never updated, so it stays exactly zero;
 - `has_overflow_partitioned_grads_serial` (the inf/NaN check before an fp16 or bf16 step): the same answer in a few
   batched operations instead of seven per gradient piece (runtime/utils.py);
+- with the optimizer offloaded to the CPU, `update_offload_overflow_tracker` and
+  `complete_grad_norm_calculation_for_cpu_offload`: DeepSpeed reads an inf/NaN test and the norm of every parameter's
+  gradient back to the host one by one (a host sync each on a GPU); here the tests wait on the device until
+  `has_overflow` reads them once, and the norms come to the host in one copy (runtime/utils.py);
 - `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
   dequantized fp32 moments by bnb's and torch's names (utils/tensor_fragment.py);
 - `state_dict`: a versioned, untrimmed per-rank record (checkpoint/) instead of ZeRO's element-wise
@@ -35,7 +39,7 @@ from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
-from deepspeed_bnb.runtime.utils import any_inf_or_nan
+from deepspeed_bnb.runtime.utils import any_inf_or_nan, inf_or_nan_term, on_host
 from deepspeed_bnb.runtime.zero import compat, padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
@@ -51,6 +55,9 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     # True while DeepSpeed's __init__ runs: its only calls of flatten_dense_tensors_aligned then flatten param groups
     _bnb_in_deepspeed_init = False
+    # under CPU offload: the sum of the inf/NaN terms of the gradients DeepSpeed asked about since its last
+    # reset_cpu_buffers (runtime/utils.py: inf_or_nan_term), not yet read; None: none pending
+    _bnb_offload_overflow: Optional[torch.Tensor] = None
 
     def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(),
                  bnb_model_parallel: ModelParallelPlace = ALONE, **kwargs):
@@ -202,6 +209,41 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         # into a count; the same answer from one fp64 norm per piece, batched (runtime/utils.py says why it is exact)
         return any_inf_or_nan((grad for i in range(len(self.bit16_groups)) for grad in self.averaged_gradients[i]),
                               get_accelerator().current_device_name())
+
+    # ---- CPU offload: DeepSpeed's per-parameter host reads, batched -------------------------------------------
+
+    def update_offload_overflow_tracker(self, grad):
+        # DeepSpeed (0.17.1 on) asks `if grad is not None and self._has_inf_or_nan(grad.data)` for every parameter's
+        # gradient during backward: a host read each. The test's term waits on the device instead; has_overflow, the
+        # only reader of local_overflow, reads their sum once
+        if grad is not None:
+            term = inf_or_nan_term(grad.data)
+            pending = self._bnb_offload_overflow
+            self._bnb_offload_overflow = term if pending is None else pending + term
+
+    def has_overflow(self, partition_gradients=True):
+        pending, self._bnb_offload_overflow = self._bnb_offload_overflow, None
+        if pending is not None and not bool(pending.isfinite()):
+            self.local_overflow = True
+        return super().has_overflow(partition_gradients)
+
+    def reset_cpu_buffers(self):
+        super().reset_cpu_buffers()  # local_overflow = False
+        self._bnb_offload_overflow = None
+
+    def complete_grad_norm_calculation_for_cpu_offload(self, params):
+        # DeepSpeed sums `self.norm_for_param_grads[id].item() ** 2` over the parameters: a host read each. Its own
+        # loop runs here on copies brought to the host in one transfer: the same doubles, in the same order, summed
+        # by the same Python arithmetic
+        norms = self.norm_for_param_grads
+        copies = on_host(norms)
+        if copies is None:
+            return super().complete_grad_norm_calculation_for_cpu_offload(params)
+        self.norm_for_param_grads = copies
+        try:
+            return super().complete_grad_norm_calculation_for_cpu_offload(params)
+        finally:
+            self.norm_for_param_grads = norms
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         # DeepSpeed's step multiplies the gradient partition of group i by 1 / (loss scale * clip) here, just before
