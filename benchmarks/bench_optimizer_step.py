@@ -57,7 +57,10 @@ def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True):
 
     def run():
         step[0] += 1
-        hyper = update.rows([CONFIGS[rule]], step[0], arithmetic).to(device)
+        hyper = update.rows([CONFIGS[rule]], step[0], arithmetic)
+        # as the ZeRO step sends it (optim/fused/partition.py): from pinned memory, without waiting for the device
+        hyper = hyper.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
+            else hyper.to(device)
         rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, None, None, arithmetic,
                     use_kernel=use_kernel)
     return run

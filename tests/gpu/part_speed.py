@@ -17,7 +17,9 @@ engine.step() at most 0.8x torch's fused AdamW, the whole step at most 1.02x, bf
 built one after another in one process leave memory behind.
 f also times one optimizer step over a flat 256M-element partition (benchmarks/bench_optimizer_step.py's fused
 kernel and torch optimizers): the achieved bandwidth (16 bytes moved per element for 8-bit AdamW, 28 for fp32 AdamW)
-as a share of a device-to-device copy measured in the same rounds and of the data sheet; part p profiles it.
+as a share of a device-to-device copy measured in the same rounds and of the data sheet, timed as the device's work
+(bench_cuda_step.event_time: the host's Python and launches hidden behind a queued sleep) and, in a column of its own,
+with the host's work included as earlier runs timed it; part p profiles it.
 On the CPU rehearsal the models and partitions are stand-ins (the numbers mean nothing there; the code path is the
 one the GPU runs; the ratio checks become notes).
 """
@@ -269,11 +271,12 @@ def ratios(args, result, where: str, size: str, rows: dict) -> None:
                      f"{fused_syncs[0]} vs {torch_syncs[0]}", "<= torch's")
 
 
-def timed(run, device: str) -> float:
-    """Seconds of one call of `run` (CUDA events on a GPU: the work is asynchronous)."""
+def timed(run, device: str, lead: bool = True) -> float:
+    """Seconds of one call of `run` (CUDA events on a GPU: the work is asynchronous; `lead`: the device's time alone,
+    bench_cuda_step.event_time)."""
     if device == "cuda":
         from bench_cuda_step import event_time
-        return event_time(run)
+        return event_time(run, lead)
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0
@@ -308,11 +311,12 @@ def kernel_bandwidth(args, result):
     dst = torch.empty_like(src)
     for run, _ in runs.values():
         run()  # warm-up: state allocation, first-use check
-    copy_times, times = [], {name: [] for name in runs}
+    copy_times, times, hosted = [], {name: [] for name in runs}, {name: [] for name in runs}
     for _ in range(KERNEL_ROUNDS[device]):
         copy_times.append(timed(lambda: dst.copy_(src), device))
         for name, (run, _) in runs.items():
             times[name].append(timed(run, device))
+            hosted[name].append(timed(run, device, lead=False))  # as the runs before 2026-11-30 timed it
     copy_rate = 2 * src.numel() / statistics.median(copy_times)  # bytes read + written per second
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     nominal = next((rate for key, rate in NOMINAL if key in name), None)
@@ -320,12 +324,14 @@ def kernel_bandwidth(args, result):
     for label, (_, moved) in runs.items():
         rate = n / statistics.median(times[label])
         shares[label] = rate * moved / copy_rate
+        with_host = n * moved / statistics.median(hosted[label]) / copy_rate
         rows.append([label, f"{rate / 1e6:,.0f}", moved, f"{rate * moved / 1e9:,.0f}", f"{shares[label]:.0%}",
-                     f"{rate * moved / nominal:.0%}" if nominal else "-"])
+                     f"{with_host:.0%}", f"{rate * moved / nominal:.0%}" if nominal else "-"])
     result.table(f"f: one optimizer step over {n / 2 ** 20:.0f}M elements on {name} (median of "
                  f"{KERNEL_ROUNDS[device]} interleaved rounds); copy {copy_rate / 1e9:,.0f} GB/s read + written"
                  + (f", data sheet {nominal / 1e9:,.0f} GB/s" if nominal else ""),
-                 ["implementation", "M elements/s", "bytes moved / element", "GB/s", "of copy", "of data sheet"],
+                 ["implementation", "M elements/s", "bytes moved / element", "GB/s", "of copy",
+                  "of copy, the host's work included", "of data sheet"],
                  rows)
     result.check("f: the optimizer-step bandwidth was measured for every implementation", len(rows) == len(runs),
                  f"{len(rows)} of {len(runs)}", "all")
