@@ -2,7 +2,7 @@
 DeepSpeed's per-parameter host reads under CPU offload, batched.
 
 Mirrors deepspeed/runtime/utils.py (`has_inf_or_nan`). Before every ZeRO-1/2 step in fp16, and in bf16 where
-`bf16.check_grad_overflow` is on (a key since DeepSpeed 0.17, on by default since 0.19.3), DeepSpeed asks
+`bf16.check_grad_overflow` is on (a key since DeepSpeed 0.17.1, on by default since 0.19.3), DeepSpeed asks
 `has_inf_or_nan` of each gradient piece in turn: amax, amin, two isfinite, logical_and, logical_not and an add per
 piece (0.19.8; earlier releases copy the piece to fp32 and test isnan and isinf). On a GPU each of those is a kernel
 launch of its own, ~1,700 for a GPT of 245 parameters, where the host, not the device, sets the pace (on an H200 at 1B
