@@ -42,12 +42,13 @@ int info_of(int* registers, int* blocks_per_sm) {
 // best shape per rule in the first sweeps (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); the quantizer
 // compiled as the compact table alone (bnb's maps have one) at 3 and 4 blocks per SM, with two full blocks per warp
 // step (2 blocks per SM: no spills), and with the index ahead; and the staged loop (the next block's bytes copied into
-// shared memory while a block is stepped) at 2 and 3 blocks per SM, with either quantizer.
+// shared memory while a block is stepped) at 2, 3 and 4 blocks per SM (the table-only quantizer; 3 with either).
 using Shapes = std::tuple<device::DefaultTuning, device::Tuning<3, false, false>, device::Tuning<4, true, true>,
                           device::Tuning<3, true, true>, device::Tuning<3, true, false, 1, true>,
                           device::Tuning<4, true, false, 1, true>, device::Tuning<4, true, true, 1, true>,
                           device::Tuning<2, true, false, 2, true>, device::Tuning<3, true, false, 1, false, true>,
-                          device::Tuning<3, true, false, 1, true, true>, device::Tuning<2, true, false, 1, true, true>>;
+                          device::Tuning<3, true, false, 1, true, true>, device::Tuning<2, true, false, 1, true, true>,
+                          device::Tuning<4, true, false, 1, true, true>>;
 constexpr int kShapes = std::tuple_size<Shapes>::value;
 static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
               "variant 0 is the product's own shape");
