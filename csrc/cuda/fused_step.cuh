@@ -661,6 +661,8 @@ __device__ __forceinline__ void staged_loop(const StepArgs& a, const MapSmem (&m
             __pipeline_commit();  // an empty group: the wait below still means "the current item's copies"
         }
         __pipeline_wait_prior(1);
+        // the wait's asm declares no memory effect: without this fence the compiler may load the slot before it
+        asm volatile("" ::: "memory");
         if (now.staged) {
             step_staged<Rule, K, Tune::kFastMaps>(a, maps, scale, now.first, now.row, lane,
                                                   mine + (filling ^ 1) * 32 * kSlotBytes, now.absmax);
