@@ -3,7 +3,8 @@
 The GPU machines the proof is built for have Python 3.12 and a CUDA build of torch, nvcc and ninja, but no DeepSpeed
 and no bitsandbytes, and no network. So the bundle carries, in at most 64 MiB with the repository:
 - wheels/: DeepSpeed as a pure-Python wheel built here with DS_BUILD_OPS=0 (its ops JIT-build there), and the
-  pure-Python packages it needs that the machines' image lacks (MISSING_THERE), for CPython 3.12;
+  pure-Python packages it needs that the machines' image lacks (MISSING_THERE), and torchao for part f's row of its
+  8-bit AdamW (OPTIONAL_THERE), for CPython 3.12;
 - site/: bitsandbytes as installed here, trimmed to the CPU library and the one CUDA library the machines' torch
   loads (cu130), with its dist-info (deepspeed_bnb checks its version at import);
 - cpu_checkpoint/: a 2-rank CPU checkpoint and its DP-1 continuation (cross_device.py), for part d;
@@ -37,6 +38,10 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 # msgpack, ninja, einops, tqdm, nvidia-ml-py, typing-extensions, safetensors, pytest are there), and pydantic's own
 MISSING_THERE = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
 ALWAYS = ("deepspeed",)  # installed from the bundle whatever the machine has: the proof is of this release
+# no dependency of anything here: part f's row for torchao's AdamW8bit (what some users run today), tried as a DeepSpeed
+# client where it imports. 0.17.0 (March 2026): its optimizers are pure PyTorch, and its C++ extensions, built for one
+# torch release, are skipped by torchao itself where the machine's torch differs
+OPTIONAL_THERE = ("torchao==0.17.0",)
 LIMIT = 64 << 20  # bytes that may travel, the working tree included
 
 
@@ -136,7 +141,8 @@ def folder_bytes(folder: str) -> int:
 
 
 def wheels_for_there(folder: str) -> List[str]:
-    """DeepSpeed's wheel (built here, no ops) and MISSING_THERE's for CPython 3.12 (the versions installed here)."""
+    """DeepSpeed's wheel (built here, no ops), MISSING_THERE's (the versions installed here) and OPTIONAL_THERE's, for
+    CPython 3.12."""
     out = os.path.join(folder, WHEELS)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -147,7 +153,7 @@ def wheels_for_there(folder: str) -> List[str]:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_THERE,
                     "--implementation", "cp", *platforms, "-d", out,
-                    *(f"{name}=={installed_version(name)}" for name in MISSING_THERE)], check=True)
+                    *(f"{name}=={installed_version(name)}" for name in MISSING_THERE), *OPTIONAL_THERE], check=True)
     return sorted(glob.glob(os.path.join(out, "*.whl")))
 
 
