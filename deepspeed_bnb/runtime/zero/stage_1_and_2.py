@@ -215,7 +215,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def update_offload_overflow_tracker(self, grad):
         # DeepSpeed (0.17.1 on) asks `if grad is not None and self._has_inf_or_nan(grad.data)` for every parameter's
         # gradient during backward: a host read each. The test's term waits on the device instead; has_overflow, the
-        # only reader of local_overflow, reads their sum once
+        # only reader of local_overflow, reads their sum once (with overlap_comm the terms are made on DeepSpeed's
+        # reduction stream, which its backward epilogue synchronizes before any step)
         if grad is not None:
             term = inf_or_nan_term(grad.data)
             pending = self._bnb_offload_overflow
