@@ -29,11 +29,8 @@ int info_of(int* registers, int* blocks_per_sm) {
     cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
     if (status != cudaSuccess) return static_cast<int>(status);
     *registers = attributes.numRegs;
-    if (device::dynamic_shared_bytes<Tune>() > 0) {  // as the launch asks for it (device::launch_kind)
-        status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      device::dynamic_shared_bytes<Tune>());
-        if (status != cudaSuccess) return static_cast<int>(status);
-    }
+    status = device::allow_dynamic_shared<Tune>(kernel);  // as the launch asks for it (device::launch_kind)
+    if (status != cudaSuccess) return static_cast<int>(status);
     return static_cast<int>(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         blocks_per_sm, kernel, device::kWarps * 32, device::dynamic_shared_bytes<Tune>()));
 }

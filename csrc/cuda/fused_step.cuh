@@ -731,6 +731,15 @@ inline int grid_for(Kernel kernel, int64_t total_blocks, int dynamic_bytes = 0) 
     return static_cast<int>(needed < resident ? needed : resident);
 }
 
+// Lets `kernel` (built with shape Tune) launch with the dynamic shared memory the shape asks for: above 48 KiB of shared
+// memory in all, a kernel must ask for it. The CUDA error code (cudaSuccess where the shape needs none).
+template <typename Tune, typename Kernel>
+inline cudaError_t allow_dynamic_shared(Kernel kernel) {
+    constexpr int dynamic = dynamic_shared_bytes<Tune>();
+    return dynamic > 0 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic)
+                       : cudaSuccess;
+}
+
 // Whether every map of Rule's states has the compact table its quantizer reads (bnb's arithmetic: sorted too).
 template <typename Rule>
 inline bool fast_maps(const StepArgs& a) {
@@ -749,10 +758,8 @@ int launch_kind(const StepArgs& a, void* stream) {
     }
     auto kernel = fused_step_kernel<Rule, K, Tune>;
     constexpr int dynamic = dynamic_shared_bytes<Tune>();
-    if (dynamic > 0) {  // above 48 KiB of shared memory in all, a kernel must ask for it
-        const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
-        if (status != cudaSuccess) return static_cast<int>(status);
-    }
+    const cudaError_t status = allow_dynamic_shared<Tune>(kernel);
+    if (status != cudaSuccess) return static_cast<int>(status);
     kernel<<<grid_for(kernel, a.total_blocks, dynamic), kWarps * 32, dynamic, static_cast<cudaStream_t>(stream)>>>(a);
     return static_cast<int>(cudaGetLastError());
 }

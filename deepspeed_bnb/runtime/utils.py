@@ -26,21 +26,23 @@ import torch
 def any_inf_or_nan(pieces: Iterable[Optional[torch.Tensor]], device) -> torch.Tensor:
     """A bool tensor of shape [1] on `device`: True when some piece holds an inf or a NaN (None pieces are skipped),
     as DeepSpeed's has_overflow_partitioned_grads_serial returns it. Never reads the answer back to the host."""
-    dense = [piece for piece in pieces if piece is not None]
+    dense = [stored_values(piece) for piece in pieces if piece is not None]
     if not dense:
         return torch.zeros([1], dtype=torch.bool, device=device)
-    if any(piece.is_sparse for piece in dense):  # only the stored values can be non-finite
-        dense = [piece._values() if piece.is_sparse else piece for piece in dense]
-    total = torch.stack(torch._foreach_norm([piece.detach() for piece in dense], 2.0, dtype=torch.float64)).sum()
+    total = torch.stack(torch._foreach_norm(dense, 2.0, dtype=torch.float64)).sum()
     return total.isfinite().logical_not().reshape(1).to(device)
 
 
 def inf_or_nan_term(piece: torch.Tensor) -> torch.Tensor:
     """A 0-dim fp64 tensor on `piece`'s device that is finite exactly when `piece` holds no inf and no NaN (its fp64
     2-norm; a sum of such terms answers for all of them, as any_inf_or_nan's does). Reads nothing back."""
-    if piece.is_sparse:  # only the stored values can be non-finite
-        piece = piece._values()
-    return torch.linalg.vector_norm(piece.detach(), 2.0, dtype=torch.float64)
+    return torch.linalg.vector_norm(stored_values(piece), 2.0, dtype=torch.float64)
+
+
+def stored_values(piece: torch.Tensor) -> torch.Tensor:
+    """The values of `piece` that can be non-finite, detached: a sparse tensor's stored ones (its implicit zeros
+    cannot be), a dense tensor itself."""
+    return (piece._values() if piece.is_sparse else piece).detach()
 
 
 def on_host(values: dict) -> Optional[dict]:
