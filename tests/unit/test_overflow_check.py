@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import deepspeed_bnb  # noqa: F401  (DeepSpeed's classes with deepspeed_bnb's integration, as users get them)
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed_bnb.runtime.utils import any_inf_or_nan, on_host
+from deepspeed_bnb.runtime.utils import any_inf_or_nan, inf_or_nan_term, on_host
 from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, PADDING_TENSORS, PARAM_PADDING, has_parameter_padding
 from deepspeed_bnb.runtime.zero.stage_1_and_2 import BnbZeroOptimizer
 from support.overflow_oracle import deepspeeds_answer
@@ -74,6 +74,22 @@ def test_the_batched_check_on_no_pieces_and_on_empty_ones():
             assert any(g is not None and g.numel() == 0 for group in groups for g in group)
             continue
         assert theirs is False
+
+
+def test_sparse_pieces_answer_as_their_dense_twins():
+    """A sparse gradient (an embedding's, where the model makes them) is judged by its stored values; the oracle is
+    DeepSpeed's check of the same tensor made dense."""
+    answers = set()
+    for bad in (None, float("inf"), float("nan")):
+        values = torch.tensor([1.0, -2.0, 3e38])
+        if bad is not None:
+            values[1] = bad
+        piece = torch.sparse_coo_tensor(torch.tensor([[0, 5, 9]]), values, (12,))
+        expected = deepspeeds_answer([[piece.to_dense()]])
+        assert ours([[piece]]) == expected == (bad is not None)
+        assert bool(inf_or_nan_term(piece).isfinite()) != expected
+        answers.add(expected)
+    assert answers == {True, False}
 
 
 def test_many_of_the_largest_floats_stay_finite_in_fp64():
