@@ -174,6 +174,12 @@ OVERRIDES: Tuple[Override, ...] = (
               "padding tensors; flattens without autograd (0.18.7-0.18.9 flatten the parameters themselves: a buffer "
               "requiring grad); later calls pass through",
               ("self", "tensor_list", "alignment", "use_cpu_data"), params_since={"param_padding": "0.19.7"}),
+    _subclass(ZERO12, ZERO12_PY, "_update_model_bit16_weights", "DeepSpeed's step re-points every parameter at its "
+              "group's flat buffer as a precaution (two .data assignments per parameter, every step): skipped where "
+              "the buffer and every tensor it assigns still look as its last call left them "
+              "(runtime/zero/param_views.py), else DeepSpeed's own", ("self", "group_index")),
+    Override(ZERO12, "bit16_groups_flat", CALL, OBJECT_SCOPE, "", "each group's flat buffer of model weights (read: "
+             "whether DeepSpeed's re-pointing would change anything)"),
     _subclass(ZERO12, ZERO12_PY, "_link_all_hp_params", "state keys answered from bnb state, dequantized; with "
               "padding tensors, linked along the flat order", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "unscale_and_clip_grads", "owned: the combined unscale/clip factor, computed as "

@@ -5,7 +5,7 @@ fused AdamW's 58.3, while either optimizer alone moves its bytes in about 10 ms,
 work around the optimizer, shared by every configuration. This part says which work, for the configurations of part f
 that decide the ratio (the fused kernel, bnb's own update, torch's fused AdamW), at the 1B GPT:
 - the parts of `engine.step()` (benchmarks/step_breakdown.py's wrapping of DeepSpeed's methods: the inf/NaN check, the
-  gradient norm, the flatten, the unscale/clip, the optimizer, the weight copy, the all-gather), each begun and ended
+  gradient norm, the flatten, the unscale/clip, the optimizer, the parameters' re-pointing, the all-gather), each begun and ended
   with a device synchronize so that it holds the device work it queued; what is left of the step is DeepSpeed's code
   between them (the gradient partition's conversion to fp32 among it);
 - one step under torch.profiler: the wall time, the device's busy time (the union of its kernels and copies) and so
