@@ -282,6 +282,14 @@ OVERRIDES: Tuple[Override, ...] = (
               ("self", "buffer_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
     _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
               ("self", "sub_group_id")),
+    _subclass(ZERO3, ZERO3_PY, "_unflatten_partitioned_parameters", "DeepSpeed's step re-points every parameter "
+              "partition of each sub-group at its flat buffer: skipped where the buffer and every partition it "
+              "assigns still look as its last call left them (runtime/zero/param_views.py), else DeepSpeed's own",
+              ("self", "sub_group_id")),
+    Override(ZERO3, "fp16_partitioned_groups_flat", CALL, OBJECT_SCOPE, "", "each sub-group's flat buffer of "
+             "parameter partitions (read: whether DeepSpeed's re-pointing would change anything)"),
+    Override(ZERO3, "fp16_partitioned_groups", CALL, OBJECT_SCOPE, "", "each sub-group's parameter partitions "
+             "(read: the tensors DeepSpeed's re-pointing assigns)"),
     _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized; weights fp32 "
               "(compensated ones joined with their error terms)", ("self", "param", "optim_state_key")),
     _subclass(ZERO3, ZERO3_PY, "set_full_hp_param", "state keys written into bnb state, requantized; compensated "

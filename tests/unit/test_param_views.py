@@ -1,14 +1,16 @@
-"""DeepSpeed's per-step re-pointing of the model's parameters at their flat buffers, skipped where it would change
-nothing: parameters view exactly what DeepSpeed's own `_update_model_bit16_weights` gives them, after every step and
-after anything moved them; its call is skipped only while nothing did.
+"""DeepSpeed's per-step re-pointing of tensors at their flat buffers, skipped where it would change nothing: the
+model's parameters (stages 1/2) and parameter partitions (stage 3) view exactly what DeepSpeed's own
+`_update_model_bit16_weights` / `_unflatten_partitioned_parameters` gives them, after every step and after anything
+moved them; the call is skipped only while nothing did.
 
 Oracle: DeepSpeed's own method, called on the same engine (it must change nothing after our step). Controls: a
-stock engine calls it for every group at every step; a reassigned `.data`, a moved flat buffer, and each kind of view
-change (pointer, shape, strides, dtype) make the record answer no.
+stock engine calls it for every group at every step; a reassigned `.data`, a moved flat buffer, a tensor replaced in
+DeepSpeed's list, and each kind of view change (pointer, shape, strides, dtype) make the record answer no.
 """
 
 import pytest
 import torch
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import deepspeed_bnb  # noqa: F401  (DeepSpeed's classes with deepspeed_bnb's integration, as users get them)
@@ -16,6 +18,7 @@ from deepspeed_bnb.runtime.zero.param_views import ParamViews
 from support.toy import build_engine, train_steps
 
 STOCK_METHOD = DeepSpeedZeroOptimizer._update_model_bit16_weights
+STOCK_STAGE3_METHOD = DeepSpeedZeroOptimizer_Stage3._unflatten_partitioned_parameters
 
 
 def views(engine) -> dict:
@@ -28,16 +31,20 @@ def inside(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
     return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.numel() * tensor.element_size() <= end
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """The group indices DeepSpeed's own _update_model_bit16_weights is called with (it still runs)."""
+def counting(monkeypatch, owner, name, method) -> list:
+    """The group indices DeepSpeed's own `method` is called with from now on (it still runs)."""
     seen = []
 
-    def counted(self, group_index):
-        seen.append(group_index)
-        return STOCK_METHOD(self, group_index)
-    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_update_model_bit16_weights", counted)
+    def counted(self, index):
+        seen.append(index)
+        return method(self, index)
+    monkeypatch.setattr(owner, name, counted)
     return seen
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    return counting(monkeypatch, DeepSpeedZeroOptimizer, "_update_model_bit16_weights", STOCK_METHOD)
 
 
 def test_parameters_view_what_deepspeeds_method_gives_them(one_rank, calls):
@@ -76,6 +83,41 @@ def test_parameters_view_what_deepspeeds_method_gives_them(one_rank, calls):
     assert all(inside(p, optimizer.bit16_groups_flat[0]) for p in optimizer.bit16_groups[0])
 
 
+def partitions(optimizer) -> list:
+    """(data pointer, shape, strides, dtype) of each parameter partition of each sub-group (stage 3)."""
+    return [[(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in group]
+            for group in optimizer.fp16_partitioned_groups]
+
+
+def test_stage3_partitions_view_what_deepspeeds_method_gives_them(one_rank, monkeypatch):
+    calls = counting(monkeypatch, DeepSpeedZeroOptimizer_Stage3, "_unflatten_partitioned_parameters",
+                     STOCK_STAGE3_METHOD)
+    engine = build_engine(stage=3)
+    optimizer = engine.optimizer
+    train_steps(engine, range(2))
+    calls.clear()
+    losses = train_steps(engine, range(2, 4))
+    assert calls == []
+    after = partitions(optimizer)
+    for i in range(len(optimizer.fp16_partitioned_groups)):  # the oracle: DeepSpeed's own method changes nothing
+        STOCK_STAGE3_METHOD(optimizer, i)
+    assert partitions(optimizer) == after
+    # a partition replaced in DeepSpeed's list (the same values elsewhere) is pointed into the buffer as DeepSpeed does
+    group = optimizer.fp16_partitioned_groups[0]
+    group[0] = group[0].clone()
+    train_steps(engine, range(4, 5))
+    assert calls == [0]
+    flat = optimizer.fp16_partitioned_groups_flat[0]
+    assert group[0].data_ptr() == flat.data_ptr()
+    # the training itself: the same losses as an engine whose every step re-points (DeepSpeed's own method)
+    monkeypatch.setattr(DeepSpeedZeroOptimizer_Stage3, "_unflatten_partitioned_parameters", STOCK_STAGE3_METHOD)
+    from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
+    monkeypatch.setattr(BnbZeroStage3Optimizer, "_unflatten_partitioned_parameters", STOCK_STAGE3_METHOD)
+    reference = build_engine(stage=3)
+    train_steps(reference, range(2))
+    assert train_steps(reference, range(2, 4)) == losses
+
+
 def test_a_stock_engine_repoints_every_group_at_every_step(one_rank, calls):
     engine = build_engine(stock=True)  # the control: DeepSpeed's own step
     train_steps(engine, range(1))
@@ -94,7 +136,7 @@ def test_the_record_answers_no_to_every_kind_of_move():
         return a, b
 
     a, b = fresh()
-    assert ParamViews.of(flat, [a, b, a]).hold(flat)  # each tensor once, nothing moved
+    assert ParamViews.of(flat, [a, b, a]).hold(flat, [a, b, a])  # nothing moved
     moves = {
         "a copy": lambda a, b, f: setattr(a, "data", a.data.clone()),
         "another shape, same pointer": lambda a, b, f: setattr(b, "data", b.data.view(2, 4)),
@@ -107,8 +149,13 @@ def test_the_record_answers_no_to_every_kind_of_move():
         a, b = fresh()
         a.data, b.data = buffer[:16].view(4, 4), buffer[16:24]
         record = ParamViews.of(buffer, [a, b])
-        assert record.hold(buffer), what
+        assert record.hold(buffer, [a, b]), what
         move(a, b, buffer)
-        assert not record.hold(buffer), what
+        assert not record.hold(buffer, [a, b]), what
     a, b = fresh()
-    assert not ParamViews.of(flat, [a, b]).hold(flat.clone())  # another buffer object
+    record = ParamViews.of(flat, [a, b])
+    assert not record.hold(flat.clone(), [a, b])  # another buffer object
+    c = torch.nn.Parameter(torch.empty(0))
+    c.data = b.data
+    assert not record.hold(flat, [a, c])  # another tensor in the list, viewing the same place
+    assert not record.hold(flat, [a])  # one fewer

@@ -14,6 +14,8 @@ checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
 - `_optimizer_step`: per sub-group, the same PartitionStep as stages 1/2 (fused kernel where it is bnb's own
   arithmetic, bnb's `update_step` elsewhere, segment by segment; 8-bit vs fp32 state per model parameter; padding
   never updated);
+- `_unflatten_partitioned_parameters`, which DeepSpeed's step calls for every sub-group to point the parameter partitions
+  at their flat buffer again: skipped where they still view what its last call left (runtime/zero/param_views.py);
 - `state_dict`: the versioned per-rank record of stages 1/2, one group per bnb param group (its sub-groups joined),
   plus DeepSpeed's `fp32_flat_groups` in stock ZeRO-3 slices, so that DeepSpeed's zero_to_fp32 still reads the
   weights; it loads at any DP size, and from or into stage 1/2, through `bnb_load_checkpoint`.
@@ -41,6 +43,7 @@ from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
+from deepspeed_bnb.runtime.zero.param_views import repoint
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
 from deepspeed_bnb.state_layout import ShardedLayout
@@ -235,6 +238,13 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
             return stock_reduce(self, padded, *args, **kwargs)
 
     # ---- step ---------------------------------------------------------------------------------------------------
+
+    def _unflatten_partitioned_parameters(self, sub_group_id):
+        # DeepSpeed's step re-points every parameter partition of each sub-group at its flat buffer after the step:
+        # run only where the last call's views moved since (param_views.py)
+        repoint(self, sub_group_id, self.fp16_partitioned_groups_flat[sub_group_id],
+                lambda: super(BnbZeroStage3Optimizer, self)._unflatten_partitioned_parameters(sub_group_id),
+                lambda: self.fp16_partitioned_groups[sub_group_id])
 
     def _optimizer_step(self, sub_group_id):
         # DeepSpeed has already unscaled and clipped this sub-group's gradient (unscale_and_clip_grads)

@@ -27,7 +27,7 @@ Everything else (gradient partitioning, reduction, clipping, loss scaling, all-g
 """
 
 import math
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -48,7 +48,7 @@ from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, req
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
-from deepspeed_bnb.runtime.zero.param_views import ParamViews
+from deepspeed_bnb.runtime.zero.param_views import repoint
 from deepspeed_bnb.state_layout import GroupLayout, zero_alignment
 from deepspeed_bnb.utils.tensor_fragment import link_param_states
 
@@ -61,9 +61,6 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     # under CPU offload: the sum of the inf/NaN terms of the gradients DeepSpeed asked about since its last
     # reset_cpu_buffers (runtime/utils.py: inf_or_nan_term), not yet read; None: none pending
     _bnb_offload_overflow: Optional[torch.Tensor] = None
-    # per param group: what DeepSpeed's last _update_model_bit16_weights left (param_views.py); set at its first call,
-    # inside DeepSpeed's __init__
-    _bnb_param_views: Optional[Dict[int, ParamViews]] = None
 
     def __init__(self, *args, bnb_settings: BnbSettings = BnbSettings(),
                  bnb_model_parallel: ModelParallelPlace = ALONE, **kwargs):
@@ -199,17 +196,10 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def _update_model_bit16_weights(self, group_index):
         # DeepSpeed's step ends by re-pointing every parameter of every group at its flat buffer, as a precaution
-        # (two .data assignments per parameter, ~200 us a step for the demo GPT on a CPU); run only where the last
-        # call's views moved since (param_views.py), so parameters always end where DeepSpeed's method puts them
-        flat = self.bit16_groups_flat[group_index]
-        views = (self._bnb_param_views or {}).get(group_index)
-        if views is not None and views.hold(flat):
-            return
-        super()._update_model_bit16_weights(group_index)
-        if self._bnb_param_views is None:
-            self._bnb_param_views = {}
-        self._bnb_param_views[group_index] = ParamViews.of(
-            flat, [*self.round_robin_bit16_groups[group_index], *self.bit16_groups[group_index]])
+        # (two .data assignments per parameter): run only where the last call's views moved since (param_views.py)
+        repoint(self, group_index, self.bit16_groups_flat[group_index],
+                lambda: super(BnbZeroOptimizer, self)._update_model_bit16_weights(group_index),
+                lambda: [*self.round_robin_bit16_groups[group_index], *self.bit16_groups[group_index]])
 
     def _link_all_hp_params(self):
         # DeepSpeed's fragments would hand out uint8 codes as moments (safe_get_full_optimizer_state); route state keys
