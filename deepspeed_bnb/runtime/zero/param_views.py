@@ -12,6 +12,7 @@ a user or another feature, a tensor replaced in the list), DeepSpeed's own metho
 exactly where DeepSpeed would put them.
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, Tuple
 
@@ -28,19 +29,24 @@ class ParamViews:
 
     flat: torch.Tensor  # the group's flat buffer the tensors were pointed at
     flat_ptr: int  # its data pointer then: a buffer moved, freed or resized since reads another
-    views: Tuple[Tuple[torch.Tensor, tuple], ...]  # per tensor DeepSpeed assigns, in its lists' order: (it, _view_of it)
+    tensors: Tuple[torch.Tensor, ...]  # the tensors DeepSpeed's lists held, in their order (a tensor may recur)
+    views: Tuple[Tuple[torch.Tensor, tuple], ...]  # per distinct tensor of those: (it, _view_of it)
 
     @classmethod
     def of(cls, flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> "ParamViews":
         """The record of `flat` and `tensors` now, right after DeepSpeed pointed them."""
-        return cls(flat, flat.data_ptr(), tuple((t, _view_of(t)) for t in tensors))
+        tensors = tuple(tensors)
+        distinct = {id(t): t for t in tensors}.values()
+        return cls(flat, flat.data_ptr(), tensors, tuple((t, _view_of(t)) for t in distinct))
 
     def hold(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
         """True when re-pointing `tensors` (those DeepSpeed's lists hold now) into `flat` (the group's buffer now)
         would change nothing: the same buffer at the same address, the same tensors, each viewing what it did."""
-        if flat is not self.flat or flat.data_ptr() != self.flat_ptr or len(tensors) != len(self.views):
+        if flat is not self.flat or flat.data_ptr() != self.flat_ptr or len(tensors) != len(self.tensors):
             return False
-        return all(tensor is was and _view_of(tensor) == view for tensor, (was, view) in zip(tensors, self.views))
+        # identity first, at C speed (map over operator.is_); a training step's cold caches make Python loops dear
+        return all(map(operator.is_, tensors, self.tensors)) and all(
+            _view_of(tensor) == view for tensor, view in self.views)
 
 
 def repoint(optimizer, key, flat: torch.Tensor, deepspeeds: Callable[[], None],
