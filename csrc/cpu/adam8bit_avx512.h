@@ -9,16 +9,17 @@
 //   (byte k of every entry); each plane is looked up with two 128-byte VPERMI2B permutes and a blend on the code's top
 //   bit, and the planes are interleaved back into floats. The interleave leaves element i of each 16-lane lane group
 //   transposed, so the codes are permuted first (one VPERMB) to land every float in order.
-// - quantize: the index of the nearest map value, for 16 values with one gather instead of four: the compact key
-//   table of quantize_keys.h (KeyTable), 16 lanes at once; an exact fp32 compare settles the rare values that share
-//   their top 24 bits with the bucket's midpoint. Same answer as dsbnb::nearest_sorted, bit for bit.
+// - quantize: the index of the nearest map value, for 16 values without a look-up in memory where the map is made of
+//   evenly spaced runs (bnb's are: quantize_keys.h, RunTable): a few in-register permutes, one FMA and a floor; the
+//   rare values that this cannot settle, and other maps, by one gather from the compact key table (KeyTable), whose
+//   own near values an exact fp32 compare settles. Same answer as dsbnb::nearest_sorted, bit for bit.
 //
 // Both are exact table look-ups, so the kernels stay bit-identical to deepspeed_bnb/ops/reference.py
 // (tests/kernels/test_fused_rules.py, every rule of the registry, including maps the fast path must refuse
 // and values on and next to midpoints). Used only when the compiler targets these extensions (-march=native on such a
 // CPU: the JIT build); otherwise the portable loops in adam8bit_cpu.cpp, lion8bit_cpu.cpp, momentum8bit_cpu.cpp and
 // fused_cpu.h run.
-// References: Intel intrinsics guide (VPERMI2B, VPERMB, VPGATHERDD); bitsandbytes 0.50.2 csrc/kernels.cu
+// References: Intel intrinsics guide (VPERMI2B, VPERMB, VPERMT2D/VPERMT2PS, VRNDSCALEPS, VPGATHERDD); bitsandbytes 0.50.2 csrc/kernels.cu
 // (dQuantizeDynamic) for the quantizer it reproduces.
 #pragma once
 
@@ -76,14 +77,66 @@ __attribute__((always_inline)) inline void dequantize64(const FastTables& t, con
     out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_high, b23_high)), s);
 }
 
+// A RunTable in registers (quantize_keys.h): its 32-entry tables as two vectors each, loaded once per block rather than
+// once per 16 values (the codes are stored through a byte pointer, which may alias the table, so the compiler would
+// otherwise read them again after every store).
+struct RunRegisters {
+    bool usable;
+    __m512i first[2], lowest[2], highest[2];
+    __m512 boundary[2], slope[2], offset[2], eps, one_minus_eps;
+
+    explicit RunRegisters(const cpu::RunTable& r) : usable(r.usable) {
+        for (int k = 0; k < 2; ++k) {
+            first[k] = _mm512_load_si512(r.first_run + 16 * k);
+            lowest[k] = _mm512_load_si512(r.lowest + 16 * k);
+            highest[k] = _mm512_load_si512(r.highest + 16 * k);
+            boundary[k] = _mm512_load_ps(r.boundary + 16 * k);
+            slope[k] = _mm512_load_ps(r.slope + 16 * k);
+            offset[k] = _mm512_load_ps(r.offset + 16 * k);
+        }
+        eps = _mm512_set1_ps(r.eps);
+        one_minus_eps = _mm512_set1_ps(1.0f - r.eps);
+    }
+};
+
+// The sorted indices of 16 normalized values by the map's runs (quantize_keys.h: RunTable): the run from |u|'s
+// octave and that octave's boundary, then floor(|u| * S + C) clamped to the run's counts. Returns the lanes this
+// cannot settle (within `eps` of a whole number, on a boundary, |u| >= 2 or NaN), for the key table.
+__attribute__((always_inline)) inline __mmask16 run_index16(const RunRegisters& r, __m512 u, __m512i& index) {
+    const __m512i bits = _mm512_castps_si512(u);
+    const __m512i magnitude_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 magnitude = _mm512_castsi512_ps(magnitude_bits);
+    // the octave's table index: the permutes read its low 5 bits, exponents 96..127 give 0..31 (|u| < 2 here; larger
+    // magnitudes wrap and are sent to the key table below)
+    const __m512i octave = _mm512_max_epi32(_mm512_srli_epi32(magnitude_bits, 23),
+                                            _mm512_set1_epi32(cpu::RunTable::kFirstOctave));
+    __m512i run = _mm512_permutex2var_epi32(r.first[0], octave, r.first[1]);
+    const __m512 boundary = _mm512_permutex2var_ps(r.boundary[0], octave, r.boundary[1]);
+    run = _mm512_mask_add_epi32(run, _mm512_cmp_ps_mask(magnitude, boundary, _CMP_GT_OQ), run, _mm512_set1_epi32(1));
+    run = _mm512_mask_add_epi32(run, _mm512_movepi32_mask(bits), run, _mm512_set1_epi32(cpu::RunTable::kRuns));
+    const __m512 slope = _mm512_permutex2var_ps(r.slope[0], run, r.slope[1]);
+    const __m512 offset = _mm512_permutex2var_ps(r.offset[0], run, r.offset[1]);
+    const __m512i lowest = _mm512_permutex2var_epi32(r.lowest[0], run, r.lowest[1]);
+    const __m512i highest = _mm512_permutex2var_epi32(r.highest[0], run, r.highest[1]);
+    const __m512 line = _mm512_fmadd_ps(magnitude, slope, offset);
+    const __m512 whole = _mm512_roundscale_ps(line, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 fraction = _mm512_sub_ps(line, whole);  // exact
+    index = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(whole), lowest), highest);
+    return _mm512_cmp_ps_mask(fraction, r.eps, _CMP_LT_OQ) | _mm512_cmp_ps_mask(fraction, r.one_minus_eps, _CMP_GT_OQ) |
+           _mm512_cmp_ps_mask(magnitude, boundary, _CMP_EQ_OQ) |
+           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(2.0f), _CMP_NLT_UQ);
+}
+
 // codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,
-// by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once); then, where `floor.zero` >= 0,
-// dsbnb::floor_positive (Adam's second moment) in the same registers. Inlined: its constants are hoisted out of the
-// block's loop (as a call, they were set up again for every 16 values). `scalar`: the key entries by scalar loads
-// instead of the gather (quantize_keys.h: KeyLookup; the same entries).
-__attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, const float* midpoints, const float* x,
-                                                     float reciprocal_absmax, uint8_t* codes,
-                                                     PositiveFloor floor = PositiveFloor(), bool scalar = false) {
+// by the map's runs (run_index16) where `lookup` is KeyLookup::kRuns and the map has them, else (and for the lanes
+// the runs leave) by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once); then, where
+// `floor.zero` >= 0, dsbnb::floor_positive (Adam's second moment) in the same registers. Inlined: its constants are
+// hoisted out of the block's loop (as a call, they were set up again for every 16 values). KeyLookup::kScalar: the
+// key entries by scalar loads instead of the gather (the same entries).
+__attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, const RunRegisters& runs,
+                                                     const float* midpoints, const float* x, float reciprocal_absmax,
+                                                     uint8_t* codes, PositiveFloor floor = PositiveFloor(),
+                                                     cpu::KeyLookup lookup = cpu::KeyLookup::kRuns) {
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
     const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
@@ -93,28 +146,31 @@ __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, co
                                                                                              _mm512_set1_ps(1.0f)))));
         u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
     }
-    // the key: the top 16 bits of the value's ordered integer (signed; the table is indexed from its middle)
-    const __m512i bits = _mm512_castps_si512(u);
-    const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
-                                                                   _mm512_set1_epi32(0x7FFFFFFF)));
-    __m512i entry;
-    if (scalar) {
-        alignas(64) int32_t key[16], found[16];
-        _mm512_store_si512(key, _mm512_srai_epi32(order, 16));
-        for (int i = 0; i < 16; ++i) found[i] = t.centered()[key[i]];
-        entry = _mm512_load_si512(found);
-    } else {
-        entry = _mm512_i32gather_epi32(_mm512_srai_epi32(order, 16), t.centered(), 4);
-    }
-    // compare the value's ordered top 24 bits with the midpoint's: above, below, or too close to tell
-    const __m512i split = _mm512_srai_epi32(entry, 8), top = _mm512_srai_epi32(order, 8);
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i index = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-    index = _mm512_mask_add_epi32(index, _mm512_cmpgt_epi32_mask(top, split), index, one);
-    const __mmask16 near = _mm512_cmpeq_epi32_mask(top, split);
-    if (near) {  // within 256 ulps of the midpoint (~1/256 of values): the exact compare, as nearest_sorted does
-        const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, midpoints, 4);
-        index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
+    __m512i index;
+    if (lookup != cpu::KeyLookup::kRuns || !runs.usable || run_index16(runs, u, index)) {
+        // the key: the top 16 bits of the value's ordered integer (signed; the table is indexed from its middle)
+        const __m512i bits = _mm512_castps_si512(u);
+        const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
+                                                                       _mm512_set1_epi32(0x7FFFFFFF)));
+        __m512i entry;
+        if (lookup == cpu::KeyLookup::kScalar) {
+            alignas(64) int32_t key[16], found[16];
+            _mm512_store_si512(key, _mm512_srai_epi32(order, 16));
+            for (int i = 0; i < 16; ++i) found[i] = t.centered()[key[i]];
+            entry = _mm512_load_si512(found);
+        } else {
+            entry = _mm512_i32gather_epi32(_mm512_srai_epi32(order, 16), t.centered(), 4);
+        }
+        // compare the value's ordered top 24 bits with the midpoint's: above, below, or too close to tell
+        const __m512i split = _mm512_srai_epi32(entry, 8), top = _mm512_srai_epi32(order, 8);
+        const __m512i one = _mm512_set1_epi32(1);
+        index = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+        index = _mm512_mask_add_epi32(index, _mm512_cmpgt_epi32_mask(top, split), index, one);
+        const __mmask16 near = _mm512_cmpeq_epi32_mask(top, split);
+        if (near) {  // within 256 ulps of the midpoint (~1/256 of values): the exact compare, as nearest_sorted does
+            const __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, index, midpoints, 4);
+            index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
+        }
     }
     if (floor.zero >= 0) {  // a positive value whose nearest code is 0's takes the smallest positive code
         const __mmask16 lifted = _mm512_cmpeq_epi32_mask(index, _mm512_set1_epi32(floor.zero)) &

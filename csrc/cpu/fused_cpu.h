@@ -38,8 +38,9 @@ struct MapTables {
     QuantTables generic;  // the exact quantizer of any map (and the settling of near ties)
     KeyTable keys;        // the compact quantizer of bnb-style maps (used where keys.usable)
 #if DSBNB_AVX512
+    RunTable runs;            // the AVX-512 quantizer of maps made of evenly spaced runs (used where runs.usable)
     avx512::FastTables fast;  // the byte planes of the AVX-512 dequantizer
-    explicit MapTables(const float* qmap) : generic(qmap), keys(generic), fast(qmap) {}
+    explicit MapTables(const float* qmap) : generic(qmap), keys(generic), runs(generic.midpoints), fast(qmap) {}
     bool fast_usable() const { return keys.usable; }
 #else
     explicit MapTables(const float* qmap) : generic(qmap), keys(generic) {}
@@ -205,14 +206,15 @@ constexpr avx512::Grad grad_kind() {
                                                         : avx512::Grad::kFloat16;
 }
 
-// quantize_block for a full block of a map with usable fast tables (same codes, one gather per 16 values), followed
+// quantize_block for a full block of a map with usable fast tables (same codes; by the runs or one gather per 16 values), followed
 // by floor_positive_block where `floor` is given (its codes applied in the same pass).
 __attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x,
                                                                float reciprocal_absmax, uint8_t* codes,
                                                                PositiveFloor floor = PositiveFloor()) {
-    const bool scalar = key_lookup().load(std::memory_order_relaxed) == KeyLookup::kScalar;
+    const KeyLookup lookup = key_lookup().load(std::memory_order_relaxed);
+    const avx512::RunRegisters runs(t.runs);
     for (int64_t j = 0; j < kBlock; j += 16) {
-        avx512::quantize16(t.keys, t.generic.midpoints, x + j, reciprocal_absmax, codes + j, floor, scalar);
+        avx512::quantize16(t.keys, runs, t.generic.midpoints, x + j, reciprocal_absmax, codes + j, floor, lookup);
     }
 }
 #endif
@@ -254,16 +256,19 @@ inline bool bnb_cpu_arithmetic(const Checker& check, c10::string_view arithmetic
     return arithmetic == "bnb_cpu";
 }
 
-// KeyLookup from the environment (quantize_keys.h): DEEPSPEED_BNB_CPU_KEY_LOOKUP unset, "gather" or "scalar"; read
+// KeyLookup from the environment (quantize_keys.h): DEEPSPEED_BNB_CPU_KEY_LOOKUP unset, "runs", "gather" or "scalar"; read
 // at every operator call, before its threads start.
 inline void choose_key_lookup(const Checker& check) {
     const char* set = std::getenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP");
     const std::string value = set == nullptr ? "" : set;
-    check(value.empty() || value == "gather" || value == "scalar",
+    check(value.empty() || value == "runs" || value == "gather" || value == "scalar",
           "DEEPSPEED_BNB_CPU_KEY_LOOKUP='" + value +
-              "' must be 'gather' (the default) or 'scalar': how the CPU kernels look up the quantizer's key table "
+              "' must be 'runs' (the default), 'gather' or 'scalar': how the CPU kernels find the quantizer's codes "
               "(unset it for the default)");
-    key_lookup().store(value == "scalar" ? KeyLookup::kScalar : KeyLookup::kGather, std::memory_order_relaxed);
+    key_lookup().store(value == "scalar"   ? KeyLookup::kScalar
+                       : value == "gather" ? KeyLookup::kGather
+                                           : KeyLookup::kRuns,
+                       std::memory_order_relaxed);
 }
 
 // Checks the segment and hyper tables against the partition and the states' arrays, and lists every block of every

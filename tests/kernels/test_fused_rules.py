@@ -11,8 +11,9 @@ tests/kernels/test_fused_<rule>.py.
   Controls: every tensor a partition's segments use has changed (not two no-ops compared); 255 values sit exactly on
   a midpoint and the value one ulp above gets another code; each of the rule's expressions rounded once (an
   FMA-contracting build) differs from the reference's arithmetic, so the bar can fail.
-- the same with the key table's entries looked up by scalar loads (DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar, a setting for
-  CPUs whose gathers are slow); a bad value of that setting is refused by name.
+- the same with the key table instead of the map's runs in the AVX-512 full blocks, its entries gathered or looked up
+  by scalar loads (DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather, scalar: settings for comparing them, and for CPUs whose
+  gathers are slow); a bad value of that setting is refused by name.
 - CUDA: the same comparisons where a GPU is present (ids cpu_kernel / cuda_kernel). (torch.library.opcheck of every
   operator: test_rules.py.)
 - reference vs bitsandbytes 0.50 (its CPU path), hyper rows from bnb's own get_config: codes within one step of
@@ -154,12 +155,14 @@ def test_kernel_quantizer_on_and_next_to_midpoints(rule, shuffled, device):
 
 
 @needs_kernel
+@pytest.mark.parametrize("lookup", ["gather", "scalar"])
 @pytest.mark.parametrize("seed", range(4))
 @for_every_rule
-def test_scalar_key_loads_bit_identical_to_reference(rule, seed, monkeypatch):
-    """DEEPSPEED_BNB_CPU_KEY_LOOKUP=scalar (the key table's entries by scalar loads instead of the gather, in the
-    AVX-512 full blocks and the AVX2 tails): the same codes as the reference, also at and next to every midpoint."""
-    monkeypatch.setenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP", "scalar")
+def test_key_table_lookups_bit_identical_to_reference(rule, seed, lookup, monkeypatch):
+    """DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather or scalar (the key table in the AVX-512 full blocks instead of the map's
+    runs, its entries gathered or loaded one by one; the AVX2 tails too): the same codes as the reference, also at and
+    next to every midpoint. (The default, the runs, is every other test of this file.)"""
+    monkeypatch.setenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP", lookup)
     check_kernel(rule, "cpu", seed)
     check_kernel(rule, "cpu", seed, torch.bfloat16)
     if seed == 0:
@@ -167,13 +170,13 @@ def test_scalar_key_loads_bit_identical_to_reference(rule, seed, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("value", ["Scalar", "gathered", " "])
+@pytest.mark.parametrize("value", ["Scalar", "gathered", "run", " "])
 def test_a_bad_key_lookup_setting_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP", value)
-    with pytest.raises(RuntimeError, match=r"DEEPSPEED_BNB_CPU_KEY_LOOKUP='.*' must be 'gather' \(the default\) or "
-                                           r"'scalar'"):
+    with pytest.raises(RuntimeError, match=r"DEEPSPEED_BNB_CPU_KEY_LOOKUP='.*' must be 'runs' \(the default\), "
+                                           r"'gather' or 'scalar'"):
         check_kernel("adam", "cpu", 0)
-    monkeypatch.setenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP", "gather")  # control: the default's own name is accepted
+    monkeypatch.setenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP", "runs")  # control: the default's own name is accepted
     check_kernel("adam", "cpu", 0)
 
 

@@ -1,13 +1,15 @@
-"""The CPU kernels' quantizer (csrc/cpu/quantize_keys.h: KeyTable, one look-up of the value's top 16 ordered bits and
-one integer compare, the ~1/256 values near a midpoint settled by an exact compare) gives the code the literal search
-gives: the count of fp32 midpoints below the value (the ieee arithmetic, ops/reference.py), through each of its
-spellings this CPU compiles (portable lookup, AVX2 lookup8, AVX-512 quantize16).
+"""The CPU kernels' quantizers (csrc/cpu/quantize_keys.h: KeyTable, one look-up of the value's top 16 ordered bits and
+one integer compare, the ~1/256 values near a midpoint settled by an exact compare; RunTable, one line per run of
+evenly spaced midpoints, AVX-512 only, its near values settled by the key table) give the code the literal search
+gives: the count of fp32 midpoints below the value (the ieee arithmetic, ops/reference.py), through each of their
+spellings this CPU compiles (portable lookup, AVX2 lookup8, AVX-512 quantize16 by the runs and by the gather).
 
 Checked on the host by tests/native/key_table_check.cpp, built here with g++ -march=native: every float within 256 ulps
 of every midpoint and map value, 4 ulps of every one of the 65,536 bucket edges, special values and 2^24 random bit
 patterns, for bnb's two maps, the project's rebuild of them and maps with a midpoint at zero. The run over all 2^32
-floats takes minutes: `key_table_check MAP.bin all`. Controls: the wrong tie rule is caught; a map with two midpoints
-in one bucket is reported unusable (the kernels then take the generic look-up).
+floats takes minutes: `key_table_check MAP.bin all`. bnb's maps have runs; maps with a midpoint at zero do not (the key
+table steps them). Controls: the wrong tie rule is caught; runs that settle no value by the key table (eps 0) are
+caught; a map with two midpoints in one bucket is reported unusable (the kernels then take the generic look-up).
 """
 
 import os
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from deepspeed_bnb.ops import reference
+from deepspeed_bnb.ops import cpu_features, reference
 
 SOURCE = os.path.join(ROOT, "tests", "native", "key_table_check.cpp")
 
@@ -39,9 +41,9 @@ def run(binary, qmap: torch.Tensor, tmp_path):
     path = os.path.join(tmp_path, "map.bin")
     qmap.float().contiguous().numpy().tofile(path)
     done = subprocess.run([binary, path], capture_output=True, text=True)
-    checked, mismatches, usable, paths = map(int, re.fullmatch(
-        r"checked (\d+) mismatches (\d+) usable (\d) paths (\d)", done.stdout.strip().splitlines()[-1]).groups())
-    return done.returncode, checked, mismatches, usable, paths, done.stdout
+    checked, mismatches, usable, runs, paths = map(int, re.fullmatch(
+        r"checked (\d+) mismatches (\d+) usable (\d) runs (\d) paths (\d)", done.stdout.strip().splitlines()[-1]).groups())
+    return done.returncode, checked, mismatches, usable, runs, paths, done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +60,33 @@ def _maps():
             "midpoint at zero": zero_midpoint, "signed zeros": signed_zeros.sort().values}
 
 
+# what -march=native compiles quantize16 for (csrc/cpu/adam8bit_avx512.h)
+AVX512_VBMI = cpu_features.kernel_path(cpu_features.cpu_has() or ()) == "AVX-512 VBMI path"
+WITH_RUNS = ("bnb signed", "bnb unsigned", "reference signed", "reference unsigned")  # midpoints in evenly spaced runs
+
+
 @pytest.mark.parametrize("name", list(_maps()))
 def test_key_table_equals_the_count_of_midpoints_below(checker, tmp_path, name):
-    code, checked, mismatches, usable, paths, out = run(checker, _maps()[name], tmp_path)
+    code, checked, mismatches, usable, runs, paths, out = run(checker, _maps()[name], tmp_path)
     assert usable == 1, out  # these maps take the fast path
+    assert runs == (name in WITH_RUNS), out  # a midpoint at zero: no runs (the key table steps the map)
     assert checked > (1 << 24) and mismatches == 0 and code == 0, out
     assert paths >= 2 or not torch.backends.cpu.get_cpu_capability().startswith("AVX"), out
 
 
 def test_control_the_wrong_tie_rule_is_caught(tmp_path):
     mutant = build(str(tmp_path), "KEY_TABLE_MUTANT")
-    code, _, mismatches, usable, _, out = run(mutant, F.create_dynamic_map(signed=True), tmp_path)
+    code, _, mismatches, usable, _, _, out = run(mutant, F.create_dynamic_map(signed=True), tmp_path)
     assert usable == 1 and mismatches > 0 and code == 1, out
+
+
+def test_control_runs_that_settle_nothing_exactly_are_caught(tmp_path):
+    mutant = build(str(tmp_path), "RUN_TABLE_MUTANT")
+    code, _, mismatches, _, runs, paths, out = run(mutant, F.create_dynamic_map(signed=True), tmp_path)
+    if not AVX512_VBMI:  # quantize16 is not compiled here: the runs have no spelling to check
+        assert paths < 4, out
+        pytest.skip("this CPU has no AVX-512 VBMI: the build has no quantize16, whose runs this control checks")
+    assert runs == 1 and mismatches > 0 and code == 1, out
 
 
 def test_control_a_map_with_two_midpoints_in_one_bucket_is_reported(checker, tmp_path):
@@ -77,5 +94,5 @@ def test_control_a_map_with_two_midpoints_in_one_bucket_is_reported(checker, tmp
     x = float(qmap[200])  # codes 201 and 202 moved just above code 200: two midpoints 2^-21 and 2^-20 above it
     qmap[201], qmap[202] = x * (1 + 2 ** -20), x * (1 + 2 ** -19)
     assert bool((qmap[1:] > qmap[:-1]).all())
-    code, checked, _, usable, _, out = run(checker, qmap, tmp_path)
+    code, checked, _, usable, _, _, out = run(checker, qmap, tmp_path)
     assert usable == 0 and checked == 0, out

@@ -1,17 +1,19 @@
-// key_table_check.cpp — holds the CPU kernels' compact quantizer (csrc/cpu/quantize_keys.h: KeyTable, one look-up of
-// the value's top 16 ordered bits and one integer compare) to the literal search it replaces: the count of fp32
-// midpoints strictly below u (the project's IEEE rule, ops/reference.py), on the host, through each of its three
-// spellings the build has: KeyTable::lookup (portable), lookup8 (AVX2) and avx512::quantize16 (AVX-512 VBMI), a
-// value near its bucket's midpoint settled by the one exact compare the kernels make.
+// key_table_check.cpp — holds the CPU kernels' quantizers (csrc/cpu/quantize_keys.h: KeyTable, one look-up of the
+// value's top 16 ordered bits and one integer compare; RunTable, a line per run of evenly spaced midpoints) to the
+// literal search they replace: the count of fp32 midpoints strictly below u (the project's IEEE rule,
+// ops/reference.py), on the host, through each spelling the build has: KeyTable::lookup (portable), lookup8 (AVX2)
+// and avx512::quantize16 (AVX-512 VBMI) by the runs and by the key table's gather, a value near its bucket's midpoint
+// settled by the one exact compare the kernels make.
 // Usage: key_table_check MAP.bin [near|all]
 //   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint or a map value,
 //   4 ulps of every bucket edge, special values (signed zeros, subnormals, 1, 2, the largest float, infinities) and
 //   2^24 random bit patterns; all: every one of the 2^32 floats. NaN is never looked up (the kernels normalize it
 //   to 0 first).
-// Prints one line "checked N mismatches M usable U paths P" (P: how many spellings ran) and the first mismatches;
-// exit code 1 on any mismatch.
+// Prints one line "checked N mismatches M usable U runs R paths P" (U: the key table usable; R: the runs usable; P: how
+// many spellings ran) and the first mismatches; exit code 1 on any mismatch.
 // Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/key_table_check.cpp
-// (tests/kernels/test_key_table.py; -DKEY_TABLE_MUTANT builds its control, which settles near values the wrong way).
+// (tests/kernels/test_key_table.py; -DKEY_TABLE_MUTANT builds its control, which settles near values the wrong way;
+// -DRUN_TABLE_MUTANT the runs' control, which settles none of them: eps 0).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +35,7 @@ using native_check::float_of;
 struct Checker {
     const dsbnb::QuantTables& generic;
     const dsbnb::cpu::KeyTable& keys;
+    const dsbnb::cpu::RunTable& runs;
     uint64_t checked = 0, mismatches = 0;
     std::vector<float> pending;  // values batched for the vector spellings
 
@@ -81,17 +84,22 @@ struct Checker {
         }
 #endif
 #if DSBNB_AVX512
-        uint8_t codes[16];
-        dsbnb::avx512::quantize16(keys, generic.midpoints, pending.data(), 1.0f, codes);
-        for (int k = 0; k < 16; ++k) {
-            // quantize16 settles near values itself (its exact compare); x * 1.0f is x for every non-NaN float
-            const float u = pending[k];
+        using dsbnb::cpu::KeyLookup;
+        for (const KeyLookup lookup : {KeyLookup::kRuns, KeyLookup::kGather}) {
+            if (lookup == KeyLookup::kRuns && !runs.usable) continue;
+            uint8_t codes[16];
+            dsbnb::avx512::quantize16(keys, dsbnb::avx512::RunRegisters(runs), generic.midpoints, pending.data(), 1.0f,
+                                      codes, dsbnb::PositiveFloor(), lookup);
+            for (int k = 0; k < 16; ++k) {
+                // quantize16 settles near values itself (its exact compare); x * 1.0f is x for every non-NaN float
+                const float u = pending[k];
 #ifdef KEY_TABLE_MUTANT
-            const int got = codes[k] + (generic.midpoints[codes[k]] == u ? 1 : 0);
+                const int got = codes[k] + (generic.midpoints[codes[k]] == u ? 1 : 0);
 #else
-            const int got = codes[k];
+                const int got = codes[k];
 #endif
-            if (got != want(u)) report("quantize16", u, got);
+                if (got != want(u)) report(lookup == KeyLookup::kRuns ? "quantize16 runs" : "quantize16", u, got);
+            }
         }
 #endif
         pending.clear();
@@ -105,7 +113,7 @@ int paths() {
     ++n;
 #endif
 #if DSBNB_AVX512
-    ++n;
+    n += 2;  // quantize16 by the runs (where the map has them) and by the key table
 #endif
     return n;
 }
@@ -122,7 +130,11 @@ int main(int argc, char** argv) {
     const bool all = argc > 2 && std::string(argv[2]) == "all";
     auto generic = std::make_unique<dsbnb::QuantTables>(code);
     auto keys = std::make_unique<dsbnb::cpu::KeyTable>(*generic);
-    Checker c{*generic, *keys};
+    auto runs = std::make_unique<dsbnb::cpu::RunTable>(generic->midpoints);
+#ifdef RUN_TABLE_MUTANT
+    runs->eps = 0.0f;  // the control: no value is left to the key table
+#endif
+    Checker c{*generic, *keys, *runs};
     const auto visit = [&c](uint32_t pattern) { c.check(pattern); };
     if (keys->usable) {
         if (all) {
@@ -141,7 +153,7 @@ int main(int argc, char** argv) {
         }
         c.flush();
     }
-    std::printf("checked %llu mismatches %llu usable %d paths %d\n", static_cast<unsigned long long>(c.checked),
-                static_cast<unsigned long long>(c.mismatches), keys->usable ? 1 : 0, paths());
+    std::printf("checked %llu mismatches %llu usable %d runs %d paths %d\n", static_cast<unsigned long long>(c.checked),
+                static_cast<unsigned long long>(c.mismatches), keys->usable ? 1 : 0, runs->usable ? 1 : 0, paths());
     return c.mismatches ? 1 : 0;
 }
