@@ -70,8 +70,8 @@ KEY_LOOKUP_ENV = "DEEPSPEED_BNB_CPU_KEY_LOOKUP"  # csrc/cpu/quantize_keys.h: Key
 
 
 def with_key_lookup(run, lookup: str):
-    """`run` with the CPU kernels' key-table look-up set to `lookup` ("gather" or "scalar") for each of its calls: the
-    kernels read the setting at every call, so rows with either interleave in one process."""
+    """`run` with the CPU kernels' quantizer set to `lookup` ("runs", the default, "gather" or "scalar") for each of
+    its calls: the kernels read the setting at every call, so rows with any of them interleave in one process."""
     def wrapped():
         before = os.environ.get(KEY_LOOKUP_ENV)
         os.environ[KEY_LOOKUP_ENV] = lookup
@@ -107,12 +107,14 @@ def deepspeed_cpu_adam(n):
 
 
 YARDSTICK = "memory: in-place pass x = -x (the ceiling; fastest round)"
+GATHER_KEYS = "deepspeed_bnb C++ kernel (8-bit), key table gathered"
 SCALAR_KEYS = "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads"
 IMPLEMENTATIONS = {
     YARDSTICK: memory_pass,
     "deepspeed_bnb C++ kernel (8-bit)": lambda n: fused("adam", n, True),
-    # the same kernel with the quantizer's key entries loaded one by one instead of gathered (faster where gathers
-    # are slow; the same codes)
+    # the same kernel with the quantizer's codes from the key table instead of the map's runs (AVX-512 path; the same
+    # codes), its entries gathered, or loaded one by one (faster than the gather where gathers are slow)
+    GATHER_KEYS: lambda n: with_key_lookup(fused("adam", n, True), "gather"),
     SCALAR_KEYS: lambda n: with_key_lookup(fused("adam", n, True), "scalar"),
     # the same kernel and update without the 8-bit round trip: what requantizing costs, by difference
     "deepspeed_bnb C++ kernel, fp32 state (no quantization)": lambda n: fused("adam", n, True, eight_bit=False),
