@@ -19,8 +19,8 @@
 // and values on and next to midpoints). Used only when the compiler targets these extensions (-march=native on such a
 // CPU: the JIT build); otherwise the portable loops in adam8bit_cpu.cpp, lion8bit_cpu.cpp, momentum8bit_cpu.cpp and
 // fused_cpu.h run.
-// References: Intel intrinsics guide (VPERMI2B, VPERMB, VPERMT2D/VPERMT2PS, VRNDSCALEPS, VPGATHERDD); bitsandbytes 0.50.2 csrc/kernels.cu
-// (dQuantizeDynamic) for the quantizer it reproduces.
+// References: Intel intrinsics guide (VPERMI2B, VPERMB, VPERMT2D/VPERMT2PS, VRNDSCALEPS, VPGATHERDD); bitsandbytes
+// 0.50.2 csrc/kernels.cu (dQuantizeDynamic) for the quantizer it reproduces.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)

@@ -206,8 +206,8 @@ constexpr avx512::Grad grad_kind() {
                                                         : avx512::Grad::kFloat16;
 }
 
-// quantize_block for a full block of a map with usable fast tables (same codes; by the runs or one gather per 16 values), followed
-// by floor_positive_block where `floor` is given (its codes applied in the same pass).
+// quantize_block for a full block of a map with usable fast tables (same codes; by the runs, or one gather per 16
+// values), followed by floor_positive_block where `floor` is given (its codes applied in the same pass).
 __attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x,
                                                                float reciprocal_absmax, uint8_t* codes,
                                                                PositiveFloor floor = PositiveFloor()) {
@@ -256,8 +256,8 @@ inline bool bnb_cpu_arithmetic(const Checker& check, c10::string_view arithmetic
     return arithmetic == "bnb_cpu";
 }
 
-// KeyLookup from the environment (quantize_keys.h): DEEPSPEED_BNB_CPU_KEY_LOOKUP unset, "runs", "gather" or "scalar"; read
-// at every operator call, before its threads start.
+// KeyLookup from the environment (quantize_keys.h): DEEPSPEED_BNB_CPU_KEY_LOOKUP unset, "runs", "gather" or
+// "scalar"; read at every operator call, before its threads start.
 inline void choose_key_lookup(const Checker& check) {
     const char* set = std::getenv("DEEPSPEED_BNB_CPU_KEY_LOOKUP");
     const std::string value = set == nullptr ? "" : set;

@@ -21,7 +21,7 @@
 // values (a decade each, then the next decade's coarser run), so between two "boundary" midpoints the count of
 // midpoints below |u| is one FMA and a floor away from |u| (`codes = clamp(floor(|u| * S + C))`, S and C per run and
 // sign), the run found from |u|'s binary exponent (one boundary per octave at most, compared exactly). Values within a
-// few ulps of a midpoint (their FMA lands within `eps` of a whole number; ~0.1-0.4% of 16-value vectors in a step)
+// few ulps of a midpoint (their FMA lands within `eps` of a whole number; 0.2-0.4% of 16-value vectors of normal data)
 // and on a boundary are settled by the key table instead. Built and checked on the host: a map whose midpoints are not
 // such runs (a run's midpoints more than ~0.05 of its spacing off its line, two boundaries in one octave, more than 15
 // boundaries) leaves `usable` false and the kernels keep the key table. Held to the count of midpoints below, bit for
@@ -75,7 +75,7 @@ struct RunTable {
     static constexpr int kFirstOctave = 96;
     static constexpr int kRuns = 16;        // per sign; the tables hold the positive runs, then the negative ones
     bool usable = false;                    // every check below held
-    float eps = 0.0f;                       // fractions of the line's value closer than this to 0 or 1 are settled exactly
+    float eps = 0.0f;                       // a line's fraction closer than this to 0 or 1: settled by the key table
     alignas(64) int32_t first_run[kOctaves];  // octave -> the run its bottom is in (the boundaries below it)
     alignas(64) float boundary[kOctaves];     // octave -> the boundary magnitude inside it (+inf: none)
     alignas(64) float slope[2 * kRuns];       // run (+ kRuns for u < 0, -0.0 included) -> S
@@ -151,9 +151,9 @@ struct RunTable {
                 if (n > 0) {
                     // one step of the count per spacing, the first at inner[0]; one midpoint alone: a spacing as
                     // wide as the run around it (the clamp holds the count beyond)
-                    const double spacing =
-                        n > 1 ? (static_cast<double>(inner[n - 1]) - inner[0]) / (n - 1)
-                              : 2.0 * std::max(static_cast<double>(inner[0]) - from, (to < INFINITY ? to : 2.0) - inner[0]);
+                    const double reach = (to < INFINITY ? to : 2.0) - static_cast<double>(inner[0]);
+                    const double spacing = n > 1 ? (static_cast<double>(inner[n - 1]) - inner[0]) / (n - 1)
+                                                 : 2.0 * std::max(static_cast<double>(inner[0]) - from, reach);
                     s = direction / spacing;
                     c = first + (direction > 0 ? 1.0 : 0.0) - s * inner[0];
                 }
@@ -163,7 +163,8 @@ struct RunTable {
                 highest[slot] = std::max(first, first + direction * n);
                 for (int k = 0; k < n; ++k) {  // in the kernels' arithmetic: one fp32 FMA
                     const float x = std::fma(inner[k], slope[slot], offset[slot]);
-                    worst = std::max(worst, std::fabs(static_cast<double>(x) - (first + direction * (k + (direction > 0)))));
+                    const int count = first + direction * (k + (direction > 0));  // above the k-th midpoint
+                    worst = std::max(worst, std::fabs(static_cast<double>(x) - count));
                 }
             }
         }
