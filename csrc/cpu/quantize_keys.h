@@ -145,7 +145,7 @@ struct RunTable {
                     if (m > from && m < to) inner.push_back(m);
                 }
                 const float start = run == 0 ? 0.0f : std::nextafter(from, INFINITY);  // just above the boundary
-                const int first = below(midpoints, negative_side ? -start : start);
+                const int first = count_below(midpoints, negative_side ? -start : start);
                 const int n = static_cast<int>(inner.size());
                 double s = 0.0, c = first + 0.5;  // no midpoint inside: the same count throughout
                 if (n > 0) {
@@ -172,11 +172,6 @@ struct RunTable {
         eps = static_cast<float>(worst) + std::ldexp(1.0f, -14);
         usable = eps < 0.05f;
     }
-
-    // The count of midpoints below u: the search the kernels' quantizers stand for (also used to build the table).
-    static int below(const float* midpoints, float u) {
-        return static_cast<int>(std::lower_bound(midpoints, midpoints + 255, u) - midpoints);
-    }
 };
 
 // The compact quantizer table of one 256-entry map; built once per map on the host.
@@ -197,9 +192,8 @@ struct KeyTable {
             const int32_t first = static_cast<int32_t>(static_cast<uint32_t>(key) << 16);
             const float low = from_ordered(std::min(std::max(first, lowest), highest));
             const float high = from_ordered(std::min(std::max(first | 0xFFFF, lowest), highest));
-            const int below = static_cast<int>(std::lower_bound(midpoints, midpoints + 255, low) - midpoints);
-            const int inside =
-                static_cast<int>(std::lower_bound(midpoints, midpoints + 255, high) - midpoints) - below;
+            const int below = count_below(midpoints, low);
+            const int inside = count_below(midpoints, high) - below;
             usable &= inside <= 1;
             uint32_t split_top = 0x7FFFFF00u;  // no midpoint: every value of the bucket is "below"
             // a midpoint of -0.0 is split as +0.0: the integer order puts -0.0 below +0.0, fp32 compares them equal

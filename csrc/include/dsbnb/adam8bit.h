@@ -200,6 +200,12 @@ inline const char* segment_problem(const Segment& s, int64_t partition, int64_t 
     return nullptr;
 }
 
+// The count of the 255 sorted midpoints below u (strictly): the sorted index of u's nearest map value, by the rule
+// every quantizer here stands for. Host-side; the tables below are built with it.
+inline int count_below(const float* midpoints, float u) {
+    return static_cast<int>(std::lower_bound(midpoints, midpoints + 255, u) - midpoints);
+}
+
 // Host-side tables of one 256-entry map: midpoints between sorted values, the code of each sorted value, and the
 // look-up used by nearest_sorted. Built once per map (the maps are constants of the optimizer state). int32 entries
 // so that CPU vector gathers can read them.
@@ -240,8 +246,8 @@ struct QuantTables {
                 codes[key] = order[0] | (order[0] << 8);
                 continue;
             }
-            const int below = static_cast<int>(std::lower_bound(midpoints, midpoints + 255, lowest) - midpoints);
-            const int below_top = static_cast<int>(std::lower_bound(midpoints, midpoints + 255, highest) - midpoints);
+            const int below = count_below(midpoints, lowest);
+            const int below_top = count_below(midpoints, highest);
             lut[key] = below;
             max_walk = std::max(max_walk, below_top - below);
             split[key] = below_top > below ? midpoints[below] : INFINITY;
