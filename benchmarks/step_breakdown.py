@@ -15,6 +15,9 @@ times `engine.step()` and the parts of it that differ between them, by wrapping 
   weights       the parameters pointed at the updated flat buffers again (`_update_model_bit16_weights`; deepspeed_bnb's
                 skips it where they already view them)
   all-gather    the updated partitions' all-gather (`all_gather_dp_groups`)
+With `--stage 3`, ZeRO-3's step method by method instead (STAGE3_PARTS: the parameters' partition, the inf/NaN check,
+the norm, each sub-group's preparation, unscale/clip (deepspeed_bnb's computes the factor only, as at ZeRO-2),
+optimizer step, weights written back and release, the step's epilogue), the optimizer's nested parts as above.
 Per configuration the median over the timed steps of each part's time per step, in ms, and the step's ratio to the
 last configuration's. Same model, data, schedule and hyper-parameters as compare_adam.py (compare_adam_worker.py).
 
@@ -22,6 +25,7 @@ last configuration's. Same model, data, schedule and hyper-parameters as compare
     python benchmarks/step_breakdown.py --nproc 2 --steps 200
     python benchmarks/step_breakdown.py --configs bnb8_fused bnb8_fallback torch_adamw_fused
     python benchmarks/step_breakdown.py --bf16 --nproc 2 --configs bnb8_fused bnb8_master_bf16 torch_adamw_fused
+    python benchmarks/step_breakdown.py --stage 3 --bf16
 """
 
 import argparse
@@ -41,6 +45,13 @@ from compare_adam_configs import BF16_ONLY, CONFIGS, LABELS  # noqa: E402
 PARTS = ("overflow", "norm", "unscale", "optimizer", "route", "fused", "kernel", "bnb", "flatten", "weights",
          "all-gather")
 TOP_LEVEL = ("overflow", "norm", "unscale", "optimizer", "flatten", "weights", "all-gather")  # none nested in another
+NESTED = ("route", "fused", "kernel", "bnb")  # inside `optimizer`
+# ZeRO-3's step (DeepSpeedZeroOptimizer_Stage3.step, DeepSpeed 0.19.8), method by method: (method, label)
+STAGE3_PARTS = (("_partition_all_parameters", "partition"), ("_overflow_check_and_loss_scale_update", "overflow"),
+                ("_get_norm_groups", "norm"), ("_prepare_sub_group", "prepare"), ("unscale_and_clip_grads", "unscale"),
+                ("_optimizer_step", "optimizer"), ("_reassign_or_swap_out_partitioned_parameters", "weights"),
+                ("_release_sub_group", "release"), ("_post_step", "post"))
+STAGE3_TOP_LEVEL = tuple(label for _, label in STAGE3_PARTS)
 
 
 def parse_args():
@@ -49,6 +60,8 @@ def parse_args():
                    help=f"the last one is the ratios' reference ({', '.join(BF16_ONLY)}: with --bf16 only)")
     p.add_argument("--bf16", action="store_true", help="a bf16 model (DeepSpeed's bf16 section), as compare_adam.py's")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel CPU ranks (one job)")
+    p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (3: ZeRO-3's own parts of its step, "
+                   "STAGE3_PARTS)")
     p.add_argument("--steps", type=int, default=120, help="steps per configuration; the first 10 are not timed")
     p.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)  # a rank of the job: write RESULT (JSON)
     args = p.parse_args()
@@ -113,6 +126,19 @@ def instrument(timer: Timer, parts=PARTS) -> None:
             timer.wrap(owner, name, label)
 
 
+def instrument_stage3(timer: Timer, nested=NESTED) -> None:
+    """Wrap the methods behind the parts of ZeRO-3's `step()` (STAGE3_PARTS; each class's own where deepspeed_bnb's
+    overrides one) and the optimizer's `nested` parts, for the rest of the process."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
+    for name in ("_optimizer_step", "unscale_and_clip_grads"):  # neither calls DeepSpeed's
+        timer.wrap(BnbZeroStage3Optimizer, name, dict(STAGE3_PARTS)[name])
+    for name, label in STAGE3_PARTS:
+        timer.wrap(DeepSpeedZeroOptimizer_Stage3, name, label)
+    instrument(timer, nested)
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
@@ -123,11 +149,14 @@ def worker(args) -> None:
     from deepspeed_bnb.demo.text import ByteBatches, stdlib_bytes
     from deepspeed_bnb.utils.teardown import finish
     timer = Timer()
-    instrument(timer)
+    if args.stage == 3:
+        instrument_stage3(timer)
+    else:
+        instrument(timer)
     engines = {}
     for config in args.configs:  # compare_adam_worker's settings for this configuration
-        settings = argparse.Namespace(config=config, batch=16, stage=2, bf16=int(args.bf16), offload=0, lr=3e-3,
-                                      warmup_lr_steps=30)
+        settings = argparse.Namespace(config=config, batch=16, stage=args.stage, bf16=int(args.bf16), offload=0,
+                                      lr=3e-3, warmup_lr_steps=30)
         torch.manual_seed(0)
         model = GPT(GPTConfig(context=128, width=128, depth=4, heads=4))
         groups = decay_groups(model, 0.1)
@@ -162,14 +191,15 @@ def main() -> None:
     from launch import torchrun
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "step_breakdown.json")
-        worker_args = ["--configs", *args.configs, "--steps", args.steps, "--worker", result]
+        worker_args = ["--configs", *args.configs, "--steps", args.steps, "--stage", args.stage, "--worker", result]
         wall = torchrun(os.path.abspath(__file__), args.nproc, worker_args + (["--bf16"] if args.bf16 else []))
         with open(result) as f:
             medians = json.load(f)
     reference = medians[args.configs[-1]]["engine.step()"]
-    shown = [p for p in PARTS if any(p in medians[c] for c in args.configs)]
+    order = (STAGE3_TOP_LEVEL + NESTED) if args.stage == 3 else PARTS
+    shown = [p for p in order if any(p in medians[c] for c in args.configs)]
     print(f"`python benchmarks/step_breakdown.py {' '.join(sys.argv[1:])}`: demo GPT{' (bf16)' if args.bf16 else ''}, "
-          f"ZeRO-2, {args.nproc} CPU "
+          f"ZeRO-{args.stage}, {args.nproc} CPU "
           f"rank(s), {args.steps - 10} timed steps per configuration, stepped in turn ({wall:.0f} s). Medians per step "
           f"in ms, rank 0; a part nested in `optimizer` (route, fused, kernel, bnb) is counted in it as well.\n")
     print("| configuration | engine.step() | vs last | " + " | ".join(shown) + " |")

@@ -183,7 +183,7 @@ OVERRIDES: Tuple[Override, ...] = (
     _subclass(ZERO12, ZERO12_PY, "_link_all_hp_params", "state keys answered from bnb state, dequantized; with "
               "padding tensors, linked along the flat order", ("self",)),
     _subclass(ZERO12, ZERO12_PY, "unscale_and_clip_grads", "owned: the combined unscale/clip factor, computed as "
-              "each release range computes it (stage_1_and_2.combined_unscale_factor; the ranges in compat.py), is "
+              "each release range computes it (unscale_factor.combined_unscale_factor; the ranges in compat.py), is "
               "folded into the partition's step instead of a separate pass, without a host read of the norm; "
               "tests/kernels/test_matches_bnb.py holds it equal to DeepSpeed's own method on every release the "
               "matrix runs",
@@ -280,6 +280,11 @@ OVERRIDES: Tuple[Override, ...] = (
               "param.grad: the bucket is laid out with marked parameters' gradients padded to their partitions, "
               "shown as their gradients for the call",
               ("self", "buffer_to_reduce"), params_since={"communication_data_type": "0.17.2"}),
+    _subclass(ZERO3, ZERO3_PY, "unscale_and_clip_grads", "owned: the sub-group's combined unscale/clip factor "
+              "(unscale_factor.combined_unscale_factor, ZeRO-3's formula: no invalid-norm clause, since its step "
+              "returns before it for an invalid norm) is folded into the partition's step instead of a separate pass "
+              "over the gradient; tests/unit/test_stage3_unscale.py holds it equal to DeepSpeed's own method",
+              ("self", "sub_group_id", "total_norm")),
     _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
               ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "_unflatten_partitioned_parameters", "DeepSpeed's step re-points every parameter "

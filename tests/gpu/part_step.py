@@ -3,7 +3,9 @@
 Part f times `engine.step()` whole: at 1B (ZeRO-2, bf16, one H200) the fused 8-bit step took 65.7 ms against torch's
 fused AdamW's 58.3, while either optimizer alone moves its bytes in about 10 ms, so most of the step is DeepSpeed's own
 work around the optimizer, shared by every configuration. This part says which work, for the configurations of part f
-that decide the ratio (the fused kernel, bnb's own update, torch's fused AdamW), at the 1B GPT:
+that decide the ratio (the fused kernel, bnb's own update, torch's fused AdamW), at the 1B GPT (part s3: ZeRO-3's
+step; part so: ZeRO-2 with the optimizer offloaded to the CPU, the fused C++ kernel beside DeepSpeedCPUAdam and
+torch's CPU AdamW):
 - the parts of `engine.step()` (benchmarks/step_breakdown.py's wrapping of DeepSpeed's methods: the inf/NaN check, the
   gradient norm, the flatten, the unscale/clip, the optimizer, the parameters' re-pointing, the all-gather), each begun and ended
   with a device synchronize so that it holds the device work it queued; what is left of the step is DeepSpeed's code
@@ -26,14 +28,11 @@ import time
 import traceback
 
 import proof_common as common
-from part_speed import BNB_UPDATE, FUSED, MICRO_BATCH, MODELS, TORCH_FUSED, build, configurations, sync
+from part_speed import (BNB_UPDATE, FUSED, MICRO_BATCH, MODELS, OFFLOAD_FUSED, OFFLOAD_TORCH, TORCH_FUSED, build,
+                        configurations, sync)
 
 LABELS = (FUSED, BNB_UPDATE, TORCH_FUSED)
-# ZeRO-3's step (DeepSpeedZeroOptimizer_Stage3.step, DeepSpeed 0.19.8), method by method: (method, label)
-STAGE3_PARTS = (("_partition_all_parameters", "partition"), ("_overflow_check_and_loss_scale_update", "overflow"),
-                ("_get_norm_groups", "norm"), ("_prepare_sub_group", "prepare"), ("unscale_and_clip_grads", "unscale"),
-                ("_optimizer_step", "optimizer"), ("_reassign_or_swap_out_partitioned_parameters", "weights"),
-                ("_release_sub_group", "release"), ("_post_step", "post"))
+OFFLOAD_LABELS = (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH)  # part f's offload rows
 SIZE = "1B"
 WARMUP = {"cuda": 2, "cpu": 1}
 TIMED = {"cuda": 5, "cpu": 2}
@@ -57,13 +56,8 @@ def instrument(timer, stage: int) -> tuple:
     if stage != 3:
         step_breakdown.instrument(timer, step_breakdown.TOP_LEVEL)
         return step_breakdown.TOP_LEVEL
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
-    timer.wrap(BnbZeroStage3Optimizer, "_optimizer_step", "optimizer")  # does not call DeepSpeed's
-    for name, label in STAGE3_PARTS:
-        timer.wrap(DeepSpeedZeroOptimizer_Stage3, name, label)
-    return tuple(label for _, label in STAGE3_PARTS)
+    step_breakdown.instrument_stage3(timer, nested=())
+    return step_breakdown.STAGE3_TOP_LEVEL
 
 
 def breakdown(engine, tokens, targets, device: str, timer, labels: tuple) -> dict:
@@ -208,25 +202,25 @@ def body(args, result):
     common.one_rank(args.device)
     import deepspeed_bnb  # noqa: F401
     import step_breakdown
-    device, stage = args.device, args.stage
-    part = "s" if stage == 2 else "s3"
+    device, stage, offload = args.device, args.stage, args.offload
+    part = part_name(stage, offload)
     timer = step_breakdown.Timer(sync=lambda: sync(device))
     labels = instrument(timer, stage)
-    if stage != 3:  # ZeRO-3 checks its flat gradient buffers itself
+    if stage != 3 and not offload:  # ZeRO-3 checks its flat gradient buffers itself; offload checks in backward
         overflow_check_agrees(device, result)
-    configs, model_args = configurations(2, False), MODELS[device][SIZE]
+    configs, model_args = configurations(2, offload), MODELS[device][SIZE]
     parts, profiles, norms, failed, params = {}, {}, {}, {}, 0
-    for label in LABELS:
+    for label in OFFLOAD_LABELS if offload else LABELS:
         engine = None
         try:
-            engine, _, tokens, targets, params = build(configs[label], stage, False, model_args, device)
+            engine, _, tokens, targets, params = build(configs[label], stage, offload, model_args, device)
             for _ in range(WARMUP[device]):
                 train_step(engine, tokens, targets, device)
                 engine.step()
             timer.reset()
             parts[label] = breakdown(engine, tokens, targets, device, timer, labels)
             profiles[label] = profiled(engine, tokens, targets, device)
-            if stage != 3:  # ZeRO-3 computes its norm from the flat partitions, not per piece
+            if stage != 3 and not offload:  # ZeRO-3 norms flat partitions; offload its pieces in backward
                 norms[label] = norm_alternatives(engine, tokens, targets, device)
         except Exception as exc:  # one configuration failing must not hide the others
             traceback.print_exc()
@@ -240,12 +234,16 @@ def body(args, result):
             import torch
             torch.cuda.empty_cache()
     named = SIZE if device == "cuda" else f"stand-in for the {SIZE}"
-    where = f"ZeRO-{stage}, bf16, {named} GPT ({params / 1e6:,.1f}M parameters), micro batch {MICRO_BATCH[device]}"
-    result.check(f"{part}: every configuration was taken apart and profiled", not failed and len(parts) == len(LABELS),
+    where = (f"ZeRO-{stage}{', optimizer offloaded to the CPU' if offload else ''}, bf16, {named} GPT "
+             f"({params / 1e6:,.1f}M parameters), micro batch {MICRO_BATCH[device]}")
+    result.check(f"{part}: every configuration was taken apart and profiled",
+                 not failed and len(parts) == len(OFFLOAD_LABELS if offload else LABELS),
                  "; ".join(f"{k}: {v}" for k, v in failed.items()) or f"{len(parts)} configurations", "all")
     columns = ("engine.step()", *labels, "other")
     result.table(f"{part}: engine.step() taken apart, {where}: ms per step, median of {TIMED[device]} steps, each part "
-                 f"between device synchronizations", ["configuration", *columns],
+                 f"between device synchronizations" + (" (other: DeepSpeed's copy of the updated fp32 partition into "
+                                                      "its bf16 buffer on the host and from there to the device)"
+                                                      if offload else ""), ["configuration", *columns],
                  [[label, *(f"{row[c] * 1e3:.2f}" for c in columns)] for label, row in parts.items()])
     over = {label: row for label, row in parts.items() if row["other"] < -0.05 * row["engine.step()"]}
     result.check(f"{part}: the parts add up to no more than the step (none counted twice)", not over,
@@ -275,12 +273,18 @@ def body(args, result):
                       for label, rows in norms.items() for way, pieces, same, spent in rows])
 
 
+def part_name(stage: int, offload: bool) -> str:
+    return "so" if offload else "s" if stage == 2 else "s3"
+
+
 def extra(parser):
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="the ZeRO stage taken apart")
+    parser.add_argument("--offload", action="store_true", help="ZeRO-2 with the optimizer offloaded to the CPU: "
+                        "the fused C++ kernel, DeepSpeedCPUAdam and torch's CPU AdamW (part f's offload rows)")
 
 
 if __name__ == "__main__":
     import sys
-    stage = sys.argv[sys.argv.index("--stage") + 1] if "--stage" in sys.argv else "2"
-    common.run_part("s" if stage == "2" else "s3", "where engine.step() spends its time"
-                    + ("" if stage == "2" else ", ZeRO-3"), body, extra)
+    stage, offload = int(sys.argv[sys.argv.index("--stage") + 1]) if "--stage" in sys.argv else 2, "--offload" in sys.argv
+    common.run_part(part_name(stage, offload), "where engine.step() spends its time"
+                    + (", optimizer offloaded to the CPU" if offload else "" if stage == 2 else ", ZeRO-3"), body, extra)

@@ -31,6 +31,7 @@ Parts (each a script beside this one; its docstring says what it proves and agai
     s    part_step.py          engine.step() at 1B taken apart and profiled: DeepSpeed's parts, device busy time,
                                launches, syncs; DeepSpeed's fp64 gradient norm against ways without its copy
     s3   part_step.py          the same for ZeRO-3's engine.step() at 1B (its own parts; no per-piece norm)
+    so   part_step.py          the same for ZeRO-2 with the optimizer offloaded to the CPU at 1B (part f3's rows)
     m    part_memory.py        peak memory from fresh processes at two sizes; the closed form; the largest GPT on 80 GB
     p    part_profile.py       Nsight Compute (or torch.profiler) of one step over 256M elements: bandwidth, occupancy,
                                registers, stall reasons
@@ -74,6 +75,7 @@ PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 30
          Part("d", "part_checkpoints.py", 120), Part("e", "part_large.py", 300),
          Part("f", "part_speed.py", 300, ("--suite", "f")), Part("f3", "part_speed.py", 300, ("--suite", "f3")),
          Part("s", "part_step.py", 200), Part("s3", "part_step.py", 150, ("--stage", "3")),
+         Part("so", "part_step.py", 150, ("--offload",)),
          Part("m", "part_memory.py", 300), Part("p", "part_profile.py", 200), Part("o", "part_offload.py", 240),
          Part("g", "part_zero_features.py", 180), Part("h", "part_nvme.py", 240))
 GPU_DEADLINE = 450  # seconds for the whole proof on a GPU by default: with the install, it fits a 10-minute job

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.multi_rank  # the rehearsal launches ranks
 ROOT = os.path.dirname(TESTS)
 PROOF = os.path.join(TESTS, "gpu", "proof.py")
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
-ALL_PARTS = ("env", "a", "k", "b+c", "d", "e", "f", "f3", "s", "s3", "m", "p", "o", "g", "h")
+ALL_PARTS = ("env", "a", "k", "b+c", "d", "e", "f", "f3", "s", "s3", "so", "m", "p", "o", "g", "h")
 # part h builds DeepSpeed's async_io op, which needs libaio: without it here (not root, so make test could not
 # install it) the rehearsal leaves that part out, as tests/distributed/test_nvme.py skips
 PARTS = ALL_PARTS if os.path.isfile("/usr/include/libaio.h") else ALL_PARTS[:-1]

@@ -137,7 +137,7 @@ def test_fused_unscale_factor_is_deepspeeds(one_rank, monkeypatch):
     """The unscale/clip factor handed to the fused kernel is the one DeepSpeed's own unscale_and_clip_grads multiplies
     the gradient partition by, for clipping norms, norms below the bar and invalid norms (inf, NaN, -1)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed_bnb.runtime.zero.stage_1_and_2 import combined_unscale_factor as stage_1_and_2_factor
+    from deepspeed_bnb.runtime.zero import unscale_factor
     model = make_model(0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=FACTORIES["AdamW8bit"](param_groups(model)),
                                       config=ds_config(1, stage=2, clip=0.05))
@@ -163,10 +163,9 @@ def test_fused_unscale_factor_is_deepspeeds(one_rank, monkeypatch):
     assert torch.equal(other, theirs) and not torch.equal(other, grad)
     # DeepSpeed calls it once per param group with the step's one norm tensor: computed once for it, and again when
     # the norm changed in place or the clip did
-    from deepspeed_bnb.runtime.zero import stage_1_and_2 as ours
     computed = []
-    monkeypatch.setattr(ours, "combined_unscale_factor",
-                        lambda *args: computed.append(1) or stage_1_and_2_factor(*args))
+    real = unscale_factor.combined_unscale_factor
+    monkeypatch.setattr(unscale_factor, "combined_unscale_factor", lambda *args: computed.append(1) or real(*args))
     partition.grad = grad.clone()
     norm = torch.tensor(123.0)
     opt.unscale_and_clip_grads([partition.grad], norm)

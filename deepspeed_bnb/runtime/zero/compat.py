@@ -21,7 +21,7 @@ release that added it; the functions below read them):
 - DeepSpeed 0.19.8 clips the ZeRO-1/2 gradient with an infinite norm where the norm is invalid (inf, NaN or its -1
   sentinel: the gradient is zeroed); earlier releases clamp what the formula gives (-1: no clipping, NaN: NaN).
   0.19.7 skips unscale_and_clip_grads when there is neither clipping nor a loss scale (earlier releases multiply by
-  1.0). deepspeed_bnb computes that factor itself (stage_1_and_2.combined_unscale_factor), per release.
+  1.0). deepspeed_bnb computes that factor itself (unscale_factor.combined_unscale_factor), per release.
 - DeepSpeed before 0.19.8 waits on the last of the asynchronous all-gathers of a coalesced ZeRO-3 gather only,
   which races on gloo (a wrapper waits on each: runtime/zero/partition_parameters.py).
 - DeepSpeed 0.18.7-0.18.9 flatten each ZeRO-1/2 group from the parameters themselves wherever the accelerator

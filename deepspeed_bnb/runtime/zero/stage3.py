@@ -13,7 +13,8 @@ checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
   to their partitions, so each rank receives the gradient of its own slice;
 - `_optimizer_step`: per sub-group, the same PartitionStep as stages 1/2 (fused kernel where it is bnb's own
   arithmetic, bnb's `update_step` elsewhere, segment by segment; 8-bit vs fp32 state per model parameter; padding
-  never updated);
+  never updated), with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`, as at stages 1/2
+  (runtime/zero/unscale_factor.py);
 - `_unflatten_partitioned_parameters`, which DeepSpeed's step calls for every sub-group to point the parameter partitions
   at their flat buffer again: skipped where they still view what its last call left (runtime/zero/param_views.py);
 - `state_dict`: the versioned per-rank record of stages 1/2, one group per bnb param group (its sub-groups joined),
@@ -44,6 +45,7 @@ from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.nvme_state import BnbNVMeStateMixin
 from deepspeed_bnb.runtime.zero.param_views import repoint
+from deepspeed_bnb.runtime.zero.unscale_factor import StepFactor, as_step_scale
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.partition_parameters import block_align, is_block_aligned
 from deepspeed_bnb.state_layout import ShardedLayout
@@ -97,6 +99,8 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         super().__init__(**kwargs)
         compat.name_stage3_params(self, module)  # DeepSpeed < 0.18.0 keeps no parameter names
         self._bnb_after_deepspeed(self.fp32_partitioned_groups_flat)
+        self._bnb_inv_scale = {}  # sub-group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
+        self._bnb_unscale = StepFactor(clips_invalid=False)  # the step's factor, as ZeRO-3's method computes it
         self.bnb_sub_groups: Dict[int, List[int]] = {}  # bnb param-group index -> its sub-groups, in order
         for i in range(len(self.fp16_groups)):
             self.bnb_sub_groups.setdefault(self.sub_group_to_group_id[i], []).append(i)
@@ -246,13 +250,21 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                 lambda: super(BnbZeroStage3Optimizer, self)._unflatten_partitioned_parameters(sub_group_id),
                 lambda: self.fp16_partitioned_groups[sub_group_id])
 
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        # DeepSpeed's step multiplies the sub-group's gradient partition by 1 / (loss scale * clip) here, just before
+        # _optimizer_step(sub_group_id), in a pass of its own: the partition's step folds that factor into the
+        # kernel's pass instead, as at stages 1/2 (runtime/zero/unscale_factor.py). Its step has returned before
+        # this for an invalid norm, and it multiplies by whatever the formula gives, 1.0 included.
+        grad = self.fp32_partitioned_groups_flat[sub_group_id].grad
+        self._bnb_inv_scale[sub_group_id] = as_step_scale(self._bnb_unscale(self, total_norm), grad.device)
+
     def _optimizer_step(self, sub_group_id):
-        # DeepSpeed has already unscaled and clipped this sub-group's gradient (unscale_and_clip_grads)
         partition = self.fp32_partitioned_groups_flat[sub_group_id]
         group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
         with self._bnb_holding(sub_group_id), self._bnb_state_resident(sub_group_id):
             self.bnb_steps[sub_group_id].step(group, partition, partition.grad, self.optimizer.state[partition],
-                                              master_error=self.bnb_master_errors[sub_group_id])
+                                              self._bnb_inv_scale.pop(sub_group_id, None),
+                                              self.bnb_master_errors[sub_group_id])
 
     # ---- DeepSpeed's parameter-level API ------------------------------------------------------------------------
 

@@ -7,9 +7,9 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   in runtime/zero/compat.py);
 - `_optimizer_step`: per partition, the fused kernel steps the parameters whose bnb update it provably computes
   (optim/fused/contract.py: 8-bit state, bnb's own update_step, every config field modelled; DeepSpeed's unscale/clip
-  factor folded in through `unscale_and_clip_grads`), and bnb's own `update_step` steps the others, segment by
-  segment (optim/fused/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is chosen per model parameter, and
-  alignment padding is never updated, so it stays exactly zero;
+  factor folded in through `unscale_and_clip_grads`, runtime/zero/unscale_factor.py), and bnb's own `update_step`
+  steps the others, segment by segment (optim/fused/partition_step.py, optim/bnb_adapter.py); 8-bit vs fp32 state is
+  chosen per model parameter, and alignment padding is never updated, so it stays exactly zero;
 - `has_overflow_partitioned_grads_serial` (the inf/NaN check before an fp16 or bf16 step): the same answer in a few
   batched operations instead of seven per gradient piece (runtime/utils.py);
 - with the optimizer offloaded to the CPU, `update_offload_overflow_tracker` and
@@ -26,7 +26,6 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
 Everything else (gradient partitioning, reduction, clipping, loss scaling, all-gather, offload) is DeepSpeed's.
 """
 
-import math
 from typing import List, Optional
 
 import torch
@@ -42,13 +41,14 @@ from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelP
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.runtime.utils import any_inf_or_nan, inf_or_nan_term, on_host
-from deepspeed_bnb.runtime.zero import compat, padding_tensors
+from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, require_reduced_grad_accum, \
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
 from deepspeed_bnb.runtime.zero.param_views import repoint
+from deepspeed_bnb.runtime.zero.unscale_factor import StepFactor, as_step_scale
 from deepspeed_bnb.state_layout import GroupLayout, zero_alignment
 from deepspeed_bnb.utils.tensor_fragment import link_param_states
 
@@ -80,7 +80,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_after_deepspeed(self.single_partition_of_fp32_groups)
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
         # partition's device), folded into the step
-        self._bnb_unscale_of = (None, None)  # (the norm tensor it was computed for and its version, scales; factor)
+        self._bnb_unscale = StepFactor()  # the step's factor, as this release's unscale_and_clip_grads computes it
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -258,22 +258,13 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         # DeepSpeed's step multiplies the gradient partition of group i by 1 / (loss scale * clip) here, just before
-        # _optimizer_step(i). deepspeed_bnb computes that factor itself, as each release does (combined_unscale_factor)
-        # and hands it to the partition's step instead, which folds it into the kernel's single pass (and multiplies
-        # only the segments bnb steps): one pass over the partition saved, and the factor, a 0-dim tensor on the
-        # device when it clips, is never read back by the host. Any other gradients are multiplied here, as
+        # _optimizer_step(i): the partition's step folds that factor into the kernel's pass instead, and multiplies
+        # only the segments bnb steps (runtime/zero/unscale_factor.py). Any other gradients are multiplied here, as
         # DeepSpeed does.
-        # DeepSpeed calls this once per param group with the step's one norm tensor: its factor (about ten small
-        # tensor operations) is computed once per step, keyed by that tensor, its version and the scales it used
-        key = (total_norm, total_norm._version, self.loss_scale, self.clip_grad) if torch.is_tensor(total_norm) \
-            else None
-        cached_key, factor = self._bnb_unscale_of
-        if key is None or cached_key is None or cached_key[0] is not key[0] or cached_key[1:] != key[1:]:
-            factor = combined_unscale_factor(self, total_norm)
-            self._bnb_unscale_of = (key, factor)
+        factor = self._bnb_unscale(self, total_norm)
         for i, partition in enumerate(self.single_partition_of_fp32_groups):
             if len(grad_groups_flat) == 1 and grad_groups_flat[0] is partition.grad:
-                self._bnb_inv_scale[i] = _as_step_scale(factor, partition.grad.device)
+                self._bnb_inv_scale[i] = as_step_scale(factor, partition.grad.device)
                 return
         if factor is not None:
             for grad in grad_groups_flat:
@@ -344,43 +335,6 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             self.update_lp_params()
         if load_optimizer_states:
             self._link_all_hp_params()
-
-
-def combined_unscale_factor(zero_optimizer, total_norm):
-    """What DeepSpeed's unscale_and_clip_grads multiplies a gradient partition by (`1. / combined_scale`), computed
-    as the installed release computes it: None where it multiplies by nothing or by exactly 1; else a Python number
-    (the loss scale alone) or, with clipping, a tensor on the norm's device. The releases differ (compat.py):
-    0.19.7 returns early without clipping or loss scale (earlier ones multiply by 1.0, which changes no value),
-    and 0.19.8 clips an invalid norm (inf, NaN, DeepSpeed's -1) as an infinite one, zeroing the gradient, where
-    earlier releases clamp whatever the formula gives; 0.19.8's check reads the norm back to the host
-    (is_invalid_grad_norm), this one selects on the device."""
-    loss_scale, clip_grad = zero_optimizer.loss_scale, zero_optimizer.clip_grad
-    if clip_grad == 0.0 and loss_scale == 1.0:
-        return None
-    combined_scale = loss_scale
-    if clip_grad > 0.:
-        norm = total_norm
-        if compat.clips_invalid_norm_as_inf():
-            if torch.is_tensor(norm):
-                norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm,
-                                   torch.full_like(norm, float("inf"), dtype=torch.float))
-            elif not math.isfinite(float(norm)) or norm < 0:
-                norm = torch.tensor(float("inf"), dtype=torch.float)
-        # DeepSpeed's formula (its norm is the norm of the scaled gradients)
-        clip = ((norm / loss_scale) + 1e-6) / clip_grad
-        clip = torch.clamp(clip, min=1.0)
-        combined_scale = clip * loss_scale
-    return 1. / combined_scale
-
-
-def _as_step_scale(factor, device) -> Optional[torch.Tensor]:
-    """`factor` as the fused step takes it: None, or a 0-dim float32 tensor on `device` (a number rounded to float32
-    once, as DeepSpeed's mul_ of a float32 gradient rounds it)."""
-    if factor is None:
-        return None
-    if torch.is_tensor(factor):
-        return factor.to(device=device, dtype=torch.float32).reshape(())
-    return torch.full((), float(factor), dtype=torch.float32, device=device)
 
 
 def _running_offsets(metas) -> List[int]:
