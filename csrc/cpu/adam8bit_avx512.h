@@ -128,15 +128,16 @@ __attribute__((always_inline)) inline __mmask16 run_index16(const RunRegisters& 
 }
 
 // codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,
-// by the map's runs (run_index16) where `lookup` is KeyLookup::kRuns and the map has them, else (and for the lanes
-// the runs leave) by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at once); then, where
-// `floor.zero` >= 0, dsbnb::floor_positive (Adam's second moment) in the same registers. Inlined: its constants are
-// hoisted out of the block's loop (as a call, they were set up again for every 16 values). KeyLookup::kScalar: the
-// key entries by scalar loads instead of the gather (the same entries).
-__attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, const RunRegisters& runs,
-                                                     const float* midpoints, const float* x, float reciprocal_absmax,
-                                                     uint8_t* codes, PositiveFloor floor = PositiveFloor(),
-                                                     cpu::KeyLookup lookup = cpu::KeyLookup::kRuns) {
+// by the map's runs (run_index16) where kLookup is KeyLookup::kRuns (the caller has checked that the map has them),
+// else (and for the lanes the runs leave) by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at
+// once); then, where kFloor, dsbnb::floor_positive (Adam's second moment: `floor`) in the same registers.
+// KeyLookup::kScalar: the key entries by scalar loads instead of the gather (the same entries). The lookup and the
+// floor are template arguments so that a block's loop over 16 values carries no test of them (quantize_full_block
+// chooses once per block); inlined, so that its constants are hoisted out of that loop.
+template <cpu::KeyLookup kLookup, bool kFloor>
+__attribute__((always_inline)) inline void quantize16_as(const cpu::KeyTable& t, const RunRegisters& runs,
+                                                        const float* midpoints, const float* x,
+                                                        float reciprocal_absmax, uint8_t* codes, PositiveFloor floor) {
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
     const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
@@ -147,13 +148,13 @@ __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, co
         u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
     }
     __m512i index;
-    if (lookup != cpu::KeyLookup::kRuns || !runs.usable || run_index16(runs, u, index)) {
+    if (kLookup != cpu::KeyLookup::kRuns || run_index16(runs, u, index)) {
         // the key: the top 16 bits of the value's ordered integer (signed; the table is indexed from its middle)
         const __m512i bits = _mm512_castps_si512(u);
         const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
                                                                        _mm512_set1_epi32(0x7FFFFFFF)));
         __m512i entry;
-        if (lookup == cpu::KeyLookup::kScalar) {
+        if (kLookup == cpu::KeyLookup::kScalar) {
             alignas(64) int32_t key[16], found[16];
             _mm512_store_si512(key, _mm512_srai_epi32(order, 16));
             for (int i = 0; i < 16; ++i) found[i] = t.centered()[key[i]];
@@ -172,12 +173,49 @@ __attribute__((always_inline)) inline void quantize16(const cpu::KeyTable& t, co
             index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
         }
     }
-    if (floor.zero >= 0) {  // a positive value whose nearest code is 0's takes the smallest positive code
+    if (kFloor) {  // a positive value whose nearest code is 0's takes the smallest positive code
         const __mmask16 lifted = _mm512_cmpeq_epi32_mask(index, _mm512_set1_epi32(floor.zero)) &
                                  _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ);
         index = _mm512_mask_mov_epi32(index, lifted, _mm512_set1_epi32(floor.smallest));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(index));
+}
+
+// quantize16_as for `count` consecutive groups of 16 values, the lookup and the floor chosen once: by the runs where
+// `lookup` is KeyLookup::kRuns and the map has them, else by the key table (gathered, or KeyLookup::kScalar's loads);
+// the floor where `floor.zero` >= 0.
+template <cpu::KeyLookup kLookup>
+__attribute__((always_inline)) inline void quantize_groups_as(const cpu::KeyTable& t, const RunRegisters& runs,
+                                                             const float* midpoints, const float* x,
+                                                             float reciprocal_absmax, uint8_t* codes,
+                                                             PositiveFloor floor, int64_t count) {
+    if (floor.zero >= 0) {
+        for (int64_t j = 0; j < 16 * count; j += 16)
+            quantize16_as<kLookup, true>(t, runs, midpoints, x + j, reciprocal_absmax, codes + j, floor);
+    } else {
+        for (int64_t j = 0; j < 16 * count; j += 16)
+            quantize16_as<kLookup, false>(t, runs, midpoints, x + j, reciprocal_absmax, codes + j, floor);
+    }
+}
+
+__attribute__((always_inline)) inline void quantize_groups(const cpu::KeyTable& t, const RunRegisters& runs,
+                                                          const float* midpoints, const float* x,
+                                                          float reciprocal_absmax, uint8_t* codes,
+                                                          PositiveFloor floor, cpu::KeyLookup lookup, int64_t count) {
+    if (lookup == cpu::KeyLookup::kRuns && runs.usable) {
+        quantize_groups_as<cpu::KeyLookup::kRuns>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, count);
+    } else if (lookup == cpu::KeyLookup::kScalar) {
+        quantize_groups_as<cpu::KeyLookup::kScalar>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, count);
+    } else {
+        quantize_groups_as<cpu::KeyLookup::kGather>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, count);
+    }
+}
+
+// One group of 16 values, the lookup and the floor chosen at run time (the checks' entry point).
+inline void quantize16(const cpu::KeyTable& t, const RunRegisters& runs, const float* midpoints, const float* x,
+                       float reciprocal_absmax, uint8_t* codes, PositiveFloor floor = PositiveFloor(),
+                       cpu::KeyLookup lookup = cpu::KeyLookup::kRuns) {
+    quantize_groups(t, runs, midpoints, x, reciprocal_absmax, codes, floor, lookup, 1);
 }
 
 enum class Grad { kFloat32, kBFloat16, kFloat16 };

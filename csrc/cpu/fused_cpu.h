@@ -211,11 +211,9 @@ constexpr avx512::Grad grad_kind() {
 __attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x,
                                                                float reciprocal_absmax, uint8_t* codes,
                                                                PositiveFloor floor = PositiveFloor()) {
-    const KeyLookup lookup = key_lookup().load(std::memory_order_relaxed);
     const avx512::RunRegisters runs(t.runs);
-    for (int64_t j = 0; j < kBlock; j += 16) {
-        avx512::quantize16(t.keys, runs, t.generic.midpoints, x + j, reciprocal_absmax, codes + j, floor, lookup);
-    }
+    avx512::quantize_groups(t.keys, runs, t.generic.midpoints, x, reciprocal_absmax, codes, floor,
+                            key_lookup().load(std::memory_order_relaxed), kBlock / 16);
 }
 #endif
 

@@ -21,7 +21,8 @@ import pytest
 from deepspeed_bnb.ops import cpu_features, loader
 
 # the helpers the AVX-512 full-block path must inline (csrc/cpu/adam8bit_avx512.h, fused_cpu.h)
-INLINED = ("dsbnb::avx512::dequantize64", "dsbnb::avx512::quantize16", "dsbnb::cpu::quantize_full_block",
+INLINED = ("dsbnb::avx512::dequantize64", "dsbnb::avx512::quantize16_as", "dsbnb::avx512::quantize_groups_as",
+           "dsbnb::avx512::quantize_groups", "dsbnb::cpu::quantize_full_block",
            "dsbnb::cpu::prefetch_block", "dsbnb::cpu::prefetch_lines")
 KEPT_AS_FUNCTION = "dsbnb::cpu::block_absmax"  # the control: a helper the kernels call
 
