@@ -40,9 +40,23 @@ def parse_args(description: str, extra: Optional[Callable] = None) -> argparse.N
 class Result:
     """One part's findings: checks (the proof), tables and notes (what it measured), in the order they were made."""
 
-    def __init__(self, part: str, title: str, device: str):
+    # what a result written by checkpoint() says, until the part's end replaces it
+    UNFINISHED = "the part stopped before its end (its deadline or a crash): what it had finished is shown"
+
+    def __init__(self, part: str, title: str, device: str, path: Optional[str] = None):
         self.data = {"part": part, "title": title, "device": device, "ok": None, "checks": [], "tables": [],
                      "notes": [], "seconds": None, "error": None}
+        self.path = path  # the result file (run_part writes it at the end; checkpoint() before)
+        self.started = time.monotonic()
+
+    def checkpoint(self) -> None:
+        """Write what the part has found so far as the result of a part that stopped here, not holding. proof.py
+        kills a part at its deadline (the whole process: nothing of the part runs then), so a part with several
+        long stages calls this after each: a deadline then costs the stage it interrupted, not what came before.
+        run_part's own write at the end replaces it."""
+        if self.path:
+            write_json(self.path, {**self.data, "ok": False, "error": self.UNFINISHED,
+                                   "seconds": round(time.monotonic() - self.started, 1)})
 
     def check(self, name: str, ok: bool, measured, bar: str, note: str = "") -> bool:
         """One claim: `measured` against `bar`, held or not (recorded either way; the part fails if any fails)."""
@@ -63,8 +77,8 @@ def run_part(part: str, title: str, body: Callable[[argparse.Namespace, Result],
     """Parse the arguments, run `body(args, result)`, write the result (also when it raised) and exit 0 when every
     check held and at least one was made."""
     args = parse_args(title, extra)
-    result = Result(part, title, args.device)
-    start = time.monotonic()
+    result = Result(part, title, args.device, args.result)
+    start = result.started
     try:
         body(args, result)
     except BaseException as exc:  # the report says what broke; the orchestrator goes on with the next part

@@ -20,6 +20,7 @@ import pathlib
 import subprocess
 import sys
 import tarfile
+import time
 import types
 import zipfile
 
@@ -119,6 +120,50 @@ def test_report_shows_a_failing_check():
     assert "| a | t | FAILS (1 of 1 checks, and an error) | 1 |" in markdown
     assert "| **FAIL** | kernel == reference | 3 codes | 0 |" in markdown and "boom" in markdown
     assert "not run: 5 s of the deadline left" in markdown
+
+
+# a part that finishes one stage, checkpoints, and is then killed in the next (as proof.py kills a part at its deadline)
+_STOPPED_PART = """
+import sys
+sys.path.insert(0, {gpu!r})
+import proof_common
+result = proof_common.Result("o", "stopped", "cpu", {path!r})
+result.table("o: the first size", ["elements"], [["64M"]])
+if {checkpoint}:
+    result.checkpoint()
+open({ready!r}, "w").close()
+sys.stdin.read()  # the next stage, never finished: killed here
+"""
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_part_killed_after_a_checkpoint_reports_what_it_finished(tmp_path, checkpoint):
+    """A part killed in its second stage shows its first stage's table in the report, as a part that does not hold and
+    says it stopped early. Control: without the checkpoint the same kill leaves no result at all."""
+    path, ready, log = tmp_path / "o.json", tmp_path / "ready", tmp_path / "proof.log"
+    log.write_text("the part's output\n")
+    script = _STOPPED_PART.format(gpu=os.path.join(TESTS, "gpu"), path=str(path), ready=str(ready),
+                                  checkpoint=checkpoint)
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    try:
+        while not ready.exists():  # the child reached its second stage (no time bar: a busy machine only delays it)
+            assert child.poll() is None, f"the stand-in part exited early ({child.returncode})"
+            time.sleep(0.2)
+    finally:
+        child.kill()
+        child.wait()
+    found = proof.part_result(proof.Part("o", "part_offload.py", 1), str(path), None, 1.0, str(log))
+    assert found["ok"] is False
+    if checkpoint:
+        assert [t["title"] for t in found["tables"]] == ["o: the first size"]
+        assert found["error"] == proof_common.Result.UNFINISHED
+        assert "o: the first size" in proof_report.render({**_REPORT, "parts": [found]})
+    else:
+        assert found["tables"] == [] and "wrote no result (timed out)" in found["error"]
+
+
+_REPORT = {"device": "x", "mode": "GPU", "command": "c", "started": "now", "deadline": 1.0, "seconds": 1.0,
+           "install": None}
 
 
 @pytest.mark.parametrize("precision, master", [("fp32", "fp32"), ("bf16", "bf16+8")])
