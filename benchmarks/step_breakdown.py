@@ -60,8 +60,8 @@ def parse_args():
                    help=f"the last one is the ratios' reference ({', '.join(BF16_ONLY)}: with --bf16 only)")
     p.add_argument("--bf16", action="store_true", help="a bf16 model (DeepSpeed's bf16 section), as compare_adam.py's")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel CPU ranks (one job)")
-    p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (3: ZeRO-3's own parts of its step, "
-                   "STAGE3_PARTS)")
+    p.add_argument("--stage", type=int, choices=(2, 3), default=2,
+                   help="ZeRO stage (3: ZeRO-3's own parts of its step, STAGE3_PARTS)")
     p.add_argument("--steps", type=int, default=120, help="steps per configuration; the first 10 are not timed")
     p.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)  # a rank of the job: write RESULT (JSON)
     args = p.parse_args()

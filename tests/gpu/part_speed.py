@@ -55,10 +55,11 @@ FUSED, BNB_UPDATE, TORCH_FUSED = "bnb AdamW8bit, fused kernel", "bnb AdamW8bit, 
 BF16_MASTER, COMPENSATED = "bnb AdamW8bit, bf16 master weights, fused", "bnb AdamW8bit, bf16+8 master weights, fused"
 # the optimizer offloaded to the CPU: the fused C++ kernel and torch's fused AdamW on the host
 OFFLOAD_FUSED, OFFLOAD_TORCH = "bnb AdamW8bit, fused C++ kernel", "torch AdamW(fused=True), CPU"
+OFFLOAD_LABELS = (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH)
 # the suites of each part: (stage, offload, model sizes, configurations)
 SUITES = {"f": [(2, False, ("125M", "1B"), None)],
           "f3": [(3, False, ("1B",), (BNB_UPDATE, FUSED, TORCH_FUSED)),
-                 (2, True, ("1B",), (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH))]}
+                 (2, True, ("1B",), OFFLOAD_LABELS)]}
 
 
 class Config:

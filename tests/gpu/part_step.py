@@ -7,9 +7,9 @@ that decide the ratio (the fused kernel, bnb's own update, torch's fused AdamW),
 step; part so: ZeRO-2 with the optimizer offloaded to the CPU, the fused C++ kernel beside DeepSpeedCPUAdam and
 torch's CPU AdamW):
 - the parts of `engine.step()` (benchmarks/step_breakdown.py's wrapping of DeepSpeed's methods: the inf/NaN check, the
-  gradient norm, the flatten, the unscale/clip, the optimizer, the parameters' re-pointing, the all-gather), each begun and ended
-  with a device synchronize so that it holds the device work it queued; what is left of the step is DeepSpeed's code
-  between them (the gradient partition's conversion to fp32 among it);
+  gradient norm, the flatten, the unscale/clip, the optimizer, the parameters' re-pointing, the all-gather), each
+  begun and ended with a device synchronize so that it holds the device work it queued; what is left of the step is
+  DeepSpeed's code between them (the gradient partition's conversion to fp32 among it);
 - one step under torch.profiler: the wall time, the device's busy time (the union of its kernels and copies) and so
   how long the device waited for the host, kernels launched, the host's synchronizing CUDA calls, the kernels and
   host operations that took longest;
@@ -28,11 +28,10 @@ import time
 import traceback
 
 import proof_common as common
-from part_speed import (BNB_UPDATE, FUSED, MICRO_BATCH, MODELS, OFFLOAD_FUSED, OFFLOAD_TORCH, TORCH_FUSED, build,
-                        configurations, sync)
+from part_speed import (BNB_UPDATE, FUSED, MICRO_BATCH, MODELS, OFFLOAD_LABELS, TORCH_FUSED, build, configurations,
+                        sync)
 
 LABELS = (FUSED, BNB_UPDATE, TORCH_FUSED)
-OFFLOAD_LABELS = (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH)  # part f's offload rows
 SIZE = "1B"
 WARMUP = {"cuda": 2, "cpu": 1}
 TIMED = {"cuda": 5, "cpu": 2}
@@ -210,7 +209,8 @@ def body(args, result):
         overflow_check_agrees(device, result)
     configs, model_args = configurations(2, offload), MODELS[device][SIZE]
     parts, profiles, norms, failed, params = {}, {}, {}, {}, 0
-    for label in OFFLOAD_LABELS if offload else LABELS:
+    taken_apart = OFFLOAD_LABELS if offload else LABELS  # part f3's offload rows, or part f's deciding ones
+    for label in taken_apart:
         engine = None
         try:
             engine, _, tokens, targets, params = build(configs[label], stage, offload, model_args, device)
@@ -237,7 +237,7 @@ def body(args, result):
     where = (f"ZeRO-{stage}{', optimizer offloaded to the CPU' if offload else ''}, bf16, {named} GPT "
              f"({params / 1e6:,.1f}M parameters), micro batch {MICRO_BATCH[device]}")
     result.check(f"{part}: every configuration was taken apart and profiled",
-                 not failed and len(parts) == len(OFFLOAD_LABELS if offload else LABELS),
+                 not failed and len(parts) == len(taken_apart),
                  "; ".join(f"{k}: {v}" for k, v in failed.items()) or f"{len(parts)} configurations", "all")
     columns = ("engine.step()", *labels, "other")
     result.table(f"{part}: engine.step() taken apart, {where}: ms per step, median of {TIMED[device]} steps, each part "
@@ -285,6 +285,8 @@ def extra(parser):
 
 if __name__ == "__main__":
     import sys
-    stage, offload = int(sys.argv[sys.argv.index("--stage") + 1]) if "--stage" in sys.argv else 2, "--offload" in sys.argv
+    stage = int(sys.argv[sys.argv.index("--stage") + 1]) if "--stage" in sys.argv else 2
+    offload = "--offload" in sys.argv
     common.run_part(part_name(stage, offload), "where engine.step() spends its time"
-                    + (", optimizer offloaded to the CPU" if offload else "" if stage == 2 else ", ZeRO-3"), body, extra)
+                    + (", optimizer offloaded to the CPU" if offload else "" if stage == 2 else ", ZeRO-3"),
+                    body, extra)

@@ -41,8 +41,9 @@ def run(binary, qmap: torch.Tensor, tmp_path):
     path = os.path.join(tmp_path, "map.bin")
     qmap.float().contiguous().numpy().tofile(path)
     done = subprocess.run([binary, path], capture_output=True, text=True)
+    summary = done.stdout.strip().splitlines()[-1]
     checked, mismatches, usable, runs, paths = map(int, re.fullmatch(
-        r"checked (\d+) mismatches (\d+) usable (\d) runs (\d) paths (\d)", done.stdout.strip().splitlines()[-1]).groups())
+        r"checked (\d+) mismatches (\d+) usable (\d) runs (\d) paths (\d)", summary).groups())
     return done.returncode, checked, mismatches, usable, runs, paths, done.stdout
 
 

@@ -13,6 +13,16 @@ ROUNDING = 2.0 ** -22  # fp32 slack, relative to the value: the scaled value v *
 # each rounded (measured without it: up to 0.500004 steps where the map's steps are narrowest relative to the value)
 
 
+def assert_same(mine: dict, theirs: dict, label: str):
+    """One parameter's state, bit for bit: the same keys, each tensor of the same dtype and equal, the rest equal."""
+    assert mine.keys() == theirs.keys(), label
+    for key in mine:
+        if torch.is_tensor(mine[key]):
+            assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{label}.{key}"
+        else:
+            assert mine[key] == theirs[key], f"{label}.{key}"
+
+
 def flat_bnb_state(state, numel):
     """Plain bnb's state of one parameter, flattened like the gathered state: (rows..., numel) / (rows..., blocks)."""
     out = {}
@@ -53,13 +63,7 @@ def assert_equals_plain(engine, model, reference, plain, label):
     states = flat_param_states(engine)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.detach(), q.detach()), f"{label}: weights of {pname} differ"
-        mine, theirs = states[p], flat_bnb_state(plain.state[q], q.numel())
-        assert mine.keys() == theirs.keys(), pname
-        for key in mine:
-            if torch.is_tensor(mine[key]):
-                assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{pname}.{key}"
-            else:
-                assert mine[key] == theirs[key], f"{pname}.{key}"
+        assert_same(states[p], flat_bnb_state(plain.state[q], q.numel()), pname)
     return states
 
 

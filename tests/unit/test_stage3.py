@@ -17,7 +17,7 @@ import torch
 import deepspeed_bnb  # noqa: F401
 from support.async_io import require_aio
 from support.bnb_optimizers import FACTORIES
-from support.bnb_state import engine_param_states as states, flat_bnb_state
+from support.bnb_state import assert_same, engine_param_states as states, flat_bnb_state
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed_bnb import installer
@@ -34,15 +34,6 @@ STEPS = 3
 def engine_of(factory, model, stage=3, **zero):
     config = {**ds_config(1, stage=stage, **zero), "zero_force_ds_cpu_optimizer": False}  # client optimizer offloaded
     return deepspeed.initialize(model=model, optimizer=factory(param_groups(model)), config=config)[0]
-
-
-def assert_same(mine: dict, theirs: dict, label: str):
-    assert mine.keys() == theirs.keys(), label
-    for key in mine:
-        if torch.is_tensor(mine[key]):
-            assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{label}.{key}"
-        else:
-            assert mine[key] == theirs[key], f"{label}.{key}"
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit", "AdEMAMix8bit", "AdamW_32bit"])

@@ -19,7 +19,7 @@ from deepspeed_bnb.runtime.zero import unscale_factor
 from deepspeed_bnb.runtime.zero.compat import has_bf16_master
 from deepspeed_bnb.runtime.zero.stage3 import BnbZeroStage3Optimizer
 from support.bnb_optimizers import FACTORIES
-from support.bnb_state import engine_param_states as states
+from support.bnb_state import assert_same, engine_param_states as states
 from support.toy import ds_config, gathered_weights as weights, make_model, param_groups, train_steps
 
 STEPS = 4
@@ -65,15 +65,6 @@ def test_the_factor_handed_to_the_step_is_deepspeeds(one_rank, monkeypatch):
         opt.fp32_partitioned_groups_flat[sub_group].grad = None
 
 
-def _same_states(s: dict, s_ref: dict) -> None:
-    """Every parameter of `s` has the state of the same name in `s_ref`, bit for bit."""
-    for name in s:
-        assert s[name].keys() == s_ref[name].keys(), name
-        for key, a in s[name].items():
-            b = s_ref[name][key]
-            assert (a.dtype == b.dtype and torch.equal(a, b)) if torch.is_tensor(a) else a == b, f"{name}.{key}"
-
-
 @pytest.mark.parametrize("master", ["fp32", pytest.param("bf16+8", marks=pytest.mark.skipif(
     not has_bf16_master(), reason=f"DeepSpeed {deepspeed.__version__} keeps no bf16 master weights (0.18.3 on)"))])
 def test_clipped_training_equals_deepspeeds_own_unscale(one_rank, monkeypatch, master):
@@ -112,5 +103,6 @@ def test_clipped_training_equals_deepspeeds_own_unscale(one_rank, monkeypatch, m
     assert exact and (not bf16 or len(exact) < len(w)), "both kinds of state are present"
     for name in exact:
         assert torch.equal(w[name], w_ds[name]), f"weights of {name}"
-    _same_states({n: s[n] for n in exact}, s_ds)
+    for name in exact:
+        assert_same(s[name], s_ds[name], name)
     assert not torch.equal(runs["no clip"][0]["fc1.weight"], w["fc1.weight"]), "control: clipping moved the weights"
