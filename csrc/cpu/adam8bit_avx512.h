@@ -83,7 +83,7 @@ __attribute__((always_inline)) inline void dequantize64(const FastTables& t, con
 struct RunRegisters {
     bool usable;
     __m512i first[2], lowest[2], highest[2];
-    __m512 boundary[2], slope[2], offset[2], eps, one_minus_eps;
+    __m512 boundary[2], slope[2], offset[2], band;
 
     explicit RunRegisters(const cpu::RunTable& r) : usable(r.usable) {
         for (int k = 0; k < 2; ++k) {
@@ -94,20 +94,20 @@ struct RunRegisters {
             slope[k] = _mm512_load_ps(r.slope + 16 * k);
             offset[k] = _mm512_load_ps(r.offset + 16 * k);
         }
-        eps = _mm512_set1_ps(r.eps);
-        one_minus_eps = _mm512_set1_ps(1.0f - r.eps);
+        band = _mm512_set1_ps(r.band);
     }
 };
 
 // The sorted indices of 16 normalized values by the map's runs (quantize_keys.h: RunTable): the run from |u|'s
-// octave and that octave's boundary, then floor(|u| * S + C) clamped to the run's counts. Returns the lanes this
-// cannot settle (within `eps` of a whole number, on a boundary, |u| >= 2 or NaN), for the key table.
+// octave and that octave's boundary, then floor(|u| * S + C) clamped to the run's counts (|u| >= 2 taken as the
+// largest float below 2: the same count). Returns the lanes this cannot settle (the line's fraction below `band`, or
+// on a boundary), for the key table. `u` is not NaN (normalize() has replaced it).
 __attribute__((always_inline)) inline __mmask16 run_index16(const RunRegisters& r, __m512 u, __m512i& index) {
     const __m512i bits = _mm512_castps_si512(u);
-    const __m512i magnitude_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i magnitude_bits = _mm512_min_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                    _mm512_set1_epi32(cpu::RunTable::kClampBits));
     const __m512 magnitude = _mm512_castsi512_ps(magnitude_bits);
-    // the octave's table index: the permutes read its low 5 bits, exponents 96..127 give 0..31 (|u| < 2 here; larger
-    // magnitudes wrap and are sent to the key table below)
+    // the octave's table index: the permutes read its low 5 bits, exponents 96..127 give 0..31
     const __m512i octave = _mm512_max_epi32(_mm512_srli_epi32(magnitude_bits, 23),
                                             _mm512_set1_epi32(cpu::RunTable::kFirstOctave));
     __m512i run = _mm512_permutex2var_epi32(r.first[0], octave, r.first[1]);
@@ -122,9 +122,7 @@ __attribute__((always_inline)) inline __mmask16 run_index16(const RunRegisters& 
     const __m512 whole = _mm512_roundscale_ps(line, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 fraction = _mm512_sub_ps(line, whole);  // exact
     index = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(whole), lowest), highest);
-    return _mm512_cmp_ps_mask(fraction, r.eps, _CMP_LT_OQ) | _mm512_cmp_ps_mask(fraction, r.one_minus_eps, _CMP_GT_OQ) |
-           _mm512_cmp_ps_mask(magnitude, boundary, _CMP_EQ_OQ) |
-           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(2.0f), _CMP_NLT_UQ);
+    return _mm512_cmp_ps_mask(fraction, r.band, _CMP_LT_OQ) | _mm512_cmp_ps_mask(magnitude, boundary, _CMP_EQ_OQ);
 }
 
 // codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,

@@ -21,8 +21,8 @@
 // values (a decade each, then the next decade's coarser run), so between two "boundary" midpoints the count of
 // midpoints below |u| is one FMA and a floor away from |u| (`codes = clamp(floor(|u| * S + C))`, S and C per run and
 // sign), the run found from |u|'s binary exponent (one boundary per octave at most, compared exactly). Values within a
-// few ulps of a midpoint (their FMA lands within `eps` of a whole number; 0.2-0.4% of 16-value vectors of normal data)
-// and on a boundary are settled by the key table instead. Built and checked on the host: a map whose midpoints are not
+// few ulps of a midpoint (their FMA's fraction below `band`; 0.2-0.4% of 16-value vectors of normal data) and on a
+// boundary are settled by the key table instead. Built and checked on the host: a map whose midpoints are not
 // such runs (a run's midpoints more than ~0.05 of its spacing off its line, two boundaries in one octave, more than 15
 // boundaries) leaves `usable` false and the kernels keep the key table. Held to the count of midpoints below, bit for
 // bit, for every one of the 2^32 floats for bnb's two maps (key_table_check MAP.bin all). It made requantization
@@ -74,8 +74,10 @@ struct RunTable {
     static constexpr int kOctaves = 32;     // binary exponents 96..127 (|u| below 2^-31 joins the lowest)
     static constexpr int kFirstOctave = 96;
     static constexpr int kRuns = 16;        // per sign; the tables hold the positive runs, then the negative ones
+    // |u| at or above 2 is taken as the largest float below 2 (one min instead of a compare; every midpoint is below)
+    static constexpr uint32_t kClampBits = 0x3FFFFFFFu;
     bool usable = false;                    // every check below held
-    float eps = 0.0f;                       // a line's fraction closer than this to 0 or 1: settled by the key table
+    float band = 0.0f;                      // a line's fraction below this: settled by the key table
     alignas(64) int32_t first_run[kOctaves];  // octave -> the run its bottom is in (the boundaries below it)
     alignas(64) float boundary[kOctaves];     // octave -> the boundary magnitude inside it (+inf: none)
     alignas(64) float slope[2 * kRuns];       // run (+ kRuns for u < 0, -0.0 included) -> S
@@ -88,7 +90,8 @@ struct RunTable {
         std::vector<float> positive, negative;  // magnitudes, ascending
         for (int i = 0; i < 255; ++i) {
             const float m = midpoints[i];
-            if (!(std::fabs(m) < INFINITY) || m == 0.0f) return;  // a midpoint at zero or infinity: not for lines
+            // a midpoint at zero, or at or above the clamp: not for lines
+            if (!(std::fabs(m) < 1.99999988f) || m == 0.0f) return;
             (m > 0.0f ? positive : negative).push_back(std::fabs(m));
         }
         std::sort(negative.begin(), negative.end());
@@ -129,48 +132,78 @@ struct RunTable {
             if (inside > 1) return;  // one compare per octave decides the run
             first_run[o] = below;
         }
-        double worst = 0.0;  // the largest distance of a midpoint's line value from its whole number
-        for (int negative_side = 0; negative_side < 2; ++negative_side) {
-            const std::vector<float>& side = negative_side ? negative : positive;
-            const int direction = negative_side ? -1 : 1;  // below a negative u: the midpoints of larger magnitude
-            for (int run = 0; run < kRuns; ++run) {
-                const int slot = run + kRuns * negative_side;
-                slope[slot] = offset[slot] = 0.0f;
-                lowest[slot] = highest[slot] = 0;
-                if (run > static_cast<int>(bounds.size())) continue;
-                const float from = run == 0 ? 0.0f : bounds[run - 1];
-                const float to = run < static_cast<int>(bounds.size()) ? bounds[run] : INFINITY;
-                std::vector<float> inner;  // this side's midpoints strictly between the run's boundaries
-                for (const float m : side) {
-                    if (m > from && m < to) inner.push_back(m);
-                }
-                const float start = run == 0 ? 0.0f : std::nextafter(from, INFINITY);  // just above the boundary
-                const int first = count_below(midpoints, negative_side ? -start : start);
-                const int n = static_cast<int>(inner.size());
-                double s = 0.0, c = first + 0.5;  // no midpoint inside: the same count throughout
-                if (n > 0) {
-                    // one step of the count per spacing, the first at inner[0]; one midpoint alone: a spacing as
-                    // wide as the run around it (the clamp holds the count beyond)
-                    const double reach = (to < INFINITY ? to : 2.0) - static_cast<double>(inner[0]);
-                    const double spacing = n > 1 ? (static_cast<double>(inner[n - 1]) - inner[0]) / (n - 1)
-                                                 : 2.0 * std::max(static_cast<double>(inner[0]) - from, reach);
-                    s = direction / spacing;
-                    c = first + (direction > 0 ? 1.0 : 0.0) - s * inner[0];
-                }
-                slope[slot] = static_cast<float>(s);
-                offset[slot] = static_cast<float>(c);
-                lowest[slot] = std::min(first, first + direction * n);
-                highest[slot] = std::max(first, first + direction * n);
-                for (int k = 0; k < n; ++k) {  // in the kernels' arithmetic: one fp32 FMA
-                    const float x = std::fma(inner[k], slope[slot], offset[slot]);
-                    const int count = first + direction * (k + (direction > 0));  // above the k-th midpoint
-                    worst = std::max(worst, std::fabs(static_cast<double>(x) - count));
+        // Each line's offset carries `shift`, so that a line value's fraction, not its distance to the nearer whole
+        // number, says whether floor() is sure: one compare where two were. Why that is exact: the kernels' FMA is
+        // monotone in |u|, so between two midpoints of a run u's line value lies between theirs; theirs lie within
+        // [low, high] above the counts they separate (measured below in the kernels' arithmetic), so u's lies in
+        // [count + low, count + 1 + high]. Where 0 < low and high < 1, a fraction above `high` has floor() = count;
+        // beyond a run's last midpoints the clamp to [lowest, highest] gives the count. `band` keeps two ulps of
+        // the largest line values to spare.
+        double worst = 0.0;  // the largest distance of a midpoint's unshifted line value from its whole number
+        for (int pass = 0; pass < 2; ++pass) {
+            double low = 1.0, high = -1.0;  // pass 1: the shifted line values' distance above their counts
+            const float shift = static_cast<float>(worst) + std::ldexp(1.0f, -14);
+            for (int negative_side = 0; negative_side < 2; ++negative_side) {
+                const std::vector<float>& side = negative_side ? negative : positive;
+                const int direction = negative_side ? -1 : 1;  // below a negative u: the midpoints of larger magnitude
+                for (int run = 0; run < kRuns; ++run) {
+                    const int slot = run + kRuns * negative_side;
+                    if (pass == 0) set_line(midpoints, bounds, side, direction, run, slot);
+                    if (pass == 1) offset[slot] += shift;
+                    if (run > static_cast<int>(bounds.size())) continue;
+                    const float from = run == 0 ? 0.0f : bounds[run - 1];
+                    const float to = run < static_cast<int>(bounds.size()) ? bounds[run] : INFINITY;
+                    const int first = direction > 0 ? lowest[slot] : highest[slot];
+                    int k = 0;
+                    for (const float m : side) {
+                        if (!(m > from && m < to)) continue;
+                        const float x = std::fma(m, slope[slot], offset[slot]);  // in the kernels' arithmetic
+                        const int count = first + direction * (k + (direction > 0));  // above the k-th midpoint
+                        const double distance = static_cast<double>(x) - count;
+                        worst = pass == 0 ? std::max(worst, std::fabs(distance)) : worst;
+                        low = std::min(low, distance);
+                        high = std::max(high, distance);
+                        ++k;
+                    }
                 }
             }
+            if (pass == 1) {
+                band = static_cast<float>(high) + std::ldexp(1.0f, -14);
+                usable = low > 0.0 && band < 0.1f;
+            }
         }
-        // + two ulps of the line's largest values (the FMA's own rounding; counts stay below 256)
-        eps = static_cast<float>(worst) + std::ldexp(1.0f, -14);
-        usable = eps < 0.05f;
+    }
+
+  private:
+    // The line of one run on one side (unshifted): its slope, offset and the counts it is clamped to.
+    void set_line(const float* midpoints, const std::vector<float>& bounds, const std::vector<float>& side,
+                  int direction, int run, int slot) {
+        slope[slot] = offset[slot] = 0.0f;
+        lowest[slot] = highest[slot] = 0;
+        if (run > static_cast<int>(bounds.size())) return;
+        const float from = run == 0 ? 0.0f : bounds[run - 1];
+        const float to = run < static_cast<int>(bounds.size()) ? bounds[run] : INFINITY;
+        std::vector<float> inner;  // this side's midpoints strictly between the run's boundaries
+        for (const float m : side) {
+            if (m > from && m < to) inner.push_back(m);
+        }
+        const float start = run == 0 ? 0.0f : std::nextafter(from, INFINITY);  // just above the boundary
+        const int first = count_below(midpoints, direction < 0 ? -start : start);
+        const int n = static_cast<int>(inner.size());
+        double s = 0.0, c = first + 0.5;  // no midpoint inside: the same count throughout
+        if (n > 0) {
+            // one step of the count per spacing, the first at inner[0]; one midpoint alone: a spacing as wide as the
+            // run around it (the clamp holds the count beyond)
+            const double reach = (to < INFINITY ? to : 2.0) - static_cast<double>(inner[0]);
+            const double spacing = n > 1 ? (static_cast<double>(inner[n - 1]) - inner[0]) / (n - 1)
+                                         : 2.0 * std::max(static_cast<double>(inner[0]) - from, reach);
+            s = direction / spacing;
+            c = first + (direction > 0 ? 1.0 : 0.0) - s * inner[0];
+        }
+        slope[slot] = static_cast<float>(s);
+        offset[slot] = static_cast<float>(c);
+        lowest[slot] = std::min(first, first + direction * n);
+        highest[slot] = std::max(first, first + direction * n);
     }
 };
 

@@ -8,7 +8,7 @@ Checked on the host by tests/native/key_table_check.cpp, built here with g++ -ma
 of every midpoint and map value, 4 ulps of every one of the 65,536 bucket edges, special values and 2^24 random bit
 patterns, for bnb's two maps, the project's rebuild of them and maps with a midpoint at zero. The run over all 2^32
 floats takes minutes: `key_table_check MAP.bin all`. bnb's maps have runs; maps with a midpoint at zero do not (the key
-table steps them). Controls: the wrong tie rule is caught; runs that settle no value by the key table (eps 0) are
+table steps them). Controls: the wrong tie rule is caught; runs that settle no value by the key table (band 0) are
 caught; a map with two midpoints in one bucket is reported unusable (the kernels then take the generic look-up).
 """
 

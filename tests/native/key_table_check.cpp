@@ -13,7 +13,7 @@
 // many spellings ran) and the first mismatches; exit code 1 on any mismatch.
 // Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/key_table_check.cpp
 // (tests/kernels/test_key_table.py; -DKEY_TABLE_MUTANT builds its control, which settles near values the wrong way;
-// -DRUN_TABLE_MUTANT the runs' control, which settles none of them: eps 0).
+// -DRUN_TABLE_MUTANT the runs' control, which settles none of them: band 0).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     auto keys = std::make_unique<dsbnb::cpu::KeyTable>(*generic);
     auto runs = std::make_unique<dsbnb::cpu::RunTable>(generic->midpoints);
 #ifdef RUN_TABLE_MUTANT
-    runs->eps = 0.0f;  // the control: no value is left to the key table
+    runs->band = 0.0f;  // the control: no value is left to the key table
 #endif
     Checker c{*generic, *keys, *runs};
     const auto visit = [&c](uint32_t pattern) { c.check(pattern); };
