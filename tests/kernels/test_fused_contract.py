@@ -26,7 +26,7 @@ import pytest
 import torch
 from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
 
-from support.bnb_state import flat_bnb_state
+from support.bnb_state import flat_bnb_state, same_state
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.ops import rule_fields, rules
 from deepspeed_bnb.optim.fused import contract, partition_step, route as fused_route
@@ -220,13 +220,6 @@ class Outcome:
             elif not same_state(self.states[j], self.plain_states[j]):
                 out.append(f"{where}, parameter {j} ({route}): state")
         return out
-
-
-def same_state(mine: dict, theirs: dict) -> bool:
-    if mine.keys() != theirs.keys():
-        return False
-    return all(torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a, b) if torch.is_tensor(b) else a == b
-               for a, b in ((mine[k], theirs[k]) for k in mine))
 
 
 def run(cls, variant: Variant) -> Outcome:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from support.bnb_optimizers import FACTORIES
+from support.bnb_state import assert_same
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states
 from deepspeed_bnb.optim.bnb_adapter import BnbAdapter
 from deepspeed_bnb.state_layout import GroupLayout, ShardedLayout
@@ -109,23 +110,15 @@ def run_stock_sharding(factory, dp):
     return list(torch.split(joined[:total], NUMELS))
 
 
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        if torch.is_tensor(a[key]):
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
-
-
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_sharded_equals_unsharded(name):
     weights1, states1, _ = run_block_aligned(FACTORIES[name], dp=1)
     weights3, states3, padding = run_block_aligned(FACTORIES[name], dp=3)
     for w1, w3 in zip(weights1, weights3):
         assert torch.equal(w1, w3)
+    assert len(states1) == len(states3)
     for s1, s3 in zip(states1, states3):
-        assert_same_state(s1, s3)
+        assert_same(s1, s3, "dp 3")
     assert not padding.any(), "alignment padding must stay exactly zero"
     assert any(not torch.equal(w, p.detach()) for w, p in zip(weights1, initial_params()))  # it moved
 
@@ -142,8 +135,9 @@ def test_zero3_sharded_equals_unsharded(name):
     assert empty >= 3  # ranks 1-3 own nothing of the 97-element parameter
     for w1, w4 in zip(weights1, weights4):
         assert torch.equal(w1, w4)
+    assert len(states1) == len(states4)
     for s1, s4 in zip(states1, states4):
-        assert_same_state(s1, s4)
+        assert_same(s1, s4, "dp 4")
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit"])

@@ -13,14 +13,25 @@ ROUNDING = 2.0 ** -22  # fp32 slack, relative to the value: the scaled value v *
 # each rounded (measured without it: up to 0.500004 steps where the map's steps are narrowest relative to the value)
 
 
+def differing_keys(mine: dict, theirs: dict) -> list:
+    """The keys of one parameter's state that are not bit for bit the same (a tensor of another dtype or value, any
+    other value unequal); every key of either where the two hold different keys."""
+    if mine.keys() != theirs.keys():
+        return sorted(set(mine) | set(theirs))
+    return [key for key in mine if not (
+        torch.is_tensor(theirs[key]) and mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key])
+        if torch.is_tensor(mine[key]) else mine[key] == theirs[key])]
+
+
+def same_state(mine: dict, theirs: dict) -> bool:
+    """One parameter's state, bit for bit (differing_keys finds none)."""
+    return not differing_keys(mine, theirs)
+
+
 def assert_same(mine: dict, theirs: dict, label: str):
     """One parameter's state, bit for bit: the same keys, each tensor of the same dtype and equal, the rest equal."""
-    assert mine.keys() == theirs.keys(), label
-    for key in mine:
-        if torch.is_tensor(mine[key]):
-            assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), f"{label}.{key}"
-        else:
-            assert mine[key] == theirs[key], f"{label}.{key}"
+    differ = differing_keys(mine, theirs)
+    assert not differ, f"{label}: {', '.join(map(str, differ))} differ"
 
 
 def flat_bnb_state(state, numel):

@@ -27,7 +27,7 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from deepspeed_bnb.ops.reference import code_gap
 from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
-from support.bnb_state import flat_param_states
+from support.bnb_state import assert_same as assert_same_state, flat_param_states
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +46,10 @@ def snapshot(engine):
 
 
 def assert_same(a, b):
+    """Two optimizer states by parameter name, every parameter's bit for bit."""
     assert a.keys() == b.keys()
     for name in a:
-        assert a[name].keys() == b[name].keys(), name
-        for key, value in a[name].items():
-            other = b[name][key]
-            if torch.is_tensor(value):
-                assert value.dtype == other.dtype and torch.equal(value, other), f"{name}.{key}"
-            else:
-                assert value == other, f"{name}.{key}"
+        assert_same_state(a[name], b[name], name)
 
 
 def test_reshape_round_trip_is_lossless(saved, tmp_path):

@@ -27,6 +27,7 @@ from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
+from support.bnb_state import assert_same
 from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
 
 STEPS = 3
@@ -40,12 +41,7 @@ OPTIMIZERS = {
 def same_states(a, b, label):
     assert len(a) == len(b), label
     for i, (x, y) in enumerate(zip(a, b)):
-        assert set(x) == set(y), (label, i, sorted(x), sorted(y))
-        for key in x:
-            if torch.is_tensor(x[key]):
-                assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), (label, i, key)
-            else:
-                assert x[key] == y[key], (label, i, key)
+        assert_same(x, y, f"{label}, parameter {i}")
 
 
 MORE = range(STEPS, STEPS + 3)  # the steps a resumed run takes
