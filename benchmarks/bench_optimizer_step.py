@@ -13,6 +13,7 @@ step is to the memory ceiling, the bound a many-core host's optimizer step hits 
     python benchmarks/bench_optimizer_step.py              # 1M..64M elements, 1 and 2 threads (a few minutes)
     python benchmarks/bench_optimizer_step.py --quick      # 1M elements, 1 thread: a smoke test
     python benchmarks/bench_optimizer_step.py --cold --sizes 0.42 --threads 1   # from memory, as inside training
+    python benchmarks/bench_optimizer_step.py --march x86-64-v3 --sizes 0.42 --threads 1   # the AVX2 path, here
 """
 
 import argparse
@@ -182,7 +183,7 @@ def measure_interleaved(makers, n, repeats, cold=False):
 
 def cpu_description():
     """The CPU model and which full-block path the loaded build runs: the table's numbers depend on it far more than
-    on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 VBMI, quantize_keys.h AVX2)."""
+    on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 F and BW, quantize_keys.h AVX2)."""
     try:
         with open("/proc/cpuinfo") as info:
             text = info.read()
@@ -202,7 +203,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="1M elements, 1 thread, 3 repeats")
     parser.add_argument("--cold", action="store_true", help="a 32 MB pass before each timed step (the data then comes "
                         "from memory, as in training; the default times steps on data the previous round left cached)")
+    parser.add_argument("--march", help="build the C++ kernels for this gcc -march (x86-64-v3: the AVX2 path; "
+                        "x86-64-v4: the AVX-512 path without VBMI) instead of this machine's CPU, so that one machine "
+                        "compares the paths other hosts run")
     args = parser.parse_args()
+    if args.march:
+        from deepspeed_bnb.ops import build_flags
+        # the loader compiles with this list (its JIT cache is named after the target, so each -march builds once)
+        build_flags.CPU_FLAGS[build_flags.CPU_FLAGS.index("-march=native")] = f"-march={args.march}"
     if args.quick:
         args.sizes, args.threads, args.repeats = [1], [1], 3
     if not loader.load():

@@ -58,11 +58,17 @@ def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> Froz
 
 def kernel_path(needs: Iterable[str]) -> str:
     """Which full-block path a build that may use these instruction sets runs: csrc/cpu/adam8bit_avx512.h needs
-    AVX-512 F, BW and VBMI, quantize_keys.h's 8-lane look-up AVX2; without either, the portable loops."""
+    AVX-512 F and BW (its dequantizer byte permutes where VBMI is there too, float permutes elsewhere),
+    quantize_keys.h's 8-lane look-up AVX2; without either, the portable loops."""
     needs = frozenset(needs)
-    if {"avx512f", "avx512bw", "avx512vbmi"} <= needs:
-        return "AVX-512 VBMI path"
+    if {"avx512f", "avx512bw"} <= needs:
+        return AVX512_VBMI_PATH if "avx512vbmi" in needs else AVX512_PATH
     return "AVX2 path" if "avx2" in needs else "portable loops"
+
+
+AVX512_VBMI_PATH = "AVX-512 VBMI path"
+AVX512_PATH = "AVX-512 path (no VBMI)"
+AVX512_PATHS = (AVX512_VBMI_PATH, AVX512_PATH)  # the builds that compile the AVX-512 full-block path
 
 
 def cpu_has() -> Optional[FrozenSet[str]]:
