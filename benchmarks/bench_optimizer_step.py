@@ -183,7 +183,7 @@ def measure_interleaved(makers, n, repeats, cold=False):
 
 def cpu_description():
     """The CPU model and which full-block path the loaded build runs: the table's numbers depend on it far more than
-    on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 F and BW, quantize_keys.h AVX2)."""
+    on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 F, BW and DQ, quantize_keys.h AVX2)."""
     try:
         with open("/proc/cpuinfo") as info:
             text = info.read()

@@ -1,4 +1,4 @@
-// adam8bit_avx512.h — the CPU kernels' full-block path in AVX-512 (F, BW; VBMI if any) intrinsics: the two look-ups,
+// adam8bit_avx512.h — the CPU kernels' full-block path in AVX-512 (F, BW, DQ; VBMI) intrinsics: the two look-ups,
 // which cost more than all of the arithmetic when the compiler turns them into gathers (measured on AMD Zen 4: one
 // 16-lane gather ~15 cycles; six of them per 16 elements made 70% of the step), and the update between them, kept
 // in registers from dequantization to the new state: update_block (AdamW, adam8bit_cpu.cpp), lion_update_block
@@ -28,7 +28,7 @@
 // 0.50.2 csrc/kernels.cu (dQuantizeDynamic) for the quantizer it reproduces.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)  // every AVX-512 server core
 #define DSBNB_AVX512 1
 #if defined(__AVX512VBMI__)
 #define DSBNB_AVX512_VBMI 1  // dequantize64 by byte permutes; without VBMI, by 32-entry float permutes

@@ -58,10 +58,10 @@ def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> Froz
 
 def kernel_path(needs: Iterable[str]) -> str:
     """Which full-block path a build that may use these instruction sets runs: csrc/cpu/adam8bit_avx512.h needs
-    AVX-512 F and BW (its dequantizer byte permutes where VBMI is there too, float permutes elsewhere),
+    AVX-512 F, BW and DQ (its dequantizer byte permutes where VBMI is there too, float permutes elsewhere),
     quantize_keys.h's 8-lane look-up AVX2; without either, the portable loops."""
     needs = frozenset(needs)
-    if {"avx512f", "avx512bw"} <= needs:
+    if {"avx512f", "avx512bw", "avx512dq"} <= needs:
         return AVX512_VBMI_PATH if "avx512vbmi" in needs else AVX512_PATH
     return "AVX2 path" if "avx2" in needs else "portable loops"
 

@@ -53,8 +53,8 @@ def body(args, result):
         if not any(isinstance(rate, str) for rate in (ours, gather, scalar)):
             result.note(f"o: {n >> 20}M, {threads} threads: the key table's entries gathered (DEEPSPEED_BNB_CPU_KEY_"
                         f"LOOKUP=gather) {gather / ours:.2f}x the default's rate, by scalar loads (=scalar) "
-                        f"{scalar / ours:.2f}x (the default: the map's runs where the host has AVX-512 F and BW, else the "
-                        f"gather)")
+                        f"{scalar / ours:.2f}x (the default: the map's runs where the host has AVX-512 F, BW and DQ, "
+                        f"else the gather)")
         if isinstance(ours, str) or isinstance(theirs, str):
             result.check(f"o: {n >> 20}M: both the 8-bit kernel and DeepSpeedCPUAdam ran", False,
                          ours if isinstance(ours, str) else theirs, "both ran")

@@ -1,6 +1,6 @@
 """The AVX-512 dequantizer (csrc/cpu/adam8bit_avx512.h: dequantize64) equals the scalar `qmap[code] * scale` bit for
 bit in each spelling this CPU can run: byte permutes (AVX-512 VBMI, this machine's -march=native where it has VBMI)
-and 32-entry float permutes (AVX-512 F and BW only, as on Skylake-SP and Cascade Lake hosts: gcc's x86-64-v4 level),
+and 32-entry float permutes (AVX-512 F, BW and DQ only, as on Skylake-SP and Cascade Lake hosts: gcc's x86-64-v4 level),
 for bnb's two maps, every code at every position, scales giving normal, subnormal, zero, infinite and NaN products
 (tests/native/dequantize_check.cpp). The kernels' own exactness tests run the spelling of this machine's JIT build
 only; this is what holds the other one here.
@@ -49,7 +49,7 @@ def run(binary, signed: bool, tmp_path):
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_dequantize64_equals_the_scalar_product(tmp_path, march, signed):
     if SPELLINGS[march] == "none":
-        pytest.skip("this CPU has no AVX-512 F and BW: the build has no dequantize64")
+        pytest.skip("this CPU has no AVX-512 F, BW and DQ: the build has no dequantize64")
     code, checked, mismatches, spelling, out = run(build(str(tmp_path), march), signed, tmp_path)
     assert spelling == SPELLINGS[march], out
     assert code == 0 and mismatches == 0 and checked == 8 * 256 * 64, out
@@ -58,6 +58,6 @@ def test_dequantize64_equals_the_scalar_product(tmp_path, march, signed):
 @pytest.mark.parametrize("march", sorted(SPELLINGS))
 def test_control_the_wrong_code_is_caught(tmp_path, march):
     if SPELLINGS[march] == "none":
-        pytest.skip("this CPU has no AVX-512 F and BW: the build has no dequantize64")
+        pytest.skip("this CPU has no AVX-512 F, BW and DQ: the build has no dequantize64")
     code, checked, mismatches, spelling, out = run(build(str(tmp_path), march, "EXPECT_WRONG_CODE"), True, tmp_path)
     assert spelling == SPELLINGS[march] and code == 1 and mismatches > checked // 2, out

@@ -1,6 +1,6 @@
 // dequantize_check.cpp — holds the AVX-512 dequantizer (csrc/cpu/adam8bit_avx512.h: dequantize64, qmap[code] * scale
 // for 64 codes) to the scalar product it replaces, bit for bit, in the spelling the build compiles: byte permutes where
-// the compiler targets AVX-512 VBMI, 32-entry float permutes where it targets AVX-512 F and BW only (Skylake-SP,
+// the compiler targets AVX-512 VBMI, 32-entry float permutes where it targets AVX-512 F, BW and DQ only (Skylake-SP,
 // Cascade Lake; gcc's x86-64-v4). Every code at every one of the 64 positions, for scales that give normal, subnormal,
 // zero, infinite and NaN products.
 // Usage: dequantize_check MAP.bin

@@ -2,8 +2,8 @@
 // value's top 16 ordered bits and one integer compare; RunTable, a line per run of evenly spaced midpoints) to the
 // literal search they replace: the count of fp32 midpoints strictly below u (the project's IEEE rule,
 // ops/reference.py), on the host, through each spelling the build has: KeyTable::lookup (portable), lookup8 (AVX2)
-// and avx512::quantize16 (AVX-512 F and BW) by the runs and by the key table's gather, a value near its bucket's midpoint
-// settled by the one exact compare the kernels make.
+// and avx512::quantize16 (AVX-512 F, BW and DQ) by the runs and by the key table's gather, a value near its bucket's
+// midpoint settled by the one exact compare the kernels make.
 // Usage: key_table_check MAP.bin [near|all]
 //   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint or a map value,
 //   4 ulps of every bucket edge, special values (signed zeros, subnormals, 1, 2, the largest float, infinities) and
