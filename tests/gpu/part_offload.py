@@ -13,9 +13,18 @@ or loaded one by one (DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather, scalar: the same code
 core they were built on, scalar loads may beat the gather where gathers are slow), which says which that host wants.
 The project aims at an 8-bit step at least as fast as DeepSpeedCPUAdam's: a check on the GPU machine, a note on the
 rehearsal's two cores.
+First, the host's own exactness: the CPU quantizer's and dequantizer's vector spellings this CPU compiles (the map's
+runs, the key table, the byte- or float-permute dequantizer; with -march=native and, on an AVX-512 host, x86-64-v4,
+which is what AVX-512 hosts without VBMI build) against the literal search and the scalar product, for bnb's two maps
+(tests/native/key_table_check.cpp near every midpoint, tests/native/dequantize_check.cpp for every code): the kernels'
+own tests ran them on AMD cores only.
 """
 
 import os
+import re
+import shutil
+import subprocess
+import tempfile
 
 import proof_common as common
 
@@ -28,12 +37,61 @@ ROWS = ("memory: in-place pass x = -x (the ceiling; fastest round)", "deepspeed_
         "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads")
 
 
+# the host checks: source file -> the summary line it prints
+NATIVE_CHECKS = {"key_table_check.cpp": r"checked (\d+) mismatches (\d+) usable \d runs \d paths (\d)",
+                 "dequantize_check.cpp": r"checked (\d+) mismatches (\d+) spelling (\S+)"}
+X86_64_V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def host_exactness(result) -> None:
+    """The native checks, compiled here for this CPU (and x86-64-v4 on an AVX-512 host), on bnb's two maps."""
+    import bitsandbytes.functional as F
+
+    from deepspeed_bnb.ops import cpu_features
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        result.note("o: no C++ compiler on this host: the CPU quantizer's spellings were not checked here")
+        return
+    marches = ["native"] + (["x86-64-v4"] if X86_64_V4 <= (cpu_features.cpu_has() or frozenset()) else [])
+    rows, failed = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        maps = {}
+        for signed in (True, False):
+            maps[signed] = os.path.join(folder, f"map_{int(signed)}.bin")
+            F.create_dynamic_map(signed=signed).float().contiguous().numpy().tofile(maps[signed])
+        for march in marches:
+            for source, summary in NATIVE_CHECKS.items():
+                binary = os.path.join(folder, f"{source[:-4]}_{march}")
+                built = subprocess.run([compiler, "-O2", f"-march={march}", "-std=c++17",
+                                        f"-I{os.path.join(common.ROOT, 'csrc', 'include')}",
+                                        f"-I{os.path.join(common.ROOT, 'csrc', 'cpu')}",
+                                        os.path.join(common.ROOT, "tests", "native", source), "-o", binary],
+                                       capture_output=True, text=True)
+                for signed, path in maps.items():
+                    done = subprocess.run([binary, path], capture_output=True, text=True) if built.returncode == 0 \
+                        else built
+                    found = re.fullmatch(summary, (done.stdout.strip().splitlines() or [""])[-1])
+                    ok = done.returncode == 0 and found is not None and int(found.group(2)) == 0
+                    rows.append([march, source[:-4], "signed" if signed else "unsigned",
+                                 found.group(1) if found else "-", found.group(2) if found else "-",
+                                 found.group(3) if found else (done.stderr or done.stdout)[-200:]])
+                    if not ok:
+                        failed.append(f"{march} {source[:-4]} {rows[-1][2]}")
+    result.table("o: this host's CPU quantizer and dequantizer spellings against the literal search and the scalar "
+                 "product, bnb's maps", ["-march", "check", "map", "values checked", "mismatches",
+                                         "spellings (quantizer) / spelling (dequantizer)"], rows)
+    result.check("o: the host's CPU quantizer and dequantizer give the exact codes and values", not failed,
+                 ", ".join(failed) or f"{len(rows)} checks, 0 mismatches", "0 mismatches in every check")
+
+
 def body(args, result):
     import torch
 
     import bench_optimizer_step as bench
     from deepspeed_bnb.ops import loader
     result.check("o: the C++ kernels load", loader.load(verbose=False), loader.source() or loader.error(), "loaded")
+    host_exactness(result)
+    result.checkpoint()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     makers = {name: bench.IMPLEMENTATIONS[name] for name in ROWS}
