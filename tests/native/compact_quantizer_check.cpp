@@ -61,12 +61,8 @@ struct Checker {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc < 3) {
-        std::fprintf(stderr, "usage: %s MAP.bin signed|unsigned [near|all]\n", argv[0]);
-        return 2;
-    }
     float code[256];
-    if (!native_check::read_map(argv[1], code)) return 2;
+    if (!native_check::map_argument(argc, argv, 3, "MAP.bin signed|unsigned [near|all]", code)) return 2;
     const bool is_signed = std::string(argv[2]) == "signed";
     const bool all = argc > 3 && std::string(argv[3]) == "all";
     static Table table(code);  // static: 8 KB of lo entries

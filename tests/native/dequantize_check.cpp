@@ -17,12 +17,8 @@
 #include "native_check.h"
 
 int main(int argc, char** argv) {
-    if (argc < 2) {
-        std::fprintf(stderr, "usage: %s MAP.bin\n", argv[0]);
-        return 2;
-    }
     float qmap[256];
-    if (!native_check::read_map(argv[1], qmap)) return 2;
+    if (!native_check::map_argument(argc, argv, 2, "MAP.bin", qmap)) return 2;
 #if DSBNB_AVX512
     const dsbnb::avx512::FastTables tables(qmap);
     const float scales[] = {1.0f, 0.3718f, -2.5f, 3.0e-39f, 1.0e38f, 0.0f, std::numeric_limits<float>::infinity(),

@@ -121,12 +121,8 @@ int paths() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc < 2) {
-        std::fprintf(stderr, "usage: %s MAP.bin [near|all]\n", argv[0]);
-        return 2;
-    }
     float code[256];
-    if (!native_check::read_map(argv[1], code)) return 2;
+    if (!native_check::map_argument(argc, argv, 2, "MAP.bin [near|all]", code)) return 2;
     const bool all = argc > 2 && std::string(argv[2]) == "all";
     auto generic = std::make_unique<dsbnb::QuantTables>(code);
     auto keys = std::make_unique<dsbnb::cpu::KeyTable>(*generic);

@@ -1,6 +1,6 @@
-// native_check.h — what the host checks in tests/native share: reading a map file, and walking the floats around a
-// value, and a float's bits. Header only, included from beside it by compact_quantizer_check.cpp and
-// key_table_check.cpp.
+// native_check.h — what the host checks in tests/native share: reading a map file (named on the command line), and
+// walking the floats around a value, and a float's bits. Header only, included from beside it by
+// compact_quantizer_check.cpp, key_table_check.cpp and dequantize_check.cpp.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +28,16 @@ inline bool read_map(const char* path, float* code) {
     if (f != nullptr) std::fclose(f);
     if (!ok) std::fprintf(stderr, "cannot read 256 float32 from %s\n", path);
     return ok;
+}
+
+// The map file argv[1] names, into `code`, where the command line holds at least `needed` words; false, after the
+// usage line (`usage`: what follows the program's name) or read_map's message, otherwise.
+inline bool map_argument(int argc, char** argv, int needed, const char* usage, float* code) {
+    if (argc < needed) {
+        std::fprintf(stderr, "usage: %s %s\n", argv[0], usage);
+        return false;
+    }
+    return read_map(argv[1], code);
 }
 
 // check(bits) for every float whose magnitude is within `ulps` of x's, up to infinity, with either sign.
