@@ -21,9 +21,6 @@ own tests ran them on AMD cores only.
 """
 
 import os
-import re
-import shutil
-import subprocess
 import tempfile
 
 import proof_common as common
@@ -37,46 +34,34 @@ ROWS = ("memory: in-place pass x = -x (the ceiling; fastest round)", "deepspeed_
         "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads")
 
 
-# the host checks: source file -> the summary line it prints
-NATIVE_CHECKS = {"key_table_check.cpp": r"checked (\d+) mismatches (\d+) usable \d runs \d paths (\d)",
-                 "dequantize_check.cpp": r"checked (\d+) mismatches (\d+) spelling (\S+)"}
-X86_64_V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-
-
 def host_exactness(result) -> None:
-    """The native checks, compiled here for this CPU (and x86-64-v4 on an AVX-512 host), on bnb's two maps."""
+    """The native checks, compiled here for this CPU (and x86-64-v4 where it runs it), on bnb's two maps."""
     import bitsandbytes.functional as F
 
-    from deepspeed_bnb.ops import cpu_features
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    from support import native_checks
+    if native_checks.compiler() is None:
         result.note("o: no C++ compiler on this host: the CPU quantizer's spellings were not checked here")
         return
-    marches = ["native"] + (["x86-64-v4"] if X86_64_V4 <= (cpu_features.cpu_has() or frozenset()) else [])
+    marches = ["native"] + (["x86-64-v4"] if native_checks.runs_here("x86-64-v4") else [])
     rows, failed = [], []
     with tempfile.TemporaryDirectory() as folder:
-        maps = {}
-        for signed in (True, False):
-            maps[signed] = os.path.join(folder, f"map_{int(signed)}.bin")
-            F.create_dynamic_map(signed=signed).float().contiguous().numpy().tofile(maps[signed])
+        maps = {signed: native_checks.write_map(F.create_dynamic_map(signed=signed), f"{folder}/map_{int(signed)}.bin")
+                for signed in (True, False)}
         for march in marches:
-            for source, summary in NATIVE_CHECKS.items():
-                binary = os.path.join(folder, f"{source[:-4]}_{march}")
-                built = subprocess.run([compiler, "-O2", f"-march={march}", "-std=c++17",
-                                        f"-I{os.path.join(common.ROOT, 'csrc', 'include')}",
-                                        f"-I{os.path.join(common.ROOT, 'csrc', 'cpu')}",
-                                        os.path.join(common.ROOT, "tests", "native", source), "-o", binary],
-                                       capture_output=True, text=True)
+            for source in ("key_table_check.cpp", "dequantize_check.cpp"):
+                name = os.path.splitext(source)[0]
+                try:
+                    binary, error = native_checks.compile_check(source, folder, march), None
+                except RuntimeError as exc:
+                    binary, error = None, str(exc)
                 for signed, path in maps.items():
-                    done = subprocess.run([binary, path], capture_output=True, text=True) if built.returncode == 0 \
-                        else built
-                    found = re.fullmatch(summary, (done.stdout.strip().splitlines() or [""])[-1])
-                    ok = done.returncode == 0 and found is not None and int(found.group(2)) == 0
-                    rows.append([march, source[:-4], "signed" if signed else "unsigned",
-                                 found.group(1) if found else "-", found.group(2) if found else "-",
-                                 found.group(3) if found else (done.stderr or done.stdout)[-200:]])
-                    if not ok:
-                        failed.append(f"{march} {source[:-4]} {rows[-1][2]}")
+                    code, found, out = native_checks.run_check(binary, native_checks.SUMMARY[source], path) \
+                        if binary else (None, None, error)
+                    # checked, mismatches, and what ran: the quantizer's spellings, the dequantizer's spelling
+                    rows.append([march, name, "signed" if signed else "unsigned", *(found[:2] if found else ("-", "-")),
+                                 found[-1] if found else out[-200:]])
+                    if not (code == 0 and found and int(found[1]) == 0):
+                        failed.append(f"{march} {name} {rows[-1][2]}")
     result.table("o: this host's CPU quantizer and dequantizer spellings against the literal search and the scalar "
                  "product, bnb's maps", ["-march", "check", "map", "values checked", "mismatches",
                                          "spellings (quantizer) / spelling (dequantizer)"], rows)

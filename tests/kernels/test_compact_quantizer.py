@@ -10,38 +10,27 @@ caught; a map the table cannot serve (unsorted, or with repeated values) is repo
 the literal search for it.
 """
 
-import os
-import re
-import shutil
-import subprocess
 
 import bitsandbytes.functional as F
 import pytest
 import torch
 
 from deepspeed_bnb.ops import reference
-from conftest import ROOT
+from support import native_checks
 
-SOURCE = os.path.join(ROOT, "tests", "native", "compact_quantizer_check.cpp")
+SUMMARY = native_checks.SUMMARY["compact_quantizer_check.cpp"]
 
 
 def build(out_dir, *defines) -> str:
-    if not shutil.which("g++"):
-        pytest.skip("g++ is not installed on this machine")
-    binary = os.path.join(out_dir, "check" + "".join(d.lower() for d in defines))
-    subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc', 'include')}",
-                    *[f"-D{d}" for d in defines], SOURCE, "-o", binary], check=True)
-    return binary
+    # the compiler's default target: the table's arithmetic is plain fp32, the same on every x86-64 CPU
+    return native_checks.build_or_skip("compact_quantizer_check.cpp", out_dir, march=None, defines=defines)
 
 
 def run(binary, qmap: torch.Tensor, signed: bool, tmp_path, mode="near"):
-    path = os.path.join(tmp_path, "map.bin")
-    qmap.float().contiguous().numpy().tofile(path)
-    done = subprocess.run([binary, path, "signed" if signed else "unsigned", mode], capture_output=True, text=True)
-    line = done.stdout.strip().splitlines()[-1]
-    checked, mismatches, usable, entries = map(int, re.fullmatch(
-        r"checked (\d+) mismatches (\d+) usable (\d) entries (\d+)", line).groups())
-    return done.returncode, checked, mismatches, usable, entries, done.stdout
+    path = native_checks.write_map(qmap, f"{tmp_path}/map.bin")
+    code, found, out = native_checks.run_check(binary, SUMMARY, path, "signed" if signed else "unsigned", mode)
+    assert found is not None, out
+    return (code, *map(int, found), out)
 
 
 @pytest.fixture(scope="module")

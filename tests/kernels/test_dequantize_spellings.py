@@ -6,43 +6,27 @@ for bnb's two maps, every code at every position, scales giving normal, subnorma
 only; this is what holds the other one here.
 Control: the harness expecting the entry of the code with bit 5 flipped reports mismatches, in either spelling."""
 
-import os
-import re
-import shutil
-import subprocess
 
 import bitsandbytes.functional as F
 import pytest
 
-from conftest import ROOT
+from support import native_checks
 from deepspeed_bnb.ops import cpu_features
 
-SOURCE = os.path.join(ROOT, "tests", "native", "dequantize_check.cpp")
-CPU = cpu_features.cpu_has() or frozenset()
 # -march -> the spelling it compiles; x86-64-v4 (AVX-512 F, BW, CD, DQ, VL: no VBMI) only where this CPU runs it
 SPELLINGS = {"native": {cpu_features.AVX512_VBMI_PATH: "vbmi", cpu_features.AVX512_PATH: "float-permutes"}.get(
-    cpu_features.kernel_path(CPU), "none")}
-if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= CPU:
+    cpu_features.kernel_path(cpu_features.cpu_has() or ()), "none")}
+if native_checks.runs_here("x86-64-v4"):
     SPELLINGS["x86-64-v4"] = "float-permutes"
-
-
-def build(out_dir, march, *defines) -> str:
-    if not shutil.which("g++"):
-        pytest.skip("g++ is not installed on this machine")
-    binary = os.path.join(out_dir, f"dequantize_check_{march}" + "".join(d.lower() for d in defines))
-    subprocess.run(["g++", "-O2", f"-march={march}", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc', 'include')}",
-                    f"-I{os.path.join(ROOT, 'csrc', 'cpu')}", *[f"-D{d}" for d in defines], SOURCE, "-o", binary],
-                   check=True)
-    return binary
+SUMMARY = native_checks.SUMMARY["dequantize_check.cpp"]
 
 
 def run(binary, signed: bool, tmp_path):
-    path = os.path.join(tmp_path, f"map_{int(signed)}.bin")
-    F.create_dynamic_map(signed=signed).float().contiguous().numpy().tofile(path)
-    done = subprocess.run([binary, path], capture_output=True, text=True)
-    checked, mismatches, spelling = re.fullmatch(r"checked (\d+) mismatches (\d+) spelling (\S+)",
-                                                 done.stdout.strip().splitlines()[-1]).groups()
-    return done.returncode, int(checked), int(mismatches), spelling, done.stdout
+    path = native_checks.write_map(F.create_dynamic_map(signed=signed), f"{tmp_path}/map_{int(signed)}.bin")
+    code, found, out = native_checks.run_check(binary, SUMMARY, path)
+    assert found is not None, out
+    checked, mismatches, spelling = found
+    return code, int(checked), int(mismatches), spelling, out
 
 
 @pytest.mark.parametrize("march", sorted(SPELLINGS))
@@ -50,7 +34,8 @@ def run(binary, signed: bool, tmp_path):
 def test_dequantize64_equals_the_scalar_product(tmp_path, march, signed):
     if SPELLINGS[march] == "none":
         pytest.skip("this CPU has no AVX-512 F, BW and DQ: the build has no dequantize64")
-    code, checked, mismatches, spelling, out = run(build(str(tmp_path), march), signed, tmp_path)
+    binary = native_checks.build_or_skip("dequantize_check.cpp", str(tmp_path), march)
+    code, checked, mismatches, spelling, out = run(binary, signed, tmp_path)
     assert spelling == SPELLINGS[march], out
     assert code == 0 and mismatches == 0 and checked == 8 * 256 * 64, out
 
@@ -59,5 +44,6 @@ def test_dequantize64_equals_the_scalar_product(tmp_path, march, signed):
 def test_control_the_wrong_code_is_caught(tmp_path, march):
     if SPELLINGS[march] == "none":
         pytest.skip("this CPU has no AVX-512 F, BW and DQ: the build has no dequantize64")
-    code, checked, mismatches, spelling, out = run(build(str(tmp_path), march, "EXPECT_WRONG_CODE"), True, tmp_path)
+    binary = native_checks.build_or_skip("dequantize_check.cpp", str(tmp_path), march, ["EXPECT_WRONG_CODE"])
+    code, checked, mismatches, spelling, out = run(binary, True, tmp_path)
     assert spelling == SPELLINGS[march] and code == 1 and mismatches > checked // 2, out

@@ -12,39 +12,25 @@ table steps them). Controls: the wrong tie rule is caught; runs that settle no v
 caught; a map with two midpoints in one bucket is reported unusable (the kernels then take the generic look-up).
 """
 
-import os
-import re
-import shutil
-import subprocess
 
 import bitsandbytes.functional as F
 import pytest
 import torch
 
-from conftest import ROOT
+from support import native_checks
 from deepspeed_bnb.ops import cpu_features, reference
 
-SOURCE = os.path.join(ROOT, "tests", "native", "key_table_check.cpp")
+SUMMARY = native_checks.SUMMARY["key_table_check.cpp"]
 
 
 def build(out_dir, *defines) -> str:
-    if not shutil.which("g++"):
-        pytest.skip("g++ is not installed on this machine")
-    binary = os.path.join(out_dir, "key_table_check" + "".join(d.lower() for d in defines))
-    subprocess.run(["g++", "-O2", "-march=native", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc', 'include')}",
-                    f"-I{os.path.join(ROOT, 'csrc', 'cpu')}", *[f"-D{d}" for d in defines], SOURCE, "-o", binary],
-                   check=True)
-    return binary
+    return native_checks.build_or_skip("key_table_check.cpp", out_dir, defines=defines)
 
 
 def run(binary, qmap: torch.Tensor, tmp_path):
-    path = os.path.join(tmp_path, "map.bin")
-    qmap.float().contiguous().numpy().tofile(path)
-    done = subprocess.run([binary, path], capture_output=True, text=True)
-    summary = done.stdout.strip().splitlines()[-1]
-    checked, mismatches, usable, runs, paths = map(int, re.fullmatch(
-        r"checked (\d+) mismatches (\d+) usable (\d) runs (\d) paths (\d)", summary).groups())
-    return done.returncode, checked, mismatches, usable, runs, paths, done.stdout
+    code, found, out = native_checks.run_check(binary, SUMMARY, native_checks.write_map(qmap, f"{tmp_path}/map.bin"))
+    assert found is not None, out
+    return (code, *map(int, found), out)
 
 
 @pytest.fixture(scope="module")

@@ -4,28 +4,14 @@ integer operations so that the CPU loops vectorize) equal their literal definiti
 error byte, split around every bf16 value and for 2^24 random floats (tests/native/master_weights_check.cpp).
 Control: a unit off by one exponent for subnormal weights is caught."""
 
-import os
-import re
-import shutil
-import subprocess
-
-import pytest
-
-from conftest import ROOT
-
-SOURCE = os.path.join(ROOT, "tests", "native", "master_weights_check.cpp")
+from support import native_checks
 
 
 def run(out_dir, *defines):
-    if not shutil.which("g++"):
-        pytest.skip("g++ is not installed on this machine")
-    binary = os.path.join(out_dir, "master_weights_check" + "".join(d.lower() for d in defines))
-    subprocess.run(["g++", "-O2", "-march=native", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc', 'include')}",
-                    *[f"-D{d}" for d in defines], SOURCE, "-o", binary], check=True)
-    done = subprocess.run([binary], capture_output=True, text=True)
-    checked, mismatches = map(int, re.fullmatch(r"checked (\d+) mismatches (\d+)",
-                                                done.stdout.strip().splitlines()[-1]).groups())
-    return done.returncode, checked, mismatches, done.stdout
+    binary = native_checks.build_or_skip("master_weights_check.cpp", out_dir, defines=defines)
+    code, found, out = native_checks.run_check(binary, native_checks.SUMMARY["master_weights_check.cpp"])
+    assert found is not None, out
+    return (code, *map(int, found), out)
 
 
 def test_compensated_master_weights_equal_the_literal_definition(tmp_path):
