@@ -76,6 +76,11 @@ struct RunTable {
     static constexpr int kRuns = 16;        // per sign; the tables hold the positive runs, then the negative ones
     // |u| at or above 2 is taken as the largest float below 2 (one min instead of a compare; every midpoint is below)
     static constexpr uint32_t kClampBits = 0x3FFFFFFFu;
+    static float clamp_magnitude() {
+        float x;
+        std::memcpy(&x, &kClampBits, sizeof(x));
+        return x;
+    }
     bool usable = false;                    // every check below held
     float band = 0.0f;                      // a line's fraction below this: settled by the key table
     alignas(64) int32_t first_run[kOctaves];  // octave -> the run its bottom is in (the boundaries below it)
@@ -91,7 +96,7 @@ struct RunTable {
         for (int i = 0; i < 255; ++i) {
             const float m = midpoints[i];
             // a midpoint at zero, or at or above the clamp: not for lines
-            if (!(std::fabs(m) < 1.99999988f) || m == 0.0f) return;
+            if (!(std::fabs(m) < clamp_magnitude()) || m == 0.0f) return;
             (m > 0.0f ? positive : negative).push_back(std::fabs(m));
         }
         std::sort(negative.begin(), negative.end());
@@ -132,57 +137,75 @@ struct RunTable {
             if (inside > 1) return;  // one compare per octave decides the run
             first_run[o] = below;
         }
+        for (int negative_side = 0; negative_side < 2; ++negative_side) {
+            for (int run = 0; run < kRuns; ++run) {
+                set_line(midpoints, bounds, negative_side ? negative : positive, negative_side ? -1 : 1, run,
+                         run + kRuns * negative_side);
+            }
+        }
         // Each line's offset carries `shift`, so that a line value's fraction, not its distance to the nearer whole
         // number, says whether floor() is sure: one compare where two were. Why that is exact: the kernels' FMA is
         // monotone in |u|, so between two midpoints of a run u's line value lies between theirs; theirs lie within
         // [low, high] above the counts they separate (measured below in the kernels' arithmetic), so u's lies in
         // [count + low, count + 1 + high]. Where 0 < low and high < 1, a fraction above `high` has floor() = count;
-        // beyond a run's last midpoints the clamp to [lowest, highest] gives the count. `band` keeps two ulps of
-        // the largest line values to spare.
+        // beyond a run's last midpoints the clamp to [lowest, highest] gives the count. `shift` and `band` keep two
+        // ulps of the largest line values to spare.
         double worst = 0.0;  // the largest distance of a midpoint's unshifted line value from its whole number
-        for (int pass = 0; pass < 2; ++pass) {
-            double low = 1.0, high = -1.0;  // pass 1: the shifted line values' distance above their counts
-            const float shift = static_cast<float>(worst) + std::ldexp(1.0f, -14);
-            for (int negative_side = 0; negative_side < 2; ++negative_side) {
-                const std::vector<float>& side = negative_side ? negative : positive;
-                const int direction = negative_side ? -1 : 1;  // below a negative u: the midpoints of larger magnitude
-                for (int run = 0; run < kRuns; ++run) {
-                    const int slot = run + kRuns * negative_side;
-                    if (pass == 0) set_line(midpoints, bounds, side, direction, run, slot);
-                    if (pass == 1) offset[slot] += shift;
-                    if (run > static_cast<int>(bounds.size())) continue;
-                    const float from = run == 0 ? 0.0f : bounds[run - 1];
-                    const float to = run < static_cast<int>(bounds.size()) ? bounds[run] : INFINITY;
-                    const int first = direction > 0 ? lowest[slot] : highest[slot];
-                    int k = 0;
-                    for (const float m : side) {
-                        if (!(m > from && m < to)) continue;
-                        const float x = std::fma(m, slope[slot], offset[slot]);  // in the kernels' arithmetic
-                        const int count = first + direction * (k + (direction > 0));  // above the k-th midpoint
-                        const double distance = static_cast<double>(x) - count;
-                        worst = pass == 0 ? std::max(worst, std::fabs(distance)) : worst;
-                        low = std::min(low, distance);
-                        high = std::max(high, distance);
-                        ++k;
-                    }
+        each_midpoint_line(positive, negative, bounds, [&](double distance) {
+            worst = std::max(worst, std::fabs(distance));
+        });
+        const float shift = static_cast<float>(worst) + std::ldexp(1.0f, -14);
+        for (float& c : offset) c += shift;
+        double low = 1.0, high = -1.0;  // the shifted line values' distance above their counts
+        each_midpoint_line(positive, negative, bounds, [&](double distance) {
+            low = std::min(low, distance);
+            high = std::max(high, distance);
+        });
+        band = static_cast<float>(high) + std::ldexp(1.0f, -14);
+        usable = low > 0.0 && band < 0.1f;
+    }
+
+  private:
+    // The magnitudes between which run `run` lies (exclusive); false for a run past the last boundary's.
+    static bool run_range(const std::vector<float>& bounds, int run, float& from, float& to) {
+        if (run > static_cast<int>(bounds.size())) return false;
+        from = run == 0 ? 0.0f : bounds[run - 1];
+        to = run < static_cast<int>(bounds.size()) ? bounds[run] : INFINITY;
+        return true;
+    }
+
+    // visit(line value - count) for every midpoint inside a run, its line as the kernels compute it (one fp32 FMA) and
+    // the count of midpoints below the values just above it.
+    template <typename Visit>
+    void each_midpoint_line(const std::vector<float>& positive, const std::vector<float>& negative,
+                            const std::vector<float>& bounds, Visit&& visit) const {
+        for (int negative_side = 0; negative_side < 2; ++negative_side) {
+            const std::vector<float>& side = negative_side ? negative : positive;
+            const int direction = negative_side ? -1 : 1;  // below a negative u: the midpoints of larger magnitude
+            for (int run = 0; run < kRuns; ++run) {
+                const int slot = run + kRuns * negative_side;
+                float from, to;
+                if (!run_range(bounds, run, from, to)) continue;
+                const int first = direction > 0 ? lowest[slot] : highest[slot];
+                int k = 0;
+                for (const float m : side) {
+                    if (!(m > from && m < to)) continue;
+                    const float x = std::fma(m, slope[slot], offset[slot]);
+                    const int count = first + direction * (k + (direction > 0));  // above the k-th midpoint
+                    visit(static_cast<double>(x) - count);
+                    ++k;
                 }
-            }
-            if (pass == 1) {
-                band = static_cast<float>(high) + std::ldexp(1.0f, -14);
-                usable = low > 0.0 && band < 0.1f;
             }
         }
     }
 
-  private:
     // The line of one run on one side (unshifted): its slope, offset and the counts it is clamped to.
     void set_line(const float* midpoints, const std::vector<float>& bounds, const std::vector<float>& side,
                   int direction, int run, int slot) {
         slope[slot] = offset[slot] = 0.0f;
         lowest[slot] = highest[slot] = 0;
-        if (run > static_cast<int>(bounds.size())) return;
-        const float from = run == 0 ? 0.0f : bounds[run - 1];
-        const float to = run < static_cast<int>(bounds.size()) ? bounds[run] : INFINITY;
+        float from, to;
+        if (!run_range(bounds, run, from, to)) return;
         std::vector<float> inner;  // this side's midpoints strictly between the run's boundaries
         for (const float m : side) {
             if (m > from && m < to) inner.push_back(m);

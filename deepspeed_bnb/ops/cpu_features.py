@@ -56,6 +56,11 @@ def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> Froz
     return needs_of(compiler_macros(flags, compiler))
 
 
+AVX512_VBMI_PATH = "AVX-512 VBMI path"
+AVX512_PATH = "AVX-512 path (no VBMI)"
+AVX512_PATHS = (AVX512_VBMI_PATH, AVX512_PATH)  # the builds that compile the AVX-512 full-block path
+
+
 def kernel_path(needs: Iterable[str]) -> str:
     """Which full-block path a build that may use these instruction sets runs: csrc/cpu/adam8bit_avx512.h needs
     AVX-512 F, BW and DQ (its dequantizer byte permutes where VBMI is there too, float permutes elsewhere),
@@ -64,11 +69,6 @@ def kernel_path(needs: Iterable[str]) -> str:
     if {"avx512f", "avx512bw", "avx512dq"} <= needs:
         return AVX512_VBMI_PATH if "avx512vbmi" in needs else AVX512_PATH
     return "AVX2 path" if "avx2" in needs else "portable loops"
-
-
-AVX512_VBMI_PATH = "AVX-512 VBMI path"
-AVX512_PATH = "AVX-512 path (no VBMI)"
-AVX512_PATHS = (AVX512_VBMI_PATH, AVX512_PATH)  # the builds that compile the AVX-512 full-block path
 
 
 def cpu_has() -> Optional[FrozenSet[str]]:
