@@ -40,11 +40,12 @@ CONFIGS = {"adam": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD},
            "momentum": {"lr": SGD_LR, "betas": (SGD_MOMENTUM, 0.0), "eps": EPS, "weight_decay": WD}}
 
 
-def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True):
+def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True, model_copy=False):
     """One step of deepspeed_bnb's fused `rule` over a flat partition of n elements with 8-bit state (eight_bit
     False: fp32 state, the kernel's path without (de)quantization), its hyper row rebuilt every step as the ZeRO
     optimizer does (the step counter starts at 1: the warm-up round), in the arithmetic the ZeRO step computes on
-    `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says."""
+    `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says. model_copy: the kernel also
+    writes the model's bf16 copy of the updated weights (lp_params, CPU), as the ZeRO-1/2 step has it do."""
     update = rules.get(rule)
     signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
@@ -55,6 +56,7 @@ def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True):
     table = rules.segment_table(GroupLayout((n,), 1).segments(0, [eight_bit]), [0]).to(device)
     step = [0]
     arithmetic = arithmetic or rules.arithmetic_for(device)
+    copy = torch.zeros(n, dtype=torch.bfloat16, device=device) if model_copy else None
 
     def run():
         step[0] += 1
@@ -62,9 +64,24 @@ def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True):
         # as the ZeRO step sends it (optim/fused/partition.py): from pinned memory, without waiting for the device
         hyper = hyper.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
             else hyper.to(device)
-        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, None, None, arithmetic,
+        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, None, None, arithmetic, copy,
                     use_kernel=use_kernel)
+    run.params = params  # the master weights it updates (then_bf16_copy)
     return run
+
+
+def then_bf16_copy(run, n):
+    """`run`, then the model's bf16 copy of the updated fp32 weights by torch, as DeepSpeed's ZeRO-1/2 step converts
+    each partition after the optimizer (`bit16_partition_buffer.copy_(fp32_partition)`)."""
+    params = getattr(run, "params", None)
+    if params is None:  # a torch optimizer: its one parameter
+        params = run.__self__.param_groups[0]["params"][0].detach()
+    copy = torch.zeros(n, dtype=torch.bfloat16)
+
+    def wrapped():
+        run()
+        copy.copy_(params)
+    return wrapped
 
 
 KEY_LOOKUP_ENV = "DEEPSPEED_BNB_CPU_KEY_LOOKUP"  # csrc/cpu/quantize_keys.h: KeyLookup
@@ -108,6 +125,8 @@ def deepspeed_cpu_adam(n):
 
 
 YARDSTICK = "memory: in-place pass x = -x (the ceiling; fastest round)"
+COPY_FUSED = "deepspeed_bnb C++ kernel (8-bit), writing the model's bf16 copy"
+COPY_AFTER = "deepspeed_bnb C++ kernel (8-bit), then torch's bf16 copy"
 GATHER_KEYS = "deepspeed_bnb C++ kernel (8-bit), key table gathered"
 SCALAR_KEYS = "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads"
 IMPLEMENTATIONS = {
@@ -117,6 +136,11 @@ IMPLEMENTATIONS = {
     # codes), its entries gathered, or loaded one by one (faster than the gather where gathers are slow)
     GATHER_KEYS: lambda n: with_key_lookup(fused("adam", n, True), "gather"),
     SCALAR_KEYS: lambda n: with_key_lookup(fused("adam", n, True), "scalar"),
+    # the step and the model's bf16 copy of the weights, as inside a ZeRO-1/2 step: written by the kernel, or converted
+    # by torch after it (DeepSpeed's pass, which the CPU step without the kernel's copy makes)
+    COPY_FUSED: lambda n: fused("adam", n, True, model_copy=True),
+    COPY_AFTER: lambda n: then_bf16_copy(fused("adam", n, True), n),
+    "DeepSpeedCPUAdam (fp32), then torch's bf16 copy": lambda n: then_bf16_copy(deepspeed_cpu_adam(n), n),
     # the same kernel and update without the 8-bit round trip: what requantizing costs, by difference
     "deepspeed_bnb C++ kernel, fp32 state (no quantization)": lambda n: fused("adam", n, True, eight_bit=False),
     "bitsandbytes CPU AdamW8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
@@ -140,9 +164,10 @@ def least_bytes(name: str) -> int:
     and SGD-momentum 14 (one code); the per-block absmax adds 1/32 B per state, left out."""
     if name == YARDSTICK:
         return 8
+    copy = 2 if "bf16 copy" in name else 0  # the model's copy written (its fp32 source need not be read again)
     if "fp32" in name:
-        return 28
-    return 14 if ("Lion" in name or "SGD" in name) else 16
+        return 28 + copy
+    return (14 if ("Lion" in name or "SGD" in name) else 16) + copy
 
 
 # the bnb row each fused row is compared with: same update rule

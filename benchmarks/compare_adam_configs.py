@@ -3,6 +3,9 @@
 LABELS = {
     "bnb8_fused": "bnb AdamW8bit, fused kernel",
     "bnb8_fallback": "bnb AdamW8bit, bnb's update",
+    # the fused kernel with DeepSpeed's own conversion of each partition after the step (DEEPSPEED_BNB_KERNEL_LP_COPY=0)
+    # where on the CPU the kernel writes the model's copy itself: the two side by side
+    "bnb8_fused_ds_copy": "bnb AdamW8bit, fused kernel, DeepSpeed's copy",
     "torch_adamw": "torch AdamW (fp32)",
     "torch_adamw_fused": "torch AdamW(fused=True) (fp32)",
     "ds_adamw": "DeepSpeed Adam (fp32)",

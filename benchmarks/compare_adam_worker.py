@@ -20,6 +20,7 @@ import deepspeed_bnb  # noqa: F401  (routes bnb optimizers to BnbZeroOptimizer; 
 from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
 from deepspeed_bnb.demo.text import ByteBatches, stdlib_bytes
 from deepspeed_bnb.ops import compensated
+from deepspeed_bnb.runtime.zero import lp_copy
 from deepspeed_bnb.utils.teardown import finish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,8 +57,8 @@ def parse_args():
 def ds_config(args) -> dict:
     """The same training setup for every optimizer; only the optimizer and its deepspeed_bnb keys differ."""
     zero = {"stage": args.stage}
-    if args.config in ("bnb8_fused", "bnb8_fallback"):
-        zero["bnb_fused_kernel"] = args.config == "bnb8_fused"
+    if args.config in ("bnb8_fused", "bnb8_fallback", "bnb8_fused_ds_copy"):
+        zero["bnb_fused_kernel"] = args.config != "bnb8_fallback"
     if args.config.startswith("bnb8_master"):  # the fused kernels step fp32 master weights: bnb's own update
         zero["bnb_master_weights"] = "bf16" if args.config == "bnb8_master_bf16" else "bf16+8"
     cfg = {
@@ -166,6 +167,8 @@ def checkpoint_sizes(folder: str) -> dict:
 
 def main():
     args = parse_args()
+    if args.config == "bnb8_fused_ds_copy":  # before the engine is built (runtime/zero/lp_copy.py reads it per step)
+        os.environ[lp_copy.ENV] = "0"
     rss_at_start = rss_bytes()  # interpreter + torch + deepspeed + bitsandbytes imported, nothing built
     torch.manual_seed(args.seed)
     cfg = GPTConfig(context=args.context, width=args.width, depth=args.depth, heads=max(1, args.width // 32))

@@ -189,7 +189,20 @@ OVERRIDES: Tuple[Override, ...] = (
               "matrix runs",
               ("self", "grad_groups_flat", "total_norm")),
     _subclass(ZERO12, ZERO12_PY, "_optimizer_step", "steps the partition segment by segment (fused kernel or bnb's "
-              "update per parameter)", ("self", "group_no")),
+              "update per parameter); on the CPU the kernel writes the model's copy of the updated weights, and the "
+              "group's master entry is handed over for DeepSpeed's conversion statement right after, which then copies "
+              "the copy onto itself (runtime/zero/lp_copy.py)", ("self", "group_no")),
+    _subclass(ZERO12, ZERO12_PY, "step", "DeepSpeed's step, then the master partitions handed over for its "
+              "conversion statements back in place (also when it raises)", ("self", "closure")),
+    Override(ZERO12, "single_partition_of_fp32_groups", CALL, OBJECT_SCOPE, "", "each group's fp32 master partition "
+             "(read; during a step an entry is the model's copy between _optimizer_step and DeepSpeed's conversion "
+             "statement, which reads it there only: lp_copy.py)"),
+    Override(ZERO12, "param_buffer_of_bit16_for_cpu_offload_groups", CALL, OBJECT_SCOPE, "", "under CPU offload, the "
+             "pinned buffer DeepSpeed converts each master partition into and sends to the device: the fused CPU "
+             "kernel writes it (where it is missing, DeepSpeed sends the fp32 partition and converts it itself)",
+             since="0.17.0"),
+    Override(ZERO12, "parallel_partitioned_bit16_groups", CALL, OBJECT_SCOPE, "", "each group's model-weight "
+             "partitions (this rank's: the copy the fused CPU kernel writes without offload)"),
     _subclass(ZERO12, ZERO12_PY, "has_overflow_partitioned_grads_serial", "the inf/NaN check before an fp16/bf16 "
               "step: the same answer (a bool tensor of shape [1] on the device, as every supported release returns "
               "it) from one batched fp64 norm per gradient piece instead of seven operations per piece "

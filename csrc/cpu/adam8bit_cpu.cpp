@@ -142,12 +142,14 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
                        at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                        const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
                        const at::Tensor& hyper, const std::optional<at::Tensor>& scale,
-                       const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
+                       const std::optional<at::Tensor>& error, c10::string_view arithmetic,
+                       const std::optional<at::Tensor>& lp_params) {
     const dsbnb::cpu::Checker check("adam8bit_step_");
     const bool bnb_cpu = dsbnb::cpu::bnb_cpu_arithmetic(check, arithmetic);
     dsbnb::cpu::choose_key_lookup(check);
     const double inv_scale = dsbnb::cpu::scale_of(check, scale);
     const dsbnb::Master master = dsbnb::cpu::master_of(check, params, error);
+    const dsbnb::cpu::ModelCopy copy = dsbnb::cpu::model_copy_of(check, master, params, lp_params);
     check.expect(codes1, "codes1", at::kByte);
     check.expect(codes2, "codes2", at::kByte);
     check.expect(absmax1, "absmax1", at::kFloat);
@@ -181,7 +183,7 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
         dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
                                                        int64_t base) {
             if (s.eight_bit) dsbnb::cpu::prefetch_block(master, g, c1, c2, base + kBlock);
-            dsbnb::cpu::with_fp32_master(master, base, len, [&](float* p) {
+            dsbnb::cpu::with_fp32_master(master, copy, base, len, [&](float* p) {
                 if (s.eight_bit) {
                     const int64_t block = base / kBlock;
                     block_8bit<G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, c2 + base, a1 + block,

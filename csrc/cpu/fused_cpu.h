@@ -305,6 +305,51 @@ inline Master master_of(const Checker& check, const at::Tensor& params, const st
     return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
 }
 
+// The model's copy of the updated master weights (lp_params: DeepSpeed's low-precision partition, or the pinned buffer
+// its CPU offload copies to the device): written by the kernel for every element it steps, from the block it has in
+// cache, where DeepSpeed's step otherwise converts the whole fp32 partition in a pass of its own after the optimizer
+// (6 bytes per element of memory traffic beside the 8-bit step's 16). Its bits are torch's fp32 -> bf16 conversion
+// (round to nearest even), NaN aside: a NaN is stored as 0x7FC0, torch's scalar conversion (its vectorized one
+// writes 0xFFFF).
+enum class CopyKind : int { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
+
+struct ModelCopy {
+    CopyKind kind;  // none asked for, an fp32 model's weights, or bf16 bits
+    void* values;   // float* or uint16_t* over the partition; null for kNone
+};
+
+// The operator's lp_params, checked: only beside fp32 master weights (bf16 ones are the model's copy themselves), the
+// partition's size, fp32 or bf16, not overlapping the master weights.
+inline ModelCopy model_copy_of(const Checker& check, const Master& master, const at::Tensor& params,
+                               const std::optional<at::Tensor>& lp_params) {
+    if (!lp_params.has_value()) return {CopyKind::kNone, nullptr};
+    const at::Tensor& lp = *lp_params;
+    check(master.kind == MasterKind::kFloat32, "lp_params (the model's copy of the updated weights) goes with float32 "
+                                               "master weights; bf16 master weights are that copy themselves");
+    check(lp.device().is_cpu() && lp.is_contiguous(), "lp_params must be a contiguous CPU tensor");
+    check(lp.numel() == params.numel(), "lp_params and params differ in size (" + std::to_string(lp.numel()) +
+                                            " and " + std::to_string(params.numel()) + " elements)");
+    const auto* lp_first = static_cast<const char*>(lp.data_ptr());
+    const auto* p_first = static_cast<const char*>(params.data_ptr());
+    check(lp.numel() == 0 || lp_first + lp.nbytes() <= p_first || p_first + params.nbytes() <= lp_first,
+          "lp_params overlaps params (the copy must be a tensor of its own)");
+    if (lp.scalar_type() == at::kFloat) return {CopyKind::kFloat32, lp.data_ptr()};
+    check(lp.scalar_type() == at::kBFloat16, std::string("lp_params must be float32 or bfloat16, got ") +
+                                                 c10::toString(lp.scalar_type()));
+    return {CopyKind::kBFloat16, lp.data_ptr()};
+}
+
+// Writes the model's copy of the updated fp32 weights p of the block base..base+len.
+inline void store_model_copy(const ModelCopy& copy, int64_t base, int64_t len, const float* p) {
+    if (copy.kind == CopyKind::kFloat32) {
+        std::memcpy(static_cast<float*>(copy.values) + base, p, static_cast<size_t>(len) * sizeof(float));
+    } else if (copy.kind == CopyKind::kBFloat16) {
+        uint16_t* out = static_cast<uint16_t*>(copy.values) + base;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) out[j] = bf16_round(p[j]);
+    }
+}
+
 // Asks the caches for kLines 64-byte lines from `offset` bytes past `base` (a hint: it cannot fault, whatever the
 // address; integer arithmetic, since the range may pass the end of the array). Always inlined, as is prefetch_block:
 // gcc finds a function that only prefetches free of effects and deletes the calls to it.
@@ -337,12 +382,15 @@ __attribute__((always_inline)) inline void prefetch_block(const Master& master, 
     if (c2 != nullptr) prefetch_lines<4, 1>(c2, at);
 }
 
-// Runs step(p) with p the fp32 master weights of the block base..base+len: the partition's own when they are fp32;
-// else a widened copy, stored back after (every element: an unchanged one goes back to the same bits, NaN aside).
+// Runs step(p) with p the fp32 master weights of the block base..base+len: the partition's own when they are fp32
+// (then the model's copy, if asked for, written from them); else a widened copy, stored back after (every element:
+// an unchanged one goes back to the same bits, NaN aside).
 template <typename Step>
-inline void with_fp32_master(const Master& master, int64_t base, int64_t len, Step&& step) {
+inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_t base, int64_t len, Step&& step) {
     if (master.kind == MasterKind::kFloat32) {
-        step(static_cast<float*>(master.values) + base);
+        float* p = static_cast<float*>(master.values) + base;
+        step(p);
+        store_model_copy(copy, base, len, p);
         return;
     }
     // one loop per kind, not a switch per element: each vectorizes
@@ -480,12 +528,13 @@ template <typename Rule>
 void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                     at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper,
                     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& error,
-                    c10::string_view arithmetic) {
+                    c10::string_view arithmetic, const std::optional<at::Tensor>& lp_params) {
     const Checker check(op);
     const bool bnb_cpu = bnb_cpu_arithmetic(check, arithmetic);
     choose_key_lookup(check);
     const double inv_scale = scale_of(check, scale);
     const Master master = master_of(check, params, error);
+    const ModelCopy copy = model_copy_of(check, master, params, lp_params);
     check.expect(codes1, "codes1", at::kByte);
     check.expect(absmax1, "absmax1", at::kFloat);
     check.expect(state1, "state1", at::kFloat);
@@ -505,7 +554,7 @@ void one_state_step(const char* op, at::Tensor params, const at::Tensor& grads, 
         constexpr bool kScale = decltype(scale)::value;
         for_each_block(segments, work, [&](const Segment& s, int64_t start, int64_t len, int64_t base) {
             if (s.eight_bit) prefetch_block(master, g, c1, nullptr, base + kBlock);
-            with_fp32_master(master, base, len, [&](float* p) {
+            with_fp32_master(master, copy, base, len, [&](float* p) {
                 if (s.eight_bit) {
                     one_state_block<Rule, G, kScale>(h[s.hyper_row], len, p, g + base, c1 + base, a1 + base / kBlock,
                                                      q1, t1, inv);

@@ -50,9 +50,9 @@ struct MomentumRule {
 void momentum8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
     at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments, const at::Tensor& hyper,
     const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& error,
-    c10::string_view arithmetic) {
+    c10::string_view arithmetic, const std::optional<at::Tensor>& lp_params) {
     dsbnb::cpu::one_state_step<MomentumRule>("momentum8bit_step_", params, grads, codes1, absmax1, state1, qmap1,
-                                             segments, hyper, inv_scale, error, arithmetic);
+                                             segments, hyper, inv_scale, error, arithmetic, lp_params);
 }
 
 }  // namespace

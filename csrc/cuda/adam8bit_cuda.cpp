@@ -14,10 +14,11 @@ void adam8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor c
                         at::Tensor absmax1, at::Tensor absmax2, at::Tensor state1, at::Tensor state2,
                         const at::Tensor& qmap1, const at::Tensor& qmap2, const at::Tensor& segments,
                         const at::Tensor& hyper, const std::optional<at::Tensor>& inv_scale,
-                        const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
+                        const std::optional<at::Tensor>& error, c10::string_view arithmetic,
+                        const std::optional<at::Tensor>& lp_params) {
     dsbnb::binding::run("adam8bit_step_", &dsbnb::launch_adam8bit_step, params, grads,
                         {{&codes1, &absmax1, &state1, &qmap1}, {&codes2, &absmax2, &state2, &qmap2}}, segments, hyper,
-                        dsbnb::kHyperFields, inv_scale, error, arithmetic);
+                        dsbnb::kHyperFields, inv_scale, error, arithmetic, lp_params);
 }
 
 }  // namespace

@@ -218,8 +218,13 @@ using Launch = int (*)(const StepArgs&, bool, void*);
 inline void run(const char* op, Launch launch, at::Tensor& params, const at::Tensor& grads,
                 std::initializer_list<StateTensors> state_list, const at::Tensor& segments, const at::Tensor& hyper,
                 int64_t ieee_fields, const std::optional<at::Tensor>& inv_scale,
-                const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
+                const std::optional<at::Tensor>& error, c10::string_view arithmetic,
+                const std::optional<at::Tensor>& lp_params = std::nullopt) {
     const Checker check(op);
+    // the model's copy written by the kernel (lp_params) has run on CPUs only so far: DeepSpeed's own copy after the
+    // step serves GPUs until the device kernels are held to it
+    check(!lp_params.has_value(), "lp_params (the model's copy of the updated weights) is written by the CPU kernels "
+                                  "only; on a GPU leave it None (DeepSpeed copies the partition after the step)");
     const std::vector<StateTensors> states(state_list);
     const bool bnb = bnb_arithmetic(check, arithmetic);
     const c10::cuda::CUDAGuard guard(params.device());

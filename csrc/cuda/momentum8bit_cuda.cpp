@@ -13,10 +13,11 @@ namespace {
 void momentum8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor codes1, at::Tensor absmax1,
                         at::Tensor state1, const at::Tensor& qmap1, const at::Tensor& segments,
                         const at::Tensor& hyper, const std::optional<at::Tensor>& inv_scale,
-                        const std::optional<at::Tensor>& error, c10::string_view arithmetic) {
+                        const std::optional<at::Tensor>& error, c10::string_view arithmetic,
+                        const std::optional<at::Tensor>& lp_params) {
     dsbnb::binding::run("momentum8bit_step_", &dsbnb::launch_momentum8bit_step, params, grads,
                         {{&codes1, &absmax1, &state1, &qmap1}}, segments, hyper, dsbnb::kMomentumHyperFields, inv_scale, error,
-                        arithmetic);
+                        arithmetic, lp_params);
 }
 
 }  // namespace

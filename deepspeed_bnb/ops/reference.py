@@ -55,6 +55,9 @@ kernels round, skip non-finite gradients and apply weight decay differently, as 
   update of a bf16 parameter rounds its fp32 result once, the same way); or compensated bf16 + int8 error terms
   (`error`, ops/compensated.py), joined to fp32 and split again. Every stored NaN is bf16's quiet NaN 0x7FC0.
 - The sign and payload of a NaN are unspecified (x86 vector units and torch produce different ones).
+- `lp_params` (optional, beside fp32 master weights only): the model's copy of the updated weights, fp32 or bf16 of
+  the partition's size, written for every element of every segment (the bf16 one rounded to nearest even as torch's
+  conversion rounds, NaN as 0x7FC0), so that DeepSpeed need not convert the partition in a pass of its own.
 - Alignment padding (elements in no segment) is never read or written.
 References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_blockwise_cpu`), `csrc/kernels.cu`
 (`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION and MOMENTUM branches,
@@ -316,14 +319,26 @@ def _scale(inv_scale: Optional[torch.Tensor], arithmetic: str) -> Optional[torch
     return None if inv_scale is None else inv_scale.detach().reshape(()).float().cpu()
 
 
+def _model_copy(params: torch.Tensor, error: Optional[torch.Tensor], lp_params: Optional[torch.Tensor]) -> None:
+    if lp_params is None:
+        return
+    if params.dtype != torch.float32 or error is not None:
+        raise ValueError(f"lp_params (the model's copy of the updated weights) goes with float32 master weights; got "
+                         f"{params.dtype} params{' with error terms' if error is not None else ''}")
+    if lp_params.dtype not in (torch.float32, torch.bfloat16) or lp_params.numel() != params.numel():
+        raise ValueError(f"lp_params must be float32 or bfloat16 with params' {params.numel()} elements, got "
+                         f"{lp_params.dtype} [{lp_params.numel()}]")
+
+
 def _walk(params, grads, segments, hyper, inv_scale, update, error=None, arithmetic: str = IEEE,
-          bnb_fp32_update=None) -> None:
+          bnb_fp32_update=None, lp_params: Optional[torch.Tensor] = None) -> None:
     """Call update(segment, p, g, finite, h) for every row of the segment table (p: the segment's fp32 master weights,
     a view of params, or for bf16 and compensated ones a widened copy stored back after; g: its scaled fp32 gradient,
     finite: isfinite(g), h: its hyper row); in the BNB_CPU arithmetic, bnb_fp32_update(segment, p, g, h) instead for
     fp32 segments, with g the gradient bnb reads (the unscale factor applied in the gradient's own dtype, as
-    DeepSpeed's grad.mul_ applies it, then widened)."""
+    DeepSpeed's grad.mul_ applies it, then widened); then each segment's model copy into lp_params where given."""
     _master_kind(params, error)
+    _model_copy(params, error, lp_params)
     inv_scale = _scale(inv_scale, arithmetic)
     hyper = hyper.float()
     for offset, numel, eight_bit, fp32_offset, row in segments.tolist():
@@ -344,6 +359,9 @@ def _walk(params, grads, segments, hyper, inv_scale, update, error=None, arithme
             compensated.split_(wide, p, lo)
         elif wide is not p:
             p.copy_(compensated.to_bf16(wide))
+        if lp_params is not None:
+            out = lp_params.narrow(0, offset, numel)
+            out.copy_(wide if out.dtype == torch.float32 else compensated.to_bf16(wide))
 
 
 @torch.no_grad()
@@ -351,7 +369,7 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
                   absmax1: torch.Tensor, absmax2: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
                   qmap1: torch.Tensor, qmap2: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
                   inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
-                  arithmetic: str = IEEE) -> None:
+                  arithmetic: str = IEEE, lp_params: Optional[torch.Tensor] = None) -> None:
     """In place: one AdamW step of every segment of a flat partition (see the module docstring for semantics).
 
     params fp32 or bf16 [P] (master weights; error: int8 [P], their error terms when compensated); grads
@@ -372,14 +390,14 @@ def adam8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
     def bnb_fp32_update(segment, p, g, h):
         bnb_cpu32.adam(p, state1.narrow(0, segment.fp32_offset, segment.numel),
                        state2.narrow(0, segment.fp32_offset, segment.numel), g, h)
-    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update, lp_params)
 
 
 @torch.no_grad()
 def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                   state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
                   inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
-                  arithmetic: str = IEEE) -> None:
+                  arithmetic: str = IEEE, lp_params: Optional[torch.Tensor] = None) -> None:
     """In place: one Lion step of every segment of a flat partition (see the module docstring for semantics).
 
     As adam8bit_step with one state (the momentum): codes1 uint8 [P] and absmax1 fp32 [P/256] for 8-bit segments,
@@ -394,14 +412,14 @@ def lion8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tenso
 
     def bnb_fp32_update(segment, p, g, h):
         bnb_cpu32.lion(p, state1.narrow(0, segment.fp32_offset, segment.numel), g, h)
-    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update, lp_params)
 
 
 @torch.no_grad()
 def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.Tensor, absmax1: torch.Tensor,
                       state1: torch.Tensor, qmap1: torch.Tensor, segments: torch.Tensor, hyper: torch.Tensor,
                       inv_scale: Optional[torch.Tensor], error: Optional[torch.Tensor] = None,
-                      arithmetic: str = IEEE) -> None:
+                      arithmetic: str = IEEE, lp_params: Optional[torch.Tensor] = None) -> None:
     """In place: one SGD-with-momentum step of every segment of a flat partition (see the module docstring).
 
     Arguments as lion8bit_step (one state, the momentum); hyper fp32 [H, 4] (MomentumHyper rows).
@@ -415,4 +433,4 @@ def momentum8bit_step(params: torch.Tensor, grads: torch.Tensor, codes1: torch.T
 
     def bnb_fp32_update(segment, p, g, h):
         bnb_cpu32.momentum(p, state1.narrow(0, segment.fp32_offset, segment.numel), g, h)
-    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update)
+    _walk(params, grads, segments, hyper, inv_scale, update, error, arithmetic, bnb_fp32_update, lp_params)

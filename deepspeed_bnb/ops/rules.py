@@ -10,10 +10,12 @@ implementations (ops/fake.py), the first-use check (ops/self_check.py), the fuse
 compiled or reference.
 
 Every operator has the same argument layout, grouped by kind and numbered by moment (k = 1..moments):
-    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale, error, arithmetic
+    params, grads, codes<k>..., absmax<k>..., state<k>..., qmap<k>..., segments, hyper, inv_scale, error, arithmetic,
+    lp_params
 (params: fp32 or bf16 master weights; inv_scale: None, or a one-element float32 tensor on their device holding
 DeepSpeed's unscale/clip factor, read by the kernel so that the host never waits for it; error: None, or the int8
-error terms of compensated ones; arithmetic: which rounding rules, ARITHMETICS) (`argument_names`); moment 1 (m)
+error terms of compensated ones; arithmetic: which rounding rules, ARITHMETICS; lp_params: None, or the model's fp32
+or bf16 copy of fp32 master weights, written by the kernel: CPU only) (`argument_names`); moment 1 (m)
 uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
 
 Adding a rule touches these files (tests/unit/test_rules.py checks that they agree with each other):
@@ -99,6 +101,8 @@ class UpdateRule:
 
         def bnb_own_update(params, grads, *rest):
             segments, hyper, inv_scale, error = rest[4 * n:4 * n + 4]
+            if len(rest) > 4 * n + 5 and rest[4 * n + 5] is not None:
+                raise ValueError("bnb's own CUDA update writes no model copy (lp_params): leave it None on a GPU")
             bnb_update.step_(self.name, params, grads, rest[:n], rest[n:2 * n], rest[2 * n:3 * n],
                              rest[3 * n:4 * n], segments, hyper, inv_scale, error)
         return bnb_own_update
@@ -178,7 +182,7 @@ def argument_names(rule) -> Tuple[str, ...]:
     """The operator's (and the reference's) arguments in order, by name."""
     numbers = range(1, get(rule).moments + 1)
     per_moment = [f"{kind}{k}" for kind in ("codes", "absmax", "state", "qmap") for k in numbers]
-    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale", "error", "arithmetic")
+    return ("params", "grads", *per_moment, "segments", "hyper", "inv_scale", "error", "arithmetic", "lp_params")
 
 
 def scale_argument(inv_scale, device) -> Optional[torch.Tensor]:
@@ -198,11 +202,12 @@ def scale_argument(inv_scale, device) -> Optional[torch.Tensor]:
 def arguments(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
               absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
               segments: torch.Tensor, hyper: torch.Tensor, inv_scale=None, error: Optional[torch.Tensor] = None,
-              arithmetic: str = IEEE) -> tuple:
+              arithmetic: str = IEEE, lp_params: Optional[torch.Tensor] = None) -> tuple:
     """The operator's positional arguments: codes, absmax, fp32 state and qmaps hold one tensor per moment of the
     rule (moment 1 first); a ValueError when a count differs. `params`: fp32 or bf16 master weights, `error` the int8
     error terms of compensated ones (None otherwise); `inv_scale`: None, a number or a one-element tensor
-    (scale_argument); `arithmetic`: one of ARITHMETICS."""
+    (scale_argument); `arithmetic`: one of ARITHMETICS; `lp_params`: None, or the model's copy of the updated weights
+    that the kernel writes (fp32 or bf16, beside fp32 master weights; CPU only)."""
     rule = get(rule)
     for kind, tensors in (("codes", codes), ("absmax", absmax), ("state", state), ("qmaps", qmaps)):
         if len(tensors) != rule.moments:
@@ -211,16 +216,17 @@ def arguments(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[t
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"arithmetic must be one of {', '.join(map(repr, ARITHMETICS))}, got {arithmetic!r}")
     return (params, grads, *codes, *absmax, *state, *qmaps, segments, hyper, scale_argument(inv_scale, params.device),
-            error, arithmetic)
+            error, arithmetic, lp_params)
 
 
 def step_(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[torch.Tensor],
           absmax: Sequence[torch.Tensor], state: Sequence[torch.Tensor], qmaps: Sequence[torch.Tensor],
           segments: torch.Tensor, hyper: torch.Tensor, inv_scale=None, error: Optional[torch.Tensor] = None,
-          arithmetic: str = IEEE, *, use_kernel: bool = True) -> None:
+          arithmetic: str = IEEE, lp_params: Optional[torch.Tensor] = None, *, use_kernel: bool = True) -> None:
     """One fused step of `rule` over a flat partition, in place (arguments: `arguments`; their meaning:
     reference.adam8bit_step). use_kernel: the compiled operator, which raises when it is not loaded (no silent
     fallback); False: its oracle in `arithmetic` (UpdateRule.oracle: tests, benchmarks)."""
     rule = get(rule)
-    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale, error, arithmetic)
+    args = arguments(rule, params, grads, codes, absmax, state, qmaps, segments, hyper, inv_scale, error, arithmetic,
+                     lp_params)
     (rule.kernel() if use_kernel else rule.oracle(arithmetic))(*args)

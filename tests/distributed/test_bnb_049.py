@@ -94,12 +94,13 @@ def _recorded_steps(monkeypatch):
     calls = []
     real = partition_step.PartitionStep.step
 
-    def step(self, group, params, grads, state, inv_scale=None, master_error=None):
+    def step(self, group, params, grads, state, inv_scale=None, master_error=None, **kwargs):
         before = (params.detach().clone(), grads.detach().clone(), _copy_state(state))
-        real(self, group, params, grads, state, inv_scale, master_error)
+        written = real(self, group, params, grads, state, inv_scale, master_error, **kwargs)
         calls.append(dict(step=self, group=dict(group), before=before, inv_scale=inv_scale,
                           params=params.detach().clone(), state=_copy_state(state),
                           configs=[self._configs[v] for v in self._fused_variants]))
+        return written
 
     monkeypatch.setattr(partition_step.PartitionStep, "step", step)
     return calls

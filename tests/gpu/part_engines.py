@@ -222,12 +222,12 @@ def record_partition_steps(engine, into: list) -> None:
     for partition_step in engine.optimizer.bnb_steps:
         step = partition_step.step
 
-        def recording(group, params, grads, state, inv_scale=None, master_error=None, step=step):
+        def recording(group, params, grads, state, inv_scale=None, master_error=None, step=step, **kwargs):
             into.append({"grad": grads.detach().cpu().clone(), "inv_scale": inv_scale, "weights": params.detach().cpu()
                          .clone(), "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                                              for k, v in state.items()},
                          "hyper": {k: v for k, v in group.items() if k != "params"}})
-            return step(group, params, grads, state, inv_scale, master_error)
+            return step(group, params, grads, state, inv_scale, master_error, **kwargs)
         partition_step.step = recording
 
 

@@ -118,7 +118,8 @@ def test_bnb_cpu_check_holds_the_compiled_kernel_to_bnb_itself(rule):
         assert self_check.compare(rule, torch.device("cpu"), kernel, master, rules.BNB_CPU) is None, master
 
     def ieee(*args):
-        kernel(*args[:-1], rules.IEEE)
+        position = rules.argument_names(rule).index("arithmetic")
+        kernel(*args[:position], rules.IEEE, *args[position + 1:])
 
     problem = self_check.compare(rule, torch.device("cpu"), ieee, "fp32", rules.BNB_CPU)
     assert problem is not None and "differs from bitsandbytes' own update" in problem, problem

@@ -131,9 +131,9 @@ def test_control_a_step_that_reads_the_factor_back_is_counted(one_rank, monkeypa
     clean = _counted_steps(engine).host_reads()
     real = partition_step.PartitionStep.step
 
-    def reading(self, group, params, grads, state, inv_scale=None, master_error=None):
+    def reading(self, group, params, grads, state, inv_scale=None, master_error=None, **kwargs):
         float(inv_scale)
-        return real(self, group, params, grads, state, inv_scale, master_error)
+        return real(self, group, params, grads, state, inv_scale, master_error, **kwargs)
 
     monkeypatch.setattr(partition_step.PartitionStep, "step", reading)
     assert _counted_steps(engine).host_reads() == clean + len(engine.optimizer.bnb_steps)

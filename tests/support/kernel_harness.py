@@ -132,10 +132,10 @@ class Partition:
             setattr(other, name, getattr(self, name).clone())
         return other
 
-    def step(self, step: int, grads: torch.Tensor, use_kernel: bool, inv_scale: float = 1.0):
+    def step(self, step: int, grads: torch.Tensor, use_kernel: bool, inv_scale: float = 1.0, lp_params=None):
         state = ([getattr(self, f"{kind}{k}") for k in self.moments] for kind in KINDS)
         rules.step_(self.RULE, self.params, grads, *state, self.qmaps, self.table, self.hyper(step), inv_scale,
-                    use_kernel=use_kernel, error=self.error)
+                    use_kernel=use_kernel, error=self.error, lp_params=lp_params)
 
 
 class Whole(Partition):

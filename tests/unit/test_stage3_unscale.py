@@ -80,9 +80,9 @@ def test_clipped_training_equals_deepspeeds_own_unscale(one_rank, monkeypatch, m
     runs, handed = {}, []
     real_step = partition_step.PartitionStep.step
 
-    def recording(self, group, params, grads, state, inv_scale=None, master_error=None):
+    def recording(self, group, params, grads, state, inv_scale=None, master_error=None, **kwargs):
         handed.append(inv_scale)
-        return real_step(self, group, params, grads, state, inv_scale, master_error)
+        return real_step(self, group, params, grads, state, inv_scale, master_error, **kwargs)
 
     monkeypatch.setattr(partition_step.PartitionStep, "step", recording)
     for label, clip, stock_unscale in (("folded", 0.05, False), ("deepspeed", 0.05, True), ("no clip", 0.0, False)):

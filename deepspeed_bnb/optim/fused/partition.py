@@ -44,9 +44,11 @@ class FusedPartition:
 
     @without_grad
     def step(self, configs: Sequence[dict], step: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
-             inv_scale: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None) -> None:
+             inv_scale: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None,
+             lp_params: Optional[torch.Tensor] = None) -> None:
         """Update the segments in place at bnb step `step`, hyper row i from configs[i]; state["step"] is the
-        caller's. `params`: fp32 or bf16 master weights, `error` the int8 error terms of compensated ones."""
+        caller's. `params`: fp32 or bf16 master weights, `error` the int8 error terms of compensated ones;
+        `lp_params`: None, or the model's copy of fp32 ones that the kernel writes for the segments (CPU only)."""
         if not self.table.numel():
             return
         update = self.update_rule
@@ -64,7 +66,7 @@ class FusedPartition:
                     [state.get(f"absmax{k}", self._empty) for k in moments],
                     [state.get(f"{FP32_PREFIX}state{k}", self._empty) for k in moments],
                     [state.get(f"qmap{k}", self._no_map) for k in moments], self.table, hyper, inv_scale, error,
-                    self.arithmetic, use_kernel=self.use_kernel)
+                    self.arithmetic, lp_params, use_kernel=self.use_kernel)
 
     def _cpu_hyper(self, rows: Sequence) -> torch.Tensor:
         """The hyper table of `rows`, written into this partition's own storage: the kernel reads it during the call

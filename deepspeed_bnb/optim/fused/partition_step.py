@@ -141,18 +141,27 @@ class PartitionStep:
 
     @without_grad
     def step(self, group: dict, params: torch.Tensor, grads: torch.Tensor, state: dict,
-             inv_scale: Optional[torch.Tensor] = None, master_error: Optional[torch.Tensor] = None):
+             inv_scale: Optional[torch.Tensor] = None, master_error: Optional[torch.Tensor] = None,
+             lp_params: Optional[torch.Tensor] = None) -> bool:
         """One optimizer step of the partition in place. `inv_scale`: None, or DeepSpeed's unscale/clip factor as a
         0-dim float32 tensor on the partition's device, not yet applied to `grads` (the kernel reads it in its pass,
         so the host never waits for its value; bnb's segments get grads multiplied by it first).
-        `master_error`: the int8 error term of compensated bf16 master weights `params` (None: plain fp32 or bf16)."""
+        `master_error`: the int8 error term of compensated bf16 master weights `params` (None: plain fp32 or bf16).
+        `lp_params`: None, or the model's copy of fp32 master weights (CPU): where the kernel steps any segment, it
+        writes their copy and bnb's segments are copied after bnb's update, and the step returns True; else it
+        leaves lp_params alone and returns False (the caller copies as DeepSpeed does)."""
         self.route(group)
         step = state["step"] + 1  # bnb counts the step before using it
+        copied = lp_params is not None and self.fused is not None
         if self.fused is not None:
             self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale,
-                            master_error)
+                            master_error, lp_params=lp_params if copied else None)
         bnb_segments = [self.segments[i] for i in self._bnb]
         # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once;
         # bnb's segments get what DeepSpeed's grad.mul_(1 / combined_scale) gives them (inv_scale)
         self.adapter.step(group, self.gindex, params, grads, state, bnb_segments,
                           [self.variants[self.variant[s.slot]] for s in bnb_segments], master_error, inv_scale)
+        if copied:  # torch's conversion, as DeepSpeed's copy of the whole partition gives them
+            for s in bnb_segments:
+                lp_params.narrow(0, s.offset, s.numel).copy_(params.narrow(0, s.offset, s.numel))
+        return copied

@@ -16,6 +16,8 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   `complete_grad_norm_calculation_for_cpu_offload`: DeepSpeed reads an inf/NaN test and the norm of every parameter's
   gradient back to the host one by one (a host sync each on a GPU); here the tests wait on the device until
   `has_overflow` reads them once, and the norms come to the host in one copy (runtime/utils.py);
+- `step` and `_optimizer_step`, where the partition lives on the CPU: the fused kernel writes the model's copy of the
+  updated weights, and DeepSpeed's conversion pass after the optimizer is made a no-op (runtime/zero/lp_copy.py);
 - `_update_model_bit16_weights`, which DeepSpeed's step calls for every group to point the parameters at their flat
   buffer again: skipped where they still view what its last call left (runtime/zero/param_views.py);
 - `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
@@ -47,6 +49,7 @@ from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, req
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
+from deepspeed_bnb.runtime.zero.lp_copy import LpCopies
 from deepspeed_bnb.runtime.zero.param_views import repoint
 from deepspeed_bnb.runtime.zero.unscale_factor import StepFactor, as_step_scale
 from deepspeed_bnb.state_layout import GroupLayout, zero_alignment
@@ -81,6 +84,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
         # partition's device), folded into the step
         self._bnb_unscale = StepFactor()  # the step's factor, as this release's unscale_and_clip_grads computes it
+        self._bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -271,12 +275,22 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
                 for g in grad if isinstance(grad, list) else [grad]:
                     g.data.mul_(factor)
 
+    def step(self, closure=None):
+        try:
+            return super().step(closure)
+        finally:  # the master partitions handed out for DeepSpeed's copy statements back in place (lp_copy.py)
+            self._bnb_lp_copies.restore(self)
+
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
-        self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
-                                      self.optimizer.state[partition], self._bnb_inv_scale.pop(group_no, None),
-                                      self.bnb_master_errors[group_no])
+        copy = self._bnb_lp_copies.target(self, group_no)
+        written = self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
+                                                self.optimizer.state[partition],
+                                                self._bnb_inv_scale.pop(group_no, None),
+                                                self.bnb_master_errors[group_no], lp_params=copy)
         self._lazy_init_hp_params_optimizer_state()
+        if written:  # the kernel wrote the model's copy: DeepSpeed's conversion right after this becomes a no-op
+            self._bnb_lp_copies.hand_over(self, group_no, copy)
 
     # ---- accounting ---------------------------------------------------------------------------------------------
 
@@ -323,6 +337,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size (sources.py)."""
         wait_for_offload_copies(self)
+        self._bnb_lp_copies.forget_whole()
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
                      load_from_fp32_weights)

@@ -1,0 +1,140 @@
+"""ZeRO-1/2 on the CPU: the fused kernel writes the model's copy of the updated weights, and DeepSpeed's conversion pass
+after the optimizer does nothing (runtime/zero/lp_copy.py).
+
+Oracle: the same engine with DEEPSPEED_BNB_KERNEL_LP_COPY=0, where DeepSpeed converts every partition itself. Per
+configuration (bf16 and fp32 models, with the optimizer offloaded and without): after every step, the model's weights,
+the fp32 master partitions and the optimizer state are bit for bit the oracle's, including across a checkpoint save
+and load; DeepSpeed's list of master partitions holds the same tensors after every step; the master's gradient is
+released as DeepSpeed releases it. Controls: DeepSpeed's copy of each partition into another tensor runs in the
+oracle at every step and in ours only at the first step (after which the kernel writes it); and a kernel that is handed
+the copy but does not write it leaves stale weights, which the comparison catches.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import deepspeed_bnb  # noqa: F401  (DeepSpeed's classes with deepspeed_bnb's integration, as users get them)
+from deepspeed_bnb.ops import loader
+from deepspeed_bnb.ops.self_check import bits
+from deepspeed_bnb.optim.fused import partition as fused_partition
+from deepspeed_bnb.runtime.zero import lp_copy
+from support.toy import ds_config, global_batch, loss_fn, make_model, param_groups
+
+pytestmark = pytest.mark.skipif(not loader.load(), reason="the C++ kernel could not be built here")
+CONFIGS = [pytest.param(offload, dtype, id=f"{'offload' if offload else 'on_cpu'}-{str(dtype)[6:]}")
+           for offload in (True, False) for dtype in (torch.bfloat16, torch.float32)]
+STEPS = 4
+
+
+class PartitionCopies(TorchDispatchMode):
+    """Counts aten copies from one of the `masters` (fp32 master partitions) into other data: DeepSpeed's conversion of
+    a master partition into the model's copy."""
+
+    def __init__(self, masters):
+        super().__init__()
+        self.masters, self.count = {m.data_ptr() for m in masters}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            if src.data_ptr() in self.masters and dst.data_ptr() != src.data_ptr():
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(offload: bool, dtype: torch.dtype, monkeypatch, kernel_copy: bool):
+    import bitsandbytes as bnb
+    import deepspeed
+    monkeypatch.setenv(lp_copy.ENV, "1" if kernel_copy else "0")
+    model = make_model(0, dtype=dtype)
+    config = ds_config(1, bf16=dtype == torch.bfloat16, offload=offload)
+    engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)), config=config)[0]
+    assert engine.optimizer.cpu_offload == offload
+    return engine
+
+
+def snapshot(engine) -> list:
+    """Bit patterns of the model's weights, the master partitions and every state tensor."""
+    optimizer = engine.optimizer
+    out = [bits(p.detach().clone()) for p in engine.module.parameters()]
+    for master in optimizer.single_partition_of_fp32_groups:
+        out.append(bits(master.detach().clone()))
+        out += [bits(v.clone()) for v in optimizer.optimizer.state[master].values() if torch.is_tensor(v)]
+    return out
+
+
+def train(engine, steps, partition_copies: list = None) -> list:
+    optimizer = engine.optimizer
+    masters = list(optimizer.single_partition_of_fp32_groups)
+    snapshots = []
+    for step in steps:
+        tokens, targets = global_batch(step)
+        engine.backward(loss_fn(engine, tokens, targets))
+        with PartitionCopies(masters) as counter:
+            engine.step()
+        if partition_copies is not None:
+            partition_copies.append(counter.count)
+        assert all(a is b for a, b in zip(masters, optimizer.single_partition_of_fp32_groups)), "not handed back"
+        assert not optimizer._bnb_lp_copies.handed
+        if not optimizer.cpu_offload:  # DeepSpeed releases the master's gradient after its step
+            assert all(m.grad is None for m in masters)
+        snapshots.append(snapshot(engine))
+    return snapshots
+
+
+def assert_same_runs(ours: list, theirs: list, context: str) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        differing = [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+        assert not differing, f"{context}: step {step}: tensors {differing} differ from DeepSpeed's copy's run"
+
+
+@pytest.mark.parametrize("offload,dtype", CONFIGS)
+def test_kernel_copy_equals_deepspeeds(one_rank, monkeypatch, offload, dtype):
+    copies = {True: [], False: []}
+    runs = {}
+    for kernel_copy in (True, False):
+        engine = build(offload, dtype, monkeypatch, kernel_copy)
+        runs[kernel_copy] = train(engine, range(STEPS), copies[kernel_copy])
+    assert_same_runs(runs[True], runs[False], f"offload={offload}, {dtype}")
+    groups = len(engine.optimizer.single_partition_of_fp32_groups)
+    # control: DeepSpeed's copy runs at every step in the oracle; in ours at the first step only (its whole copy)
+    assert copies[False] == [groups] * STEPS
+    assert copies[True] == [groups] + [0] * (STEPS - 1)
+
+
+def test_across_a_checkpoint(one_rank, monkeypatch, tmp_path):
+    """A load hands the first step after it to DeepSpeed's whole copy again; the runs stay bit for bit the oracle's."""
+    runs = {}
+    for kernel_copy in (True, False):
+        engine = build(True, torch.bfloat16, monkeypatch, kernel_copy)
+        before = train(engine, range(2))
+        engine.save_checkpoint(str(tmp_path / str(kernel_copy)), tag="t")
+        train(engine, range(2, 3))  # a step the load then undoes
+        engine.load_checkpoint(str(tmp_path / str(kernel_copy)), tag="t")
+        assert not engine.optimizer._bnb_lp_copies.whole
+        counts = []
+        runs[kernel_copy] = before + train(engine, range(2, 5), counts)
+        groups = len(engine.optimizer.single_partition_of_fp32_groups)
+        assert counts == ([groups, 0, 0] if kernel_copy else [groups] * 3)
+    assert_same_runs(runs[True], runs[False], "across a checkpoint")
+
+
+def test_control_a_copy_left_unwritten_is_caught(one_rank, monkeypatch):
+    """A kernel handed the copy that does not write it: DeepSpeed's statement still does nothing, the model's weights
+    go stale, and the comparison with the oracle fails."""
+    oracle = train(build(False, torch.bfloat16, monkeypatch, False), range(STEPS))
+    real = fused_partition.FusedPartition.step
+
+    def without_copy(self, *args, lp_params=None, **kwargs):
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(fused_partition.FusedPartition, "step", without_copy)
+    broken = train(build(False, torch.bfloat16, monkeypatch, True), range(STEPS))
+    with pytest.raises(AssertionError, match="differ from DeepSpeed's copy's run"):
+        assert_same_runs(broken, oracle, "planted")
+
+
+def test_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(lp_copy.ENV, "yes")
+    with pytest.raises(ValueError, match=f"{lp_copy.ENV}='yes'.*1 .*or 0"):
+        lp_copy.enabled()
