@@ -281,7 +281,8 @@ OVERRIDES: Tuple[Override, ...] = (
               "a short one recorded and extended, and the ranks agree on it after the step; also called to bring a "
               "sub-group in outside a step (checkpoints, loads)", ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "step", "with the optimizer on NVMe, the ranks agree on swap failures after the step "
-              "and all raise the same error", ("self",)),
+              "and all raise the same error; no sub-group's model copy left pending (lp_copy.py), also when it "
+              "raises", ("self",)),
     Override(ZERO3, "_optimizer_states_and_gradient_swap_out", CALL, CALL_SCOPE, "", "and back to NVMe",
              ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "the reduce-scatter chunks each "
@@ -298,14 +299,23 @@ OVERRIDES: Tuple[Override, ...] = (
               "returns before it for an invalid norm) is folded into the partition's step instead of a separate pass "
               "over the gradient; tests/unit/test_stage3_unscale.py holds it equal to DeepSpeed's own method",
               ("self", "sub_group_id", "total_norm")),
-    _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2",
+    _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2; on the CPU the "
+              "kernel writes the model's copy of the updated weights (runtime/zero/lp_copy.py)",
               ("self", "sub_group_id")),
+    _subclass(ZERO3, ZERO3_PY, "_reassign_or_swap_out_partitioned_parameters", "DeepSpeed copies each updated fp32 "
+              "sub-group into the model's partition here, then re-points the parameters: where the kernel has just "
+              "written that copy, only the re-pointing runs; else DeepSpeed's own (also called after a load: the "
+              "low-precision slices follow the loaded master weights)",
+              ("self", "sub_group_id")),
+    Override(ZERO3, "fp32_partitioned_groups_flat", CALL, OBJECT_SCOPE, "", "each sub-group's fp32 master partition "
+             "(read)"),
     _subclass(ZERO3, ZERO3_PY, "_unflatten_partitioned_parameters", "DeepSpeed's step re-points every parameter "
               "partition of each sub-group at its flat buffer: skipped where the buffer and every partition it "
               "assigns still look as its last call left them (runtime/zero/param_views.py), else DeepSpeed's own",
               ("self", "sub_group_id")),
     Override(ZERO3, "fp16_partitioned_groups_flat", CALL, OBJECT_SCOPE, "", "each sub-group's flat buffer of "
-             "parameter partitions (read: whether DeepSpeed's re-pointing would change anything)"),
+             "parameter partitions (read: whether DeepSpeed's re-pointing would change anything; on the CPU, the "
+             "model's copy the fused kernel writes)"),
     Override(ZERO3, "fp16_partitioned_groups", CALL, OBJECT_SCOPE, "", "each sub-group's parameter partitions "
              "(read: the tensors DeepSpeed's re-pointing assigns)"),
     _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized; weights fp32 "
@@ -334,8 +344,6 @@ OVERRIDES: Tuple[Override, ...] = (
              ("self",)),
     Override(ZERO3, "_load_global_state_stage3", CALL, CALL_SCOPE, "", "loss scaler and clip from a rank's state",
              ("self", "sd")),
-    Override(ZERO3, "_reassign_or_swap_out_partitioned_parameters", CALL, CALL_SCOPE, "", "low-precision slices "
-             "follow the loaded master weights", ("self", "sub_group_id")),
     Override(ZERO3, "_get_sub_group_process_group", CALL, CALL_SCOPE, "", "a sub-group's partition group (before "
              "it, every sub-group is partitioned over the DP group)", ("self", "sub_group_id"), since="0.19.3"),
     Override(ZERO3, "param_names", CALL, OBJECT_SCOPE, "", "names of the parameters (before it, built from the "

@@ -1,11 +1,11 @@
-"""ZeRO-1/2 on the CPU: the fused kernel writes the model's copy of the updated weights, and DeepSpeed's conversion pass
+"""ZeRO on the CPU: the fused kernel writes the model's copy of the updated weights, and DeepSpeed's conversion pass
 after the optimizer does nothing (runtime/zero/lp_copy.py).
 
 Oracle: the same engine with DEEPSPEED_BNB_KERNEL_LP_COPY=0, where DeepSpeed converts every partition itself. Per
-configuration (bf16 and fp32 models, with the optimizer offloaded and without): after every step, the model's weights,
-the fp32 master partitions and the optimizer state are bit for bit the oracle's, including across a checkpoint save
-and load; DeepSpeed's list of master partitions holds the same tensors after every step; the master's gradient is
-released as DeepSpeed releases it. Controls: DeepSpeed's copy of each partition into another tensor runs in the
+configuration (ZeRO-2 with bf16 and fp32 models, ZeRO-3 with bf16 ones, with the optimizer offloaded and without):
+after every step, the model's weights (at ZeRO-3 its partitions), the fp32 master partitions and the optimizer state
+are bit for bit the oracle's, including across a checkpoint save and load; DeepSpeed's list of master partitions holds
+the same tensors after every step; the master's gradient is released as DeepSpeed releases it. Controls: DeepSpeed's copy of each partition into another tensor runs in the
 oracle at every step and in ours only at the first step (after which the kernel writes it); and a kernel that is handed
 the copy but does not write it leaves stale weights, which the comparison catches.
 """
@@ -22,8 +22,9 @@ from deepspeed_bnb.runtime.zero import lp_copy
 from support.toy import ds_config, global_batch, loss_fn, make_model, param_groups
 
 pytestmark = pytest.mark.skipif(not loader.load(), reason="the C++ kernel could not be built here")
-CONFIGS = [pytest.param(offload, dtype, id=f"{'offload' if offload else 'on_cpu'}-{str(dtype)[6:]}")
-           for offload in (True, False) for dtype in (torch.bfloat16, torch.float32)]
+CONFIGS = [pytest.param(stage, offload, dtype, id=f"zero{stage}-{'offload' if offload else 'on_cpu'}-{str(dtype)[6:]}")
+           for stage in (2, 3) for offload in (True, False) for dtype in (torch.bfloat16, torch.float32)
+           if stage == 2 or dtype == torch.bfloat16]
 STEPS = 4
 
 
@@ -43,22 +44,30 @@ class PartitionCopies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(offload: bool, dtype: torch.dtype, monkeypatch, kernel_copy: bool):
+def build(offload: bool, dtype: torch.dtype, monkeypatch, kernel_copy: bool, stage: int = 2):
     import bitsandbytes as bnb
     import deepspeed
     monkeypatch.setenv(lp_copy.ENV, "1" if kernel_copy else "0")
     model = make_model(0, dtype=dtype)
-    config = ds_config(1, bf16=dtype == torch.bfloat16, offload=offload)
+    config = ds_config(1, stage=stage, bf16=dtype == torch.bfloat16, offload=offload)
     engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(param_groups(model)), config=config)[0]
-    assert engine.optimizer.cpu_offload == offload
+    assert (engine.optimizer.cpu_offload if stage < 3 else engine.optimizer.offload_optimizer) == offload
     return engine
 
 
+def masters(optimizer) -> list:
+    """The fp32 master partitions (ZeRO-1/2 or ZeRO-3)."""
+    return list(getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_partitioned_groups_flat)
+
+
 def snapshot(engine) -> list:
-    """Bit patterns of the model's weights, the master partitions and every state tensor."""
+    """Bit patterns of the model's weights (ZeRO-3: this rank's partitions of them), the master partitions and every
+    state tensor."""
     optimizer = engine.optimizer
-    out = [bits(p.detach().clone()) for p in engine.module.parameters()]
-    for master in optimizer.single_partition_of_fp32_groups:
+    stage3 = hasattr(optimizer, "fp16_partitioned_groups_flat")
+    model = optimizer.fp16_partitioned_groups_flat if stage3 else list(engine.module.parameters())
+    out = [bits(p.detach().clone()) for p in model]
+    for master in masters(optimizer):
         out.append(bits(master.detach().clone()))
         out += [bits(v.clone()) for v in optimizer.optimizer.state[master].values() if torch.is_tensor(v)]
     return out
@@ -66,19 +75,19 @@ def snapshot(engine) -> list:
 
 def train(engine, steps, partition_copies: list = None) -> list:
     optimizer = engine.optimizer
-    masters = list(optimizer.single_partition_of_fp32_groups)
+    before = masters(optimizer)
     snapshots = []
     for step in steps:
         tokens, targets = global_batch(step)
         engine.backward(loss_fn(engine, tokens, targets))
-        with PartitionCopies(masters) as counter:
+        with PartitionCopies(before) as counter:
             engine.step()
         if partition_copies is not None:
             partition_copies.append(counter.count)
-        assert all(a is b for a, b in zip(masters, optimizer.single_partition_of_fp32_groups)), "not handed back"
-        assert not optimizer._bnb_lp_copies.handed
-        if not optimizer.cpu_offload:  # DeepSpeed releases the master's gradient after its step
-            assert all(m.grad is None for m in masters)
+        assert all(a is b for a, b in zip(before, masters(optimizer))), "not handed back"
+        assert not optimizer._bnb_lp_copies.handed and not optimizer._bnb_lp_copies.written
+        if not getattr(optimizer, "cpu_offload", True):  # ZeRO-1/2 releases the master's gradient after its step
+            assert all(m.grad is None for m in before)
         snapshots.append(snapshot(engine))
     return snapshots
 
@@ -89,33 +98,34 @@ def assert_same_runs(ours: list, theirs: list, context: str) -> None:
         assert not differing, f"{context}: step {step}: tensors {differing} differ from DeepSpeed's copy's run"
 
 
-@pytest.mark.parametrize("offload,dtype", CONFIGS)
-def test_kernel_copy_equals_deepspeeds(one_rank, monkeypatch, offload, dtype):
+@pytest.mark.parametrize("stage,offload,dtype", CONFIGS)
+def test_kernel_copy_equals_deepspeeds(one_rank, monkeypatch, stage, offload, dtype):
     copies = {True: [], False: []}
     runs = {}
     for kernel_copy in (True, False):
-        engine = build(offload, dtype, monkeypatch, kernel_copy)
+        engine = build(offload, dtype, monkeypatch, kernel_copy, stage)
         runs[kernel_copy] = train(engine, range(STEPS), copies[kernel_copy])
-    assert_same_runs(runs[True], runs[False], f"offload={offload}, {dtype}")
-    groups = len(engine.optimizer.single_partition_of_fp32_groups)
+    assert_same_runs(runs[True], runs[False], f"ZeRO-{stage}, offload={offload}, {dtype}")
+    groups = len(masters(engine.optimizer))
     # control: DeepSpeed's copy runs at every step in the oracle; in ours at the first step only (its whole copy)
     assert copies[False] == [groups] * STEPS
     assert copies[True] == [groups] + [0] * (STEPS - 1)
 
 
-def test_across_a_checkpoint(one_rank, monkeypatch, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_across_a_checkpoint(one_rank, monkeypatch, tmp_path, stage):
     """A load hands the first step after it to DeepSpeed's whole copy again; the runs stay bit for bit the oracle's."""
     runs = {}
     for kernel_copy in (True, False):
-        engine = build(True, torch.bfloat16, monkeypatch, kernel_copy)
+        engine = build(True, torch.bfloat16, monkeypatch, kernel_copy, stage)
         before = train(engine, range(2))
-        engine.save_checkpoint(str(tmp_path / str(kernel_copy)), tag="t")
+        engine.save_checkpoint(str(tmp_path / f"{stage}{kernel_copy}"), tag="t")
         train(engine, range(2, 3))  # a step the load then undoes
-        engine.load_checkpoint(str(tmp_path / str(kernel_copy)), tag="t")
+        engine.load_checkpoint(str(tmp_path / f"{stage}{kernel_copy}"), tag="t")
         assert not engine.optimizer._bnb_lp_copies.whole
         counts = []
         runs[kernel_copy] = before + train(engine, range(2, 5), counts)
-        groups = len(engine.optimizer.single_partition_of_fp32_groups)
+        groups = len(masters(engine.optimizer))
         assert counts == ([groups, 0, 0] if kernel_copy else [groups] * 3)
     assert_same_runs(runs[True], runs[False], "across a checkpoint")
 

@@ -1,26 +1,32 @@
 """The model's copy of the updated weights, written by the fused CPU kernel in place of DeepSpeed's pass after the step.
 
-DeepSpeed's ZeRO-1/2 step (0.16-0.19) converts each updated fp32 master partition to the model's dtype in a pass of its
-own, right after the optimizer: `bit16_partition_buffer.data.copy_(fp32_partition.data)` into the pinned buffer it then
-sends to the device when the optimizer is offloaded (0.17 on), `bit16_partitions[rank].data.copy_(fp32_partition.data)`
-into the model's flat buffer otherwise. That reads the whole partition again and writes it (6 bytes per element for a
-bf16 model, beside the 8-bit step's 16). Where the partition lives on the CPU, the fused kernel writes that copy itself
-from the block it has just updated (the operators' `lp_params`), and DeepSpeed's statement becomes a no-op. For the
-statement, the group's entry of `single_partition_of_fp32_groups` is the copy's own tensor (torch's `copy_` of a tensor
-onto the same data returns at once), and it is handed back before `step()` returns (`LpCopies.restore`, from
-BnbZeroOptimizer.step's `finally`). Between the two, DeepSpeed's step reads that entry only in the copy statement
-(checked in the steps of 0.16.4, 0.17.1, 0.18.3 and 0.19.8).
+DeepSpeed's ZeRO steps (0.16-0.19) convert each updated fp32 master partition to the model's dtype in a pass of their
+own, right after the optimizer. At stages 1/2 that is `bit16_partition_buffer.data.copy_(fp32_partition.data)` into the
+pinned buffer sent to the device when the optimizer is offloaded (0.17 on), else
+`bit16_partitions[rank].data.copy_(fp32_partition.data)` into the model's flat buffer. At stage 3 it is
+`fp16_partitioned_groups_flat[i].data.copy_(fp32_partitioned_groups_flat[i].data)` in
+`_reassign_or_swap_out_partitioned_parameters`. The pass reads the whole partition again and writes it (6 bytes per
+element for a bf16 model, beside the 8-bit step's 16). Where both tensors live on the CPU, the fused kernel writes that
+copy itself from the block it has just updated (the operators' `lp_params`), and DeepSpeed's conversion is skipped:
+- stage 3 overrides the method around it and skips just the copy for a sub-group the kernel wrote at this step
+  (`LpCopies.take_written`);
+- at stages 1/2 the statement sits inside DeepSpeed's `step()`. For it, the group's entry of
+  `single_partition_of_fp32_groups` is the copy's own tensor (torch's `copy_` of a tensor onto the same data returns at
+  once), handed back before `step()` returns (`LpCopies.restore`, from BnbZeroOptimizer.step's `finally`). Between the
+  two, DeepSpeed's step reads that entry only in the copy statement (checked in the steps of 0.16.4, 0.17.1, 0.18.3 and
+  0.19.8).
 
 The bits are the same: the kernel rounds to nearest even as torch's conversion does (a NaN is stored as 0x7FC0, where
 torch's vector loop writes 0xFFFF), and torch copies the segments bitsandbytes steps itself after its update.
-DeepSpeed copies as before:
-- on a GPU (the CUDA kernels do not write the copy);
+DeepSpeed converts as before:
+- on a GPU (the CUDA kernels do not write the copy), and at stage 3 where the model's partition is on the GPU while the
+  master is offloaded;
 - with bf16 or compensated master weights (the first are the model's copy already, the second hold error terms);
 - for an fp16 model;
-- under DeepSpeed 0.16's offload, which has no pinned buffer and sends the fp32 partition itself;
+- under DeepSpeed 0.16's offload at stages 1/2, which has no pinned buffer and sends the fp32 partition itself;
 - for a partition the kernel steps no segment of;
-- at a group's first step after the engine is built or a checkpoint is loaded. DeepSpeed's whole copy then also writes
-  the alignment padding, which the kernel never touches; it stays zero in the master weights after that.
+- at a partition's first step after the engine is built or a checkpoint is loaded. DeepSpeed's whole copy then also
+  writes the alignment padding, which the kernel never touches; it stays zero in the master weights after that.
 DEEPSPEED_BNB_KERNEL_LP_COPY=0 leaves every copy to DeepSpeed (a setting for comparing the two).
 """
 
@@ -44,59 +50,78 @@ def enabled() -> bool:
     return value == "1"
 
 
-def copy_tensor(optimizer, i: int) -> Optional[torch.Tensor]:
-    """The tensor DeepSpeed's step copies group `i`'s updated fp32 master partition into, where the kernel can write
-    it instead (on the CPU, fp32 or bf16, the partition's size); else None."""
-    partition = optimizer.single_partition_of_fp32_groups[i]
-    if partition.device.type != "cpu" or partition.dtype != torch.float32 or optimizer.bnb_master_errors[i] is not None:
-        return None
+def _usable(copy: Optional[torch.Tensor], master: torch.Tensor, error: Optional[torch.Tensor]) -> bool:
+    """Whether the kernel can write `copy` of fp32 `master` (both on the CPU, fp32 or bf16, the same size)."""
+    return (copy is not None and master.device.type == "cpu" and master.dtype == torch.float32 and error is None
+            and copy.device.type == "cpu" and copy.dtype in COPY_DTYPES and copy.numel() == master.numel()
+            and copy.is_contiguous())
+
+
+def zero12_copy(optimizer, i: int) -> Optional[torch.Tensor]:
+    """The tensor DeepSpeed's ZeRO-1/2 step copies group `i`'s updated fp32 master partition into, where the kernel
+    can write it instead; else None."""
     if optimizer.cpu_offload:
         buffers = getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None)  # DeepSpeed >= 0.17
-        if not buffers:
-            return None
-        copy = buffers[i]
+        copy = buffers[i] if buffers else None
     else:
         copy = optimizer.parallel_partitioned_bit16_groups[i][dist.get_rank(group=optimizer.real_dp_process_group[i])]
-    if (copy.device.type != "cpu" or copy.dtype not in COPY_DTYPES or copy.numel() != partition.numel()
-            or not copy.is_contiguous()):
-        return None
-    return copy
+    ok = _usable(copy, optimizer.single_partition_of_fp32_groups[i], optimizer.bnb_master_errors[i])
+    return copy if ok else None
+
+
+def zero3_copy(optimizer, i: int) -> Optional[torch.Tensor]:
+    """The tensor DeepSpeed's ZeRO-3 step copies sub-group `i`'s updated fp32 master partition into, where the kernel
+    can write it instead; else None (None also where the model's partition is swapped out to NVMe)."""
+    copy = optimizer.fp16_partitioned_groups_flat[i]
+    ok = _usable(copy, optimizer.fp32_partitioned_groups_flat[i], optimizer.bnb_master_errors[i])
+    return copy if ok else None
 
 
 @dataclass
 class LpCopies:
-    """One ZeRO-1/2 optimizer's model copies written by the kernel: which groups DeepSpeed has copied whole, and the
-    master partitions handed out during a step."""
+    """One ZeRO optimizer's model copies written by the kernel: which partitions DeepSpeed has copied whole, and, during
+    a step, the master partitions handed out (stages 1/2) or the sub-groups whose copy is written (stage 3)."""
 
-    # groups DeepSpeed has copied whole (padding included) since the engine was built or a checkpoint loaded
+    # partitions DeepSpeed has copied whole (padding included) since the engine was built or a checkpoint loaded
     whole: Set[int] = field(default_factory=set)
-    # group -> its fp32 master partition, while single_partition_of_fp32_groups holds the copy in its place
+    # stages 1/2: group -> its fp32 master partition, while single_partition_of_fp32_groups holds the copy in its place
     handed: Dict[int, torch.Tensor] = field(default_factory=dict)
+    # stage 3: sub-groups whose copy the kernel wrote at this step, not yet reached by DeepSpeed's conversion
+    written: Set[int] = field(default_factory=set)
 
-    def target(self, optimizer, i: int) -> Optional[torch.Tensor]:
-        """Where the kernel writes group `i`'s copy at this step; None: DeepSpeed copies (see the module docstring)."""
-        if not enabled():
+    def target(self, i: int, copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Where the kernel writes partition `i`'s copy at this step (`copy`, from zero12_copy or zero3_copy); None:
+        DeepSpeed copies (see the module docstring)."""
+        if copy is None or not enabled():
             return None
-        copy = copy_tensor(optimizer, i)
-        if copy is None or i in self.whole:
+        if i in self.whole:
             return copy
         self.whole.add(i)  # this step DeepSpeed copies the whole partition
         return None
 
     def hand_over(self, optimizer, i: int, copy: torch.Tensor) -> None:
-        """Group `i`'s copy, written by the kernel, in its master partition's place for DeepSpeed's copy statement."""
+        """Stages 1/2: group `i`'s copy, written by the kernel, in its master partition's place for DeepSpeed's copy
+        statement."""
         partition = optimizer.single_partition_of_fp32_groups[i]
         if not optimizer.cpu_offload:
             partition.grad = None  # what DeepSpeed's step does to the entry right after the optimizer, done here
         self.handed[i] = partition
         optimizer.single_partition_of_fp32_groups[i] = copy
 
+    def take_written(self, i: int) -> bool:
+        """Stage 3: whether the kernel wrote sub-group `i`'s copy at this step (asked once, by the conversion)."""
+        if i not in self.written:
+            return False
+        self.written.discard(i)
+        return True
+
     def restore(self, optimizer) -> None:
-        """Every master partition handed out back in its place."""
+        """After a step: every master partition handed out back in its place, no sub-group's copy pending."""
         for i, partition in self.handed.items():
             optimizer.single_partition_of_fp32_groups[i] = partition
         self.handed.clear()
+        self.written.clear()
 
     def forget_whole(self) -> None:
-        """After a load: DeepSpeed copies each group whole once again."""
+        """After a load: DeepSpeed copies each partition whole once again."""
         self.whole.clear()

@@ -49,7 +49,7 @@ from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS, padding_mode, req
     wait_for_offload_copies
 from deepspeed_bnb.runtime.zero.config import BnbSettings
 from deepspeed_bnb.runtime.zero.expert_groups import expert_placements, record_names
-from deepspeed_bnb.runtime.zero.lp_copy import LpCopies
+from deepspeed_bnb.runtime.zero.lp_copy import LpCopies, zero12_copy
 from deepspeed_bnb.runtime.zero.param_views import repoint
 from deepspeed_bnb.runtime.zero.unscale_factor import StepFactor, as_step_scale
 from deepspeed_bnb.state_layout import GroupLayout, zero_alignment
@@ -283,7 +283,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
-        copy = self._bnb_lp_copies.target(self, group_no)
+        copy = self._bnb_lp_copies.target(group_no, zero12_copy(self, group_no))
         written = self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
                                                 self.optimizer.state[partition],
                                                 self._bnb_inv_scale.pop(group_no, None),
