@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -33,6 +34,7 @@ def engine_of(width: int, offload: bool, stage: int):
     from deepspeed_bnb.demo.gpt import GPT, GPTConfig, decay_groups
     torch.manual_seed(0)
     model = GPT(GPTConfig(context=128, width=width, depth=4, heads=max(1, width // 32)))
+    numel = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
     groups = decay_groups(model, 0.1)
     config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "steps_per_print": 10 ** 9}
@@ -41,7 +43,7 @@ def engine_of(width: int, offload: bool, stage: int):
         config["zero_force_ds_cpu_optimizer"] = False
     engine = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(groups, lr=1e-3),
                                   model_parameters=groups, config=config)[0]
-    return engine, sum(p.numel() for p in model.parameters())
+    return engine, numel
 
 
 def timed_steps(engine, steps: int) -> dict:
@@ -67,6 +69,8 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", choices=(2, 3), default=[2, 3], help="ZeRO stages")
     parser.add_argument("--port", default="29631")
     args = parser.parse_args()
+    # torch's notice that ZeRO-3's reduce_scatter_tensor is deprecated, at every step
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     import deepspeed
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=args.port)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

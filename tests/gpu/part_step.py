@@ -241,9 +241,10 @@ def body(args, result):
                  "; ".join(f"{k}: {v}" for k, v in failed.items()) or f"{len(parts)} configurations", "all")
     columns = ("engine.step()", *labels, "other")
     result.table(f"{part}: engine.step() taken apart, {where}: ms per step, median of {TIMED[device]} steps, each part "
-                 f"between device synchronizations" + (" (other: DeepSpeed's copy of the updated fp32 partition into "
-                                                      "its bf16 buffer on the host and from there to the device)"
-                                                      if offload else ""), ["configuration", *columns],
+                 f"between device synchronizations" + (" (other: DeepSpeed's conversion of the updated fp32 partition "
+                                                      "into its bf16 buffer on the host, which the fused kernel's row "
+                                                      "writes in the kernel instead, and the buffer's copy to the "
+                                                      "device)" if offload else ""), ["configuration", *columns],
                  [[label, *(f"{row[c] * 1e3:.2f}" for c in columns)] for label, row in parts.items()])
     over = {label: row for label, row in parts.items() if row["other"] < -0.05 * row["engine.step()"]}
     result.check(f"{part}: the parts add up to no more than the step (none counted twice)", not over,
