@@ -106,10 +106,25 @@ def test_kernel_copy_equals_deepspeeds(one_rank, monkeypatch, stage, offload, dt
         engine = build(offload, dtype, monkeypatch, kernel_copy, stage)
         runs[kernel_copy] = train(engine, range(STEPS), copies[kernel_copy])
     assert_same_runs(runs[True], runs[False], f"ZeRO-{stage}, offload={offload}, {dtype}")
-    groups = len(masters(engine.optimizer))
-    # control: DeepSpeed's copy runs at every step in the oracle; in ours at the first step only (its whole copy)
+    groups, kept = len(masters(engine.optimizer)), deepspeeds_copies(engine.optimizer)
+    # control: DeepSpeed's copy runs at every step in the oracle; in ours at the first step only (its whole copy),
+    # except where this release leaves the kernel no copy to write
     assert copies[False] == [groups] * STEPS
-    assert copies[True] == [groups] + [0] * (STEPS - 1)
+    assert copies[True] == [groups] + [kept] * (STEPS - 1)
+
+
+def deepspeeds_copies(optimizer) -> int:
+    """How many partitions DeepSpeed still converts itself after the first step: none, except at ZeRO-1/2 under
+    offload on releases without the pinned buffer (0.16), which send the fp32 partition itself."""
+    if hasattr(optimizer, "fp16_partitioned_groups_flat"):
+        candidates = [lp_copy.zero3_copy(optimizer, i) for i in range(len(optimizer.fp16_groups))]
+    else:
+        candidates = [lp_copy.zero12_copy(optimizer, i) for i in range(len(optimizer.bit16_groups))]
+        if optimizer.cpu_offload and not hasattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups"):
+            assert not any(c is not None for c in candidates)
+            return len(candidates)
+    assert all(c is not None for c in candidates)  # the toy model's partitions on the CPU: all written by the kernel
+    return 0
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -125,8 +140,8 @@ def test_across_a_checkpoint(one_rank, monkeypatch, tmp_path, stage):
         assert not engine.optimizer._bnb_lp_copies.whole
         counts = []
         runs[kernel_copy] = before + train(engine, range(2, 5), counts)
-        groups = len(masters(engine.optimizer))
-        assert counts == ([groups, 0, 0] if kernel_copy else [groups] * 3)
+        groups, kept = len(masters(engine.optimizer)), deepspeeds_copies(engine.optimizer)
+        assert counts == ([groups, kept, kept] if kernel_copy else [groups] * 3)
     assert_same_runs(runs[True], runs[False], "across a checkpoint")
 
 
