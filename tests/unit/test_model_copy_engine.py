@@ -163,3 +163,20 @@ def test_setting_is_checked(monkeypatch):
     monkeypatch.setenv(lp_copy.ENV, "yes")
     with pytest.raises(ValueError, match=f"{lp_copy.ENV}='yes'.*1 .*or 0"):
         lp_copy.enabled()
+
+
+def test_no_copy_where_the_model_partition_is_the_master(one_rank, monkeypatch):
+    """Where the model's partition and the master are one tensor (DeepSpeed's ZeRO-3 under torch autocast), there is
+    no copy to write: DeepSpeed's statement copies it onto itself, the kernel is not asked to."""
+    engine = build(False, torch.float32, monkeypatch, True, stage=3)
+    optimizer = engine.optimizer
+    assert lp_copy.zero3_copy(optimizer, 0) is not None  # control: a copy of its own is written by the kernel
+    model, master = optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat[0]
+    own = model[0]
+    try:
+        model[0] = master
+        assert lp_copy.zero3_copy(optimizer, 0) is None
+        model[0] = master.view(torch.int32).view(torch.float32)  # the same bytes, another tensor
+        assert lp_copy.zero3_copy(optimizer, 0) is None
+    finally:
+        model[0] = own

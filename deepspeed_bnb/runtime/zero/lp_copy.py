@@ -50,11 +50,18 @@ def enabled() -> bool:
     return value == "1"
 
 
+def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share no byte."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start + a.numel() * a.element_size() <= b_start or b_start + b.numel() * b.element_size() <= a_start
+
+
 def _usable(copy: Optional[torch.Tensor], master: torch.Tensor, error: Optional[torch.Tensor]) -> bool:
-    """Whether the kernel can write `copy` of fp32 `master` (both on the CPU, fp32 or bf16, the same size)."""
+    """Whether the kernel can write `copy` of fp32 `master` (both on the CPU, fp32 or bf16, the same size, apart: under
+    torch autocast DeepSpeed's ZeRO-3 makes the model's partition and the master one tensor, and there is no copy)."""
     return (copy is not None and master.device.type == "cpu" and master.dtype == torch.float32 and error is None
             and copy.device.type == "cpu" and copy.dtype in COPY_DTYPES and copy.numel() == master.numel()
-            and copy.is_contiguous())
+            and copy.is_contiguous() and master.is_contiguous() and _apart(copy, master))
 
 
 def zero12_copy(optimizer, i: int) -> Optional[torch.Tensor]:
