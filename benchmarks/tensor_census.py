@@ -76,7 +76,10 @@ def _buffers(bucket) -> list:
 
 def role_tensors(engine) -> dict[str, list]:
     zero, params = engine.optimizer, list(engine.module.parameters())
-    masters = list(getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat)
+    # mid-step, deepspeed_bnb's ZeRO-1/2 lends a group's entry of single_partition_of_fp32_groups to the model's copy
+    # (runtime/zero/lp_copy.py): its own list of the master partitions holds them throughout
+    masters = (zero.bnb_master_partitions() if hasattr(zero, "bnb_master_partitions") else
+               list(getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat))
     grads = [t for p in params + masters for t in (p.grad, getattr(p, "grad_accum", None)) if t is not None]
     masters += [e for e in getattr(zero, "bnb_master_errors", ()) if e is not None]
     grads += [t for name, value in vars(zero).items() if "grad" in name.lower() for t in walk(value)]

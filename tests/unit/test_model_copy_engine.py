@@ -85,7 +85,7 @@ def train(engine, steps, partition_copies: list = None) -> list:
         if partition_copies is not None:
             partition_copies.append(counter.count)
         assert all(a is b for a, b in zip(before, masters(optimizer))), "not handed back"
-        assert not optimizer._bnb_lp_copies.handed and not optimizer._bnb_lp_copies.written
+        assert not optimizer.bnb_lp_copies.handed and not optimizer.bnb_lp_copies.written
         if not getattr(optimizer, "cpu_offload", True):  # ZeRO-1/2 releases the master's gradient after its step
             assert all(m.grad is None for m in before)
         snapshots.append(snapshot(engine))
@@ -137,7 +137,7 @@ def test_across_a_checkpoint(one_rank, monkeypatch, tmp_path, stage):
         engine.save_checkpoint(str(tmp_path / f"{stage}{kernel_copy}"), tag="t")
         train(engine, range(2, 3))  # a step the load then undoes
         engine.load_checkpoint(str(tmp_path / f"{stage}{kernel_copy}"), tag="t")
-        assert not engine.optimizer._bnb_lp_copies.whole
+        assert not engine.optimizer.bnb_lp_copies.whole
         counts = []
         runs[kernel_copy] = before + train(engine, range(2, 5), counts)
         groups, kept = len(masters(engine.optimizer)), deepspeeds_copies(engine.optimizer)
@@ -180,3 +180,24 @@ def test_no_copy_where_the_model_partition_is_the_master(one_rank, monkeypatch):
         assert lp_copy.zero3_copy(optimizer, 0) is None
     finally:
         model[0] = own
+
+
+def test_master_partitions_mid_step(one_rank, monkeypatch):
+    """Mid-step, while a group's entry of DeepSpeed's list is lent to the model's copy, bnb_master_partitions() still
+    names every master partition (what tools that count tensors during a step read)."""
+    engine = build(True, torch.bfloat16, monkeypatch, True)
+    optimizer = engine.optimizer
+    own = masters(optimizer)
+    assert len(own) >= 2
+    train(engine, range(1))  # DeepSpeed's whole copy
+    seen = []
+    real = type(optimizer)._optimizer_step
+
+    def recording(self, group_no):
+        seen.append((group_no, [a is b for a, b in zip(self.single_partition_of_fp32_groups, own)],
+                     [a is b for a, b in zip(self.bnb_master_partitions(), own)]))
+        return real(self, group_no)
+    monkeypatch.setattr(type(optimizer), "_optimizer_step", recording)
+    train(engine, range(1, 2))
+    assert seen[1][0] == 1 and seen[1][1][0] is False  # control: group 0's entry is lent out during group 1's step
+    assert all(all(named) for _, _, named in seen)

@@ -105,7 +105,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         self._bnb_after_deepspeed(self.fp32_partitioned_groups_flat)
         self._bnb_inv_scale = {}  # sub-group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
         self._bnb_unscale = StepFactor(clips_invalid=False)  # the step's factor, as ZeRO-3's method computes it
-        self._bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
+        self.bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
         self.bnb_sub_groups: Dict[int, List[int]] = {}  # bnb param-group index -> its sub-groups, in order
         for i in range(len(self.fp16_groups)):
             self.bnb_sub_groups.setdefault(self.sub_group_to_group_id[i], []).append(i)
@@ -266,19 +266,19 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
     def _optimizer_step(self, sub_group_id):
         partition = self.fp32_partitioned_groups_flat[sub_group_id]
         group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
-        copy = self._bnb_lp_copies.target(sub_group_id, zero3_copy(self, sub_group_id))
+        copy = self.bnb_lp_copies.target(sub_group_id, zero3_copy(self, sub_group_id))
         with self._bnb_holding(sub_group_id), self._bnb_state_resident(sub_group_id):
             written = self.bnb_steps[sub_group_id].step(group, partition, partition.grad,
                                                         self.optimizer.state[partition],
                                                         self._bnb_inv_scale.pop(sub_group_id, None),
                                                         self.bnb_master_errors[sub_group_id], lp_params=copy)
         if written:  # DeepSpeed's conversion, which comes next, is not needed (_reassign_or_swap_out_...)
-            self._bnb_lp_copies.written.add(sub_group_id)
+            self.bnb_lp_copies.written.add(sub_group_id)
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
         # DeepSpeed copies the updated fp32 partition into the model's partition here, then re-points the parameters
         # at it; where the kernel has just written that copy (lp_copy.py), only the re-pointing is left
-        if self._bnb_lp_copies.take_written(sub_group_id):
+        if self.bnb_lp_copies.take_written(sub_group_id):
             self._unflatten_partitioned_parameters(sub_group_id)
             return
         super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
@@ -502,7 +502,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         try:
             out = super().step(closure)
         finally:  # no sub-group's copy left pending (a step that raised between the kernel and the conversion)
-            self._bnb_lp_copies.restore(self)
+            self.bnb_lp_copies.restore(self)
         self._bnb_agree_swaps("the optimizer step")  # with the optimizer on NVMe: every rank's swaps were whole
         return out
 
@@ -525,7 +525,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size and stage (sources.py)."""
         rank = dist.get_rank(group=self.dp_process_group)
-        self._bnb_lp_copies.forget_whole()
+        self.bnb_lp_copies.forget_whole()
         records = self._bnb_group_records()
         load_records(source, records, rank, self._bnb_optimizer_class(), load_optimizer_states,
                      load_from_fp32_weights)

@@ -84,7 +84,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
         # partition's device), folded into the step
         self._bnb_unscale = StepFactor()  # the step's factor, as this release's unscale_and_clip_grads computes it
-        self._bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
+        self.bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -279,18 +279,23 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         try:
             return super().step(closure)
         finally:  # the master partitions handed out for DeepSpeed's copy statements back in place (lp_copy.py)
-            self._bnb_lp_copies.restore(self)
+            self.bnb_lp_copies.restore(self)
+
+    def bnb_master_partitions(self) -> list:
+        """Each group's fp32 master partition, also mid-step, while one is handed out for DeepSpeed's copy statement
+        (tools that count tensors during a step read this, not single_partition_of_fp32_groups)."""
+        return self.bnb_lp_copies.masters(self.single_partition_of_fp32_groups)
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
-        copy = self._bnb_lp_copies.target(group_no, zero12_copy(self, group_no))
+        copy = self.bnb_lp_copies.target(group_no, zero12_copy(self, group_no))
         written = self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
                                                 self.optimizer.state[partition],
                                                 self._bnb_inv_scale.pop(group_no, None),
                                                 self.bnb_master_errors[group_no], lp_params=copy)
         self._lazy_init_hp_params_optimizer_state()
         if written:  # the kernel wrote the model's copy: DeepSpeed's conversion right after this becomes a no-op
-            self._bnb_lp_copies.hand_over(self, group_no, copy)
+            self.bnb_lp_copies.hand_over(self, group_no, copy)
 
     # ---- accounting ---------------------------------------------------------------------------------------------
 
@@ -337,7 +342,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
     def bnb_load_checkpoint(self, source, load_optimizer_states=True, load_from_fp32_weights=True):
         """Load from the per-rank states of a deepspeed_bnb checkpoint saved at any DP size (sources.py)."""
         wait_for_offload_copies(self)
-        self._bnb_lp_copies.forget_whole()
+        self.bnb_lp_copies.forget_whole()
         rank = dist.get_rank(group=self.dp_process_group)
         load_records(source, self._bnb_group_records(), rank, self._bnb_optimizer_class(), load_optimizer_states,
                      load_from_fp32_weights)
