@@ -339,14 +339,18 @@ inline ModelCopy model_copy_of(const Checker& check, const Master& master, const
     return {CopyKind::kBFloat16, lp.data_ptr()};
 }
 
+// out[j] = the bf16 bits of p[j] (bf16_round), j < len: bf16 master weights and the model's bf16 copy.
+inline void store_bf16(uint16_t* out, const float* p, int64_t len) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) out[j] = bf16_round(p[j]);
+}
+
 // Writes the model's copy of the updated fp32 weights p of the block base..base+len.
 inline void store_model_copy(const ModelCopy& copy, int64_t base, int64_t len, const float* p) {
     if (copy.kind == CopyKind::kFloat32) {
         std::memcpy(static_cast<float*>(copy.values) + base, p, static_cast<size_t>(len) * sizeof(float));
     } else if (copy.kind == CopyKind::kBFloat16) {
-        uint16_t* out = static_cast<uint16_t*>(copy.values) + base;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) out[j] = bf16_round(p[j]);
+        store_bf16(static_cast<uint16_t*>(copy.values) + base, p, len);
     }
 }
 
@@ -407,8 +411,7 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
     step(p);
     uint16_t* hi_out = static_cast<uint16_t*>(master.values) + base;
     if (master.kind == MasterKind::kBFloat16) {
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) hi_out[j] = bf16_round(p[j]);
+        store_bf16(hi_out, p, len);
     } else {
         int8_t* lo_out = master.error + base;
 #pragma omp simd

@@ -56,7 +56,7 @@ def build(offload: bool, dtype: torch.dtype, monkeypatch, kernel_copy: bool, sta
 
 
 def masters(optimizer) -> list:
-    """The fp32 master partitions (ZeRO-1/2 or ZeRO-3)."""
+    """The fp32 master partitions (ZeRO-1/2 or ZeRO-3) as DeepSpeed's list holds them."""
     return list(getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_partitioned_groups_flat)
 
 

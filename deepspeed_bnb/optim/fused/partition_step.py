@@ -155,7 +155,7 @@ class PartitionStep:
         copied = lp_params is not None and self.fused is not None
         if self.fused is not None:
             self.fused.step([self._configs[v] for v in self._fused_variants], step, params, grads, state, inv_scale,
-                            master_error, lp_params=lp_params if copied else None)
+                            master_error, lp_params=lp_params)
         bnb_segments = [self.segments[i] for i in self._bnb]
         # also when no segment is bnb's: it advances the partition's step (and the scalars bnb keeps) exactly once;
         # bnb's segments get what DeepSpeed's grad.mul_(1 / combined_scale) gives them (inv_scale)

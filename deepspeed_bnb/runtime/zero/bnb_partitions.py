@@ -117,8 +117,13 @@ class BnbPartitionsMixin:
         raise NotImplementedError
 
     def bnb_partition_tensor(self, i: int) -> torch.Tensor:
-        """The flat fp32 tensor of partition i (the key of its state in `self.optimizer.state`)."""
+        """The flat fp32 tensor of partition i (the key of its state in `self.optimizer.state`), also mid-step."""
         raise NotImplementedError
+
+    def bnb_master_partitions(self) -> List[torch.Tensor]:
+        """Every partition's master weights, also mid-step (tools that count tensors during a step read this, not
+        DeepSpeed's lists: at stages 1/2 an entry may be lent to the model's copy, runtime/zero/lp_copy.py)."""
+        return [self.bnb_partition_tensor(i) for i in range(len(self.bnb_steps))]
 
     def bnb_partition_process_group(self, i: int):
         """The process group partition i is split over."""

@@ -122,11 +122,6 @@ class LpCopies:
         self.written.discard(i)
         return True
 
-    def masters(self, listed) -> list:
-        """The master partitions of DeepSpeed's list `listed` (single_partition_of_fp32_groups), those handed out in
-        their place: what the list holds outside a step."""
-        return [self.handed.get(i, tensor) for i, tensor in enumerate(listed)]
-
     def restore(self, optimizer) -> None:
         """After a step: every master partition handed out back in its place, no sub-group's copy pending."""
         for i, partition in self.handed.items():

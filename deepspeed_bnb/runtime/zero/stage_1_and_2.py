@@ -111,7 +111,8 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         return self.single_partition_of_fp32_groups[0].device
 
     def bnb_partition_tensor(self, i):
-        return self.single_partition_of_fp32_groups[i]
+        # mid-step, DeepSpeed's list may hold the model's copy in the master's place (lp_copy.py: LpCopies.hand_over)
+        return self.bnb_lp_copies.handed.get(i, self.single_partition_of_fp32_groups[i])
 
     def bnb_partition_process_group(self, i):
         return self.real_dp_process_group[i]
@@ -280,11 +281,6 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
             return super().step(closure)
         finally:  # the master partitions handed out for DeepSpeed's copy statements back in place (lp_copy.py)
             self.bnb_lp_copies.restore(self)
-
-    def bnb_master_partitions(self) -> list:
-        """Each group's fp32 master partition, also mid-step, while one is handed out for DeepSpeed's copy statement
-        (tools that count tensors during a step read this, not single_partition_of_fp32_groups)."""
-        return self.bnb_lp_copies.masters(self.single_partition_of_fp32_groups)
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
