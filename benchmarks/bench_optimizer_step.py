@@ -45,7 +45,7 @@ def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True, mo
     False: fp32 state, the kernel's path without (de)quantization), its hyper row rebuilt every step as the ZeRO
     optimizer does (the step counter starts at 1: the warm-up round), in the arithmetic the ZeRO step computes on
     `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says. model_copy: the kernel also
-    writes the model's bf16 copy of the updated weights (lp_params, CPU), as the ZeRO-1/2 step has it do."""
+    writes the model's bf16 copy of the updated weights (lp_params), as the ZeRO steps have it do."""
     update = rules.get(rule)
     signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
@@ -76,7 +76,7 @@ def then_bf16_copy(run, n):
     params = getattr(run, "params", None)
     if params is None:  # a torch optimizer: its one parameter
         params = run.__self__.param_groups[0]["params"][0].detach()
-    copy = torch.zeros(n, dtype=torch.bfloat16)
+    copy = torch.zeros(n, dtype=torch.bfloat16, device=params.device)
 
     def wrapped():
         run()

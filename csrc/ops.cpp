@@ -9,9 +9,9 @@
 // Every operator steps fp32 master weights, bf16 ones (params bf16), or compensated ones (params bf16 and error, their
 // int8 error terms): csrc/include/dsbnb/master_weights.h. inv_scale: None, or a one-element float32 tensor on params'
 // device holding DeepSpeed's unscale/clip factor (read by the kernel, so the host never waits for its value).
-// lp_params: None, or the model's copy of the updated weights (fp32 or bf16, the partition's size, beside fp32 master
-// weights), written by the kernel for every element it steps (CPU only; DeepSpeed's low-precision partition or its
-// offload buffer, so that its own conversion pass after the step is not needed: runtime/zero/lp_copy.py).
+// lp_params: None, or the model's copy of the updated weights (fp32 or bf16, bf16 only on a GPU; the partition's size,
+// beside fp32 master weights), written by the kernel for every element it steps (DeepSpeed's low-precision partition
+// or its offload buffer, so that its own conversion pass after the step is not needed: runtime/zero/lp_copy.py).
 // arithmetic: "ieee" (every fp32 operation rounded on its own: the reference's, on every device), "bnb_cuda" (CUDA:
 // bitsandbytes' own CUDA kernels' rounding) or "bnb_cpu" (CPU: "ieee" for 8-bit segments, bnb's own 32-bit CPU update
 // for fp32 ones); deepspeed_bnb/ops/rules.py names them.

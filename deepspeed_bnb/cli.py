@@ -115,6 +115,12 @@ def _kernels(args):
                 if problem is None and torch.device(device).type == "cpu":
                     print(f"  {device} {rule}, {master} master weights, 32-bit state: "
                           f"{cpu32_choice(rule, master).why}")
+            # the model's bf16 copy the kernel writes beside fp32 master weights (runtime/zero/lp_copy.py)
+            problem = self_check.disagreement(rule, device, "fp32", lp_copy=True)
+            failures += problem is not None
+            when = "" if torch.device(device).type == "cpu" else " (written under DEEPSPEED_BNB_KERNEL_LP_COPY=gpu)"
+            print(f"  {device} {rule}, the model's bf16 copy{when}: "
+                  + ("same bits as torch's conversion" if problem is None else f"FAILS: {problem}"))
     return 1 if failures else 0
 
 

@@ -2,8 +2,8 @@
 // momentum8bit_cuda.cpp): argument checks, the quantizer tables of a map (sorted order, midpoints and the compact
 // table of csrc/include/dsbnb/compact_quantizer.h) uploaded once per map, the segment table's block map (each block's
 // segment and each segment's first block) uploaded once per table — both cached per tensor, so a steady-state step
-// never synchronizes with the device —, DeepSpeed's unscale factor (a device tensor's address, never its value), and
-// the launch arguments of every rule (`run`).
+// never synchronizes with the device —, DeepSpeed's unscale factor (a device tensor's address, never its value), the
+// model's bf16 copy the kernel may write (with_model_copy), and the launch arguments of every rule (`run`).
 // Build: only with a CUDA build of torch, with the bindings. Test: tests/kernels/test_cuda_build.py (syntax, without a
 // GPU); tests/kernels/test_fused_rules.py (every rule of the registry) on a machine with a GPU.
 #pragma once
@@ -174,6 +174,31 @@ inline Master master_of(const Checker& check, const at::Tensor& params, const st
     return {MasterKind::kCompensated, params.data_ptr(), error->data_ptr<int8_t>()};
 }
 
+// The model's copy of the updated weights (lp_params), checked, into `master`: bf16 beside fp32 master weights, on
+// their device, the partition's size, sharing no byte with them. Its kind then has the kernel write it
+// (kFloat32WithBf16Copy), where DeepSpeed's step otherwise converts the partition in a pass of its own after the
+// optimizer (6 bytes per element beside the 8-bit step's 16; runtime/zero/lp_copy.py). The CPU kernels also write fp32
+// copies; on a GPU an fp32 model's copy stays DeepSpeed's.
+inline void with_model_copy(const Checker& check, const at::Tensor& params, Master& master,
+                            const std::optional<at::Tensor>& lp_params) {
+    if (!lp_params.has_value()) return;
+    const at::Tensor& lp = *lp_params;
+    check(master.kind == MasterKind::kFloat32, "lp_params (the model's copy of the updated weights) goes with float32 "
+                                               "master weights; bf16 master weights are that copy themselves");
+    check(lp.scalar_type() == at::kBFloat16,
+          std::string("lp_params must be bfloat16 on a GPU (the CUDA kernels write a bf16 copy), got ") +
+              c10::toString(lp.scalar_type()));
+    check(lp.is_cuda() && lp.get_device() == params.get_device() && lp.is_contiguous(),
+          "lp_params must be a contiguous tensor on params' CUDA device");
+    check(lp.numel() == params.numel(), "lp_params and params differ in size (" + std::to_string(lp.numel()) + " vs " +
+                                            std::to_string(params.numel()) + " elements)");
+    const auto start = reinterpret_cast<uintptr_t>(lp.data_ptr()), end = start + 2 * lp.numel();
+    const auto first = reinterpret_cast<uintptr_t>(params.data_ptr()), last = first + 4 * params.numel();
+    check(end <= first || last <= start, "lp_params overlaps params (the copy must be a tensor of its own)");
+    master.kind = MasterKind::kFloat32WithBf16Copy;
+    master.copy = static_cast<uint16_t*>(lp.data_ptr());
+}
+
 inline GradType grad_type(const Checker& check, const at::Tensor& grads) {
     const GradType type = grads.scalar_type() == at::kBFloat16 ? GradType::kBFloat16
                           : grads.scalar_type() == at::kHalf   ? GradType::kFloat16
@@ -221,10 +246,6 @@ inline void run(const char* op, Launch launch, at::Tensor& params, const at::Ten
                 const std::optional<at::Tensor>& error, c10::string_view arithmetic,
                 const std::optional<at::Tensor>& lp_params = std::nullopt) {
     const Checker check(op);
-    // the model's copy written by the kernel (lp_params) has run on CPUs only so far: DeepSpeed's own copy after the
-    // step serves GPUs until the device kernels are held to it
-    check(!lp_params.has_value(), "lp_params (the model's copy of the updated weights) is written by the CPU kernels "
-                                  "only; on a GPU leave it None (DeepSpeed copies the partition after the step)");
     const std::vector<StateTensors> states(state_list);
     const bool bnb = bnb_arithmetic(check, arithmetic);
     const c10::cuda::CUDAGuard guard(params.device());
@@ -265,10 +286,12 @@ inline void run(const char* op, Launch launch, at::Tensor& params, const at::Ten
     a.hyper = hyper.data_ptr<float>();
     a.hyper_fields = static_cast<int>(fields);
     a.params = master_of(check, params, error);
+    with_model_copy(check, params, a.params, lp_params);
     a.grads = grads.data_ptr();
     a.grad_type = grad_type(check, grads);
     a.scale = scale_of(check, params, inv_scale);
-    a.aligned = aligned(a.params.values, 16) && aligned(a.grads, 16) && (!a.params.error || aligned(a.params.error, 8));
+    a.aligned = aligned(a.params.values, 16) && aligned(a.grads, 16) &&
+                (!a.params.error || aligned(a.params.error, 8)) && (!a.params.copy || aligned(a.params.copy, 16));
     for (size_t k = 0; k < states.size(); ++k) {
         a.codes[k] = states[k].codes->data_ptr<uint8_t>();
         a.absmax[k] = states[k].absmax->data_ptr<float>();

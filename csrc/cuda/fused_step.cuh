@@ -14,6 +14,9 @@
 //   data, and the GPU proof's part k times the alternatives side by side; on an H200 this copy took the AdamW kernel
 //   from 39% to 59% of a device copy's bandwidth); a shape may stage the next block's bytes in shared memory while a
 //   block is stepped (staged_loop: cp.async, so a warp's loads stay in flight through its arithmetic).
+// Beside fp32 master weights the kernel can also write the model's bf16 copy of them (the operators' lp_params: the
+// master kind kFloat32WithBf16Copy, store_model_copy), where DeepSpeed's step otherwise converts the partition after
+// it.
 // A Rule (*_rules.cuh, launched by adam8bit.cu, lion8bit.cu, momentum8bit.cu) supplies the arithmetic; the two
 // arithmetics differ only there and in the quantizer's rounding (Ieee: ties low, NaN-propagating absmax, Adam's
 // positive floor; Bnb: bnb's quantize_2D, NaN-dropping absmax, the sign fix, the padding lanes of a partial block as
@@ -115,7 +118,7 @@ __device__ __forceinline__ void load_grads(const void* grads, GradType type, int
 template <MasterKind K>
 __device__ __forceinline__ void load_weights(const Master& m, int64_t i, int n, bool vec, float (&p)[8]) {
     if (vec && n == 8) {
-        if (K == MasterKind::kFloat32) {
+        if (fp32_values(K)) {
             const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(m.values) + i);
             const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(m.values) + i + 4);
             p[0] = a.x; p[1] = a.y; p[2] = a.z; p[3] = a.w; p[4] = b.x; p[5] = b.y; p[6] = b.z; p[7] = b.w;
@@ -138,7 +141,7 @@ __device__ __forceinline__ void load_weights(const Master& m, int64_t i, int n, 
     for (int k = 0; k < 8; ++k) {
         if (k >= n) {
             p[k] = 0.0f;
-        } else if (K == MasterKind::kFloat32) {
+        } else if (fp32_values(K)) {
             p[k] = static_cast<const float*>(m.values)[i + k];
         } else if (K == MasterKind::kBFloat16) {
             p[k] = bf16_value(static_cast<const uint16_t*>(m.values)[i + k]);
@@ -175,11 +178,29 @@ __device__ __forceinline__ void store_halves_of(const Master& m, int64_t i, int 
     }
 }
 
-// Stores updated master weights. `exact_bf16`: bf16 values already rounded by the rule (bnb's bf16 kernels round
-// where bnb rounds; storing the top half keeps a NaN's bits as bnb's conversion made them).
+// The model's bf16 copy of fp32 weights i..i+7 (kFloat32WithBf16Copy): torch's own CUDA conversion, which is what
+// DeepSpeed's copy of the partition after the step writes (c10::BFloat16 from float on sm_80 and later is
+// __float2bfloat16: round to nearest even, a NaN as cvt.rn.bf16.f32 canonicalizes it).
+__device__ __forceinline__ void store_model_copy(uint16_t* copy, int64_t i, int n, bool vec, const float (&p)[8]) {
+    uint16_t h[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) h[k] = __bfloat16_as_ushort(__float2bfloat16_rn(p[k]));
+    if (vec && n == 8) {
+        store_halves(copy, i, h);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k < n) copy[i + k] = h[k];
+    }
+}
+
+// Stores updated master weights (and, for kFloat32WithBf16Copy, the model's copy of them). `exact_bf16`: bf16 values
+// already rounded by the rule (bnb's bf16 kernels round where bnb rounds; storing the top half keeps a NaN's bits as
+// bnb's conversion made them).
 template <MasterKind K, bool ExactBf16>
 __device__ __forceinline__ void store_weights(const Master& m, int64_t i, int n, bool vec, const float (&p)[8]) {
-    if (K == MasterKind::kFloat32) {
+    if (fp32_values(K)) {
         if (vec && n == 8) {
             *reinterpret_cast<float4*>(static_cast<float*>(m.values) + i) = make_float4(p[0], p[1], p[2], p[3]);
             *reinterpret_cast<float4*>(static_cast<float*>(m.values) + i + 4) = make_float4(p[4], p[5], p[6], p[7]);
@@ -189,6 +210,7 @@ __device__ __forceinline__ void store_weights(const Master& m, int64_t i, int n,
                 if (k < n) static_cast<float*>(m.values)[i + k] = p[k];
             }
         }
+        if (K == MasterKind::kFloat32WithBf16Copy) store_model_copy(m.copy, i, n, vec, p);
     } else {
         store_halves_of<K, ExactBf16>(m, i, n, vec, p);
     }
@@ -570,7 +592,7 @@ constexpr int dynamic_shared_bytes() {
 // Starts the copies of one lane's 8 elements (from element i) of a full, aligned 8-bit block into `slot`.
 template <MasterKind K, int S>
 __device__ __forceinline__ void stage_block(const StepArgs& a, int64_t i, uint8_t* slot) {
-    if (K == MasterKind::kFloat32) {
+    if (fp32_values(K)) {
         const float* w = static_cast<const float*>(a.params.values) + i;
         __pipeline_memcpy_async(slot, w, 16);
         __pipeline_memcpy_async(slot + 16, w + 4, 16);
@@ -770,6 +792,8 @@ int launch(const StepArgs& a, void* stream) {
     switch (a.params.kind) {
         case MasterKind::kBFloat16: return launch_kind<Rule, MasterKind::kBFloat16, Tune>(a, stream);
         case MasterKind::kCompensated: return launch_kind<Rule, MasterKind::kCompensated, Tune>(a, stream);
+        case MasterKind::kFloat32WithBf16Copy:
+            return launch_kind<Rule, MasterKind::kFloat32WithBf16Copy, Tune>(a, stream);
         default: return launch_kind<Rule, MasterKind::kFloat32, Tune>(a, stream);
     }
 }

@@ -15,7 +15,7 @@ Every operator has the same argument layout, grouped by kind and numbered by mom
 (params: fp32 or bf16 master weights; inv_scale: None, or a one-element float32 tensor on their device holding
 DeepSpeed's unscale/clip factor, read by the kernel so that the host never waits for it; error: None, or the int8
 error terms of compensated ones; arithmetic: which rounding rules, ARITHMETICS; lp_params: None, or the model's fp32
-or bf16 copy of fp32 master weights, written by the kernel: CPU only) (`argument_names`); moment 1 (m)
+or bf16 copy of fp32 master weights, written by the kernel: on a GPU bf16 only) (`argument_names`); moment 1 (m)
 uses bnb's signed map, moment 2 (v) the unsigned one (SIGNED_MAPS).
 
 Adding a rule touches these files (tests/unit/test_rules.py checks that they agree with each other):
@@ -207,7 +207,7 @@ def arguments(rule, params: torch.Tensor, grads: torch.Tensor, codes: Sequence[t
     rule (moment 1 first); a ValueError when a count differs. `params`: fp32 or bf16 master weights, `error` the int8
     error terms of compensated ones (None otherwise); `inv_scale`: None, a number or a one-element tensor
     (scale_argument); `arithmetic`: one of ARITHMETICS; `lp_params`: None, or the model's copy of the updated weights
-    that the kernel writes (fp32 or bf16, beside fp32 master weights; CPU only)."""
+    that the kernel writes (fp32 or bf16 on a CPU, bf16 on a GPU, beside fp32 master weights)."""
     rule = get(rule)
     for kind, tensors in (("codes", codes), ("absmax", absmax), ("state", state), ("qmaps", qmaps)):
         if len(tensors) != rule.moments:

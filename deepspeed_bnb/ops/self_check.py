@@ -13,7 +13,10 @@ a kernel that raises or differs by one bit is not used. On a CPU the kernel's co
 (the bnb_cpu arithmetic) is checked apart, against bnb itself: where it differs, bnb's update keeps the 32-bit state
 (optim/fused/route.py: kernel_arithmetic). Every rule of the registry is checked the same way: its partition, hyper
 rows and argument list follow from its moment count and its row builder.
-Cost: a few milliseconds, once per rule, device, master and arithmetic per process. It uses bnb's default maps: a
+Asked with lp_copy, the kernel also writes the model's bf16 copy of the updated weights (the operators' lp_params,
+beside fp32 master weights), which must be torch's conversion of the oracle's weights in every segment element and
+leave the alignment padding alone: DeepSpeed's own copy after the step is what it replaces (runtime/zero/lp_copy.py).
+Cost: a few milliseconds, once per rule, device, master, arithmetic and copy per process. It uses bnb's default maps: a
 custom map's own quantizer path (an unsorted map, one the compact key table refuses) is covered by the test suite
 only.
 """
@@ -34,18 +37,21 @@ HYPER_ROWS = [0, 1, 1]  # hyper row of each segment
 CONFIGS = ({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
            {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0})
 MASTERS = master_kinds.MODES  # the master weights a kernel steps
-# (rule, device, master, arithmetic) -> disagreement or None
-_verdicts: Dict[Tuple[str, str, str, str], Optional[str]] = {}
+COPY_SENTINEL = -7.25  # the model copy's elements before the first step: still there in its padding after each step
+# (rule, device, master, arithmetic, lp_copy) -> disagreement or None
+_verdicts: Dict[Tuple[str, str, str, str, bool], Optional[str]] = {}
 
 
-def disagreement(rule: str, device, master: str = "fp32", arithmetic: Optional[str] = None) -> Optional[str]:
+def disagreement(rule: str, device, master: str = "fp32", arithmetic: Optional[str] = None,
+                 lp_copy: bool = False) -> Optional[str]:
     """Why the compiled kernel of `rule` must not be used on `device` for `master` weights in `arithmetic` (default:
-    the device's, rules.arithmetic_for) (it raised, or differs from its oracle), or None; checked once per rule,
-    device, master and arithmetic. The caller has loaded the kernels."""
+    the device's, rules.arithmetic_for) (it raised, or differs from its oracle), or, with `lp_copy`, must not write the
+    model's bf16 copy of fp32 ones; None where it may. Checked once per rule, device, master, arithmetic and lp_copy.
+    The caller has loaded the kernels."""
     arithmetic = arithmetic or rules.arithmetic_for(device)
-    key = (rule, str(torch.device(device)), master, arithmetic)
+    key = (rule, str(torch.device(device)), master, arithmetic, lp_copy)
     if key not in _verdicts:
-        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel(), master, arithmetic)
+        _verdicts[key] = compare(rule, torch.device(device), rules.get(rule).kernel(), master, arithmetic, lp_copy)
     return _verdicts[key]
 
 
@@ -97,7 +103,17 @@ def _arguments(rule: str, t: dict, grads: torch.Tensor, hyper: torch.Tensor, inv
     moments = range(1, rules.get(rule).moments + 1)
     return rules.arguments(rule, t["params"], grads, *([t[f"{kind}{k}"] for k in moments]
                                                         for kind in ("codes", "absmax", "state", "qmap")),
-                           t["segments"], hyper, inv_scale, t.get("error"), arithmetic)
+                           t["segments"], hyper, inv_scale, t.get("error"), arithmetic, t.get("lp_params"))
+
+
+def _expected_copy(params: torch.Tensor, segments: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The model's bf16 copy DeepSpeed's step would leave on `device`: torch's conversion of the updated `params` in
+    every segment element, COPY_SENTINEL in the alignment padding (which the kernel never writes)."""
+    converted = params.to(device).to(torch.bfloat16)
+    expected = torch.full_like(converted, COPY_SENTINEL)
+    for offset, numel in segments[:, :2].tolist():
+        expected[offset:offset + numel] = converted[offset:offset + numel]
+    return expected
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -109,20 +125,25 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp32",
-            arithmetic: Optional[str] = None) -> Optional[str]:
+            arithmetic: Optional[str] = None, lp_copy: bool = False) -> Optional[str]:
     """Run `kernel` on `device` and the oracle of `rule` in `arithmetic` (default: the one the kernel computes on
     `device`) for STEPS steps of one small partition of `master` weights; describe the first difference (or the
     kernel's exception), or return None when every tensor agrees bit for bit after every step. The ieee oracle, the
     pure-torch reference, runs on the CPU; the bnb_cuda one, bitsandbytes' own update, on `device` (on a GPU, bnb's
     CUDA kernels), from the gradients the engine would hand it (bf16 ones for bf16 and compensated weights); the
     bnb_cpu one, bitsandbytes' own 32-bit CPU update for the fp32 segments (from CONFIGS' unrounded values, as
-    update_step hands them) and the reference for the 8-bit ones (bnb_update.cpu32_oracle)."""
+    update_step hands them) and the reference for the 8-bit ones (bnb_update.cpu32_oracle). `lp_copy`: the kernel also
+    writes the model's bf16 copy of the fp32 `master` weights, held to _expected_copy of the oracle's."""
     arithmetic = arithmetic or rules.arithmetic_for(device)
     bnb = arithmetic == rules.BNB_CUDA
     oracle_device = device if bnb else torch.device("cpu")
     oracle_name = "the reference" if arithmetic == rules.IEEE else "bitsandbytes' own update"
     ours = _partition(rule, device, master, arithmetic)
     theirs = _partition(rule, oracle_device, master, arithmetic)
+    if lp_copy:
+        if master != "fp32":
+            raise ValueError(f"lp_copy: the model's copy goes with fp32 master weights, got master={master!r}")
+        ours["lp_params"] = torch.full_like(ours["params"], COPY_SENTINEL, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
         grads, hyper = _gradients(ours["params"].numel(), step, generator), _hyper(rule, step, arithmetic)
@@ -141,12 +162,16 @@ def compare(rule: str, device: torch.device, kernel: Callable, master: str = "fp
             if arithmetic != rules.BNB_CPU:
                 raise
             return f"{oracle_name} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        # what the kernel's tensors must hold now (the oracle writes no copy: torch converts its weights)
+        wanted = {**theirs, "lp_params": _expected_copy(theirs["params"], ours["segments"].cpu(), device)} \
+            if lp_copy else theirs
         for name in ours:
-            mine, expected = bits(ours[name].cpu()), bits(theirs[name].cpu())
+            mine, expected = bits(ours[name].cpu()), bits(wanted[name].cpu())
             if not torch.equal(mine, expected):
                 where = (mine != expected).nonzero().flatten()
                 first = int(where[0])
-                return (f"after step {step}, {name} differs from {oracle_name} at {where.numel()} of "
+                against = "torch's conversion of " + oracle_name + "'s weights" if name == "lp_params" else oracle_name
+                return (f"after step {step}, {name} differs from {against} at {where.numel()} of "
                         f"{mine.numel()} elements (first at {first}: {ours[name].cpu().flatten()[first].item()!r} vs "
-                        f"{theirs[name].cpu().flatten()[first].item()!r})")
+                        f"{wanted[name].cpu().flatten()[first].item()!r})")
     return None

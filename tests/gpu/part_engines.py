@@ -13,6 +13,9 @@ b. ZeRO-1, 2 and 3, fp32 and bf16, `bnb_fused_kernel: false` (bitsandbytes' own 
    The same with the default `bnb_fused_kernel: "auto"` over FUSED_STEPS steps, which on a GPU is the fused kernels
    (after their first-use check): they compute bnb's own CUDA arithmetic (every parameter, 32-bit state included, in
    one launch per partition), so they too equal plain bnb bit for bit.
+   So do the bf16 engines whose fused kernel also writes the model's copy of the updated weights
+   (DEEPSPEED_BNB_KERNEL_LP_COPY=gpu, ZeRO-1/2/3): a wrong copy would change the next step's gradients. Control: the
+   kernel wrote the copy at every step after the first.
    The rehearsal on the CPU skips these (the CPU kernels compute the reference's IEEE arithmetic, within one code of
    bnb's CPU path: tests/kernels/test_fused_contract.py).
 c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the same run, ZeRO-2, fp32 and bf16:
@@ -138,13 +141,45 @@ def state_differences(mine: dict, theirs: dict) -> list:
     return out
 
 
-def equals_plain(args, result, stage: int, precision: str, master: str = "fp32", fused: bool = False) -> list:
-    """Part b for one configuration (`master`: bnb_master_weights of a bf16 one; `fused`: bnb_fused_kernel true);
-    returns the table row."""
+def count_model_copies(engine) -> list:
+    """A one-element list that counts the partition steps in which the kernel wrote the model's copy (PartitionStep.step
+    returns True)."""
+    written = [0]
+    for partition_step in engine.optimizer.bnb_steps:
+        step = partition_step.step
+
+        def counting(*args, step=step, **kwargs):
+            wrote = step(*args, **kwargs)
+            written[0] += bool(wrote)
+            return wrote
+        partition_step.step = counting
+    return written
+
+
+def equals_plain(args, result, stage: int, precision: str, master: str = "fp32", fused: bool = False,
+                 lp_copy: bool = False) -> list:
+    """Part b for one configuration (`master`: bnb_master_weights of a bf16 one; `fused`: bnb_fused_kernel true;
+    `lp_copy`: the kernel writes the model's copy, DEEPSPEED_BNB_KERNEL_LP_COPY=gpu); returns the table row."""
+    if not lp_copy:
+        return _equals_plain(args, result, stage, precision, master, fused)
+    from deepspeed_bnb.runtime.zero import lp_copy as lp
+    before = os.environ.get(lp.ENV)
+    os.environ[lp.ENV] = "gpu"
+    try:
+        return _equals_plain(args, result, stage, precision, master, fused, lp_copy)
+    finally:
+        if before is None:
+            del os.environ[lp.ENV]
+        else:
+            os.environ[lp.ENV] = before
+
+
+def _equals_plain(args, result, stage: int, precision: str, master: str, fused: bool, lp_copy: bool = False) -> list:
     from support.toy import make_model
     bf16 = precision == "bf16"
     engine = engine_of(stage, bf16, args.device, fused=fused_setting(args.device) if fused else None,
                        master="auto" if master == "fp32" else master)
+    written = count_model_copies(engine)
     plain = PlainBnb(args.device, bf16, master)
     first_bad, worst, bad_states = None, 0.0, set()
     steps = FUSED_STEPS if fused else STEPS
@@ -167,7 +202,7 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
     label = f"ZeRO-{stage} {precision}" + ("" if master == "fp32" else f", {master} master weights")
     summary = engine.optimizer.bnb_update_summary()
     if fused:
-        label += ", fused kernel"
+        label += ", fused kernel" + (" writing the model's copy" if lp_copy else "")
         expected = f"fused kernel ({args.device.upper()})"
         result.check(f"b: {label}: bnb_fused_kernel {fused_setting(args.device)!r} steps every parameter (32-bit "
                      f"state included) with the fused kernel",
@@ -175,6 +210,11 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
     else:
         result.check(f"b: {label}, bnb_fused_kernel {BNB_UPDATE!r} steps every parameter with bnb's "
                      f"own update", summary == "bnb's own update", summary, "bnb's own update")
+    if lp_copy:  # control: the kernel wrote the model's copy at every step but the first (DeepSpeed's whole copy)
+        partitions = len(engine.optimizer.bnb_steps)
+        result.check(f"b: {label}: the kernel wrote the copy at every step after the first",
+                     written[0] == partitions * (steps - 1), f"{written[0]} partition steps",
+                     f"{partitions * (steps - 1)} ({partitions} partitions x {steps - 1} steps)")
     result.check(f"b: {label}, weights and state == plain bnb AdamW8bit after each of {steps} steps",
                  first_bad is None and moved > 0,
                  "bit for bit" if first_bad is None else
@@ -333,6 +373,8 @@ def body(args, result):
             for fused in kernels for stage in STAGES for precision in PRECISIONS]
     rows += [equals_plain(args, result, stage, "bf16", master, fused=fused)
              for fused in kernels for stage in MASTER_STAGES for master in MASTER_MODES]
+    if args.device == "cuda":  # the kernel writing the model's bf16 copy (an opt-in on GPUs): the same bits
+        rows += [equals_plain(args, result, stage, "bf16", fused=True, lp_copy=True) for stage in STAGES]
     result.table("b: the engine against plain bnb AdamW8bit (default path; on a GPU also the fused kernel)",
                  ["config", "update", "first difference", "max |weight diff|", "state keys differing",
                   "weights moved"], rows)

@@ -4,7 +4,8 @@ bit there in both arithmetics, and pass the first-use check the ZeRO optimizer r
 References: the ieee arithmetic against deepspeed_bnb/ops/reference.py (pure torch, run on the CPU by the tests'
 harness); the bnb_cuda arithmetic (what the ZeRO step runs on a GPU) against bitsandbytes' own CUDA update on the same
 GPU (ops/bnb_update.py; tests/kernels/test_fused_bnb_cuda.py: every rule, fp32/bf16/compensated master weights, odd
-sizes, NaN/Inf gradients, ten steps each). The tests are the suite's own (tests/support/kernel_tests.py lists the
+sizes, NaN/Inf gradients, ten steps each); the model's bf16 copy the kernels write beside fp32 master weights against
+torch's own conversion on the device, bit for bit (tests/kernels/test_model_copy.py), and the first-use check of it. The tests are the suite's own (tests/support/kernel_tests.py lists the
 files), selected for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to
 hold to bnb); a run where none of them ran fails.
 """
@@ -48,10 +49,12 @@ def body(args, result):
     if not loaded:
         return
     outcomes = Outcomes()
-    files = [os.path.join(common.TESTS, name) for name in (*RULE_TEST_FILES, "kernels/test_self_check.py")]
+    files = [os.path.join(common.TESTS, name) for name in (*RULE_TEST_FILES, "kernels/test_self_check.py",
+                                                           "kernels/test_model_copy.py")]
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", f"{args.device}_kernel", "-rs", *files],
                        plugins=[outcomes])
-    result.check(f"ieee kernels == reference, bit for bit, on {args.device} (the suite's {args.device}_kernel tests)",
+    result.check(f"ieee kernels == reference, bit for bit, on {args.device} (the suite's {args.device}_kernel tests; "
+                 f"with them the model's copy against torch's conversion)",
                  code == 0 and outcomes.passed > 0 and not outcomes.failed,
                  f"{outcomes.passed} passed, {len(outcomes.failed)} failed, {outcomes.skipped} skipped"
                  + (f" (failed: {', '.join(outcomes.failed[:8])})" if outcomes.failed else ""),
@@ -75,6 +78,11 @@ def body(args, result):
             result.check(f"first-use check of the {rule} kernel on {args.device}, {master} master weights",
                          problem is None, problem or f"kernel == {oracle} on the check partition",
                          "no difference, no exception")
+        # the model's bf16 copy beside fp32 master weights (DEEPSPEED_BNB_KERNEL_LP_COPY=gpu on a GPU)
+        problem = self_check.disagreement(rule, torch.device(args.device), "fp32", lp_copy=True)
+        result.check(f"first-use check of the {rule} kernel's model copy on {args.device} (bf16, fp32 master weights)",
+                     problem is None, problem or f"kernel == {oracle}, its copy == torch's conversion",
+                     "no difference, no exception")
 
 
 if __name__ == "__main__":

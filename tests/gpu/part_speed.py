@@ -2,11 +2,13 @@
 
 A bf16 GPT (deepspeed_bnb/demo/gpt.py) trains on the one device with each configuration of a suite:
   f   ZeRO-2 at about 125M and 1B parameters: bnb AdamW8bit through deepspeed_bnb with bnb's own update and with the
-      fused kernel (fp32, bf16 and compensated bf16+8 master weights), stock DeepSpeed stepping a bnb AdamW8bit client
+      fused kernel (fp32, bf16 and compensated bf16+8 master weights; and with fp32 ones the kernel also writing the
+      model's bf16 copy, DEEPSPEED_BNB_KERNEL_LP_COPY=gpu), stock DeepSpeed stepping a bnb AdamW8bit client
       (what users run today), torch AdamW(fused=True), DeepSpeed FusedAdam, DeepSpeed's bf16 master weights + bf16
       states, and torchao's AdamW8bit where it is installed and runs as a DeepSpeed client;
-  f3  at about 1B parameters: ZeRO-3 (bnb's update, the fused kernel, torch's fused AdamW) and ZeRO-2 with the
-      optimizer offloaded to the CPU (the fused C++ kernel, DeepSpeedCPUAdam, torch's fused CPU AdamW).
+  f3  at about 1B parameters: ZeRO-3 (bnb's update, the fused kernel without and with its model copy, torch's fused
+      AdamW) and ZeRO-2 with the optimizer offloaded to the CPU (the fused C++ kernel, DeepSpeedCPUAdam, torch's fused
+      CPU AdamW).
 Interleaved: every round builds each configuration's engine in turn, warms it up and times its steps (the whole
 training step, and engine.step() alone), then frees it; ROUNDS rounds, so each configuration's timed steps come from
 separate rounds and a drift of the machine shows as spread, not as a ranking. Reported: the median and the range of
@@ -16,7 +18,7 @@ engine.step() at most 0.8x torch's fused AdamW, the whole step at most 1.02x, bf
 1.1x the fp32-master 8-bit step) as checks on a GPU. Peak memory comes from fresh processes (part m), since engines
 built one after another in one process leave memory behind.
 f also times one optimizer step over a flat 256M-element partition (benchmarks/bench_optimizer_step.py's fused
-kernel and torch optimizers): the achieved bandwidth (16 bytes moved per element for 8-bit AdamW, 28 for fp32 AdamW)
+kernel, also writing the model's bf16 copy and followed by torch's copy, and torch optimizers): the achieved bandwidth (16 bytes moved per element for 8-bit AdamW, 28 for fp32 AdamW)
 as a share of a device-to-device copy measured in the same rounds and of the data sheet, timed as the device's work
 (bench_cuda_step.event_time: the host's Python and launches hidden behind a queued sleep) and, in a column of its own,
 with the host's work included as earlier runs timed it; part p profiles it.
@@ -52,24 +54,32 @@ LR = 3e-4
 # nominal memory bandwidth by device name (bytes/s): the vendors' data sheets
 NOMINAL = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.04e12))
 FUSED, BNB_UPDATE, TORCH_FUSED = "bnb AdamW8bit, fused kernel", "bnb AdamW8bit, bnb's update", "torch AdamW(fused=True)"
+# the fused kernel also writing the model's bf16 copy of the updated weights (DEEPSPEED_BNB_KERNEL_LP_COPY=gpu), where
+# DeepSpeed's step otherwise converts each partition after it (runtime/zero/lp_copy.py): an opt-in until this row shows
+# it at least as fast as FUSED
+FUSED_COPY = "bnb AdamW8bit, fused kernel writing the model's copy"
 BF16_MASTER, COMPENSATED = "bnb AdamW8bit, bf16 master weights, fused", "bnb AdamW8bit, bf16+8 master weights, fused"
+COPY_IN_KERNEL = "deepspeed_bnb fused AdamW (8-bit), writing the model's bf16 copy"
+COPY_AFTER = "deepspeed_bnb fused AdamW (8-bit), then torch's bf16 copy"
+LP_COPY_ENV = "DEEPSPEED_BNB_KERNEL_LP_COPY"  # runtime/zero/lp_copy.py: ENV
 # the optimizer offloaded to the CPU: the fused C++ kernel and torch's fused AdamW on the host
 OFFLOAD_FUSED, OFFLOAD_TORCH = "bnb AdamW8bit, fused C++ kernel", "torch AdamW(fused=True), CPU"
 OFFLOAD_LABELS = (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH)
 # the suites of each part: (stage, offload, model sizes, configurations)
 SUITES = {"f": [(2, False, ("125M", "1B"), None)],
-          "f3": [(3, False, ("1B",), (BNB_UPDATE, FUSED, TORCH_FUSED)),
+          "f3": [(3, False, ("1B",), (BNB_UPDATE, FUSED, FUSED_COPY, TORCH_FUSED)),
                  (2, True, ("1B",), OFFLOAD_LABELS)]}
 
 
 class Config:
-    """One configuration: its optimizer maker, zero_optimization extras, bf16 section, and whether stock DeepSpeed
-    (deepspeed_bnb's integration taken back) builds it."""
+    """One configuration: its optimizer maker, zero_optimization extras, bf16 section, whether stock DeepSpeed
+    (deepspeed_bnb's integration taken back) builds it, and environment settings while it runs."""
 
-    def __init__(self, maker, zero=None, bf16=None, stock=False, top=None):
+    def __init__(self, maker, zero=None, bf16=None, stock=False, top=None, env=None):
         self.maker, self.zero, self.stock = maker, zero or {}, stock
         self.bf16 = bf16 or {"enabled": True}
         self.top = top or {}  # top-level config keys
+        self.env = env or {}  # environment variables set from its build to its last step
 
 
 def configurations(stage: int, offload: bool) -> dict:
@@ -93,6 +103,7 @@ def configurations(stage: int, offload: bool) -> dict:
     configs = {
         BNB_UPDATE: Config(bnb8, {"bnb_fused_kernel": False}),
         FUSED: Config(bnb8, {"bnb_fused_kernel": True}),
+        FUSED_COPY: Config(bnb8, {"bnb_fused_kernel": True}, env={LP_COPY_ENV: "gpu"}),
         BF16_MASTER: Config(bnb8, {"bnb_master_weights": "bf16", "bnb_fused_kernel": True}),
         COMPENSATED: Config(bnb8, {"bnb_master_weights": "bf16+8", "bnb_fused_kernel": True}),
         "stock DeepSpeed, bnb AdamW8bit client": Config(bnb8, stock=True, top=untested),
@@ -162,9 +173,31 @@ def build(config: Config, stage: int, offload: bool, model_args: dict, device: s
                                                                for p in model.parameters())
 
 
+@contextlib.contextmanager
+def environment(settings: dict):
+    """`settings` in os.environ inside, the values before restored after."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def timed_round(label: str, config: Config, stage: int, offload: bool, model_args: dict, device: str,
                 into: dict) -> None:
-    """Build, warm up and time one configuration once; its times, losses and sync counts go into into[label]."""
+    """Build, warm up and time one configuration once (under its environment settings); its times, losses and sync
+    counts go into into[label]."""
+    with environment(config.env):
+        _timed_round(label, config, stage, offload, model_args, device, into)
+
+
+def _timed_round(label: str, config: Config, stage: int, offload: bool, model_args: dict, device: str,
+                 into: dict) -> None:
     import torch
     row = into.setdefault(label, {"steps": [], "optimizer_steps": [], "syncs": [], "backward_syncs": [], "losses": [],
                                   "params": None})
@@ -269,6 +302,9 @@ def ratios(args, result, where: str, size: str, rows: dict) -> None:
         if fused_step and median(label, "optimizer_steps"):
             claims.append((f"{label.split(', ')[1]} engine.step() <= 1.1 x the fp32-master fused one",
                            median(label, "optimizer_steps") / fused_step, 1.1))
+    if fused_step and median(FUSED_COPY, "optimizer_steps"):  # what would make the kernel's copy the GPU's default
+        claims.append(("the fused kernel writing the model's copy: engine.step() <= 1.0 x DeepSpeed's copy after it",
+                       median(FUSED_COPY, "optimizer_steps") / fused_step, 1.0))
     torch_syncs = rows.get(torch_fused, {}).get("syncs")
     fused_syncs = rows.get(fused, {}).get("syncs")
     for name, measured, bar in claims:
@@ -307,6 +343,10 @@ def kernel_runs(device: str, n: int) -> dict:
     def torch_adamw(p):
         return torch.optim.AdamW(p, lr=bench.LR, betas=bench.BETAS, eps=bench.EPS, weight_decay=bench.WD, fused=True)
     return {"deepspeed_bnb fused AdamW (8-bit)": (bench.fused("adam", n, True, device), 16),
+            # the ZeRO step's two ways to the model's bf16 weights: the kernel writes them (2 bytes more), or torch
+            # converts the updated fp32 weights after it (DeepSpeed's copy: 6 bytes more)
+            COPY_IN_KERNEL: (bench.fused("adam", n, True, device, model_copy=True), 18),
+            COPY_AFTER: (bench.then_bf16_copy(bench.fused("adam", n, True, device), n), 22),
             "deepspeed_bnb fused Lion (8-bit)": (bench.fused("lion", n, True, device), 14),
             "deepspeed_bnb fused SGD-momentum (8-bit)": (bench.fused("momentum", n, True, device), 14),
             "bitsandbytes AdamW8bit": (bench.torch_optimizer(n, bnb_adamw, device), 16),
@@ -352,6 +392,9 @@ def kernel_bandwidth(args, result):
     for rule in ("Lion", "SGD-momentum"):
         share = shares[f"deepspeed_bnb fused {rule} (8-bit)"]
         claims.append((f"fused 8-bit {rule} moves >= 70% of the copy bandwidth", share, ">= 0.70", share >= 0.70))
+    in_kernel, after = (statistics.median(times[label]) for label in (COPY_IN_KERNEL, COPY_AFTER))
+    claims.append(("the AdamW kernel writing the model's bf16 copy takes less time than the kernel then torch's copy",
+                   in_kernel / after, "< 1", in_kernel < after))
     for name, measured, bar, holds in claims:
         if device == "cuda":
             result.check(f"f: {name}", holds, f"{measured:.2f}", bar)

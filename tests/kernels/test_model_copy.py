@@ -1,4 +1,6 @@
-"""The model's copy of the updated weights (the operators' lp_params), written by the CPU kernels for every rule.
+"""The model's copy of the updated weights (the operators' lp_params), written by the kernels for every rule: the CPU
+kernels' fp32 and bf16 copies, and where a GPU is present the CUDA kernels' bf16 one (ids cuda_kernel: the GPU proof's
+kernel part runs them; their harness runs on the CPU kernels here, ids cpu_kernel).
 
 Oracle: torch's own fp32 -> bf16 (or fp32) copy of the updated master weights, which is what DeepSpeed's step writes
 after the optimizer; and the pure-torch reference, which writes the same copy. Per rule, over random partitions (8-bit
@@ -14,6 +16,7 @@ import torch
 
 from deepspeed_bnb.ops import compensated, rules
 from deepspeed_bnb.ops.self_check import bits
+from support.bnb_cuda_partition import BnbPartition, differences
 from support.kernel_harness import assert_bit_identical, needs_cuda, needs_kernel
 from support.rule_cases import CASES
 
@@ -99,14 +102,64 @@ def test_bad_lp_params_are_refused_by_name(use_kernel):
         bf16.step(1, bf16.grads(1), use_kernel, lp_params=torch.zeros(n, dtype=torch.bfloat16))
 
 
+# each device's kernels in the arithmetics they compute there: on a GPU bnb's own CUDA one (the ZeRO step's) and the
+# reference's; the CPU row runs the same harness on the CPU kernels, so it is exercised where no GPU is
+DEVICE_ARITHMETICS = [pytest.param("cpu", rules.IEEE, id="cpu_kernel-ieee"),
+                      pytest.param("cuda", rules.BNB_CUDA, marks=needs_cuda, id="cuda_kernel-bnb_cuda"),
+                      pytest.param("cuda", rules.IEEE, marks=needs_cuda, id="cuda_kernel-ieee")]
+
+
+@needs_kernel
+@pytest.mark.parametrize("device, arithmetic", DEVICE_ARITHMETICS)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("seed", range(3))
+def test_bf16_copy_on_each_device(rule, seed, device, arithmetic):
+    """The bf16 copy as the ZeRO step asks a device's kernel for it (fp32 master weights; bnb-style partitions: 8-bit
+    and 32-bit segments, tails, three hyper rows, NaN/Inf gradients, DeepSpeed's unscale factor on the device): params
+    and state bit for bit those of the same kernel without the copy; the copy torch's conversion of the updated
+    weights on that device (on a GPU bit for bit, NaN included: DeepSpeed's copy runs that conversion), the padding
+    never written. Control: the copy of the weights before the step differs from the one written."""
+    kernel = BnbPartition(rule, seed, device, random_start=seed == 2)
+    plain = kernel.clone()
+    inside = segment_mask(kernel).to(device)
+    copy = torch.full((kernel.params.numel(),), SENTINEL, dtype=torch.bfloat16, device=device)
+    for step in range(1, 5):
+        grads = kernel.grads(step)
+        inv_scale = None if step % 2 else torch.tensor(1 / 3.7, device=device)
+        before = kernel.params.clone()
+        kernel.step(step, grads, True, inv_scale, arithmetic, lp_params=copy)
+        plain.step(step, grads, True, inv_scale, arithmetic)
+        context = f"{rule}, {device}, {arithmetic}, seed {seed}, step {step}"
+        assert differences(kernel, plain) == [], context + " (the kernel without the copy)"
+        expected = kernel.params.to(torch.bfloat16)
+        if device == "cuda":  # the very bits of torch's CUDA conversion
+            same = copy.view(torch.int16) == expected.view(torch.int16)
+            assert same[inside].all(), f"{context}: copy differs at {(inside & ~same).nonzero().flatten()[:5]}"
+            assert (copy[~inside] == SENTINEL).all(), f"{context}: the copy's alignment padding was written"
+        else:
+            assert_torch_copy(copy.cpu(), kernel.params.cpu(), inside.cpu(), context)
+        moved = inside & (before != kernel.params) & ~kernel.params.isnan()
+        assert moved.any() and not torch.equal(bits(copy[moved]), bits(before.to(torch.bfloat16)[moved])), context
+
+
 @pytest.mark.gpu
 @needs_cuda
 @needs_kernel
-def test_cuda_kernels_refuse_lp_params():
-    """The CUDA kernels do not write the copy (DeepSpeed copies on a GPU): asked to, they refuse by name."""
-    part = CASES["adam"].partition(0, device="cuda")
-    with pytest.raises(RuntimeError, match="lp_params"):
-        part.step(1, part.grads(1), True, lp_params=torch.zeros_like(part.params, dtype=torch.bfloat16))
+def test_cuda_kernels_refuse_bad_lp_params():
+    """The CUDA kernels write a bf16 copy beside fp32 master weights on their device; anything else is refused by
+    name: an fp32 copy (an fp32 model's copy stays DeepSpeed's on a GPU), the wrong size, a CPU tensor, a copy over the
+    master weights' own bytes, bf16 master weights."""
+    part = BnbPartition("adam", 0, "cuda")
+    grads, n = part.grads(1), part.params.numel()
+    cases = {"bfloat16": torch.zeros(n, device="cuda"), "differ in size": torch.zeros(n - 1, dtype=torch.bfloat16,
+                                                                                      device="cuda"),
+             "CUDA device": torch.zeros(n, dtype=torch.bfloat16), "overlaps": part.params.view(torch.bfloat16)[:n]}
+    for message, lp in cases.items():
+        with pytest.raises(RuntimeError, match=f"lp_params.*{message}|{message}.*lp_params"):
+            part.step(1, grads, True, lp_params=lp)
+    bf16 = BnbPartition("adam", 0, "cuda", master="bf16")
+    with pytest.raises(RuntimeError, match="lp_params.*float32 master"):
+        bf16.step(1, bf16.grads(1), True, lp_params=torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
 
 
 def test_reference_copy_rounds_as_torch():

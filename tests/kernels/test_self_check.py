@@ -96,10 +96,49 @@ def test_wrong_kernels_are_caught(rule, mutant, says):
     assert problem is not None and says in problem, problem
 
 
+def _copy_mutant(rule, spoil):
+    """The reference as the kernel, then `spoil(lp_params)`: a copy gone wrong after a right step."""
+    def kernel(*args):
+        _reference(rule)(*args)
+        spoil(args[rules.argument_names(rule).index("lp_params")])
+    return kernel
+
+
+def _stale_copy(rule):
+    """A kernel handed the copy that does not write it (what a GPU without the copy's code would leave)."""
+    def kernel(*args):
+        position = rules.argument_names(rule).index("lp_params")
+        _reference(rule)(*args[:position], None, *args[position + 1:])
+    return kernel
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_model_copy_is_checked(rule):
+    """With lp_copy the check also holds the model's bf16 copy to torch's conversion of the oracle's weights (segments)
+    and to the untouched padding: the reference passes; a copy not written, one element rounded the other way, and a
+    written padding element are caught, naming lp_params (controls); the copy needs fp32 master weights."""
+    cpu = torch.device("cpu")
+    assert self_check.compare(rule, cpu, _reference(rule), lp_copy=True) is None
+    padding = self_check.NUMELS[0]  # just after the first parameter (the next one starts at a 256-element boundary)
+
+    def round_other_way(lp):
+        lp.view(torch.int16)[3] += 1
+
+    def write_padding(lp):
+        lp[padding] = 0.0
+    for mutant in (_stale_copy(rule), _copy_mutant(rule, round_other_way), _copy_mutant(rule, write_padding)):
+        problem = self_check.compare(rule, cpu, mutant, lp_copy=True)
+        assert problem is not None and "lp_params differs from torch's conversion" in problem, problem
+    with pytest.raises(ValueError, match="lp_copy.*fp32 master"):
+        self_check.compare(rule, cpu, _reference(rule), "bf16", lp_copy=True)
+
+
 def _passes_on(device):
     for rule in RULES:
         for master in self_check.MASTERS:
             assert self_check.disagreement(rule, device, master) is None, (rule, master)
+        # the model's bf16 copy written beside fp32 master weights (runtime/zero/lp_copy.py)
+        assert self_check.disagreement(rule, device, "fp32", lp_copy=True) is None, (rule, "lp_copy")
 
 
 @pytest.mark.skipif(not KERNEL, reason="the C++ kernel could not be built here (see the warning)")
@@ -158,14 +197,17 @@ def test_cli_reports_the_check(capsys, monkeypatch):
     assert all(f"cpu {rule}, {master} master weights: same bits as the reference" in out and
                f"cpu {rule}, {master} master weights, 32-bit state: the kernel, same bits as bitsandbytes' own update"
                in out for rule in RULES for master in self_check.MASTERS), out
-    monkeypatch.setattr(self_check, "disagreement", lambda rule, device, master, arithmetic=None:
+    assert all(f"cpu {rule}, the model's bf16 copy: same bits as torch's conversion" in out for rule in RULES), out
+    monkeypatch.setattr(self_check, "disagreement", lambda rule, device, master, arithmetic=None, lp_copy=False:
                         "codes1 differs (planted)" if rule == "lion" else
-                        "params differs (planted)" if arithmetic == rules.BNB_CPU else None)
+                        "params differs (planted)" if arithmetic == rules.BNB_CPU else
+                        "lp_params differs (planted)" if lp_copy and rule == "momentum" else None)
     assert cli.main(["kernels", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "cpu lion, bf16+8 master weights: FAILS: codes1 differs (planted)" in out
     assert ("cpu adam, fp32 master weights, 32-bit state: bitsandbytes' own update (the kernel's copy of it differs: "
             "params differs (planted))") in out
+    assert "cpu momentum, the model's bf16 copy: FAILS: lp_params differs (planted)" in out
 
 
 @pytest.mark.parametrize("device, says", [("foo", "not a device name"), ("cuda:99", "CUDA GPU(s); use cpu"),

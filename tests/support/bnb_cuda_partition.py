@@ -79,10 +79,11 @@ class BnbPartition:
             grads[torch.randint(0, grads.numel(), (3,), generator=g)] = 1e-30
         return grads.to(self.grad_dtype).to(self.device)
 
-    def step(self, step: int, grads: torch.Tensor, use_kernel: bool, inv_scale=None, arithmetic=rules.BNB_CUDA):
+    def step(self, step: int, grads: torch.Tensor, use_kernel: bool, inv_scale=None, arithmetic=rules.BNB_CUDA,
+             lp_params=None):
         hyper = rules.get(self.rule).rows(CONFIGS[self.rule], step, arithmetic).to(self.device)
         rules.step_(self.rule, self.params, grads, self.codes, self.absmax, self.state, self.qmaps, self.table, hyper,
-                    inv_scale, self.error, arithmetic, use_kernel=use_kernel)
+                    inv_scale, self.error, arithmetic, lp_params, use_kernel=use_kernel)
 
     def tensors(self) -> dict:
         named = {"params": self.params, **({"error": self.error} if self.error is not None else {})}

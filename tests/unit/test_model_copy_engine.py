@@ -10,6 +10,8 @@ oracle at every step and in ours only at the first step (after which the kernel 
 the copy but does not write it leaves stale weights, which the comparison catches.
 """
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -161,8 +163,50 @@ def test_control_a_copy_left_unwritten_is_caught(one_rank, monkeypatch):
 
 def test_setting_is_checked(monkeypatch):
     monkeypatch.setenv(lp_copy.ENV, "yes")
-    with pytest.raises(ValueError, match=f"{lp_copy.ENV}='yes'.*1 .*or 0"):
+    with pytest.raises(ValueError, match=f"{lp_copy.ENV}='yes'.*1 .*gpu .*or 0"):
         lp_copy.enabled()
+
+
+def test_setting_per_device(monkeypatch):
+    """1 (the default): the CPU kernels write the copy, the CUDA ones do not (not yet measured on a GPU); gpu: both;
+    0: neither."""
+    monkeypatch.delenv(lp_copy.ENV, raising=False)
+    assert lp_copy.enabled("cpu") and not lp_copy.enabled("cuda")
+    for value, cpu, cuda in (("1", True, False), ("gpu", True, True), ("0", False, False)):
+        monkeypatch.setenv(lp_copy.ENV, value)
+        assert (lp_copy.enabled("cpu"), lp_copy.enabled("cuda")) == (cpu, cuda), value
+
+
+def test_gpu_copy_waits_for_its_first_use_check(monkeypatch):
+    """On a GPU the kernel is handed the copy only under =gpu and once its rule's first-use check of the copy has held
+    (fp32 master weights, the partition's arithmetic); where the check fails, DeepSpeed copies, after one warning per
+    optimizer that names the difference. On the CPU no check is asked. (The copy on the GPU is a stand-in: the gate
+    reads its device only.)"""
+    from types import SimpleNamespace
+    from deepspeed_bnb.ops import self_check
+    asked, verdict = [], [None]
+
+    def disagreement(*args, **kwargs):
+        asked.append((args, kwargs))
+        return verdict[0]
+    monkeypatch.setattr(self_check, "disagreement", disagreement)
+    step = SimpleNamespace(adapter=SimpleNamespace(optimizer_name="adam"), arithmetic="bnb_cuda")
+    optimizer = SimpleNamespace(bnb_steps=[step])
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setenv(lp_copy.ENV, "1")
+    assert lp_copy._checked(optimizer, 0, on_gpu) is None and not asked
+    monkeypatch.setenv(lp_copy.ENV, "gpu")
+    assert lp_copy._checked(optimizer, 0, on_gpu) is on_gpu
+    assert asked == [(("adam", on_gpu.device, "fp32", "bnb_cuda"), {"lp_copy": True})]
+    verdict[0] = "after step 2, lp_params differs (planted)"
+    with pytest.warns(RuntimeWarning, match=r"first-use check on cuda:0 \(after step 2, lp_params differs \(planted"):
+        assert lp_copy._checked(optimizer, 0, on_gpu) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per optimizer
+        assert lp_copy._checked(optimizer, 0, on_gpu) is None
+    asked.clear()
+    on_cpu = torch.zeros(4, dtype=torch.bfloat16)
+    assert lp_copy._checked(optimizer, 0, on_cpu) is on_cpu and not asked
 
 
 def test_no_copy_where_the_model_partition_is_the_master(one_rank, monkeypatch):

@@ -23,14 +23,23 @@
 
 namespace dsbnb {
 
-// What a partition's master weights are (the values of deepspeed_bnb.optim.master_weights' modes).
-enum class MasterKind : int { kFloat32 = 0, kBFloat16 = 1, kCompensated = 2 };
+// What a partition's master weights are (the values of deepspeed_bnb.optim.master_weights' modes). The CUDA kernels
+// take a fourth value, kFloat32WithBf16Copy: fp32 master weights whose bf16 copy (the model's weights, the operators'
+// lp_params) the kernel writes beside them, each kind its own compiled kernel so that the others keep their registers.
+// The CPU kernels write that copy beside any fp32 kind instead (csrc/cpu/fused_cpu.h: ModelCopy).
+enum class MasterKind : int { kFloat32 = 0, kBFloat16 = 1, kCompensated = 2, kFloat32WithBf16Copy = 3 };
+
+// Whether a kind's values are fp32 (read and written as floats).
+DSBNB_HD constexpr bool fp32_values(MasterKind kind) {
+    return kind == MasterKind::kFloat32 || kind == MasterKind::kFloat32WithBf16Copy;
+}
 
 // A partition's master weights as raw pointers: fp32 values, or bf16 bits and (compensated) their int8 error terms.
 struct Master {
-    MasterKind kind;  // which of the three
-    void* values;     // float* (kFloat32) or uint16_t* bf16 bits
-    int8_t* error;    // int8 error terms in 1/256 of the bf16 ulp (kCompensated), else null
+    MasterKind kind;          // which of the kinds
+    void* values;             // float* (kFloat32, kFloat32WithBf16Copy) or uint16_t* bf16 bits
+    int8_t* error;            // int8 error terms in 1/256 of the bf16 ulp (kCompensated), else null
+    uint16_t* copy = nullptr; // kFloat32WithBf16Copy: the bf16 bits of the model's copy of the weights, else null
 };
 
 constexpr int kErrorShift = 16;       // compensated.py _STEP_SHIFT: one error step is 2^(E - 16), |hi| = m * 2^E

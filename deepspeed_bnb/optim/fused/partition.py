@@ -48,7 +48,7 @@ class FusedPartition:
              lp_params: Optional[torch.Tensor] = None) -> None:
         """Update the segments in place at bnb step `step`, hyper row i from configs[i]; state["step"] is the
         caller's. `params`: fp32 or bf16 master weights, `error` the int8 error terms of compensated ones;
-        `lp_params`: None, or the model's copy of fp32 ones that the kernel writes for the segments (CPU only)."""
+        `lp_params`: None, or the model's copy of fp32 ones that the kernel writes for the segments (on a GPU bf16)."""
         if not self.table.numel():
             return
         update = self.update_rule

@@ -147,9 +147,9 @@ class PartitionStep:
         0-dim float32 tensor on the partition's device, not yet applied to `grads` (the kernel reads it in its pass,
         so the host never waits for its value; bnb's segments get grads multiplied by it first).
         `master_error`: the int8 error term of compensated bf16 master weights `params` (None: plain fp32 or bf16).
-        `lp_params`: None, or the model's copy of fp32 master weights (CPU): where the kernel steps any segment, it
-        writes their copy and bnb's segments are copied after bnb's update, and the step returns True; else it
-        leaves lp_params alone and returns False (the caller copies as DeepSpeed does)."""
+        `lp_params`: None, or the model's copy of fp32 master weights (runtime/zero/lp_copy.py): where the kernel
+        steps any segment, it writes their copy and bnb's segments are copied after bnb's update, and the step
+        returns True; else it leaves lp_params alone and returns False (the caller copies as DeepSpeed does)."""
         self.route(group)
         step = state["step"] + 1  # bnb counts the step before using it
         copied = lp_params is not None and self.fused is not None

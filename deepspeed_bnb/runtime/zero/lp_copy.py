@@ -1,4 +1,4 @@
-"""The model's copy of the updated weights, written by the fused CPU kernel in place of DeepSpeed's pass after the step.
+"""The model's copy of the updated weights, written by the fused kernel in place of DeepSpeed's pass after the step.
 
 DeepSpeed's ZeRO steps (0.16-0.19) convert each updated fp32 master partition to the model's dtype in a pass of their
 own, right after the optimizer. At stages 1/2 that is `bit16_partition_buffer.data.copy_(fp32_partition.data)` into the
@@ -6,8 +6,9 @@ pinned buffer sent to the device when the optimizer is offloaded (0.17 on), else
 `bit16_partitions[rank].data.copy_(fp32_partition.data)` into the model's flat buffer. At stage 3 it is
 `fp16_partitioned_groups_flat[i].data.copy_(fp32_partitioned_groups_flat[i].data)` in
 `_reassign_or_swap_out_partitioned_parameters`. The pass reads the whole partition again and writes it (6 bytes per
-element for a bf16 model, beside the 8-bit step's 16). Where both tensors live on the CPU, the fused kernel writes that
-copy itself from the block it has just updated (the operators' `lp_params`), and DeepSpeed's conversion is skipped:
+element for a bf16 model, beside the 8-bit step's 16). Where both tensors live on the CPU (and, asked for, on one GPU),
+the fused kernel writes that copy itself from the block it has just updated (the operators' `lp_params`), and
+DeepSpeed's conversion is skipped:
 - stage 3 overrides the method around it and skips just the copy for a sub-group the kernel wrote at this step
   (`LpCopies.take_written`);
 - at stages 1/2 the statement sits inside DeepSpeed's `step()`. For it, the group's entry of
@@ -17,10 +18,15 @@ copy itself from the block it has just updated (the operators' `lp_params`), and
   0.19.8).
 
 The bits are the same: the kernel rounds to nearest even as torch's conversion does (a NaN is stored as 0x7FC0, where
-torch's vector loop writes 0xFFFF), and torch copies the segments bitsandbytes steps itself after its update.
+torch's vector loop writes 0xFFFF; the CUDA kernels convert with torch's own CUDA instruction), and torch copies the
+segments bitsandbytes steps itself after its update.
+On a GPU the CUDA kernels can write a bf16 copy the same way (DEEPSPEED_BNB_KERNEL_LP_COPY=gpu): an opt-in until a
+GPU has measured it, so by default DeepSpeed converts there. Asked for, each GPU first checks the copy once against
+torch's conversion of bitsandbytes' own update (ops/self_check.py), and DeepSpeed keeps converting, after a warning,
+where it differs.
 DeepSpeed converts as before:
-- on a GPU (the CUDA kernels do not write the copy), and at stage 3 where the model's partition is on the GPU while the
-  master is offloaded;
+- on a GPU unless asked otherwise (above), and there for an fp32 model; at stage 3 where the model's partition is on
+  the GPU while the master is offloaded;
 - with bf16 or compensated master weights (the first are the model's copy already, the second hold error terms);
 - for an fp16 model;
 - under DeepSpeed 0.16's offload at stages 1/2, which has no pinned buffer and sends the fp32 partition itself;
@@ -31,23 +37,38 @@ DEEPSPEED_BNB_KERNEL_LP_COPY=0 leaves every copy to DeepSpeed (a setting for com
 """
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Set
 
 import torch
 from deepspeed import comm as dist
 
+from deepspeed_bnb.ops import rules, self_check
+from deepspeed_bnb.optim import master_weights
+
 ENV = "DEEPSPEED_BNB_KERNEL_LP_COPY"
-COPY_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the CPU kernels write (fp16: DeepSpeed copies)
+# the setting's values: 0 (DeepSpeed copies everywhere), 1 (the default: the CPU kernels write the copy), gpu (the
+# CUDA kernels too, behind their first-use check of the copy)
+SETTINGS = ("0", "1", "gpu")
+# the model dtypes each device's kernels write (fp16: DeepSpeed copies; an fp32 model on a GPU too)
+COPY_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
 
 
-def enabled() -> bool:
-    """Whether the fused CPU kernel may write the model's copy (DEEPSPEED_BNB_KERNEL_LP_COPY, default 1)."""
+def setting() -> str:
+    """DEEPSPEED_BNB_KERNEL_LP_COPY, checked (default 1)."""
     value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
+    if value not in SETTINGS:
         raise ValueError(f"{ENV}={value!r}: use 1 (the fused CPU kernel writes the model's copy of the updated "
-                         f"weights, the default) or 0 (DeepSpeed converts the partition after the step)")
-    return value == "1"
+                         f"weights, the default), gpu (the CUDA kernels too: not yet measured on a GPU) or 0 "
+                         f"(DeepSpeed converts the partition after the step)")
+    return value
+
+
+def enabled(device_type: str = "cpu") -> bool:
+    """Whether the fused kernels of `device_type` ("cpu", "cuda") may write the model's copy."""
+    value = setting()
+    return value != "0" and (device_type == "cpu" or (value == "gpu" and device_type == "cuda"))
 
 
 def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -57,11 +78,37 @@ def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _usable(copy: Optional[torch.Tensor], master: torch.Tensor, error: Optional[torch.Tensor]) -> bool:
-    """Whether the kernel can write `copy` of fp32 `master` (both on the CPU, fp32 or bf16, the same size, apart: under
-    torch autocast DeepSpeed's ZeRO-3 makes the model's partition and the master one tensor, and there is no copy)."""
-    return (copy is not None and master.device.type == "cpu" and master.dtype == torch.float32 and error is None
-            and copy.device.type == "cpu" and copy.dtype in COPY_DTYPES and copy.numel() == master.numel()
+    """Whether the kernel can write `copy` of fp32 `master` (both on one device, a dtype its kernels write, the same
+    size, apart: under torch autocast DeepSpeed's ZeRO-3 makes the model's partition and the master one tensor, and
+    there is no copy)."""
+    return (copy is not None and master.dtype == torch.float32 and error is None and copy.device == master.device
+            and copy.dtype in COPY_DTYPES.get(master.device.type, ()) and copy.numel() == master.numel()
             and copy.is_contiguous() and master.is_contiguous() and _apart(copy, master))
+
+
+def _checked(optimizer, i: int, copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`copy` where partition `i`'s kernel may write it on its device: on the CPU; on a GPU where asked for there
+    (enabled) and once its rule's first-use check of the copy has held (ops/self_check.py, against torch's conversion
+    of bitsandbytes' own update); else None, DeepSpeed then copies (a warning says why, once per optimizer). Whether
+    the CPU's copy is asked for is LpCopies.target's to read, at every step."""
+    if copy is None or copy.device.type == "cpu":
+        return copy
+    if not enabled(copy.device.type):
+        return None
+    step = optimizer.bnb_steps[i]
+    rule = step.adapter.optimizer_name
+    if rule not in rules.RULES:  # no kernel for the rule: its step writes no copy (PartitionStep.step)
+        return copy
+    problem = self_check.disagreement(rule, copy.device, master_weights.FP32, step.arithmetic, lp_copy=True)
+    if problem is None:
+        return copy
+    if not getattr(optimizer, "_bnb_lp_copy_refused", False):
+        optimizer._bnb_lp_copy_refused = True
+        warnings.warn(f"deepspeed_bnb: {ENV}=gpu, but the '{rule}' kernel's copy of the model's weights failed its "
+                      f"first-use check on {copy.device} ({problem}); DeepSpeed converts the partitions after the "
+                      f"step instead (same results). Please report it with your GPU model and torch/CUDA versions.",
+                      RuntimeWarning, stacklevel=3)
+    return None
 
 
 def zero12_copy(optimizer, i: int) -> Optional[torch.Tensor]:
@@ -73,7 +120,7 @@ def zero12_copy(optimizer, i: int) -> Optional[torch.Tensor]:
     else:
         copy = optimizer.parallel_partitioned_bit16_groups[i][dist.get_rank(group=optimizer.real_dp_process_group[i])]
     ok = _usable(copy, optimizer.single_partition_of_fp32_groups[i], optimizer.bnb_master_errors[i])
-    return copy if ok else None
+    return _checked(optimizer, i, copy) if ok else None
 
 
 def zero3_copy(optimizer, i: int) -> Optional[torch.Tensor]:
@@ -81,7 +128,7 @@ def zero3_copy(optimizer, i: int) -> Optional[torch.Tensor]:
     can write it instead; else None (None also where the model's partition is swapped out to NVMe)."""
     copy = optimizer.fp16_partitioned_groups_flat[i]
     ok = _usable(copy, optimizer.fp32_partitioned_groups_flat[i], optimizer.bnb_master_errors[i])
-    return copy if ok else None
+    return _checked(optimizer, i, copy) if ok else None
 
 
 @dataclass
@@ -99,7 +146,7 @@ class LpCopies:
     def target(self, i: int, copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Where the kernel writes partition `i`'s copy at this step (`copy`, from zero12_copy or zero3_copy); None:
         DeepSpeed copies (see the module docstring)."""
-        if copy is None or not enabled():
+        if copy is None or not enabled(copy.device.type):
             return None
         if i in self.whole:
             return copy
