@@ -29,6 +29,12 @@ bnb = cpu_bench.bnb
 # implementation -> maker of one step on the GPU (bytes moved per element: cpu_bench.least_bytes)
 IMPLEMENTATIONS = {
     "deepspeed_bnb CUDA kernel AdamW (8-bit)": lambda n: cpu_bench.fused("adam", n, True, "cuda"),
+    # the ZeRO step's two ways to the model's bf16 weights (runtime/zero/lp_copy.py): the kernel writes them
+    # (DEEPSPEED_BNB_KERNEL_LP_COPY=gpu), or torch converts the updated fp32 weights after it (DeepSpeed's copy)
+    "deepspeed_bnb CUDA kernel AdamW (8-bit), writing the model's bf16 copy":
+        lambda n: cpu_bench.fused("adam", n, True, "cuda", model_copy=True),
+    "deepspeed_bnb CUDA kernel AdamW (8-bit), then torch's bf16 copy":
+        lambda n: cpu_bench.then_bf16_copy(cpu_bench.fused("adam", n, True, "cuda"), n),
     "torch AdamW fused (fp32)": lambda n: cpu_bench.torch_optimizer(n, lambda p: torch.optim.AdamW(
         p, lr=cpu_bench.LR, betas=cpu_bench.BETAS, eps=cpu_bench.EPS, weight_decay=cpu_bench.WD, fused=True), "cuda"),
     "bitsandbytes CUDA AdamW8bit": lambda n: cpu_bench.torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
