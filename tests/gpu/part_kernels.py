@@ -5,9 +5,9 @@ References: the ieee arithmetic against deepspeed_bnb/ops/reference.py (pure tor
 harness); the bnb_cuda arithmetic (what the ZeRO step runs on a GPU) against bitsandbytes' own CUDA update on the same
 GPU (ops/bnb_update.py; tests/kernels/test_fused_bnb_cuda.py: every rule, fp32/bf16/compensated master weights, odd
 sizes, NaN/Inf gradients, ten steps each); the model's bf16 copy the kernels write beside fp32 master weights against
-torch's own conversion on the device, bit for bit (tests/kernels/test_model_copy.py), and the first-use check of it. The tests are the suite's own (tests/support/kernel_tests.py lists the
-files), selected for the device (`-k cuda_kernel`; the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to
-hold to bnb); a run where none of them ran fails.
+torch's own conversion on the device, bit for bit (tests/kernels/test_model_copy.py), and the first-use check of it. The
+tests are the suite's own (tests/support/kernel_tests.py lists the files), selected for the device (`-k cuda_kernel`;
+the rehearsal selects `cpu_kernel`, and has no bnb_cuda kernels to hold to bnb); a run where none of them ran fails.
 """
 
 import os

@@ -1,16 +1,17 @@
 """GPU proof, part o: the optimizer step ZeRO-Offload runs on the host, on the GPU machine's CPU cores.
 
-With "offload_optimizer": {"device": "cpu"} the step runs on the host: deepspeed_bnb's C++ kernel (8-bit state)
-against DeepSpeedCPUAdam (DeepSpeed's own offload optimizer, fp32 state) and torch's fused CPU AdamW, with every core
-of the machine (the same threads for each), one step over flat partitions of 64M and 256M elements (the latter with
-the claim's rows only), interleaved rounds (benchmarks/bench_optimizer_step.py's implementations and its memory
-yardstick, an in-place pass). Reported: M elements/s, the bytes each must move per element (8-bit AdamW 16, fp32
-AdamW 28) as GB/s and as a share of the yardstick; and the 8-bit Lion and SGD-momentum kernels beside it, which show what the exact nearest-code search costs
-(one round trip instead of AdamW's two), and the same AdamW kernel with fp32 state (the update without the 8-bit
-round trip): the per-stage split, by difference, of where the 8-bit step's time goes; and the 8-bit AdamW kernel with
-the quantizer's codes from the key table instead of the map's runs (the default on AVX-512 hosts), its entries gathered
-or loaded one by one (DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather, scalar: the same codes; the runs were the fastest on the AMD
-core they were built on, scalar loads may beat the gather where gathers are slow), which says which that host wants.
+With "offload_optimizer": {"device": "cpu"} the step runs on the host: deepspeed_bnb's C++ kernel (8-bit state) against
+DeepSpeedCPUAdam (DeepSpeed's own offload optimizer, fp32 state) and torch's fused CPU AdamW, with every core of the
+machine (the same threads for each), one step over flat partitions of 64M and 256M elements (the latter with the claim's
+rows only), interleaved rounds (benchmarks/bench_optimizer_step.py's implementations and its memory yardstick, an
+in-place pass). Reported: M elements/s, the bytes each must move per element (8-bit AdamW 16, fp32 AdamW 28) as GB/s and
+as a share of the yardstick; and the 8-bit Lion and SGD-momentum kernels beside it, which show what the exact
+nearest-code search costs (one round trip instead of AdamW's two), and the same AdamW kernel with fp32 state (the update
+without the 8-bit round trip): the per-stage split, by difference, of where the 8-bit step's time goes; and the 8-bit
+AdamW kernel with the quantizer's codes from the key table instead of the map's runs (the default on AVX-512 hosts), its
+entries gathered or loaded one by one (DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather, scalar: the same codes; the runs were the
+fastest on the AMD core they were built on, scalar loads may beat the gather where gathers are slow), which says which
+that host wants.
 The project aims at an 8-bit step at least as fast as DeepSpeedCPUAdam's: a check on the GPU machine, a note on the
 rehearsal's two cores.
 First, the host's own exactness: the CPU quantizer's and dequantizer's vector spellings this CPU compiles (the map's

@@ -17,11 +17,12 @@ them; stock DeepSpeed with torch's fused AdamW is the reference count), and the 
 engine.step() at most 0.8x torch's fused AdamW, the whole step at most 1.02x, bf16 and bf16+8 master weights at most
 1.1x the fp32-master 8-bit step) as checks on a GPU. Peak memory comes from fresh processes (part m), since engines
 built one after another in one process leave memory behind.
-f also times one optimizer step over a flat 256M-element partition (benchmarks/bench_optimizer_step.py's fused
-kernel, also writing the model's bf16 copy and followed by torch's copy, and torch optimizers): the achieved bandwidth (16 bytes moved per element for 8-bit AdamW, 28 for fp32 AdamW)
-as a share of a device-to-device copy measured in the same rounds and of the data sheet, timed as the device's work
-(bench_cuda_step.event_time: the host's Python and launches hidden behind a queued sleep) and, in a column of its own,
-with the host's work included as earlier runs timed it; part p profiles it.
+f also times one optimizer step over a flat 256M-element partition (benchmarks/bench_optimizer_step.py's fused kernel,
+also writing the model's bf16 copy and followed by torch's copy, and torch optimizers): the achieved bandwidth (16 bytes
+moved per element for 8-bit AdamW, 28 for fp32 AdamW) as a share of a device-to-device copy measured in the same rounds
+and of the data sheet, timed as the device's work (bench_cuda_step.event_time: the host's Python and launches hidden
+behind a queued sleep) and, in a column of its own, with the host's work included as earlier runs timed it; part p
+profiles it.
 On the CPU rehearsal the models and partitions are stand-ins (the numbers mean nothing there; the code path is the
 one the GPU runs; the ratio checks become notes).
 """
