@@ -168,13 +168,15 @@ def test_setting_is_checked(monkeypatch):
 
 
 def test_setting_per_device(monkeypatch):
-    """1 (the default): the CPU kernels write the copy, the CUDA ones do not (not yet measured on a GPU); gpu: both;
-    0: neither."""
+    """1 (the default): the CPU kernels write the copy, the CUDA ones only once a GPU run has measured it
+    (MEASURED_ON_GPU); gpu: both; 0: neither."""
     monkeypatch.delenv(lp_copy.ENV, raising=False)
-    assert lp_copy.enabled("cpu") and not lp_copy.enabled("cuda")
-    for value, cpu, cuda in (("1", True, False), ("gpu", True, True), ("0", False, False)):
-        monkeypatch.setenv(lp_copy.ENV, value)
-        assert (lp_copy.enabled("cpu"), lp_copy.enabled("cuda")) == (cpu, cuda), value
+    assert lp_copy.enabled("cpu") and lp_copy.enabled("cuda") == lp_copy.MEASURED_ON_GPU
+    for measured in (False, True):  # once a GPU run has measured it, 1 asks the CUDA kernels too
+        monkeypatch.setattr(lp_copy, "MEASURED_ON_GPU", measured)
+        for value, cpu, cuda in (("1", True, measured), ("gpu", True, True), ("0", False, False)):
+            monkeypatch.setenv(lp_copy.ENV, value)
+            assert (lp_copy.enabled("cpu"), lp_copy.enabled("cuda")) == (cpu, cuda), (value, measured)
 
 
 def test_gpu_copy_waits_for_its_first_use_check(monkeypatch):
@@ -193,7 +195,7 @@ def test_gpu_copy_waits_for_its_first_use_check(monkeypatch):
     step = SimpleNamespace(adapter=SimpleNamespace(optimizer_name="adam"), arithmetic="bnb_cuda")
     optimizer = SimpleNamespace(bnb_steps=[step])
     on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setenv(lp_copy.ENV, "1")
+    monkeypatch.setenv(lp_copy.ENV, "0")
     assert lp_copy._checked(optimizer, 0, on_gpu) is None and not asked
     monkeypatch.setenv(lp_copy.ENV, "gpu")
     assert lp_copy._checked(optimizer, 0, on_gpu) is on_gpu

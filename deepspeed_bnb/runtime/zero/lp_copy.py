@@ -48,9 +48,12 @@ from deepspeed_bnb.ops import rules, self_check
 from deepspeed_bnb.optim import master_weights
 
 ENV = "DEEPSPEED_BNB_KERNEL_LP_COPY"
-# the setting's values: 0 (DeepSpeed copies everywhere), 1 (the default: the CPU kernels write the copy), gpu (the
-# CUDA kernels too, behind their first-use check of the copy)
+# the setting's values: 0 (DeepSpeed copies everywhere), 1 (the default: the kernels write the copy where it has been
+# measured), gpu (the CUDA kernels too, behind their first-use check of the copy)
 SETTINGS = ("0", "1", "gpu")
+# whether a GPU run has shown the CUDA kernels' copy at least as fast as DeepSpeed's (the GPU proof's parts f and f3):
+# until then 1 leaves the copy to DeepSpeed on GPUs, and only gpu asks the CUDA kernels for it
+MEASURED_ON_GPU = False
 # the model dtypes each device's kernels write (fp16: DeepSpeed copies; an fp32 model on a GPU too)
 COPY_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
 
@@ -68,7 +71,7 @@ def setting() -> str:
 def enabled(device_type: str = "cpu") -> bool:
     """Whether the fused kernels of `device_type` ("cpu", "cuda") may write the model's copy."""
     value = setting()
-    return value != "0" and (device_type == "cpu" or (value == "gpu" and device_type == "cuda"))
+    return value != "0" and (device_type == "cpu" or (device_type == "cuda" and (value == "gpu" or MEASURED_ON_GPU)))
 
 
 def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
