@@ -57,7 +57,8 @@ kernels round, skip non-finite gradients and apply weight decay differently, as 
 - The sign and payload of a NaN are unspecified (x86 vector units and torch produce different ones).
 - `lp_params` (optional, beside fp32 master weights only): the model's copy of the updated weights, fp32 or bf16 of
   the partition's size, written for every element of every segment (the bf16 one rounded to nearest even as torch's
-  conversion rounds, NaN as 0x7FC0), so that DeepSpeed need not convert the partition in a pass of its own.
+  conversion rounds, NaN as 0x7FC0; the CUDA kernels write torch's CUDA conversion, whose NaN may differ in payload:
+  above), so that DeepSpeed need not convert the partition in a pass of its own.
 - Alignment padding (elements in no segment) is never read or written.
 References: bitsandbytes 0.50.2 `backends/cpu/ops.py` (`_optimizer_update_8bit_blockwise_cpu`), `csrc/kernels.cu`
 (`kOptimizerStatic8bit2StateBlockwise`, and `kOptimizerStatic8bit1StateBlockwise`'s LION and MOMENTUM branches,

@@ -32,6 +32,7 @@ c. `bnb_fused_kernel: true` (the fused kernel) against the default path on the s
 """
 
 import os
+import traceback
 
 import proof_common as common  # first: it puts tests/ on the path
 # name -> bnb-shaped state of an engine / of plain bnb
@@ -374,7 +375,13 @@ def body(args, result):
     rows += [equals_plain(args, result, stage, "bf16", master, fused=fused)
              for fused in kernels for stage in MASTER_STAGES for master in MASTER_MODES]
     if args.device == "cuda":  # the kernel writing the model's bf16 copy (an opt-in on GPUs): the same bits
-        rows += [equals_plain(args, result, stage, "bf16", fused=True, lp_copy=True) for stage in STAGES]
+        for stage in STAGES:
+            try:
+                rows.append(equals_plain(args, result, stage, "bf16", fused=True, lp_copy=True))
+            except Exception as exc:  # never run on a GPU before: a failure must not cost the part's other results
+                traceback.print_exc()  # into proof.log
+                result.check(f"b: ZeRO-{stage} bf16, fused kernel writing the model's copy: the engine trains", False,
+                             f"{type(exc).__name__}: {str(exc)[:300]}", "no exception")
     result.table("b: the engine against plain bnb AdamW8bit (default path; on a GPU also the fused kernel)",
                  ["config", "update", "first difference", "max |weight diff|", "state keys differing",
                   "weights moved"], rows)
