@@ -189,7 +189,8 @@ OVERRIDES: Tuple[Override, ...] = (
               "matrix runs",
               ("self", "grad_groups_flat", "total_norm")),
     _subclass(ZERO12, ZERO12_PY, "_optimizer_step", "steps the partition segment by segment (fused kernel or bnb's "
-              "update per parameter); on the CPU the kernel writes the model's copy of the updated weights, and the "
+              "update per parameter); on the CPU (on a GPU where asked for) the kernel writes the model's copy of the "
+              "updated weights, and the "
               "group's master entry is handed over for DeepSpeed's conversion statement right after, which then copies "
               "the copy onto itself (runtime/zero/lp_copy.py)", ("self", "group_no")),
     _subclass(ZERO12, ZERO12_PY, "step", "DeepSpeed's step, then the master partitions handed over for its "
@@ -202,7 +203,7 @@ OVERRIDES: Tuple[Override, ...] = (
              "kernel writes it (where it is missing, DeepSpeed sends the fp32 partition and converts it itself)",
              since="0.17.0"),
     Override(ZERO12, "parallel_partitioned_bit16_groups", CALL, OBJECT_SCOPE, "", "each group's model-weight "
-             "partitions (this rank's: the copy the fused CPU kernel writes without offload)"),
+             "partitions (this rank's: the copy the fused kernel writes without offload)"),
     _subclass(ZERO12, ZERO12_PY, "has_overflow_partitioned_grads_serial", "the inf/NaN check before an fp16/bf16 "
               "step: the same answer (a bool tensor of shape [1] on the device, as every supported release returns "
               "it) from one batched fp64 norm per gradient piece instead of seven operations per piece "
@@ -299,8 +300,9 @@ OVERRIDES: Tuple[Override, ...] = (
               "returns before it for an invalid norm) is folded into the partition's step instead of a separate pass "
               "over the gradient; tests/unit/test_stage3_unscale.py holds it equal to DeepSpeed's own method",
               ("self", "sub_group_id", "total_norm")),
-    _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2; on the CPU the "
-              "kernel writes the model's copy of the updated weights (runtime/zero/lp_copy.py)",
+    _subclass(ZERO3, ZERO3_PY, "_optimizer_step", "the same segment-by-segment step as stages 1/2; on the CPU (on a "
+              "GPU where asked for) the kernel writes the model's copy of the updated weights "
+              "(runtime/zero/lp_copy.py)",
               ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "_reassign_or_swap_out_partitioned_parameters", "DeepSpeed copies each updated fp32 "
               "sub-group into the model's partition here, then re-points the parameters: where the kernel has just "
@@ -314,8 +316,8 @@ OVERRIDES: Tuple[Override, ...] = (
               "assigns still look as its last call left them (runtime/zero/param_views.py), else DeepSpeed's own",
               ("self", "sub_group_id")),
     Override(ZERO3, "fp16_partitioned_groups_flat", CALL, OBJECT_SCOPE, "", "each sub-group's flat buffer of "
-             "parameter partitions (read: whether DeepSpeed's re-pointing would change anything; on the CPU, the "
-             "model's copy the fused kernel writes)"),
+             "parameter partitions (read: whether DeepSpeed's re-pointing would change anything; the model's copy "
+             "the fused kernel writes)"),
     Override(ZERO3, "fp16_partitioned_groups", CALL, OBJECT_SCOPE, "", "each sub-group's parameter partitions "
              "(read: the tensors DeepSpeed's re-pointing assigns)"),
     _subclass(ZERO3, ZERO3_PY, "get_full_hp_param", "state keys answered from bnb state, dequantized; weights fp32 "

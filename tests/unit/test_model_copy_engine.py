@@ -183,7 +183,7 @@ def test_gpu_copy_waits_for_its_first_use_check(monkeypatch):
     """On a GPU the kernel is handed the copy only under =gpu and once its rule's first-use check of the copy has held
     (fp32 master weights, the partition's arithmetic); where the check fails, DeepSpeed copies, after one warning per
     optimizer that names the difference. On the CPU no check is asked. (The copy on the GPU is a stand-in: the gate
-    reads its device only.)"""
+    reads its device only; the partition's whole copy is behind it, so the copy is handed over where allowed.)"""
     from types import SimpleNamespace
     from deepspeed_bnb.ops import self_check
     asked, verdict = [], [None]
@@ -195,20 +195,23 @@ def test_gpu_copy_waits_for_its_first_use_check(monkeypatch):
     step = SimpleNamespace(adapter=SimpleNamespace(optimizer_name="adam"), arithmetic="bnb_cuda")
     optimizer = SimpleNamespace(bnb_steps=[step])
     on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setenv(lp_copy.ENV, "0")
-    assert lp_copy._checked(optimizer, 0, on_gpu) is None and not asked
+    copies = lp_copy.LpCopies(whole={0})
+    monkeypatch.setattr(lp_copy, "MEASURED_ON_GPU", False)
+    for value in ("0", "1"):
+        monkeypatch.setenv(lp_copy.ENV, value)
+        assert copies.target(optimizer, 0, on_gpu) is None and not asked, value
     monkeypatch.setenv(lp_copy.ENV, "gpu")
-    assert lp_copy._checked(optimizer, 0, on_gpu) is on_gpu
+    assert copies.target(optimizer, 0, on_gpu) is on_gpu
     assert asked == [(("adam", on_gpu.device, "fp32", "bnb_cuda"), {"lp_copy": True})]
     verdict[0] = "after step 2, lp_params differs (planted)"
     with pytest.warns(RuntimeWarning, match=r"first-use check on cuda:0 \(after step 2, lp_params differs \(planted"):
-        assert lp_copy._checked(optimizer, 0, on_gpu) is None
+        assert copies.target(optimizer, 0, on_gpu) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per optimizer
-        assert lp_copy._checked(optimizer, 0, on_gpu) is None
+        assert copies.target(optimizer, 0, on_gpu) is None
     asked.clear()
     on_cpu = torch.zeros(4, dtype=torch.bfloat16)
-    assert lp_copy._checked(optimizer, 0, on_cpu) is on_cpu and not asked
+    assert copies.target(optimizer, 0, on_cpu) is on_cpu and not asked
 
 
 def test_no_copy_where_the_model_partition_is_the_master(one_rank, monkeypatch):

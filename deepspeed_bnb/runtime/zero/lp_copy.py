@@ -89,29 +89,20 @@ def _usable(copy: Optional[torch.Tensor], master: torch.Tensor, error: Optional[
             and copy.is_contiguous() and master.is_contiguous() and _apart(copy, master))
 
 
-def _checked(optimizer, i: int, copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """`copy` where partition `i`'s kernel may write it on its device: on the CPU; on a GPU where asked for there
-    (enabled) and once its rule's first-use check of the copy has held (ops/self_check.py, against torch's conversion
-    of bitsandbytes' own update); else None, DeepSpeed then copies (a warning says why, once per optimizer). Whether
-    the CPU's copy is asked for is LpCopies.target's to read, at every step."""
-    if copy is None or copy.device.type == "cpu":
-        return copy
-    if not enabled(copy.device.type):
+def _first_use_problem(optimizer, i: int, device: torch.device) -> Optional[str]:
+    """On a GPU, why partition `i`'s kernel must not write the model's copy there: its rule's first-use check of the
+    copy (ops/self_check.py, against torch's conversion of bitsandbytes' own update), run once per rule and device;
+    None where it held, on the CPU (the suite holds the CPU kernels' copy to torch's), and for a rule without a kernel
+    (its step writes no copy: PartitionStep.step)."""
+    if device.type == "cpu":
         return None
     step = optimizer.bnb_steps[i]
     rule = step.adapter.optimizer_name
-    if rule not in rules.RULES:  # no kernel for the rule: its step writes no copy (PartitionStep.step)
-        return copy
-    problem = self_check.disagreement(rule, copy.device, master_weights.FP32, step.arithmetic, lp_copy=True)
-    if problem is None:
-        return copy
-    if not getattr(optimizer, "_bnb_lp_copy_refused", False):
-        optimizer._bnb_lp_copy_refused = True
-        warnings.warn(f"deepspeed_bnb: {ENV}=gpu, but the '{rule}' kernel's copy of the model's weights failed its "
-                      f"first-use check on {copy.device} ({problem}); DeepSpeed converts the partitions after the "
-                      f"step instead (same results). Please report it with your GPU model and torch/CUDA versions.",
-                      RuntimeWarning, stacklevel=3)
-    return None
+    if rule not in rules.RULES:
+        return None
+    problem = self_check.disagreement(rule, device, master_weights.FP32, step.arithmetic, lp_copy=True)
+    return None if problem is None else f"the '{rule}' kernel's copy of the model's weights failed its first-use " \
+                                        f"check on {device} ({problem})"
 
 
 def zero12_copy(optimizer, i: int) -> Optional[torch.Tensor]:
@@ -123,7 +114,7 @@ def zero12_copy(optimizer, i: int) -> Optional[torch.Tensor]:
     else:
         copy = optimizer.parallel_partitioned_bit16_groups[i][dist.get_rank(group=optimizer.real_dp_process_group[i])]
     ok = _usable(copy, optimizer.single_partition_of_fp32_groups[i], optimizer.bnb_master_errors[i])
-    return _checked(optimizer, i, copy) if ok else None
+    return copy if ok else None
 
 
 def zero3_copy(optimizer, i: int) -> Optional[torch.Tensor]:
@@ -131,7 +122,7 @@ def zero3_copy(optimizer, i: int) -> Optional[torch.Tensor]:
     can write it instead; else None (None also where the model's partition is swapped out to NVMe)."""
     copy = optimizer.fp16_partitioned_groups_flat[i]
     ok = _usable(copy, optimizer.fp32_partitioned_groups_flat[i], optimizer.bnb_master_errors[i])
-    return _checked(optimizer, i, copy) if ok else None
+    return copy if ok else None
 
 
 @dataclass
@@ -145,11 +136,22 @@ class LpCopies:
     handed: Dict[int, torch.Tensor] = field(default_factory=dict)
     # stage 3: sub-groups whose copy the kernel wrote at this step, not yet reached by DeepSpeed's conversion
     written: Set[int] = field(default_factory=set)
+    # a GPU's first-use check of the copy failed: said once in a warning (DeepSpeed copies there from then on)
+    refused: bool = False
 
-    def target(self, i: int, copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Where the kernel writes partition `i`'s copy at this step (`copy`, from zero12_copy or zero3_copy); None:
-        DeepSpeed copies (see the module docstring)."""
+    def target(self, optimizer, i: int, copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Where `optimizer`'s kernel writes partition `i`'s copy at this step (`copy`, from zero12_copy or
+        zero3_copy): asked for on its device (enabled), on a GPU once its first-use check has held, and after
+        DeepSpeed's whole copy; None: DeepSpeed copies (see the module docstring)."""
         if copy is None or not enabled(copy.device.type):
+            return None
+        problem = _first_use_problem(optimizer, i, copy.device)
+        if problem is not None:
+            if not self.refused:
+                self.refused = True
+                warnings.warn(f"deepspeed_bnb: {ENV}={setting()}, but {problem}; DeepSpeed converts the partitions "
+                              f"after the step instead (same results). Please report it with your GPU model and "
+                              f"torch/CUDA versions.", RuntimeWarning, stacklevel=3)
             return None
         if i in self.whole:
             return copy

@@ -15,9 +15,9 @@ checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
   arithmetic, bnb's `update_step` elsewhere, segment by segment; 8-bit vs fp32 state per model parameter; padding
   never updated), with DeepSpeed's unscale/clip factor folded in through `unscale_and_clip_grads`, as at stages 1/2
   (runtime/zero/unscale_factor.py);
-- `_reassign_or_swap_out_partitioned_parameters`: where the model's partition and the master are on the CPU, the
-  fused kernel has written the model's copy of the updated weights, and DeepSpeed's conversion is skipped
-  (runtime/zero/lp_copy.py);
+- `_reassign_or_swap_out_partitioned_parameters`: where the model's partition and the master are on the CPU (on a
+  GPU where asked for), the fused kernel has written the model's copy of the updated weights, and DeepSpeed's
+  conversion is skipped (runtime/zero/lp_copy.py);
 - `_unflatten_partitioned_parameters`, which DeepSpeed's step calls for every sub-group to point the parameter partitions
   at their flat buffer again: skipped where they still view what its last call left (runtime/zero/param_views.py);
 - `state_dict`: the versioned per-rank record of stages 1/2, one group per bnb param group (its sub-groups joined),
@@ -105,7 +105,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         self._bnb_after_deepspeed(self.fp32_partitioned_groups_flat)
         self._bnb_inv_scale = {}  # sub-group -> 1 / DeepSpeed's combined unscale/clip factor, folded into the step
         self._bnb_unscale = StepFactor(clips_invalid=False)  # the step's factor, as ZeRO-3's method computes it
-        self.bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
+        self.bnb_lp_copies = LpCopies()  # the model's copies the fused kernel writes in place of DeepSpeed's pass
         self.bnb_sub_groups: Dict[int, List[int]] = {}  # bnb param-group index -> its sub-groups, in order
         for i in range(len(self.fp16_groups)):
             self.bnb_sub_groups.setdefault(self.sub_group_to_group_id[i], []).append(i)
@@ -266,7 +266,7 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
     def _optimizer_step(self, sub_group_id):
         partition = self.fp32_partitioned_groups_flat[sub_group_id]
         group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
-        copy = self.bnb_lp_copies.target(sub_group_id, zero3_copy(self, sub_group_id))
+        copy = self.bnb_lp_copies.target(self, sub_group_id, zero3_copy(self, sub_group_id))
         with self._bnb_holding(sub_group_id), self._bnb_state_resident(sub_group_id):
             written = self.bnb_steps[sub_group_id].step(group, partition, partition.grad,
                                                         self.optimizer.state[partition],

@@ -16,8 +16,9 @@ Thin overrides of `deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` 
   `complete_grad_norm_calculation_for_cpu_offload`: DeepSpeed reads an inf/NaN test and the norm of every parameter's
   gradient back to the host one by one (a host sync each on a GPU); here the tests wait on the device until
   `has_overflow` reads them once, and the norms come to the host in one copy (runtime/utils.py);
-- `step` and `_optimizer_step`, where the partition lives on the CPU: the fused kernel writes the model's copy of the
-  updated weights, and DeepSpeed's conversion pass after the optimizer is made a no-op (runtime/zero/lp_copy.py);
+- `step` and `_optimizer_step`, where the partition lives on the CPU (on a GPU where asked for): the fused kernel
+  writes the model's copy of the updated weights, and DeepSpeed's conversion pass after the optimizer is made a no-op
+  (runtime/zero/lp_copy.py);
 - `_update_model_bit16_weights`, which DeepSpeed's step calls for every group to point the parameters at their flat
   buffer again: skipped where they still view what its last call left (runtime/zero/param_views.py);
 - `_link_all_hp_params`: DeepSpeed's parameter-level optimizer-state API (`safe_get_full_optimizer_state`, ...) returns
@@ -84,7 +85,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
         self._bnb_inv_scale = {}  # group -> 1 / DeepSpeed's combined unscale/clip factor (a 0-dim tensor on the
         # partition's device), folded into the step
         self._bnb_unscale = StepFactor()  # the step's factor, as this release's unscale_and_clip_grads computes it
-        self.bnb_lp_copies = LpCopies()  # the model's copies the CPU kernel writes in place of DeepSpeed's pass
+        self.bnb_lp_copies = LpCopies()  # the model's copies the fused kernel writes in place of DeepSpeed's pass
         # per param group: its model parameters in flat order (DeepSpeed's lists may hold padding tensors too)
         self.bnb_params: List[list] = [self.bnb_flat_params(i) for i in range(len(self.round_robin_bit16_groups))]
         for i, params in enumerate(self.bnb_params):
@@ -284,7 +285,7 @@ class BnbZeroOptimizer(BnbPartitionsMixin, DeepSpeedZeroOptimizer):
 
     def _optimizer_step(self, group_no):
         partition = self.single_partition_of_fp32_groups[group_no]
-        copy = self.bnb_lp_copies.target(group_no, zero12_copy(self, group_no))
+        copy = self.bnb_lp_copies.target(self, group_no, zero12_copy(self, group_no))
         written = self.bnb_steps[group_no].step(self.optimizer.param_groups[group_no], partition, partition.grad,
                                                 self.optimizer.state[partition],
                                                 self._bnb_inv_scale.pop(group_no, None),
