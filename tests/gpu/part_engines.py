@@ -161,18 +161,9 @@ def equals_plain(args, result, stage: int, precision: str, master: str = "fp32",
                  lp_copy: bool = False) -> list:
     """Part b for one configuration (`master`: bnb_master_weights of a bf16 one; `fused`: bnb_fused_kernel true;
     `lp_copy`: the kernel writes the model's copy, DEEPSPEED_BNB_KERNEL_LP_COPY=gpu); returns the table row."""
-    if not lp_copy:
-        return _equals_plain(args, result, stage, precision, master, fused)
     from deepspeed_bnb.runtime.zero import lp_copy as lp
-    before = os.environ.get(lp.ENV)
-    os.environ[lp.ENV] = "gpu"
-    try:
+    with common.environment({lp.ENV: "gpu"} if lp_copy else {}):
         return _equals_plain(args, result, stage, precision, master, fused, lp_copy)
-    finally:
-        if before is None:
-            del os.environ[lp.ENV]
-        else:
-            os.environ[lp.ENV] = before
 
 
 def _equals_plain(args, result, stage: int, precision: str, master: str, fused: bool, lp_copy: bool = False) -> list:

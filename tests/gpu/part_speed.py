@@ -174,26 +174,11 @@ def build(config: Config, stage: int, offload: bool, model_args: dict, device: s
                                                                for p in model.parameters())
 
 
-@contextlib.contextmanager
-def environment(settings: dict):
-    """`settings` in os.environ inside, the values before restored after."""
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def timed_round(label: str, config: Config, stage: int, offload: bool, model_args: dict, device: str,
                 into: dict) -> None:
     """Build, warm up and time one configuration once (under its environment settings); its times, losses and sync
     counts go into into[label]."""
-    with environment(config.env):
+    with common.environment(config.env):
         _timed_round(label, config, stage, offload, model_args, device, into)
 
 

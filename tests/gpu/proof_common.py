@@ -8,6 +8,7 @@ on a machine without a GPU (the same code, gloo instead of NCCL, stand-ins where
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,21 @@ for folder in (ROOT, TESTS, os.path.join(ROOT, "benchmarks")):
     if folder not in sys.path:
         sys.path.append(folder)  # after site-packages: a test helper must not shadow an installed package
 from conftest import free_port, without_launch_vars  # noqa: E402,F401  (the suite's own, re-exported for the parts)
+
+
+@contextlib.contextmanager
+def environment(settings: dict):
+    """`settings` in os.environ inside, the values before restored after."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def parse_args(description: str, extra: Optional[Callable] = None) -> argparse.Namespace:
