@@ -31,11 +31,16 @@ def _one_code_off(rule):
     return kernel
 
 
-def _ignores_unscale(rule):
+def _without(argument: str, rule):
+    """The reference as the kernel, called with `argument` None: a kernel that ignores that argument."""
     def kernel(*args):
-        position = rules.argument_names(rule).index("inv_scale")
+        position = rules.argument_names(rule).index(argument)
         _reference(rule)(*args[:position], None, *args[position + 1:])
     return kernel
+
+
+def _ignores_unscale(rule):
+    return _without("inv_scale", rule)
 
 
 def _nan_as_zero(rule):
@@ -62,10 +67,7 @@ def _raises(rule):
 
 def _drops_error_terms(rule):
     """A kernel that steps compensated weights as plain bf16 ones (the error terms neither read nor written)."""
-    def kernel(*args):
-        position = rules.argument_names(rule).index("error")
-        _reference(rule)(*args[:position], None, *args[position + 1:])
-    return kernel
+    return _without("error", rule)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -106,10 +108,7 @@ def _copy_mutant(rule, spoil):
 
 def _stale_copy(rule):
     """A kernel handed the copy that does not write it (what a GPU without the copy's code would leave)."""
-    def kernel(*args):
-        position = rules.argument_names(rule).index("lp_params")
-        _reference(rule)(*args[:position], None, *args[position + 1:])
-    return kernel
+    return _without("lp_params", rule)
 
 
 @pytest.mark.parametrize("rule", RULES)
