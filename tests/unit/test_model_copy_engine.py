@@ -2,12 +2,13 @@
 after the optimizer does nothing (runtime/zero/lp_copy.py).
 
 Oracle: the same engine with DEEPSPEED_BNB_KERNEL_LP_COPY=0, where DeepSpeed converts every partition itself. Per
-configuration (ZeRO-2 with bf16 and fp32 models, ZeRO-3 with bf16 ones, with the optimizer offloaded and without):
-after every step, the model's weights (at ZeRO-3 its partitions), the fp32 master partitions and the optimizer state
-are bit for bit the oracle's, including across a checkpoint save and load; DeepSpeed's list of master partitions holds
-the same tensors after every step; the master's gradient is released as DeepSpeed releases it. Controls: DeepSpeed's copy of each partition into another tensor runs in the
-oracle at every step and in ours only at the first step (after which the kernel writes it); and a kernel that is handed
-the copy but does not write it leaves stale weights, which the comparison catches.
+configuration (ZeRO-2 with bf16 and fp32 models, ZeRO-3 with bf16 ones, with the optimizer offloaded and without): after
+every step, the model's weights (at ZeRO-3 its partitions), the fp32 master partitions and the optimizer state are bit
+for bit the oracle's, including across a checkpoint save and load; DeepSpeed's list of master partitions holds the same
+tensors after every step; the master's gradient is released as DeepSpeed releases it. Controls: DeepSpeed's copy of each
+partition into another tensor runs in the oracle at every step and in ours only at the first step (after which the
+kernel writes it); and a kernel that is handed the copy but does not write it leaves stale weights, which the comparison
+catches.
 """
 
 import warnings
