@@ -35,17 +35,23 @@ int info_of(int* registers, int* blocks_per_sm) {
         blocks_per_sm, kernel, device::kWarps * 32, device::dynamic_shared_bytes<Tune>()));
 }
 
-// The shapes compared: the product's first; the single body it had before (bounds checks on every element); the
-// best shape per rule in the first sweeps (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); the quantizer
-// compiled as the compact table alone (bnb's maps have one) at 3 and 4 blocks per SM, with two full blocks per warp
-// step (2 blocks per SM: no spills), and with the index ahead; and the staged loop (the next block's bytes copied into
-// shared memory while a block is stepped) at 2, 3 and 4 blocks per SM (the table-only quantizer; 3 with either).
-using Shapes = std::tuple<device::DefaultTuning, device::Tuning<3, false, false>, device::Tuning<4, true, true>,
-                          device::Tuning<3, true, true>, device::Tuning<3, true, false, 1, true>,
-                          device::Tuning<4, true, false, 1, true>, device::Tuning<4, true, true, 1, true>,
-                          device::Tuning<2, true, false, 2, true>, device::Tuning<3, true, false, 1, false, true>,
-                          device::Tuning<3, true, false, 1, true, true>, device::Tuning<2, true, false, 1, true, true>,
-                          device::Tuning<4, true, false, 1, true, true>>;
+// The shapes compared: the product's first; the best shape per rule in the first sweeps (AdamW: 4 blocks per SM with
+// the index ahead; Lion: 3 with it); the quantizer compiled as the compact table alone (bnb's maps have one) at 3 and
+// 4 blocks per SM, with two full blocks per warp step (2 blocks per SM: no spills), and with the index ahead; the
+// staged loop (the next block's bytes copied into shared memory while a block is stepped) at 2, 3 and 4 blocks per SM
+// (the table-only quantizer; 3 with either); and each element's choices as selects (no branch per element: the
+// lane's 8 elements interleave) with the product's quantizer, the table-only one, the table-only one staged, and
+// two full blocks per warp step. The single body with per-element bounds checks (the kernels' first shape, 39-55% of a
+// copy on an H200) is no longer swept.
+using Shapes = std::tuple<device::DefaultTuning, device::Tuning<4, true, true>, device::Tuning<3, true, true>,
+                          device::Tuning<3, true, false, 1, true>, device::Tuning<4, true, false, 1, true>,
+                          device::Tuning<4, true, true, 1, true>, device::Tuning<2, true, false, 2, true>,
+                          device::Tuning<3, true, false, 1, false, true>, device::Tuning<3, true, false, 1, true, true>,
+                          device::Tuning<2, true, false, 1, true, true>, device::Tuning<4, true, false, 1, true, true>,
+                          device::Tuning<3, true, false, 1, false, false, true>,
+                          device::Tuning<3, true, false, 1, true, false, true>,
+                          device::Tuning<3, true, false, 1, true, true, true>,
+                          device::Tuning<2, true, false, 2, true, false, true>>;
 constexpr int kShapes = std::tuple_size<Shapes>::value;
 static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
               "variant 0 is the product's own shape");
@@ -75,10 +81,11 @@ void describe(int variant, char* name, size_t size) {
     if constexpr (V < kShapes) {
         using Tune = std::tuple_element_t<V, Shapes>;
         if (variant != V) return describe<V + 1>(variant, name, size);
-        snprintf(name, size, "%s%d blocks/SM%s%s%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
+        snprintf(name, size, "%s%d blocks/SM%s%s%s%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
                  Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "",
                  Tune::kBlocksPerStep == 2 ? ", 2 blocks per warp step" : "",
-                 Tune::kFastMaps ? ", table-only quantizer" : "", Tune::kStaged ? ", staged in shared memory" : "");
+                 Tune::kFastMaps ? ", table-only quantizer" : "", Tune::kStaged ? ", staged in shared memory" : "",
+                 Tune::kSelects ? ", selects" : "");
     }
 }
 

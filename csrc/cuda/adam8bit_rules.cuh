@@ -14,12 +14,20 @@ struct AdamIeee : device::IeeeQuantizer {
     static constexpr bool kFloor = true;  // the second moment's positive floor (ops/reference.py)
     using Consts = Hyper;
     __device__ static __forceinline__ Consts prepare(const float* row) { return *reinterpret_cast<const Hyper*>(row); }
-    template <bool Bf16>
+    template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[2][8], int k) {
-        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
+        const bool finite = isfinite(g);  // a non-finite gradient keeps the element
+        if (!Selects && !finite) return;
         float m, v;
         adam_moments(s[0][k], s[1][k], g, h, m, v);
-        p = adam_param(p, m, v, h);
+        const float x = adam_param(p, m, v, h);
+        if (Selects) {  // computed for every gradient, kept by a select (Tuning::kSelects)
+            p = bnbmath::pick(finite, x, p);
+            s[0][k] = bnbmath::pick(finite, m, s[0][k]);
+            s[1][k] = bnbmath::pick(finite, v, s[1][k]);
+            return;
+        }
+        p = x;
         s[0][k] = m;
         s[1][k] = v;
     }
@@ -32,9 +40,9 @@ struct AdamIeee : device::IeeeQuantizer {
 
 struct AdamBnb : device::BnbQuantizer {
     static constexpr int kStates = 2;
-    template <bool Bf16>
+    template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[2][8], int k) {
-        bnbmath::adam_8bit<Bf16>(c, p, g, s[0][k], s[1][k]);
+        bnbmath::adam_8bit<Bf16, Selects>(c, p, g, s[0][k], s[1][k]);
     }
     template <bool Bf16>
     __device__ static __forceinline__ void update32(const Consts& c, float& p, float g, float (&s)[2][8], int k,

@@ -232,14 +232,49 @@ __device__ __forceinline__ float unscale(float g, GradType type, const Scale& s)
     return __half2float(__float2half_rn(__fmul_rn(g, f)));
 }
 
+// unscale() of 8 gradients of dtype T by a factor present, from the device or not (OnDevice): every choice unscale()
+// makes known when compiled, so the loop has none.
+template <bool Bnb, GradType T, bool OnDevice>
+__device__ __forceinline__ void unscale_known(float (&g)[8], float value) {
+    const Scale known{true, OnDevice, value, nullptr};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = unscale<Bnb>(g[k], T, known);
+}
+
+// unscale() of a lane's 8 gradients. Selects: the choices (a factor at all, the gradient's dtype, the factor's
+// origin) made once for the 8 (per element each compiles to branches of the element's own); the same products.
+template <bool Bnb, bool Selects>
+__device__ __forceinline__ void unscale_lane(float (&g)[8], GradType type, const Scale& s) {
+    if (!Selects) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] = unscale<Bnb>(g[k], type, s);
+        return;
+    }
+    if (!s.present) return;
+    switch (type) {
+        case GradType::kBFloat16:
+            return s.on_device ? unscale_known<Bnb, GradType::kBFloat16, true>(g, s.value)
+                               : unscale_known<Bnb, GradType::kBFloat16, false>(g, s.value);
+        case GradType::kFloat16:
+            return s.on_device ? unscale_known<Bnb, GradType::kFloat16, true>(g, s.value)
+                               : unscale_known<Bnb, GradType::kFloat16, false>(g, s.value);
+        default:  // an fp32 product, wherever the factor came from
+            return unscale_known<Bnb, GradType::kFloat32, false>(g, s.value);
+    }
+}
+
 // --- the quantizer tables of one map, in shared memory ---------------------------------------------------------
 struct MapSmem {
     float q[256];                           // the map (dequantization; bnb's literal search)
     float mid[256];                         // midpoints of the sorted map (+ a NaN sentinel)
     uint8_t order[256];                     // code of each sorted entry
     uint8_t lo[compact::kMaxKeys];          // the compact table (fast maps)
+    int negatives;                          // entries with the sign bit set: in a sorted map the first ones (filled
+                                            // by the kernels whose shape has Selects, for their sign fix)
 };
 
+// Negatives: also count the map's entries with the sign bit set (every thread of the block calls this).
+template <bool Negatives = false>
 __device__ __forceinline__ void fill_map(MapSmem& s, const float* qmap, const DeviceTables& t) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         s.q[i] = qmap[i];
@@ -249,12 +284,16 @@ __device__ __forceinline__ void fill_map(MapSmem& s, const float* qmap, const De
     if (t.fast) {
         for (int i = threadIdx.x; i < t.entries; i += blockDim.x) s.lo[i] = t.lo[i];
     }
+    if (Negatives) {  // one block-wide count (the block has 256 threads, one per entry)
+        const int count = __syncthreads_count(threadIdx.x < 256 && (__float_as_uint(qmap[threadIdx.x]) >> 31) != 0);
+        if (threadIdx.x == 0) s.negatives = count;
+    }
 }
 
 // The stored code of a state value under the Ieee rules: normalize (NaN and inf*0 as the reference says), nearest
 // sorted entry with ties low, its code, and Adam's positive floor. FastOnly: the caller knows the compact table
-// applies (fast_maps), so the search is not compiled in.
-template <bool FastOnly = false>
+// applies (fast_maps), so the search is not compiled in. Selects: as quantize_bnb's (the floor a select).
+template <bool FastOnly = false, bool Selects = false>
 __device__ __forceinline__ uint8_t quantize_ieee(float s, float r, const MapSmem& m, const DeviceTables& t,
                                                   bool floor) {
     const float u = normalize(s, r);
@@ -267,15 +306,27 @@ __device__ __forceinline__ uint8_t quantize_ieee(float s, float r, const MapSmem
         for (int step = 128; step > 0; step >>= 1) index += (m.mid[index + step - 1] < u) ? step : 0;
     }
     const uint8_t code = m.order[index];
+    if (Selects) {
+        return static_cast<uint8_t>(bnbmath::pick(floor, static_cast<uint32_t>(floor_positive(code, s, t.floor)),
+                                                  static_cast<uint32_t>(code)));
+    }
     return floor ? floor_positive(code, s, t.floor) : code;
 }
 
 // The stored code under bnb's rules: u = s * rcp(absmax) with flush-to-zero, quantize_2D (ties to the even sorted
-// index, NaN to 0), and the sign fix of signed states. FastOnly: as quantize_ieee's.
-template <bool FastOnly = false>
+// index, NaN to 0), and the sign fix of signed states. FastOnly: as quantize_ieee's. Selects: the compact table's
+// entry is looked up for a NaN u too (entry_of puts it in the "huge" bucket, in bounds) and 0 selected after, and the
+// sign fix is a select, so no element's code is a branch of its own; with a sorted map the sign fix reads the code's
+// sign off its index (sign_fix_sorted), one shared-memory load fewer per element.
+template <bool FastOnly = false, bool Selects = false>
 __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem& m, const DeviceTables& t,
                                                  bool is_signed) {
     const float u = bnbmath::mul(r, s);
+    if (Selects && (FastOnly || (t.fast && t.sorted))) {  // a sorted map: the code is the sorted index
+        const uint32_t nearest = compact::nearest<compact::kTiesEven>(u, m.lo, m.mid, t.e_lo, t.span);
+        const uint8_t code = static_cast<uint8_t>(bnbmath::pick(u != u, 0u, nearest));
+        return is_signed ? bnbmath::sign_fix_sorted(code, s, m.negatives) : code;
+    }
     int code;
     if (u != u) {
         code = 0;
@@ -284,14 +335,14 @@ __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem&
     } else {
         code = compact::bnb_quantize_2d(m.q, is_signed, u);
     }
-    return is_signed ? bnbmath::sign_fix(static_cast<uint8_t>(code), s, m.q) : static_cast<uint8_t>(code);
+    return is_signed ? bnbmath::sign_fix<Selects>(static_cast<uint8_t>(code), s, m.q) : static_cast<uint8_t>(code);
 }
 
 // --- the kernel ----------------------------------------------------------------------------------------------------
 // The launch shape: what benchmarks/kernel_variants/ varies (the GPU proof's part k holds every variant to bnb's own
 // update bit for bit and times them side by side); the kernels' own builds compile DefaultTuning only.
 template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1, bool FastMaps = false,
-          bool Staged = false>
+          bool Staged = false, bool Selects = false>
 struct Tuning {
     static constexpr int kMinBlocks = MinBlocks;   // thread blocks per SM the register budget must allow
     static constexpr bool kSplitFull = SplitFull;  // full, aligned blocks run a copy of the body compiled for 8
@@ -304,11 +355,16 @@ struct Tuning {
                                                  // every map has one (bnb's dynamic maps do; others get `Generic`)
     static constexpr bool kStaged = Staged;  // the next full 8-bit block's bytes are copied into shared memory
                                              // (cp.async) while this one is stepped: see staged_loop
+    static constexpr bool kSelects = Selects;  // each element's data-dependent choices (a non-finite gradient, a NaN
+                                               // state, the sign fix) are selects, not branches: a branch per element
+                                               // makes each element's dependent chain (shared-memory loads, MUFU) a
+                                               // basic block of its own, which the compiler cannot interleave with
+                                               // the lane's other 7; the same values are selected either way
     static_assert(BlocksPerStep == 1 || (SplitFull && !PrefetchSegment), "blocks stepped together: the full-block "
                   "body, without the index loaded ahead");
     static_assert(!Staged || (SplitFull && !PrefetchSegment && BlocksPerStep == 1), "the staged loop: the full-block "
                   "body, one block per step; it locates the next block itself");
-    using Generic = Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, false, Staged>;
+    using Generic = Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, false, Staged, Selects>;
 };
 // Measured on an H200 (benchmarks/results/gpu/2026-11-28-h200-kernels, part k; 256M elements, fp32 master weights):
 // the full-block body moves 59% / 63% / 72% of a copy's bandwidth for AdamW / Lion / SGD-momentum against 39% / 48% /
@@ -321,7 +377,7 @@ using DefaultTuning = Tuning<3, true, false>;
 // dequantize, update, store the weights, the new absmax (with the padding lanes bnb's kernel steps in a partial
 // block), requantize and store the codes. step_block loads the inputs from global memory, the staged loop
 // (Tuning::kStaged) from their copies in shared memory.
-template <typename Rule, MasterKind K, bool Full, bool FastMaps>
+template <typename Rule, MasterKind K, bool Full, typename Tune>
 __device__ __forceinline__ void finish_8bit(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
                                             const typename Rule::Consts& c, int64_t i, int64_t block, int n, bool vec,
                                             int len, int lane, float (&p)[8], float (&g)[8],
@@ -330,6 +386,7 @@ __device__ __forceinline__ void finish_8bit(const StepArgs& a, const MapSmem (&m
     constexpr int S = Rule::kStates;
     constexpr bool kBnb = Rule::kBnb;
     constexpr bool kBf16 = K == MasterKind::kBFloat16;  // bnb's T = bf16 kernel
+    constexpr bool kFastMaps = Tune::kFastMaps, kSelects = Tune::kSelects;
     float s[S][8], best[S];
 #pragma unroll
     for (int j = 0; j < S; ++j) best[j] = kBnb ? bnbmath::kMinusFltMax : 0.0f;
@@ -338,7 +395,7 @@ __device__ __forceinline__ void finish_8bit(const StepArgs& a, const MapSmem (&m
         if (k >= n) continue;
 #pragma unroll
         for (int j = 0; j < S; ++j) s[j][k] = Rule::dequantize(maps[j].q[codes[j][k]], absmax_old[j]);
-        Rule::template update8<kBf16>(c, p[k], g[k], s, k);
+        Rule::template update8<kBf16, kSelects>(c, p[k], g[k], s, k);
 #pragma unroll
         for (int j = 0; j < S; ++j) best[j] = Rule::absmax_merge(best[j], s[j][k]);
     }
@@ -370,8 +427,9 @@ __device__ __forceinline__ void finish_8bit(const StepArgs& a, const MapSmem (&m
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (k < n) {
-                codes[j][k] = kBnb ? quantize_bnb<FastMaps>(s[j][k], r, maps[j], a.tables[j], j == 0)
-                                   : quantize_ieee<FastMaps>(s[j][k], r, maps[j], a.tables[j], Rule::kFloor && j == 1);
+                codes[j][k] = kBnb ? quantize_bnb<kFastMaps, kSelects>(s[j][k], r, maps[j], a.tables[j], j == 0)
+                                   : quantize_ieee<kFastMaps, kSelects>(s[j][k], r, maps[j], a.tables[j],
+                                                                        Rule::kFloor && j == 1);
             }
         }
         if (vec) {
@@ -391,7 +449,7 @@ __device__ __forceinline__ void finish_8bit(const StepArgs& a, const MapSmem (&m
 // update8(c, p, g, s) (s: dequantized old states in, new ones out) and update32(c, p, g, s, slot) (the fp32 state
 // path; slot = index in the segment mod 4); for Ieee, kFloor (Adam's second moment floored). A non-finite gradient
 // is the rule's to handle (Ieee keeps p and state; bnb's kernels differ per rule).
-template <typename Rule, MasterKind K, bool Full, bool FastMaps = false>
+template <typename Rule, MasterKind K, bool Full, typename Tune>
 __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
                                            const Scale& scale, const Segment& seg, int64_t start, int len,
                                            int lane) {
@@ -407,8 +465,7 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
     float p[8], g[8];
     load_weights<K>(a.params, i, n, vec, p);
     load_grads(a.grads, a.grad_type, i, n, vec, g);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) g[k] = unscale<kBnb>(g[k], a.grad_type, scale);
+    unscale_lane<kBnb, Tune::kSelects>(g, a.grad_type, scale);
 
     if (!seg.eight_bit) {  // 32-bit state: fp32 arrays packed in segment order
         float s[S][8];
@@ -440,16 +497,18 @@ __device__ __forceinline__ void step_block(const StepArgs& a, const MapSmem (&ma
             for (int k = 0; k < 8; ++k) codes[j][k] = k < n ? a.codes[j][i + k] : 0;
         }
     }
-    finish_8bit<Rule, K, Full, FastMaps>(a, maps, c, i, block, n, vec, len, lane, p, g, codes, absmax_old);
+    finish_8bit<Rule, K, Full, Tune>(a, maps, c, i, block, n, vec, len, lane, p, g, codes, absmax_old);
 }
 
 // B full, aligned 8-bit blocks stepped by one warp at once (Tuning::kBlocksPerStep): step_block's full-block body
 // with every array widened by a leading [B], so the blocks' loads are in flight together and their arithmetic
 // interleaves (the warp's instruction-level parallelism, where one block's dependencies stall it).
-template <typename Rule, MasterKind K, int B, bool FastMaps = false>
+template <typename Rule, MasterKind K, typename Tune>
 __device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
-                                                 const Scale& scale, const Segment (&seg)[B],
-                                                 const int64_t (&start)[B], int lane) {
+                                                 const Scale& scale, const Segment (&seg)[Tune::kBlocksPerStep],
+                                                 const int64_t (&start)[Tune::kBlocksPerStep], int lane) {
+    constexpr int B = Tune::kBlocksPerStep;
+    constexpr bool kFastMaps = Tune::kFastMaps, kSelects = Tune::kSelects;
     constexpr int S = Rule::kStates;
     constexpr bool kBnb = Rule::kBnb;
     constexpr bool kBf16 = K == MasterKind::kBFloat16;
@@ -465,6 +524,7 @@ __device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSme
         block[b] = (seg[b].offset + start[b]) / kBlock;
         load_weights<K>(a.params, i[b], kPerLane, true, p[b]);
         load_grads(a.grads, a.grad_type, i[b], kPerLane, true, g[b]);
+        unscale_lane<kBnb, kSelects>(g[b], a.grad_type, scale);
 #pragma unroll
         for (int j = 0; j < S; ++j) {
             absmax_old[b][j] = a.absmax[j][block[b]];
@@ -476,10 +536,9 @@ __device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSme
     for (int b = 0; b < B; ++b) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            g[b][k] = unscale<kBnb>(g[b][k], a.grad_type, scale);
 #pragma unroll
             for (int j = 0; j < S; ++j) s[b][j][k] = Rule::dequantize(maps[j].q[codes[b][j][k]], absmax_old[b][j]);
-            Rule::template update8<kBf16>(c[b], p[b][k], g[b][k], s[b], k);
+            Rule::template update8<kBf16, kSelects>(c[b], p[b][k], g[b][k], s[b], k);
 #pragma unroll
             for (int j = 0; j < S; ++j) best[b][j] = Rule::absmax_merge(best[b][j], s[b][j][k]);
         }
@@ -510,9 +569,9 @@ __device__ __forceinline__ void step_full_blocks(const StepArgs& a, const MapSme
             const float r = kBnb ? bnbmath::rcp(best[b][j]) : reciprocal(best[b][j]);
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                codes[b][j][k] = kBnb ? quantize_bnb<FastMaps>(s[b][j][k], r, maps[j], a.tables[j], j == 0)
-                                      : quantize_ieee<FastMaps>(s[b][j][k], r, maps[j], a.tables[j],
-                                                                Rule::kFloor && j == 1);
+                codes[b][j][k] = kBnb ? quantize_bnb<kFastMaps, kSelects>(s[b][j][k], r, maps[j], a.tables[j], j == 0)
+                                      : quantize_ieee<kFastMaps, kSelects>(s[b][j][k], r, maps[j], a.tables[j],
+                                                                           Rule::kFloor && j == 1);
             }
             store_bytes(a.codes[j], i[b], codes[b][j]);
         }
@@ -532,9 +591,9 @@ template <typename Rule, MasterKind K, typename Tune>
 __device__ __forceinline__ void step_one(const StepArgs& a, const MapSmem (&maps)[Rule::kStates], const Scale& scale,
                                          const Segment& seg, int64_t start, int len, int lane) {
     if (Tune::kSplitFull && a.aligned && len == kBlock) {
-        step_block<Rule, K, true, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
+        step_block<Rule, K, true, Tune>(a, maps, scale, seg, start, len, lane);
     } else {
-        step_block<Rule, K, false, Tune::kFastMaps>(a, maps, scale, seg, start, len, lane);
+        step_block<Rule, K, false, Tune>(a, maps, scale, seg, start, len, lane);
     }
 }
 
@@ -560,7 +619,7 @@ __device__ __forceinline__ void step_work(const StepArgs& a, const MapSmem (&map
         }
     }
     if (together) {
-        step_full_blocks<Rule, K, B, Tune::kFastMaps>(a, maps, scale, seg, start, lane);
+        step_full_blocks<Rule, K, Tune>(a, maps, scale, seg, start, lane);
         return;
     }
 #pragma unroll
@@ -613,7 +672,7 @@ __device__ __forceinline__ void stage_block(const StepArgs& a, int64_t i, uint8_
 
 // One full, aligned 8-bit block (its first element `first` in the partition, hyper row `row`) from the lane's staged
 // bytes; `absmax_old`: its scales, loaded with them.
-template <typename Rule, MasterKind K, bool FastMaps>
+template <typename Rule, MasterKind K, typename Tune>
 __device__ __forceinline__ void step_staged(const StepArgs& a, const MapSmem (&maps)[Rule::kStates],
                                             const Scale& scale, int64_t first, int64_t row, int lane, uint8_t* slot,
                                             const float (&absmax_old)[Rule::kStates]) {
@@ -623,12 +682,11 @@ __device__ __forceinline__ void step_staged(const StepArgs& a, const MapSmem (&m
     float p[8], g[8];
     load_weights<K>(staged, 0, kPerLane, true, p);
     load_grads(slot + 32, a.grad_type, 0, kPerLane, true, g);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) g[k] = unscale<Rule::kBnb>(g[k], a.grad_type, scale);
+    unscale_lane<Rule::kBnb, Tune::kSelects>(g, a.grad_type, scale);
     uint8_t codes[S][8];
 #pragma unroll
     for (int j = 0; j < S; ++j) load_bytes(slot + 64 + 8 * j, 0, codes[j]);
-    finish_8bit<Rule, K, true, FastMaps>(a, maps, c, first + lane * kPerLane, first / kBlock, kPerLane, true, kBlock,
+    finish_8bit<Rule, K, true, Tune>(a, maps, c, first + lane * kPerLane, first / kBlock, kPerLane, true, kBlock,
                                          lane, p, g, codes, absmax_old);
 }
 
@@ -686,7 +744,7 @@ __device__ __forceinline__ void staged_loop(const StepArgs& a, const MapSmem (&m
         // the wait's asm declares no memory effect: without this fence the compiler may load the slot before it
         asm volatile("" ::: "memory");
         if (now.staged) {
-            step_staged<Rule, K, Tune::kFastMaps>(a, maps, scale, now.first, now.row, lane,
+            step_staged<Rule, K, Tune>(a, maps, scale, now.first, now.row, lane,
                                                   mine + (filling ^ 1) * 32 * kSlotBytes, now.absmax);
         } else {
             Segment seg;
@@ -704,7 +762,7 @@ __global__ void __launch_bounds__(kWarps * 32, Tune::kMinBlocks) fused_step_kern
     constexpr int S = Rule::kStates;
     __shared__ MapSmem maps[S];
 #pragma unroll
-    for (int k = 0; k < S; ++k) fill_map(maps[k], a.qmap[k], a.tables[k]);
+    for (int k = 0; k < S; ++k) fill_map<Tune::kSelects>(maps[k], a.qmap[k], a.tables[k]);
     __syncthreads();
     Scale scale = a.scale;  // a device factor is read here, by the kernel: the host never waits for it
     if (scale.on_device) scale.value = *scale.pointer;

@@ -17,12 +17,20 @@ struct LionIeee : device::IeeeQuantizer {
         return *reinterpret_cast<const LionHyper*>(row);
     }
     // the step uses the old momentum, the new momentum follows
-    template <bool Bf16>
+    template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[1][8], int k) {
-        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
+        const bool finite = isfinite(g);  // a non-finite gradient keeps the element
+        if (!Selects && !finite) return;
         const float m_old = s[0][k];
-        s[0][k] = lion_momentum(m_old, g, h);
-        p = lion_param(p, m_old, g, h);
+        const float m = lion_momentum(m_old, g, h);
+        const float x = lion_param(p, m_old, g, h);
+        if (Selects) {  // computed for every gradient, kept by a select (Tuning::kSelects)
+            s[0][k] = bnbmath::pick(finite, m, m_old);
+            p = bnbmath::pick(finite, x, p);
+            return;
+        }
+        s[0][k] = m;
+        p = x;
     }
     template <bool Bf16>
     __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,
@@ -33,7 +41,7 @@ struct LionIeee : device::IeeeQuantizer {
 
 struct LionBnb : device::BnbQuantizer {
     static constexpr int kStates = 1;
-    template <bool Bf16>
+    template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {
         bnbmath::lion_8bit<Bf16>(c, p, g, s[0][k]);
     }

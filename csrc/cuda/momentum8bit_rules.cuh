@@ -17,11 +17,19 @@ struct MomentumIeee : device::IeeeQuantizer {
         return *reinterpret_cast<const MomentumHyper*>(row);
     }
     // the new momentum first (coupled decay reads the old p), then the parameter from it
-    template <bool Bf16>
+    template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[1][8], int k) {
-        if (!isfinite(g)) return;  // a non-finite gradient keeps the element
-        s[0][k] = momentum_state(p, s[0][k], g, h);
-        p = momentum_param(p, s[0][k], h);
+        const bool finite = isfinite(g);  // a non-finite gradient keeps the element
+        if (!Selects && !finite) return;
+        const float m = momentum_state(p, s[0][k], g, h);
+        const float x = momentum_param(p, m, h);
+        if (Selects) {  // computed for every gradient, kept by a select (Tuning::kSelects)
+            s[0][k] = bnbmath::pick(finite, m, s[0][k]);
+            p = bnbmath::pick(finite, x, p);
+            return;
+        }
+        s[0][k] = m;
+        p = x;
     }
     template <bool Bf16>
     __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,
@@ -32,7 +40,7 @@ struct MomentumIeee : device::IeeeQuantizer {
 
 struct MomentumBnb : device::BnbQuantizer {
     static constexpr int kStates = 1;
-    template <bool Bf16>
+    template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {
         bnbmath::momentum_8bit<Bf16>(c, p, g, s[0][k]);
     }

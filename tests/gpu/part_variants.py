@@ -4,7 +4,7 @@ benchmarks/kernel_variants/ compiles every rule's kernel (bitsandbytes' CUDA ari
 ZeRO step runs on a GPU) in the shapes fused_step.cuh's Tuning offers: resident thread blocks per SM (the register
 budget), a separate body for full blocks, the next block's segment index loaded ahead, two full blocks per warp step,
 the quantizer compiled as the compact table alone, the next block's bytes staged in shared memory (cp.async) while a
-block is stepped. Variant 0 is the product's own.
+block is stepped, each element's choices as selects rather than branches. Variant 0 is the product's own.
 For each rule and variant:
 - bit for bit: three steps of a random partition (8-bit and 32-bit segments, block tails of 1, 255, 257 and 4097
   elements, NaN, Inf, huge and tiny gradients) by the variant and by bitsandbytes' own CUDA update on the same state

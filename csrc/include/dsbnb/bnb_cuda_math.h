@@ -92,6 +92,22 @@ __device__ __forceinline__ float neg(float x) { return __uint_as_float(__float_a
 // __powf(base, step): ex2(step * lg2(base)).
 __device__ __forceinline__ float pow(float base, float step) { return ex2(mul(step, lg2(base))); }
 
+// cond ? a : b as one PTX selp. Being an asm operand, each of a and b is computed for every element: the compiler can
+// neither sink their computation into a branch of its own nor turn the select into one, which it does with a C++
+// conditional whose arm is expensive (fused_step.cuh: Tuning::kSelects).
+__device__ __forceinline__ float pick(bool cond, float a, float b) {
+    float r;
+    asm("{ .reg .pred q; setp.ne.u32 q, %3, 0; selp.f32 %0, %1, %2, q; }"
+        : "=f"(r) : "f"(a), "f"(b), "r"(static_cast<uint32_t>(cond)));
+    return r;
+}
+__device__ __forceinline__ uint32_t pick(bool cond, uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("{ .reg .pred q; setp.ne.u32 q, %3, 0; selp.b32 %0, %1, %2, q; }"
+        : "=r"(r) : "r"(a), "r"(b), "r"(static_cast<uint32_t>(cond)));
+    return r;
+}
+
 // --- per-row constants, as bnb's kernels compute them per thread from its float arguments ----------------------
 // The hyper row (BnbRow in dsbnb/adam8bit.h) holds bnb's kernel arguments rounded to float as ctypes.c_float does,
 // and the step as the float I2FP makes of it.
@@ -129,14 +145,9 @@ __device__ __forceinline__ Consts prepare(const float* row) {
 // `bf16`: bnb's T = bf16 kernel (bf16 master weights: p holds a bf16 value and is rounded where bnb rounds it).
 // g is the gradient as bnb's kernel loads it (fp32, or a bf16 widened exactly).
 
-// kOptimizerStatic8bit2StateBlockwise<T, ADAM>: a non-finite gradient zeroes both states and keeps p.
-template <bool Bf16>
-__device__ __forceinline__ void adam_8bit(const Consts& c, float& p, float g, float& s1, float& s2) {
-    if (!(fabsf(g) < __int_as_float(0x7F800000))) {  // FSETP.GEU |g|, +INF: NaN and +-inf
-        s1 = 0.0f;
-        s2 = 0.0f;
-        return;
-    }
+// kOptimizerStatic8bit2StateBlockwise<T, ADAM> for a finite gradient. Selects: the weight decay's choice by pick().
+template <bool Bf16, bool Selects = false>
+__device__ __forceinline__ void adam_8bit_finite(const Consts& c, float& p, float g, float& s1, float& s2) {
     const float gv = mul(g, c.gnorm_scale);
     s1 = fma(gv, c.one_minus_beta1, mul(s1, c.beta1));
     if (Bf16) {
@@ -145,12 +156,38 @@ __device__ __forceinline__ void adam_8bit(const Consts& c, float& p, float g, fl
         s2 = fma(gv, mul(c.one_minus_beta2, gv), mul(s2, c.beta2));
     }
     const float update = fma(c.step_size, mul(rcp(fma(c.correction2, c.eps, sqrt(s2))), s1), p);
-    if (Bf16) {
+    if (Selects) {
+        const float x = Bf16 ? bf16(update) : update;
+        const float decayed = Bf16 ? bf16(mul(c.decay, x)) : mul(c.decay, x);
+        p = pick(c.decays, decayed, x);
+    } else if (Bf16) {
         p = bf16(update);
         if (c.decays) p = bf16(mul(c.decay, p));
     } else {
         p = c.decays ? mul(c.decay, update) : update;
     }
+}
+
+// kOptimizerStatic8bit2StateBlockwise<T, ADAM>: a non-finite gradient zeroes both states and keeps p.
+// Selects: the update is computed for every gradient and the finite test selects its results (the same values as
+// the early return), so the element is no branch of its own (fused_step.cuh: Tuning::kSelects).
+template <bool Bf16, bool Selects = false>
+__device__ __forceinline__ void adam_8bit(const Consts& c, float& p, float g, float& s1, float& s2) {
+    const bool finite = fabsf(g) < __int_as_float(0x7F800000);  // FSETP.GEU |g|, +INF: false for NaN and +-inf
+    if (Selects) {
+        float x = p, m = s1, v = s2;
+        adam_8bit_finite<Bf16, true>(c, x, g, m, v);
+        p = pick(finite, x, p);
+        s1 = pick(finite, m, 0.0f);
+        s2 = pick(finite, v, 0.0f);
+        return;
+    }
+    if (!finite) {
+        s1 = 0.0f;
+        s2 = 0.0f;
+        return;
+    }
+    adam_8bit_finite<Bf16>(c, p, g, s1, s2);
 }
 
 // kOptimizerStatic8bit1StateBlockwise<T, LION>: no finiteness test (sgn(NaN) is 0: p only decays, the state takes
@@ -242,12 +279,28 @@ constexpr float kMinusFltMax = -3.40282347e+38f;
 __device__ __forceinline__ float absmax_term(float s) { return max(fabsf(s), kMinusFltMax); }
 
 // bnb's sign fix after quantize_2D for signed states: a code whose map value's sign bit differs from s's moves one
-// code towards s (unsigned char arithmetic: 0 - 1 wraps to 255).
+// code towards s (unsigned char arithmetic: 0 - 1 wraps to 255). Selects: the moved code is formed always and
+// selected, no branch.
+template <bool Selects = false>
 __device__ __forceinline__ uint8_t sign_fix(uint8_t code, float s, const float* map) {
-    if ((__float_as_uint(map[code]) >> 31) != (__float_as_uint(s) >> 31)) {
+    const bool differs = (__float_as_uint(map[code]) >> 31) != (__float_as_uint(s) >> 31);
+    if (Selects) {
+        const uint32_t moved = static_cast<uint8_t>(pick(gt(s, 0.0f), code + 1u, code - 1u));
+        return static_cast<uint8_t>(pick(differs, moved, code));
+    }
+    if (differs) {
         return static_cast<uint8_t>(gt(s, 0.0f) ? code + 1 : code - 1);
     }
     return code;
+}
+
+// sign_fix<true> for a map sorted ascending (code: the sorted index), whose first `negatives` entries have the sign bit
+// set and the others not (strictly ascending, it holds at most one zero, of either sign): the map value's sign bit is
+// code < negatives, no load.
+__device__ __forceinline__ uint8_t sign_fix_sorted(uint8_t code, float s, int negatives) {
+    const bool differs = (static_cast<int>(code) < negatives) != ((__float_as_uint(s) >> 31) != 0);
+    const uint32_t moved = static_cast<uint8_t>(pick(gt(s, 0.0f), code + 1u, code - 1u));
+    return static_cast<uint8_t>(pick(differs, moved, code));
 }
 
 }  // namespace bnbmath
