@@ -3,7 +3,7 @@
 // (tests/gpu/part_variants.py): which shape moves the most bytes, each bit for bit with the others.
 // What it compiles: the rules the product's kernels use (csrc/cuda/*_rules.cuh), so that every variant is the
 // product's source with another Tuning, in bitsandbytes' CUDA arithmetic with fp32 master weights (what a ZeRO step
-// runs on a GPU); the product's builds compile DefaultTuning only.
+// runs on a GPU); the product's builds compile each rule's own shape (Rule::Shape) only.
 // Build: by the part, with torch's JIT and the kernels' flags (deepspeed_bnb/ops/build_flags.py), include paths
 // csrc/include and csrc/cuda. Test: tests/gpu/part_variants.py compiles it with nvcc alone on a machine without a GPU.
 
@@ -35,7 +35,7 @@ int info_of(int* registers, int* blocks_per_sm) {
         blocks_per_sm, kernel, device::kWarps * 32, device::dynamic_shared_bytes<Tune>()));
 }
 
-// The shapes compared: the product's first; the best shape per rule in the first sweeps (AdamW: 4 blocks per SM with
+// The shapes compared after each rule's own (variant 0, Rule::Shape): the best shape per rule in the first sweeps (AdamW: 4 blocks per SM with
 // the index ahead; Lion: 3 with it); the quantizer compiled as the compact table alone (bnb's maps have one) at 3 and
 // 4 blocks per SM, with two full blocks per warp step (2 blocks per SM: no spills), and with the index ahead; the
 // staged loop (the next block's bytes copied into shared memory while a block is stepped) at 2, 3 and 4 blocks per SM
@@ -43,7 +43,7 @@ int info_of(int* registers, int* blocks_per_sm) {
 // lane's 8 elements interleave) with the product's quantizer, the table-only one, the table-only one staged, and
 // two full blocks per warp step. The single body with per-element bounds checks (the kernels' first shape, 39-55% of a
 // copy on an H200) is no longer swept.
-using Shapes = std::tuple<device::DefaultTuning, device::Tuning<4, true, true>, device::Tuning<3, true, true>,
+using Shapes = std::tuple<device::Tuning<4, true, true>, device::Tuning<3, true, true>,
                           device::Tuning<3, true, false, 1, true>, device::Tuning<4, true, false, 1, true>,
                           device::Tuning<4, true, true, 1, true>, device::Tuning<2, true, false, 2, true>,
                           device::Tuning<3, true, false, 1, false, true>, device::Tuning<3, true, false, 1, true, true>,
@@ -52,9 +52,11 @@ using Shapes = std::tuple<device::DefaultTuning, device::Tuning<4, true, true>, 
                           device::Tuning<3, true, false, 1, true, false, true>,
                           device::Tuning<3, true, false, 1, true, true, true>,
                           device::Tuning<2, true, false, 2, true, false, true>>;
-constexpr int kShapes = std::tuple_size<Shapes>::value;
-static_assert(std::is_same<std::tuple_element_t<0, Shapes>, device::DefaultTuning>::value,
-              "variant 0 is the product's own shape");
+constexpr int kShapes = std::tuple_size<Shapes>::value + 1;  // variant 0: the rule's own
+
+// Variant V of Rule: its product shape, then the tuple's.
+template <typename Rule, int V>
+using ShapeOf = std::conditional_t<V == 0, typename Rule::Shape, std::tuple_element_t<(V > 0 ? V - 1 : 0), Shapes>>;
 
 // The launcher and the facts of shape V of Rule (a recursion over the shapes: nvcc's host pass rejects a pack of
 // kernel-template addresses).
@@ -63,7 +65,7 @@ Launch launch_for(int variant) {
     if constexpr (V == kShapes) {
         return nullptr;
     } else {
-        return variant == V ? &launch_fp32<Rule, std::tuple_element_t<V, Shapes>> : launch_for<Rule, V + 1>(variant);
+        return variant == V ? &launch_fp32<Rule, ShapeOf<Rule, V>> : launch_for<Rule, V + 1>(variant);
     }
 }
 
@@ -72,15 +74,15 @@ Info info_for(int variant) {
     if constexpr (V == kShapes) {
         return nullptr;
     } else {
-        return variant == V ? &info_of<Rule, std::tuple_element_t<V, Shapes>> : info_for<Rule, V + 1>(variant);
+        return variant == V ? &info_of<Rule, ShapeOf<Rule, V>> : info_for<Rule, V + 1>(variant);
     }
 }
 
-template <int V = 0>
+template <typename Rule, int V = 0>
 void describe(int variant, char* name, size_t size) {
     if constexpr (V < kShapes) {
-        using Tune = std::tuple_element_t<V, Shapes>;
-        if (variant != V) return describe<V + 1>(variant, name, size);
+        using Tune = ShapeOf<Rule, V>;
+        if (variant != V) return describe<Rule, V + 1>(variant, name, size);
         snprintf(name, size, "%s%d blocks/SM%s%s%s%s%s%s", V == 0 ? "product: " : "", Tune::kMinBlocks,
                  Tune::kSplitFull ? ", full-block body" : "", Tune::kPrefetchSegment ? ", index ahead" : "",
                  Tune::kBlocksPerStep == 2 ? ", 2 blocks per warp step" : "",
@@ -93,11 +95,15 @@ void describe(int variant, char* name, size_t size) {
 
 int count() { return kShapes; }
 
-const char* name(int variant) {
-    static char names[kShapes][96];
-    if (variant < 0 || variant >= kShapes) return nullptr;
-    describe(variant, names[variant], sizeof(names[variant]));
-    return names[variant];
+const char* name(int rule, int variant) {
+    static char names[3][kShapes][112];
+    if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
+    switch (rule) {
+        case 0: describe<cuda_rules::AdamBnb>(variant, names[rule][variant], sizeof(names[rule][variant])); break;
+        case 1: describe<cuda_rules::LionBnb>(variant, names[rule][variant], sizeof(names[rule][variant])); break;
+        default: describe<cuda_rules::MomentumBnb>(variant, names[rule][variant], sizeof(names[rule][variant]));
+    }
+    return names[rule][variant];
 }
 
 Launch launcher(int rule, int variant) {

@@ -1,6 +1,6 @@
 // kernel_variants.h — the C interface between kernel_variants.cu (the fused kernels in several launch shapes, built
 // by nvcc without torch headers) and its torch binding (kernel_variants_binding.cpp). Rules: 0 AdamW, 1 Lion,
-// 2 SGD-momentum; variant 0 is the product's own shape.
+// 2 SGD-momentum; variant 0 is the product's own shape of the rule.
 #pragma once
 
 #include <array>
@@ -18,7 +18,7 @@ using Launch = int (*)(const StepArgs&, bool, void*);  // as fused_cuda.h's run(
 using Info = int (*)(int* registers, int* blocks_per_sm);  // a CUDA error code (0: none)
 
 int count();
-const char* name(int variant);       // null out of range
+const char* name(int rule, int variant);  // null out of range
 Launch launcher(int rule, int variant);  // null out of range
 Info info(int rule, int variant);        // null out of range
 

@@ -28,9 +28,9 @@ void step(int64_t rule, int64_t variant, at::Tensor params, const at::Tensor& gr
 
 int64_t count() { return dsbnb::variants::count(); }
 
-std::string name(int64_t variant) {
-    const char* found = dsbnb::variants::name(static_cast<int>(variant));
-    TORCH_CHECK(found != nullptr, "dsbnb_variants::name: no variant ", variant);
+std::string name(int64_t rule, int64_t variant) {
+    const char* found = dsbnb::variants::name(static_cast<int>(rule), static_cast<int>(variant));
+    TORCH_CHECK(found != nullptr, "dsbnb_variants::name: no rule ", rule, " variant ", variant);
     return found;
 }
 
@@ -51,7 +51,7 @@ TORCH_LIBRARY(dsbnb_variants, m) {
           "Tensor segments, Tensor hyper) -> ()");
     // no tensor arguments, so nothing to dispatch on: one kernel for every key
     m.def("count() -> int", &count);
-    m.def("name(int variant) -> str", &name);
+    m.def("name(int rule, int variant) -> str", &name);
     m.def("info(int rule, int variant) -> int[]", &info);
 }
 

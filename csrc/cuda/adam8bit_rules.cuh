@@ -9,7 +9,12 @@
 namespace dsbnb {
 namespace cuda_rules {
 
+// The launch shape of the product's AdamW kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU proof
+// times the alternatives).
+using AdamShape = device::FullBlockBody;
+
 struct AdamIeee : device::IeeeQuantizer {
+    using Shape = AdamShape;
     static constexpr int kStates = 2;
     static constexpr bool kFloor = true;  // the second moment's positive floor (ops/reference.py)
     using Consts = Hyper;
@@ -39,6 +44,7 @@ struct AdamIeee : device::IeeeQuantizer {
 };
 
 struct AdamBnb : device::BnbQuantizer {
+    using Shape = AdamShape;
     static constexpr int kStates = 2;
     template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[2][8], int k) {

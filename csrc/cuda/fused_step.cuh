@@ -340,7 +340,7 @@ __device__ __forceinline__ uint8_t quantize_bnb(float s, float r, const MapSmem&
 
 // --- the kernel ----------------------------------------------------------------------------------------------------
 // The launch shape: what benchmarks/kernel_variants/ varies (the GPU proof's part k holds every variant to bnb's own
-// update bit for bit and times them side by side); the kernels' own builds compile DefaultTuning only.
+// update bit for bit and times them side by side); the kernels' own builds compile each rule's Rule::Shape only.
 template <int MinBlocks, bool SplitFull, bool PrefetchSegment, int BlocksPerStep = 1, bool FastMaps = false,
           bool Staged = false, bool Selects = false>
 struct Tuning {
@@ -366,11 +366,13 @@ struct Tuning {
                   "body, one block per step; it locates the next block itself");
     using Generic = Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, false, Staged, Selects>;
 };
-// Measured on an H200 (benchmarks/results/gpu/2026-11-28-h200-kernels, part k; 256M elements, fp32 master weights):
-// the full-block body moves 59% / 63% / 72% of a copy's bandwidth for AdamW / Lion / SGD-momentum against 39% / 48% /
-// 55% for one body with per-element bounds checks; more blocks per SM or the index loaded ahead changed a rule by a
-// few percent, in different directions per rule.
-using DefaultTuning = Tuning<3, true, false>;
+// The shape each rule's product kernels compile (Rule::Shape, named in its *_rules.cuh for both arithmetics) is read
+// off part k: the fastest shape equal to bnb's update there. Measured on an H200
+// (benchmarks/results/gpu/2026-11-28-h200-kernels, part k; 256M elements, fp32 master weights): the full-block body
+// moves 59% / 63% / 72% of a copy's bandwidth for AdamW / Lion / SGD-momentum against 39% / 48% / 55% for one body with
+// per-element bounds checks; more blocks per SM or the index loaded ahead changed a rule by a few percent, in
+// different directions per rule.
+using FullBlockBody = Tuning<3, true, false>;
 
 // The 8-bit part of one block's step once its inputs are in registers (p: master weights, g: gradients unscaled,
 // codes and absmax_old: the states as stored; i: the lane's first element, n of its 8 valid, vec: wide accesses):
@@ -830,7 +832,7 @@ inline bool fast_maps(const StepArgs& a) {
 }
 
 // Launches Rule's kernel for master kind K on `stream`; returns the CUDA error code (0: none).
-template <typename Rule, MasterKind K, typename Tune = DefaultTuning>
+template <typename Rule, MasterKind K, typename Tune = typename Rule::Shape>
 int launch_kind(const StepArgs& a, void* stream) {
     if (a.total_blocks == 0) return 0;
     if constexpr (Tune::kFastMaps) {
@@ -845,7 +847,7 @@ int launch_kind(const StepArgs& a, void* stream) {
 }
 
 // Launches Rule's kernel for the master kind of `a` on `stream`; returns the CUDA error code (0: none).
-template <typename Rule, typename Tune = DefaultTuning>
+template <typename Rule, typename Tune = typename Rule::Shape>
 int launch(const StepArgs& a, void* stream) {
     switch (a.params.kind) {
         case MasterKind::kBFloat16: return launch_kind<Rule, MasterKind::kBFloat16, Tune>(a, stream);

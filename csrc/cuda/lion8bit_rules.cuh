@@ -9,7 +9,12 @@
 namespace dsbnb {
 namespace cuda_rules {
 
+// The launch shape of the product's Lion kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU proof
+// times the alternatives).
+using LionShape = device::FullBlockBody;
+
 struct LionIeee : device::IeeeQuantizer {
+    using Shape = LionShape;
     static constexpr int kStates = 1;
     static constexpr bool kFloor = false;
     using Consts = LionHyper;
@@ -40,6 +45,7 @@ struct LionIeee : device::IeeeQuantizer {
 };
 
 struct LionBnb : device::BnbQuantizer {
+    using Shape = LionShape;
     static constexpr int kStates = 1;
     template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {

@@ -9,7 +9,12 @@
 namespace dsbnb {
 namespace cuda_rules {
 
+// The launch shape of the product's SGD-momentum kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU proof
+// times the alternatives).
+using MomentumShape = device::FullBlockBody;
+
 struct MomentumIeee : device::IeeeQuantizer {
+    using Shape = MomentumShape;
     static constexpr int kStates = 1;
     static constexpr bool kFloor = false;
     using Consts = MomentumHyper;
@@ -39,6 +44,7 @@ struct MomentumIeee : device::IeeeQuantizer {
 };
 
 struct MomentumBnb : device::BnbQuantizer {
+    using Shape = MomentumShape;
     static constexpr int kStates = 1;
     template <bool Bf16, bool Selects = false>
     __device__ static __forceinline__ void update8(const Consts& c, float& p, float g, float (&s)[1][8], int k) {

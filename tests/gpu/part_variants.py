@@ -4,7 +4,8 @@ benchmarks/kernel_variants/ compiles every rule's kernel (bitsandbytes' CUDA ari
 ZeRO step runs on a GPU) in the shapes fused_step.cuh's Tuning offers: resident thread blocks per SM (the register
 budget), a separate body for full blocks, the next block's segment index loaded ahead, two full blocks per warp step,
 the quantizer compiled as the compact table alone, the next block's bytes staged in shared memory (cp.async) while a
-block is stepped, each element's choices as selects rather than branches. Variant 0 is the product's own.
+block is stepped, each element's choices as selects rather than branches. Variant 0 is the product's own shape of
+the rule (Rule::Shape in csrc/cuda/*_rules.cuh).
 For each rule and variant:
 - bit for bit: three steps of a random partition (8-bit and 32-bit segments, block tails of 1, 255, 257 and 4097
   elements, NaN, Inf, huge and tiny gradients) by the variant and by bitsandbytes' own CUDA update on the same state
@@ -89,8 +90,8 @@ def exactness(ops, result) -> None:
                 if found:
                     found = [f"step {step}: {found[0]}"]
                     break
-            result.check(f"k: {label}, {ops.name(variant)} == bitsandbytes' CUDA update, bit for bit, {STEPS} steps",
-                         not found, found[0] if found else "equal", "equal")
+            result.check(f"k: {label}, {ops.name(rule_index, variant)} == bitsandbytes' CUDA update, bit for bit, "
+                         f"{STEPS} steps", not found, found[0] if found else "equal", "equal")
 
 
 def rule_times(ops, rule_index: int, copy) -> tuple:
@@ -142,7 +143,7 @@ def speed(ops, result) -> None:
             registers, per_sm = ops.info(rule_index, variant)
             median = statistics.median(times[variant])
             rate = ELEMENTS * moved / median
-            rows.append([label, ops.name(variant), registers, per_sm, f"{median * 1e3:.3f}",
+            rows.append([label, ops.name(rule_index, variant), registers, per_sm, f"{median * 1e3:.3f}",
                          f"{min(times[variant]) * 1e3:.3f}-{max(times[variant]) * 1e3:.3f}", f"{rate / 1e9:,.0f}",
                          f"{rate / copy_rate:.0%}"])
     copy_rate = 2 * src.numel() / statistics.median(copy_times)
