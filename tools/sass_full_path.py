@@ -10,6 +10,7 @@ Needs nvcc and cuobjdump (the CUDA toolkit's; or pip's nvidia-cuda-cuobjdump, se
 
 import collections
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -19,8 +20,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from deepspeed_bnb.ops.build_flags import NVCC_FLAGS  # noqa: E402  (the kernels' own flags)
+
+
+def nvcc_flags() -> list:
+    """The kernels' own nvcc flags (deepspeed_bnb/ops/build_flags.py, loaded without the package and its imports)."""
+    spec = importlib.util.spec_from_file_location("build_flags", os.path.join(ROOT, "deepspeed_bnb", "ops",
+                                                                              "build_flags.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.NVCC_FLAGS
+
 
 # Tuning<MinBlocks, SplitFull, PrefetchSegment, BlocksPerStep, FastMaps, Staged, Selects> as mangled in the kernel name
 SHAPE = re.compile(r"cuda_rules\d+(\w+?)ELNS.*TuningILi(\d)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)ELb(\d)E")
@@ -59,7 +68,7 @@ def main() -> int:
         cubin = os.path.join(tmp, "variants.cubin")
         include = [f"-I{os.path.join(ROOT, folder)}" for folder in ("csrc/include", "csrc/cuda",
                                                                      "benchmarks/kernel_variants")]
-        build = subprocess.run(["nvcc", "-cubin", "-std=c++17", *NVCC_FLAGS, *include, "-arch=sm_90", "-Xptxas", "-v",
+        build = subprocess.run(["nvcc", "-cubin", "-std=c++17", *nvcc_flags(), *include, "-arch=sm_90", "-Xptxas", "-v",
                                 os.path.join(ROOT, "benchmarks", "kernel_variants", "kernel_variants.cu"), "-o", cubin],
                                capture_output=True, text=True)
         if build.returncode:

@@ -35,14 +35,14 @@ int info_of(int* registers, int* blocks_per_sm) {
         blocks_per_sm, kernel, device::kWarps * 32, device::dynamic_shared_bytes<Tune>()));
 }
 
-// The shapes compared after each rule's own (variant 0, Rule::Shape): the best shape per rule in the first sweeps (AdamW: 4 blocks per SM with
-// the index ahead; Lion: 3 with it); the quantizer compiled as the compact table alone (bnb's maps have one) at 3 and
-// 4 blocks per SM, with two full blocks per warp step (2 blocks per SM: no spills), and with the index ahead; the
-// staged loop (the next block's bytes copied into shared memory while a block is stepped) at 2, 3 and 4 blocks per SM
-// (the table-only quantizer; 3 with either); and each element's choices as selects (no branch per element: the
-// lane's 8 elements interleave) with the product's quantizer, the table-only one, the table-only one staged, and
-// two full blocks per warp step. The single body with per-element bounds checks (the kernels' first shape, 39-55% of a
-// copy on an H200) is no longer swept.
+// The shapes compared after each rule's own (variant 0, Rule::Shape): the best shape per rule in the first sweeps
+// (AdamW: 4 blocks per SM with the index ahead; Lion: 3 with it); the quantizer compiled as the compact table alone
+// (bnb's maps have one) at 3 and 4 blocks per SM, with two full blocks per warp step (2 blocks per SM), and with the
+// index ahead; the staged loop (the next block's bytes copied into shared memory while a block is stepped) at 2, 3 and
+// 4 blocks per SM (the table-only quantizer; 3 with either); and each element's choices as selects (no branch per
+// element: the lane's 8 elements interleave) with the product's quantizer, the table-only one, the table-only one
+// staged, and two full blocks per warp step. The single body with per-element bounds checks (the kernels' first
+// shape, 39-55% of a copy on an H200) is no longer swept.
 using Shapes = std::tuple<device::Tuning<4, true, true>, device::Tuning<3, true, true>,
                           device::Tuning<3, true, false, 1, true>, device::Tuning<4, true, false, 1, true>,
                           device::Tuning<4, true, true, 1, true>, device::Tuning<2, true, false, 2, true>,
