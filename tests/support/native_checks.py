@@ -14,7 +14,7 @@ NATIVE = os.path.join(ROOT, "tests", "native")
 # each check's summary line (its last): what it checked and how many mismatched first, then what it ran
 SUMMARY = {"key_table_check.cpp": r"checked (\d+) mismatches (\d+) usable (\d) runs (\d) paths (\d)",
            "dequantize_check.cpp": r"checked (\d+) mismatches (\d+) spelling (\S+)",
-           "compact_quantizer_check.cpp": r"checked (\d+) mismatches (\d+) usable (\d) entries (\d+)",
+           "compact_quantizer_check.cpp": r"checked (\d+) mismatches (\d+) usable (\d) entries (\d+) signs (\d+)",
            "master_weights_check.cpp": r"checked (\d+) mismatches (\d+)"}
 
 
