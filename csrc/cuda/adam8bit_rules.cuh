@@ -10,8 +10,8 @@ namespace dsbnb {
 namespace cuda_rules {
 
 // The launch shape of the product's AdamW kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU proof
-// times the alternatives).
-using AdamShape = device::FullBlockBody;
+// times the alternatives; DSBNB_PRODUCT_SHAPE: a build's candidate instead, where one is given).
+using AdamShape = DSBNB_PRODUCT_SHAPE(device::FullBlockBody);
 
 struct AdamIeee : device::IeeeQuantizer {
     using Shape = AdamShape;

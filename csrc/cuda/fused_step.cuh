@@ -373,6 +373,18 @@ struct Tuning {
 // per-element bounds checks; more blocks per SM or the index loaded ahead changed a rule by a few percent, in
 // different directions per rule.
 using FullBlockBody = Tuning<3, true, false>;
+// A build may give every rule's product kernels one candidate shape instead (-DDSBNB_CUDA_SHAPE=DIGITS, Tuning's seven
+// arguments as digits, true 1 and false 0: deepspeed_bnb/ops/build_flags.py, cuda_shape_flags, from
+// DEEPSPEED_BNB_CUDA_SHAPE), so that the GPU proof's parts measure it before a rule names it. The launch-shape sweep
+// (benchmarks/kernel_variants/) is built without it.
+template <long Digits>
+using ShapeOfDigits = Tuning<Digits / 1000000 % 10, Digits / 100000 % 10 != 0, Digits / 10000 % 10 != 0,
+                             Digits / 1000 % 10, Digits / 100 % 10 != 0, Digits / 10 % 10 != 0, Digits % 10 != 0>;
+#ifdef DSBNB_CUDA_SHAPE
+#define DSBNB_PRODUCT_SHAPE(named) device::ShapeOfDigits<DSBNB_CUDA_SHAPE>
+#else
+#define DSBNB_PRODUCT_SHAPE(named) named
+#endif
 
 // The 8-bit part of one block's step once its inputs are in registers (p: master weights, g: gradients unscaled,
 // codes and absmax_old: the states as stored; i: the lane's first element, n of its 8 valid, vec: wide accesses):

@@ -10,8 +10,8 @@ namespace dsbnb {
 namespace cuda_rules {
 
 // The launch shape of the product's SGD-momentum kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU proof
-// times the alternatives).
-using MomentumShape = device::FullBlockBody;
+// times the alternatives; DSBNB_PRODUCT_SHAPE: a build's candidate instead, where one is given).
+using MomentumShape = DSBNB_PRODUCT_SHAPE(device::FullBlockBody);
 
 struct MomentumIeee : device::IeeeQuantizer {
     using Shape = MomentumShape;

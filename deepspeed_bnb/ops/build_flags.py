@@ -34,3 +34,38 @@ def prebuilt_cpu_flags(portable: str = "") -> list:
                      f"(a CPU level to build the kernels for), or unset (this machine's CPU)")
 NVCC_FLAGS = ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", "-ftz=false"]
 LINK_FLAGS = ["-fopenmp"]
+
+# A candidate launch shape for every rule's product CUDA kernels, for a JIT build that measures it before its rule
+# names it (csrc/cuda/fused_step.cuh: Tuning, DSBNB_PRODUCT_SHAPE; the GPU proof runs its parts on such a build):
+# Tuning's seven arguments, e.g. "3,true,false,1,true,false,true" (blocks per SM, full-block body, index ahead, blocks
+# per warp step, table-only quantizer, staged, selects). Unset: each rule's own shape.
+CUDA_SHAPE_ENV = "DEEPSPEED_BNB_CUDA_SHAPE"
+_SHAPE_FIELDS = (("blocks per SM", ("2", "3", "4")), ("full-block body", ("true", "false")),
+                 ("index ahead", ("true", "false")), ("blocks per warp step", ("1", "2")),
+                 ("table-only quantizer", ("true", "false")), ("staged", ("true", "false")),
+                 ("selects", ("true", "false")))
+
+
+def cuda_shape_flags(value: str) -> list:
+    """The nvcc flags that give every rule's product kernels the shape `value` names (CUDA_SHAPE_ENV's form); [] for
+    an empty value. A ValueError names the variable, the field and the values it takes."""
+    if not value:
+        return []
+    fields = [field.strip().lower() for field in value.split(",")]
+    if len(fields) != len(_SHAPE_FIELDS):
+        raise ValueError(f"{CUDA_SHAPE_ENV}={value!r}: expected {len(_SHAPE_FIELDS)} comma-separated fields "
+                         f"({', '.join(name for name, _ in _SHAPE_FIELDS)}), e.g. 3,true,false,1,true,false,true; "
+                         f"unset it to build each rule's own shape")
+    for field, (name, allowed) in zip(fields, _SHAPE_FIELDS):
+        if field not in allowed:
+            raise ValueError(f"{CUDA_SHAPE_ENV}={value!r}: {name} is {field!r}, expected one of {', '.join(allowed)}")
+    # one number of seven digits (true 1, false 0): nvcc splits a -D value at its commas
+    return ["-DDSBNB_CUDA_SHAPE=" + "".join({"true": "1", "false": "0"}.get(field, field) for field in fields)]
+
+
+def cuda_shape_tag(value: str) -> str:
+    """A short name for the shape `value` names, for its build's folder ("" for an empty value)."""
+    if not value:
+        return ""
+    return "shape" + "".join(field.strip().lower()[0] for field in value.split(","))
+

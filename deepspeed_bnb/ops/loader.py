@@ -2,7 +2,8 @@
 
 The JIT build compiles csrc/ops.cpp and the CPU kernels (plus the CUDA kernels when torch has CUDA) with
 torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), once per source change and
-per kind of CPU (its name carries a tag of the target -march=native resolves to here: see cpu_features.py). A
+per kind of CPU (its name carries a tag of the target -march=native resolves to here: see cpu_features.py), and per
+candidate CUDA launch shape (DEEPSPEED_BNB_CUDA_SHAPE, build_flags.py: for measuring one; never the prebuilt build). A
 prebuilt extension compiled for instruction sets this CPU lacks is refused (it would die with SIGILL), with a warning.
 The sources are the checkout's csrc/ for an editable install, the package's own copy (deepspeed_bnb/csrc, put there by
 setup.py) for one from a wheel. Without a compiler, ninja or the sources, load() says so and the ZeRO optimizer steps
@@ -31,7 +32,8 @@ except ImportError:  # not POSIX: torch's own lock alone
 import torch
 
 from deepspeed_bnb.ops import cpu_features, fake
-from deepspeed_bnb.ops.build_flags import CPU_FLAGS, CPU_SOURCES, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS, OPERATORS
+from deepspeed_bnb.ops.build_flags import (CPU_FLAGS, CPU_SOURCES, CUDA_SHAPE_ENV, CUDA_SOURCES, LINK_FLAGS, NVCC_FLAGS,
+                                           OPERATORS, cuda_shape_flags, cuda_shape_tag)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the folder holding csrc/: the package itself when installed from a wheel (setup.py copies the sources in), the
@@ -96,7 +98,11 @@ def _build_lock(build_dir: str) -> Iterator[None]:
 
 def _build(verbose: bool) -> str:
     refused = _prebuilt_refusal()
-    if refused is None:
+    cuda = torch.version.cuda is not None and torch.cuda.is_available()
+    shape = os.environ.get(CUDA_SHAPE_ENV, "")
+    shape_flags = cuda_shape_flags(shape)  # checked everywhere; it shapes CUDA kernels only
+    shape_flags = shape_flags if cuda else []
+    if refused is None and not shape_flags:  # a candidate shape is a build of its own, never the prebuilt one
         try:
             module = importlib.import_module("deepspeed_bnb._C")  # prebuilt by setup.py (DEEPSPEED_BNB_BUILD_EXT=1)
             _state["needs"] = cpu_features.read_needs(module.__file__)
@@ -111,17 +117,16 @@ def _build(verbose: bool) -> str:
                                 f"reinstall the package (pip install deepspeed_bnb, or . from a checkout)")
     from torch.utils.cpp_extension import load, verify_ninja_availability
     verify_ninja_availability()
-    cuda = torch.version.cuda is not None and torch.cuda.is_available()
     # one cached build per kind of CPU: a shared TORCH_EXTENSIONS_DIR must not hand this CPU another CPU's build
     macros = cpu_features.compiler_macros(CPU_FLAGS)
     tag = cpu_features.build_tag(macros)
     from torch.utils.cpp_extension import _get_build_directory  # torch's own choice of folder (and its creation)
-    name = f"{NAME}{'_cuda' if cuda else ''}_{tag}"
+    name = f"{NAME}{'_cuda' if cuda else ''}_{tag}" + (f"_{cuda_shape_tag(shape)}" if shape_flags else "")
     build_dir = _get_build_directory(name, verbose)
     with _build_lock(build_dir):
         load(name=name, sources=sources(cuda), extra_include_paths=[os.path.join(CSRC, "include")],
-             extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, is_python_module=False,
-             build_directory=build_dir, verbose=verbose)
+             extra_cflags=CPU_FLAGS, extra_cuda_cflags=NVCC_FLAGS + shape_flags, extra_ldflags=LINK_FLAGS,
+             is_python_module=False, build_directory=build_dir, verbose=verbose)
     _state["needs"] = cpu_features.needs_of(macros)
     _state["file"] = os.path.join(build_dir, f"{name}.so")
     if refused:

@@ -25,7 +25,9 @@ def nccl_version() -> str:
 def body(args, result):
     import torch
     rows = [["python", platform.python_version()], ["torch", f"{torch.__version__} (CUDA {torch.version.cuda})"],
-            ["machine", f"{platform.machine()}, {os.cpu_count()} CPUs"]]
+            ["machine", f"{platform.machine()}, {os.cpu_count()} CPUs"],
+            ["product CUDA launch shape (DEEPSPEED_BNB_CUDA_SHAPE, proof.py --cuda-shape)",
+             os.environ.get("DEEPSPEED_BNB_CUDA_SHAPE") or "each rule's own (csrc/cuda/*_rules.cuh)"]]
     if args.device == "cuda":
         available = torch.cuda.is_available()
         result.check("a CUDA device is visible to torch", available, torch.cuda.device_count(), ">= 1")

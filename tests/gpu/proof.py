@@ -45,6 +45,7 @@ The rehearsal (--dry-run) runs the same parts on the CPU with gloo; its stand-in
 import argparse
 import datetime
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -111,6 +112,15 @@ def cuda_home():
     return os.path.dirname(os.path.dirname(found[-1])) if found else None
 
 
+def build_flags():
+    """deepspeed_bnb/ops/build_flags.py, loaded without the package (whose imports come with the bundle, later)."""
+    spec = importlib.util.spec_from_file_location("build_flags", os.path.join(common.ROOT, "deepspeed_bnb", "ops",
+                                                                              "build_flags.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def child_env(pythonpath, extensions: str) -> dict:
     env = common.without_launch_vars()
     home = cuda_home()
@@ -166,7 +176,18 @@ def main():
     parser.add_argument("--deadline", type=float, default=None,
                         help=f"seconds for the whole proof (default: {GPU_DEADLINE} on a GPU; none in the rehearsal)")
     parser.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated part names")
+    parser.add_argument("--cuda-shape", default="", help="a candidate launch shape for every rule's product CUDA "
+                        "kernels, Tuning's seven arguments (e.g. 3,true,false,1,true,false,true: csrc/cuda/"
+                        "fused_step.cuh); every part then runs on a build with it (DEEPSPEED_BNB_CUDA_SHAPE), part k's "
+                        "sweep excepted (it builds its shapes itself). Default: each rule's own shape")
     args = parser.parse_args()
+    if args.cuda_shape:  # checked here: a typo ends the run before any build (build_flags.py says what is wrong)
+        flags = build_flags()
+        try:
+            flags.cuda_shape_flags(args.cuda_shape)
+        except ValueError as exc:
+            sys.exit(f"proof.py --cuda-shape: {exc}")
+        os.environ[flags.CUDA_SHAPE_ENV] = args.cuda_shape  # the children's environment is this one's
     if args.prepare:
         import proof_bundle
         print(json.dumps(proof_bundle.prepare(args.bundle), indent=1))

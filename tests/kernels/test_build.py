@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 import zipfile
 
@@ -27,7 +28,8 @@ import torch
 from conftest import TESTS, without_launch_vars
 from support import background
 from deepspeed_bnb.ops import cpu_features, loader
-from deepspeed_bnb.ops.build_flags import CPU_FLAGS, PORTABLE_ENV, prebuilt_cpu_flags
+from deepspeed_bnb.ops.build_flags import (CPU_FLAGS, CUDA_SHAPE_ENV, PORTABLE_ENV, cuda_shape_flags, cuda_shape_tag,
+                                           prebuilt_cpu_flags)
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(TESTS)
@@ -142,6 +144,39 @@ def test_jit_build_is_named_after_the_instruction_sets(monkeypatch, tmp_path):
         warnings.simplefilter("always")
         assert loader._build(verbose=False) == "jit"
     assert len(caught) == 1 and "needs avx512f" in str(caught[0].message) and "JIT" in str(caught[0].message)
+
+
+def test_a_candidate_cuda_shape_is_a_build_of_its_own(monkeypatch):
+    # DEEPSPEED_BNB_CUDA_SHAPE: a JIT build (never the prebuilt one) whose name and nvcc flags carry the shape
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+    builds, imported = [], []
+    monkeypatch.setattr(loader, "_state", dict(loader._state))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kwargs: builds.append((name, kwargs)))
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(loader, "_prebuilt_refusal", lambda: None)
+    prebuilt = types.SimpleNamespace(__file__="deepspeed_bnb/_C.so")  # what importing a prebuilt build gives
+    monkeypatch.setattr(loader.importlib, "import_module", lambda name: imported.append(name) or prebuilt)
+    monkeypatch.setattr(cpu_features, "read_needs", lambda path: None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(CUDA_SHAPE_ENV, "3,true,false,1,true,false,true")
+    assert loader._build(verbose=False) == "jit" and imported == []
+    name, kwargs = builds[-1]
+    assert name.endswith("_shape3tf1tft") and "-DDSBNB_CUDA_SHAPE=3101101" in kwargs["extra_cuda_cflags"]
+    # control: without it, the prebuilt build is what loads
+    monkeypatch.delenv(CUDA_SHAPE_ENV)
+    assert loader._build(verbose=False) == "prebuilt" and imported == ["deepspeed_bnb._C"]
+
+
+@pytest.mark.parametrize("value, named", [("3,true,false", "expected 7 comma-separated fields"),
+                                          ("5,true,false,1,true,false,true", "blocks per SM is '5'"),
+                                          ("3,yes,false,1,true,false,true", "full-block body is 'yes'")])
+def test_a_bad_cuda_shape_is_named(value, named):
+    with pytest.raises(ValueError) as caught:
+        cuda_shape_flags(value)
+    assert CUDA_SHAPE_ENV in str(caught.value) and named in str(caught.value)
+    assert cuda_shape_flags("") == [] and cuda_shape_tag("") == ""
 
 
 def test_missing_toolchain_is_reported_not_hidden(monkeypatch):

@@ -51,6 +51,22 @@ def test_kernel_compiles_for_sm80_and_sm90(cuda_compiles, kernel):
     assert os.path.getsize(os.path.join(out_dir, f"{kernel}.o")) > 0
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_compiles_with_a_candidate_shape(cuda_compiles, kernel):
+    """DEEPSPEED_BNB_CUDA_SHAPE's build (the GPU proof measures a candidate shape of the product's kernels so): every
+    rule's kernels compile with the shape given on the command line, and it is that shape they compile."""
+    returncode, stderr, out_dir = cuda_compiles[f"{kernel}_candidate_shape"]
+    assert returncode == 0, stderr[-4000:]
+    with open(os.path.join(out_dir, f"{kernel}_candidate_shape.o"), "rb") as f:
+        compiled = f.read()
+    with open(os.path.join(out_dir, f"{kernel}.o"), "rb") as f:
+        product = f.read()
+    # the kernels' mangled names carry the shape: Tuning<3, true, false, 1, true, false, true> there, not in the
+    # product's own build (control)
+    candidate = b"TuningILi3ELb1ELb0ELi1ELb1ELb0ELb1E"
+    assert candidate in compiled and candidate not in product
+
+
 @pytest.mark.parametrize("binding", BINDINGS)
 def test_binding_syntax(cuda_compiles, binding):
     returncode, stderr, _ = cuda_compiles[binding]

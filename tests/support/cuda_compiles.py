@@ -1,6 +1,7 @@
 """Every CUDA compile of tests/kernels/test_cuda_build.py, run as one fresh process beside the suite's other tests
-(tests/support/background.py): nvcc for each kernel (sm_80 and sm_90) and the GPU proof's launch-shape variants
-(sm_90), g++ syntax checks of the torch bindings. Writes `<folder>/results.json`: name -> [return code, stderr], or
+(tests/support/background.py): nvcc for each kernel (sm_80 and sm_90; and for sm_90 with a candidate launch shape,
+as DEEPSPEED_BNB_CUDA_SHAPE builds it) and the GPU proof's launch-shape variants (sm_90), g++ syntax checks of the
+torch bindings. Writes `<folder>/results.json`: name -> [return code, stderr], or
 {"skip": why} where nvcc or the CUDA headers are missing; the objects beside it.
 
     python tests/support/cuda_compiles.py FOLDER
@@ -19,10 +20,13 @@ CSRC = os.path.join(ROOT, "csrc")
 # the GPU proof's launch-shape sweep (tests/gpu/part_variants.py): every rule's kernel in each shape, and its binding
 VARIANTS = os.path.join(ROOT, "benchmarks", "kernel_variants")
 sys.path.insert(0, ROOT)
-from deepspeed_bnb.ops.build_flags import CUDA_SOURCES, NVCC_FLAGS  # noqa: E402
+from deepspeed_bnb.ops.build_flags import CUDA_SOURCES, NVCC_FLAGS, cuda_shape_flags  # noqa: E402
 
 KERNELS = [os.path.basename(path)[:-len(".cu")] for path in CUDA_SOURCES if path.endswith(".cu")]
 BINDINGS = [os.path.basename(path)[:-len(".cpp")] for path in CUDA_SOURCES if path.endswith("_cuda.cpp")]
+# a candidate shape as the GPU proof may build the product with (every choice the kernel body has: selects, the
+# table-only quantizer)
+CANDIDATE_SHAPE = "3,true,false,1,true,false,true"
 
 
 class Missing(Exception):
@@ -45,11 +49,11 @@ def cuda_include() -> str:
     raise Missing(f"no CUDA headers (cuda_runtime.h) under {candidates}")
 
 
-def kernel_command(kernel, out_dir, source=None, arches=(80, 90)):
+def kernel_command(kernel, out_dir, source=None, arches=(80, 90), flags=(), output=None):
     gencode = [x for arch in arches for x in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
-    return [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, f"-I{os.path.join(CSRC, 'include')}",
+    return [nvcc(), "-c", "-std=c++17", *NVCC_FLAGS, *flags, f"-I{os.path.join(CSRC, 'include')}",
             f"-I{os.path.join(CSRC, 'cuda')}", *gencode, source or os.path.join(CSRC, "cuda", f"{kernel}.cu"), "-o",
-            os.path.join(out_dir, f"{kernel}.o")]
+            os.path.join(out_dir, f"{output or kernel}.o")]
 
 
 def binding_command(binding, source=None):
@@ -63,6 +67,8 @@ def binding_command(binding, source=None):
 
 def commands(out_dir) -> dict:
     return {**{k: kernel_command(k, out_dir) for k in KERNELS}, **{b: binding_command(b) for b in BINDINGS},
+            **{f"{k}_candidate_shape": kernel_command(k, out_dir, arches=(90,), flags=cuda_shape_flags(CANDIDATE_SHAPE),
+                                                      output=f"{k}_candidate_shape") for k in KERNELS},
             "kernel_variants": kernel_command("kernel_variants", out_dir,
                                               os.path.join(VARIANTS, "kernel_variants.cu"), arches=(90,)),
             "kernel_variants_binding": binding_command("kernel_variants_binding",
