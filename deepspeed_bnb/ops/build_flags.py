@@ -59,6 +59,11 @@ def cuda_shape_flags(value: str) -> list:
     for field, (name, allowed) in zip(fields, _SHAPE_FIELDS):
         if field not in allowed:
             raise ValueError(f"{CUDA_SHAPE_ENV}={value!r}: {name} is {field!r}, expected one of {', '.join(allowed)}")
+    _, full, ahead, per_step, _, staged, _ = fields
+    if (per_step == "2" or staged == "true") and (full != "true" or ahead == "true" or
+                                                  (per_step == "2" and staged == "true")):
+        raise ValueError(f"{CUDA_SHAPE_ENV}={value!r}: two blocks per warp step and the staged loop each need the "
+                         f"full-block body without the index ahead, and not each other (fused_step.cuh: Tuning)")
     # one number of seven digits (true 1, false 0): nvcc splits a -D value at its commas
     return ["-DDSBNB_CUDA_SHAPE=" + "".join({"true": "1", "false": "0"}.get(field, field) for field in fields)]
 
@@ -68,4 +73,3 @@ def cuda_shape_tag(value: str) -> str:
     if not value:
         return ""
     return "shape" + "".join(field.strip().lower()[0] for field in value.split(","))
-

@@ -171,7 +171,9 @@ def test_a_candidate_cuda_shape_is_a_build_of_its_own(monkeypatch):
 
 @pytest.mark.parametrize("value, named", [("3,true,false", "expected 7 comma-separated fields"),
                                           ("5,true,false,1,true,false,true", "blocks per SM is '5'"),
-                                          ("3,yes,false,1,true,false,true", "full-block body is 'yes'")])
+                                          ("3,yes,false,1,true,false,true", "full-block body is 'yes'"),
+                                          ("3,true,true,1,true,true,false", "need the full-block body without"),
+                                          ("2,true,false,2,true,true,true", "and not each other")])
 def test_a_bad_cuda_shape_is_named(value, named):
     with pytest.raises(ValueError) as caught:
         cuda_shape_flags(value)
