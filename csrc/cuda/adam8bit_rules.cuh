@@ -25,16 +25,10 @@ struct AdamIeee : device::IeeeQuantizer {
         if (!Selects && !finite) return;
         float m, v;
         adam_moments(s[0][k], s[1][k], g, h, m, v);
-        const float x = adam_param(p, m, v, h);
-        if (Selects) {  // computed for every gradient, kept by a select (Tuning::kSelects)
-            p = bnbmath::pick(finite, x, p);
-            s[0][k] = bnbmath::pick(finite, m, s[0][k]);
-            s[1][k] = bnbmath::pick(finite, v, s[1][k]);
-            return;
-        }
-        p = x;
-        s[0][k] = m;
-        s[1][k] = v;
+        // Selects: computed for every gradient, the old values kept by a select (Tuning::kSelects)
+        p = bnbmath::kept<Selects>(finite, adam_param(p, m, v, h), p);
+        s[0][k] = bnbmath::kept<Selects>(finite, m, s[0][k]);
+        s[1][k] = bnbmath::kept<Selects>(finite, v, s[1][k]);
     }
     template <bool Bf16>
     __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[2][8], int k,

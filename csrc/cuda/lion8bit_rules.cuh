@@ -27,15 +27,9 @@ struct LionIeee : device::IeeeQuantizer {
         const bool finite = isfinite(g);  // a non-finite gradient keeps the element
         if (!Selects && !finite) return;
         const float m_old = s[0][k];
-        const float m = lion_momentum(m_old, g, h);
-        const float x = lion_param(p, m_old, g, h);
-        if (Selects) {  // computed for every gradient, kept by a select (Tuning::kSelects)
-            s[0][k] = bnbmath::pick(finite, m, m_old);
-            p = bnbmath::pick(finite, x, p);
-            return;
-        }
-        s[0][k] = m;
-        p = x;
+        // Selects: computed for every gradient, the old values kept by a select (Tuning::kSelects)
+        s[0][k] = bnbmath::kept<Selects>(finite, lion_momentum(m_old, g, h), m_old);
+        p = bnbmath::kept<Selects>(finite, lion_param(p, m_old, g, h), p);
     }
     template <bool Bf16>
     __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,

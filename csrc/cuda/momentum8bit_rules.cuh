@@ -9,8 +9,8 @@
 namespace dsbnb {
 namespace cuda_rules {
 
-// The launch shape of the product's SGD-momentum kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU proof
-// times the alternatives; DSBNB_PRODUCT_SHAPE: a build's candidate instead, where one is given).
+// The launch shape of the product's SGD-momentum kernels, both arithmetics (fused_step.cuh: Tuning; part k of the GPU
+// proof times the alternatives; DSBNB_PRODUCT_SHAPE: a build's candidate instead, where one is given).
 using MomentumShape = DSBNB_PRODUCT_SHAPE(device::FullBlockBody);
 
 struct MomentumIeee : device::IeeeQuantizer {
@@ -26,15 +26,10 @@ struct MomentumIeee : device::IeeeQuantizer {
     __device__ static __forceinline__ void update8(const Consts& h, float& p, float g, float (&s)[1][8], int k) {
         const bool finite = isfinite(g);  // a non-finite gradient keeps the element
         if (!Selects && !finite) return;
-        const float m = momentum_state(p, s[0][k], g, h);
-        const float x = momentum_param(p, m, h);
-        if (Selects) {  // computed for every gradient, kept by a select (Tuning::kSelects)
-            s[0][k] = bnbmath::pick(finite, m, s[0][k]);
-            p = bnbmath::pick(finite, x, p);
-            return;
-        }
-        s[0][k] = m;
-        p = x;
+        // Selects: computed for every gradient, the old values kept by a select (Tuning::kSelects); p's update reads
+        // the new momentum (for a non-finite gradient both are dropped)
+        s[0][k] = bnbmath::kept<Selects>(finite, momentum_state(p, s[0][k], g, h), s[0][k]);
+        p = bnbmath::kept<Selects>(finite, momentum_param(p, s[0][k], h), p);
     }
     template <bool Bf16>
     __device__ static __forceinline__ void update32(const Consts& h, float& p, float g, float (&s)[1][8], int k,

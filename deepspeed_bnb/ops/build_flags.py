@@ -46,9 +46,9 @@ _SHAPE_FIELDS = (("blocks per SM", ("2", "3", "4")), ("full-block body", ("true"
                  ("selects", ("true", "false")))
 
 
-def cuda_shape_flags(value: str) -> list:
-    """The nvcc flags that give every rule's product kernels the shape `value` names (CUDA_SHAPE_ENV's form); [] for
-    an empty value. A ValueError names the variable, the field and the values it takes."""
+def cuda_shape_fields(value: str) -> list:
+    """The seven fields of the shape `value` names (CUDA_SHAPE_ENV's form), checked and lower-cased; [] for an empty
+    value. A ValueError names the variable, the field and the values it takes."""
     if not value:
         return []
     fields = [field.strip().lower() for field in value.split(",")]
@@ -64,12 +64,18 @@ def cuda_shape_flags(value: str) -> list:
                                                   (per_step == "2" and staged == "true")):
         raise ValueError(f"{CUDA_SHAPE_ENV}={value!r}: two blocks per warp step and the staged loop each need the "
                          f"full-block body without the index ahead, and not each other (fused_step.cuh: Tuning)")
+    return fields
+
+
+def cuda_shape_flags(value: str) -> list:
+    """The nvcc flags that give every rule's product kernels the shape `value` names; [] for an empty value (the
+    checks: cuda_shape_fields)."""
+    fields = cuda_shape_fields(value)
     # one number of seven digits (true 1, false 0): nvcc splits a -D value at its commas
-    return ["-DDSBNB_CUDA_SHAPE=" + "".join({"true": "1", "false": "0"}.get(field, field) for field in fields)]
+    return ["-DDSBNB_CUDA_SHAPE=" + "".join({"true": "1", "false": "0"}.get(f, f) for f in fields)] if fields else []
 
 
 def cuda_shape_tag(value: str) -> str:
     """A short name for the shape `value` names, for its build's folder ("" for an empty value)."""
-    if not value:
-        return ""
-    return "shape" + "".join(field.strip().lower()[0] for field in value.split(","))
+    fields = cuda_shape_fields(value)
+    return "shape" + "".join(field[0] for field in fields) if fields else ""

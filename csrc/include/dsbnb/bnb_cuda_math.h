@@ -107,6 +107,12 @@ __device__ __forceinline__ uint32_t pick(bool cond, uint32_t a, uint32_t b) {
         : "=r"(r) : "r"(a), "r"(b), "r"(static_cast<uint32_t>(cond)));
     return r;
 }
+// An element's updated value, or with Selects the old one where its gradient is not finite (by pick). Without Selects
+// the caller has returned for a non-finite gradient already, so the update stands.
+template <bool Selects>
+__device__ __forceinline__ float kept(bool finite, float updated, float old) {
+    return Selects ? pick(finite, updated, old) : updated;
+}
 
 // --- per-row constants, as bnb's kernels compute them per thread from its float arguments ----------------------
 // The hyper row (BnbRow in dsbnb/adam8bit.h) holds bnb's kernel arguments rounded to float as ctypes.c_float does,
@@ -281,13 +287,16 @@ __device__ __forceinline__ float absmax_term(float s) { return max(fabsf(s), kMi
 // bnb's sign fix after quantize_2D for signed states: a code whose map value's sign bit differs from s's moves one
 // code towards s (unsigned char arithmetic: 0 - 1 wraps to 255). Selects: the moved code is formed always and
 // selected, no branch.
+// code moved one towards s where `differs`, as selects: both codes formed, one picked.
+__device__ __forceinline__ uint8_t moved_where(bool differs, uint8_t code, float s) {
+    const uint32_t moved = static_cast<uint8_t>(pick(gt(s, 0.0f), code + 1u, code - 1u));
+    return static_cast<uint8_t>(pick(differs, moved, code));
+}
+
 template <bool Selects = false>
 __device__ __forceinline__ uint8_t sign_fix(uint8_t code, float s, const float* map) {
     const bool differs = (__float_as_uint(map[code]) >> 31) != (__float_as_uint(s) >> 31);
-    if (Selects) {
-        const uint32_t moved = static_cast<uint8_t>(pick(gt(s, 0.0f), code + 1u, code - 1u));
-        return static_cast<uint8_t>(pick(differs, moved, code));
-    }
+    if (Selects) return moved_where(differs, code, s);
     if (differs) {
         return static_cast<uint8_t>(gt(s, 0.0f) ? code + 1 : code - 1);
     }
@@ -298,9 +307,7 @@ __device__ __forceinline__ uint8_t sign_fix(uint8_t code, float s, const float* 
 // set and the others not (strictly ascending, it holds at most one zero, of either sign): the map value's sign bit is
 // code < negatives, no load.
 __device__ __forceinline__ uint8_t sign_fix_sorted(uint8_t code, float s, int negatives) {
-    const bool differs = (static_cast<int>(code) < negatives) != ((__float_as_uint(s) >> 31) != 0);
-    const uint32_t moved = static_cast<uint8_t>(pick(gt(s, 0.0f), code + 1u, code - 1u));
-    return static_cast<uint8_t>(pick(differs, moved, code));
+    return moved_where((static_cast<int>(code) < negatives) != ((__float_as_uint(s) >> 31) != 0), code, s);
 }
 
 }  // namespace bnbmath
