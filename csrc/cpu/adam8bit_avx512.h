@@ -112,63 +112,80 @@ __attribute__((always_inline)) inline void dequantize64(const FastTables& t, con
 // otherwise read them again after every store).
 struct RunRegisters {
     bool usable;
-    __m512i first[2], lowest[2], highest[2];
-    __m512 boundary[2], slope[2], offset[2], band;
+    __m512i first[2], boundary[2];
+    __m512 slope[2], offset[2], top[2], band;
 
     explicit RunRegisters(const cpu::RunTable& r) : usable(r.usable) {
         for (int k = 0; k < 2; ++k) {
             first[k] = _mm512_load_si512(r.first_run + 16 * k);
-            lowest[k] = _mm512_load_si512(r.lowest + 16 * k);
-            highest[k] = _mm512_load_si512(r.highest + 16 * k);
-            boundary[k] = _mm512_load_ps(r.boundary + 16 * k);
+            boundary[k] = _mm512_load_si512(r.boundary + 16 * k);
             slope[k] = _mm512_load_ps(r.slope + 16 * k);
             offset[k] = _mm512_load_ps(r.offset + 16 * k);
+            top[k] = _mm512_load_ps(r.top + 16 * k);
         }
         band = _mm512_set1_ps(r.band);
     }
 };
 
 // The sorted indices of 16 normalized values by the map's runs (quantize_keys.h: RunTable): the run from |u|'s
-// octave and that octave's boundary, then floor(|u| * S + C) clamped to the run's counts (|u| >= 2 taken as the
-// largest float below 2: the same count). Returns the lanes this cannot settle (the line's fraction below `band`, or
-// on a boundary), for the key table. `u` is not NaN (normalize() has replaced it).
+// octave and that octave's boundary, then floor(min(|u|, top) * S + C) (|u| >= 2 taken as the largest float below 2:
+// the same count). Returns the lanes this cannot settle (the line's fraction below `band`), for the key table. `u` is
+// not NaN (normalize() has replaced it).
 __attribute__((always_inline)) inline __mmask16 run_index16(const RunRegisters& r, __m512 u, __m512i& index) {
     const __m512i bits = _mm512_castps_si512(u);
+    const __m512i negative = _mm512_srai_epi32(bits, 31);  // -1 where u < 0 (-0.0 included), else 0
     const __m512i magnitude_bits = _mm512_min_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
                                                     _mm512_set1_epi32(cpu::RunTable::kClampBits));
     const __m512 magnitude = _mm512_castsi512_ps(magnitude_bits);
     // the octave's table index: the permutes read its low 5 bits, exponents 96..127 give 0..31
     const __m512i octave = _mm512_max_epi32(_mm512_srli_epi32(magnitude_bits, 23),
                                             _mm512_set1_epi32(cpu::RunTable::kFirstOctave));
-    __m512i run = _mm512_permutex2var_epi32(r.first[0], octave, r.first[1]);
-    const __m512 boundary = _mm512_permutex2var_ps(r.boundary[0], octave, r.boundary[1]);
-    run = _mm512_mask_add_epi32(run, _mm512_cmp_ps_mask(magnitude, boundary, _CMP_GT_OQ), run, _mm512_set1_epi32(1));
-    run = _mm512_mask_add_epi32(run, _mm512_movepi32_mask(bits), run, _mm512_set1_epi32(cpu::RunTable::kRuns));
+    // the run: the octave's first, + kRuns for u < 0, + 1 above the octave's boundary (magnitudes order as their
+    // bits; a negative u on the boundary too: its magnitude compared one ulp up)
+    __m512i run = _mm512_add_epi32(_mm512_permutex2var_epi32(r.first[0], octave, r.first[1]),
+                                   _mm512_and_si512(negative, _mm512_set1_epi32(cpu::RunTable::kRuns)));
+    const __m512i boundary = _mm512_permutex2var_epi32(r.boundary[0], octave, r.boundary[1]);
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(magnitude_bits, negative), boundary);
+    run = _mm512_mask_add_epi32(run, above, run, _mm512_set1_epi32(1));
     const __m512 slope = _mm512_permutex2var_ps(r.slope[0], run, r.slope[1]);
     const __m512 offset = _mm512_permutex2var_ps(r.offset[0], run, r.offset[1]);
-    const __m512i lowest = _mm512_permutex2var_epi32(r.lowest[0], run, r.lowest[1]);
-    const __m512i highest = _mm512_permutex2var_epi32(r.highest[0], run, r.highest[1]);
-    const __m512 line = _mm512_fmadd_ps(magnitude, slope, offset);
-    const __m512 whole = _mm512_roundscale_ps(line, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 fraction = _mm512_sub_ps(line, whole);  // exact
-    index = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(whole), lowest), highest);
-    return _mm512_cmp_ps_mask(fraction, r.band, _CMP_LT_OQ) | _mm512_cmp_ps_mask(magnitude, boundary, _CMP_EQ_OQ);
+    const __m512 top = _mm512_permutex2var_ps(r.top[0], run, r.top[1]);
+    const __m512 line = _mm512_fmadd_ps(_mm512_min_ps(magnitude, top), slope, offset);
+    index = _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    // line - floor(line), exact (VREDUCEPS)
+    const __m512 fraction = _mm512_reduce_ps(line, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_cmp_ps_mask(fraction, r.band, _CMP_LT_OQ);
 }
 
-// codes[i] = nearest code to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then nearest_sorted,
-// by the map's runs (run_index16) where kLookup is KeyLookup::kRuns (the caller has checked that the map has them),
-// else (and for the lanes the runs leave) by the compact key table (quantize_keys.h: KeyTable::lookup, 16 lanes at
-// once); then, where kFloor, dsbnb::floor_positive (Adam's second moment: `floor`) in the same registers.
-// KeyLookup::kScalar: the key entries by scalar loads instead of the gather (the same entries). The lookup and the
-// floor are template arguments so that a block's loop over 16 values carries no test of them (quantize_full_block
-// chooses once per block); inlined, so that its constants are hoisted out of that loop.
-template <cpu::KeyLookup kLookup, bool kFloor>
-__attribute__((always_inline)) inline void quantize16_as(const cpu::KeyTable& t, const RunRegisters& runs,
-                                                        const float* midpoints, const float* x,
-                                                        float reciprocal_absmax, uint8_t* codes, PositiveFloor floor) {
+// How a quantizer applies dsbnb::floor_positive (Adam's second moment). kLift: the code of 0 lifted to the smallest
+// positive one where x > 0, as floor_positive says. kMax: max(index, smallest) where x > 0, the same codes in two
+// operations instead of four where every x > 0 has an index at or above 0's and the smallest positive value is the
+// next one (floor_kind checks both on the host).
+enum class Floor { kNone, kLift, kMax };
+
+inline Floor floor_kind(const PositiveFloor& floor, const float* midpoints) {
+    if (floor.zero < 0) return Floor::kNone;
+    // the count of midpoints below any u >= +0 is at least `zero` when the midpoint below 0's code is negative
+    const bool below_zero = floor.zero == 0 || midpoints[floor.zero - 1] < 0.0f;
+    return below_zero && floor.smallest == floor.zero + 1 ? Floor::kMax : Floor::kLift;
+}
+
+// The sorted indices of the nearest codes to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then
+// nearest_sorted, by the map's runs (run_index16) where kLookup is KeyLookup::kRuns (the caller has checked that the
+// map has them), else (and for the lanes the runs leave) by the compact key table (quantize_keys.h: KeyTable::lookup,
+// 16 lanes at once); then dsbnb::floor_positive as kFloor says (Adam's second moment: `floor`) in the same registers.
+// kFinite: the caller knows that no x * reciprocal_absmax is NaN (x finite, reciprocal_absmax finite), so normalize()
+// has nothing to replace and its test is skipped. KeyLookup::kScalar: the key entries by scalar loads instead of the
+// gather (the same entries). The lookup, floor and test are template arguments so that a block's loop over 16 values
+// carries no test of them (quantize_full_block chooses once per block); inlined, so that its constants are hoisted
+// out of that loop.
+template <cpu::KeyLookup kLookup, Floor kFloor, bool kFinite>
+__attribute__((always_inline)) inline __m512i quantize16_as(const cpu::KeyTable& t, const RunRegisters& runs,
+                                                           const float* midpoints, const float* x,
+                                                           float reciprocal_absmax, PositiveFloor floor) {
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
-    const __mmask16 unordered = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+    const __mmask16 unordered = kFinite ? 0 : _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
     if (unordered) {  // normalize(): inf * 0 -> sign of x, NaN x -> 0
         const __m512i sign = _mm512_and_si512(_mm512_castps_si512(value), _mm512_set1_epi32(INT32_MIN));
         u = _mm512_mask_mov_ps(u, unordered, _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_castps_si512(
@@ -201,49 +218,87 @@ __attribute__((always_inline)) inline void quantize16_as(const cpu::KeyTable& t,
             index = _mm512_mask_add_epi32(index, _mm512_mask_cmp_ps_mask(near, midpoint, u, _CMP_LT_OQ), index, one);
         }
     }
-    if (kFloor) {  // a positive value whose nearest code is 0's takes the smallest positive code
-        const __mmask16 lifted = _mm512_cmpeq_epi32_mask(index, _mm512_set1_epi32(floor.zero)) &
-                                 _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __mmask16 positive = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ);
+    if (kFloor == Floor::kMax) {
+        index = _mm512_mask_max_epi32(index, positive, index, _mm512_set1_epi32(floor.smallest));
+    } else if (kFloor == Floor::kLift) {  // a positive value whose nearest code is 0's takes the smallest positive code
+        const __mmask16 lifted = _mm512_mask_cmpeq_epi32_mask(positive, index, _mm512_set1_epi32(floor.zero));
         index = _mm512_mask_mov_epi32(index, lifted, _mm512_set1_epi32(floor.smallest));
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(index));
+    return index;
 }
 
-// quantize16_as for `count` consecutive groups of 16 values, the lookup and the floor chosen once: by the runs where
-// `lookup` is KeyLookup::kRuns and the map has them, else by the key table (gathered, or KeyLookup::kScalar's loads);
-// the floor where `floor.zero` >= 0.
-template <cpu::KeyLookup kLookup>
+// quantize16_as for `count` consecutive groups of 16 values, the codes stored as bytes: four groups' indices packed
+// into one 64-byte store (two packs and a permute, where a narrowing store per group costs more), the rest one by one.
+template <cpu::KeyLookup kLookup, Floor kFloor, bool kFinite>
 __attribute__((always_inline)) inline void quantize_groups_as(const cpu::KeyTable& t, const RunRegisters& runs,
                                                              const float* midpoints, const float* x,
                                                              float reciprocal_absmax, uint8_t* codes,
                                                              PositiveFloor floor, int64_t count) {
-    if (floor.zero >= 0) {
-        for (int64_t j = 0; j < 16 * count; j += 16)
-            quantize16_as<kLookup, true>(t, runs, midpoints, x + j, reciprocal_absmax, codes + j, floor);
+#define DSBNB_GROUP(j) quantize16_as<kLookup, kFloor, kFinite>(t, runs, midpoints, x + (j), reciprocal_absmax, floor)
+    // the packs interleave 128-bit lanes: dword k of the packed vector holds group k % 4's bytes of lane k / 4
+    const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    int64_t j = 0;
+    for (; j + 64 <= 16 * count; j += 64) {
+        const __m512i low = _mm512_packs_epi32(DSBNB_GROUP(j), DSBNB_GROUP(j + 16));  // 0..255: no saturation
+        const __m512i high = _mm512_packs_epi32(DSBNB_GROUP(j + 32), DSBNB_GROUP(j + 48));
+        _mm512_storeu_si512(codes + j, _mm512_permutexvar_epi32(in_order, _mm512_packus_epi16(low, high)));
+    }
+    for (; j < 16 * count; j += 16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(DSBNB_GROUP(j)));
+    }
+#undef DSBNB_GROUP
+}
+
+template <cpu::KeyLookup kLookup, bool kFinite>
+__attribute__((always_inline)) inline void quantize_groups_floored(const cpu::KeyTable& t, const RunRegisters& runs,
+                                                                  const float* midpoints, const float* x,
+                                                                  float reciprocal_absmax, uint8_t* codes,
+                                                                  PositiveFloor floor, Floor kind, int64_t count) {
+    if (kind == Floor::kMax) {
+        quantize_groups_as<kLookup, Floor::kMax, kFinite>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
+                                                          count);
+    } else if (kind == Floor::kLift) {
+        quantize_groups_as<kLookup, Floor::kLift, kFinite>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
+                                                           count);
     } else {
-        for (int64_t j = 0; j < 16 * count; j += 16)
-            quantize16_as<kLookup, false>(t, runs, midpoints, x + j, reciprocal_absmax, codes + j, floor);
+        quantize_groups_as<kLookup, Floor::kNone, kFinite>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
+                                                           count);
     }
 }
 
+// The codes of `count` groups of 16 values, the lookup, the floor (`kind`, floor_kind of `floor`) and normalize()'s
+// test (`finite`: see quantize16_as) chosen once: by the runs where `lookup` is KeyLookup::kRuns and the map has them,
+// else by the key table (gathered, or KeyLookup::kScalar's loads). The key table's paths always test (they are the
+// fallbacks, not worth the instances).
 __attribute__((always_inline)) inline void quantize_groups(const cpu::KeyTable& t, const RunRegisters& runs,
                                                           const float* midpoints, const float* x,
                                                           float reciprocal_absmax, uint8_t* codes,
-                                                          PositiveFloor floor, cpu::KeyLookup lookup, int64_t count) {
+                                                          PositiveFloor floor, Floor kind, bool finite,
+                                                          cpu::KeyLookup lookup, int64_t count) {
     if (lookup == cpu::KeyLookup::kRuns && runs.usable) {
-        quantize_groups_as<cpu::KeyLookup::kRuns>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, count);
+        if (finite) {
+            quantize_groups_floored<cpu::KeyLookup::kRuns, true>(t, runs, midpoints, x, reciprocal_absmax, codes,
+                                                                 floor, kind, count);
+        } else {
+            quantize_groups_floored<cpu::KeyLookup::kRuns, false>(t, runs, midpoints, x, reciprocal_absmax, codes,
+                                                                  floor, kind, count);
+        }
     } else if (lookup == cpu::KeyLookup::kScalar) {
-        quantize_groups_as<cpu::KeyLookup::kScalar>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, count);
+        quantize_groups_floored<cpu::KeyLookup::kScalar, false>(t, runs, midpoints, x, reciprocal_absmax, codes,
+                                                                floor, kind, count);
     } else {
-        quantize_groups_as<cpu::KeyLookup::kGather>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, count);
+        quantize_groups_floored<cpu::KeyLookup::kGather, false>(t, runs, midpoints, x, reciprocal_absmax, codes,
+                                                                floor, kind, count);
     }
 }
 
-// One group of 16 values, the lookup and the floor chosen at run time (the checks' entry point).
+// `count` groups of 16 values, everything chosen at run time (the checks' entry point); `floor` as floor_kind says.
 inline void quantize16(const cpu::KeyTable& t, const RunRegisters& runs, const float* midpoints, const float* x,
-                       float reciprocal_absmax, uint8_t* codes, PositiveFloor floor = PositiveFloor(),
-                       cpu::KeyLookup lookup = cpu::KeyLookup::kRuns) {
-    quantize_groups(t, runs, midpoints, x, reciprocal_absmax, codes, floor, lookup, 1);
+                             float reciprocal_absmax, uint8_t* codes, PositiveFloor floor, bool finite,
+                             cpu::KeyLookup lookup, int64_t count) {
+    quantize_groups(t, runs, midpoints, x, reciprocal_absmax, codes, floor, floor_kind(floor, midpoints), finite,
+                    lookup, count);
 }
 
 enum class Grad { kFloat32, kBFloat16, kFloat16 };

@@ -40,7 +40,10 @@ struct MapTables {
 #if DSBNB_AVX512
     RunTable runs;            // the AVX-512 quantizer of maps made of evenly spaced runs (used where runs.usable)
     avx512::FastTables fast;  // the byte planes of the AVX-512 dequantizer
-    explicit MapTables(const float* qmap) : generic(qmap), keys(generic), runs(generic.midpoints), fast(qmap) {}
+    avx512::Floor floor_kind;  // how the AVX-512 quantizer applies generic.floor
+    explicit MapTables(const float* qmap)
+        : generic(qmap), keys(generic), runs(generic.midpoints), fast(qmap),
+          floor_kind(avx512::floor_kind(generic.floor, generic.midpoints)) {}
     bool fast_usable() const { return keys.usable; }
 #else
     explicit MapTables(const float* qmap) : generic(qmap), keys(generic) {}
@@ -207,12 +210,16 @@ constexpr avx512::Grad grad_kind() {
 }
 
 // quantize_block for a full block of a map with usable fast tables (same codes; by the runs, or one gather per 16
-// values), followed by floor_positive_block where `floor` is given (its codes applied in the same pass).
-__attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x,
-                                                               float reciprocal_absmax, uint8_t* codes,
-                                                               PositiveFloor floor = PositiveFloor()) {
+// values), followed by floor_positive_block where `floored` (Adam's second moment: the map's floor, applied in the
+// same pass). `absmax`: the block's (block_absmax); `nan_free`: no x is NaN. Then with a finite absmax and reciprocal
+// every x * reciprocal(absmax) is a number, and the quantizer skips normalize()'s test.
+__attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x, float absmax,
+                                                               bool nan_free, uint8_t* codes, bool floored = false) {
+    const float r = reciprocal(absmax);
     const avx512::RunRegisters runs(t.runs);
-    avx512::quantize_groups(t.keys, runs, t.generic.midpoints, x, reciprocal_absmax, codes, floor,
+    avx512::quantize_groups(t.keys, runs, t.generic.midpoints, x, r, codes, t.generic.floor,
+                            floored ? t.floor_kind : avx512::Floor::kNone,
+                            nan_free && std::isfinite(absmax) && std::isfinite(r),
                             key_lookup().load(std::memory_order_relaxed), kBlock / 16);
 }
 #endif
@@ -509,11 +516,10 @@ void one_state_block(const typename Rule::Row& hyper, int64_t len, float* __rest
     float max1;
 #if DSBNB_AVX512
     if (len == kBlock && t1.fast_usable()) {
-        if (!Rule::template full_block<grad_kind<GradT>(), Scale>(hyper, p, g_in, c1, *a1, t1.fast, inv_scale, m,
-                                                                   max1)) {
-            max1 = block_absmax(len, m);  // a NaN momentum: the first-NaN rule
-        }
-        quantize_full_block(t1, m, reciprocal(max1), c1);
+        const bool nan_free = Rule::template full_block<grad_kind<GradT>(), Scale>(hyper, p, g_in, c1, *a1, t1.fast,
+                                                                                    inv_scale, m, max1);
+        if (!nan_free) max1 = block_absmax(len, m);  // a NaN momentum: the first-NaN rule
+        quantize_full_block(t1, m, max1, nan_free, c1);
         *a1 = max1;
         return;
     }

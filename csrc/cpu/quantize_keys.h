@@ -19,17 +19,22 @@
 // ~8% slower. Looking the entries up with scalar loads instead of the gather, in a pass of their own, gained ~2%.
 // RunTable, the AVX-512 path's first resort, needs no look-up in memory at all: bnb's maps are runs of evenly spaced
 // values (a decade each, then the next decade's coarser run), so between two "boundary" midpoints the count of
-// midpoints below |u| is one FMA and a floor away from |u| (`codes = clamp(floor(|u| * S + C))`, S and C per run and
-// sign), the run found from |u|'s binary exponent (one boundary per octave at most, compared exactly). Values within a
-// few ulps of a midpoint (their FMA's fraction below `band`; 0.2-0.4% of 16-value vectors of normal data) and on a
-// boundary are settled by the key table instead. Built and checked on the host: a map whose midpoints are not
-// such runs (a run's midpoints more than ~0.05 of its spacing off its line, two boundaries in one octave, more than 15
-// boundaries) leaves `usable` false and the kernels keep the key table. Held to the count of midpoints below, bit for
-// bit, for every one of the 2^32 floats for bnb's two maps (key_table_check MAP.bin all). It made requantization
-// 2.5x faster on a Zen 5 core (0.42M values: 0.19 -> 0.08 ms), the gather having been about half of the AdamW step.
+// midpoints below |u| is one FMA and a floor away from |u| (`codes = floor(min(|u|, top) * S + C)`, S, C and top per
+// run and sign: `top` holds the line half a count past the run's last count, where it would otherwise overshoot up to
+// the next boundary), the run found from |u|'s binary exponent (one boundary per octave at most, compared exactly).
+// Values within a few ulps of a midpoint (their FMA's fraction below `band`; 0.2-0.4% of 16-value vectors of normal
+// data) are settled by the key table instead. Built and checked on the host: a map whose midpoints are not such runs
+// (a run's midpoints more than ~0.05 of its spacing off its line, two boundaries in one octave, more than 15
+// boundaries, a run whose line misses its first count at its first value) leaves `usable` false and the kernels keep
+// the key table. Held to the count of midpoints below, bit for bit, for every one of the 2^32 floats for bnb's two
+// maps (key_table_check MAP.bin all). It made requantization 2.5x faster on a Zen 5 core (0.42M values: 0.19 -> 0.08
+// ms), the gather having been about half of the AdamW step. Evaluating the line at min(|u|, top), where the count
+// was clamped to the run's [lowest, highest] (two permutes, a max and a min), and settling a value on a boundary by
+// the run it belongs to instead of the key table, made it ~12% faster again on a Zen 4 core (0.42M values, both
+// maps: 0.315 -> 0.274 ms).
 // References: bitsandbytes 0.50.2 csrc/kernels.cu (dQuantizeDynamic), the quantizer it reproduces, and
 // bitsandbytes/functional.py (create_dynamic_map), the maps' construction; Intel intrinsics guide (VPGATHERDD,
-// VPERMT2D/VPERMT2PS, VRNDSCALEPS).
+// VPERMT2D/VPERMT2PS, VCVTPS2DQ with embedded rounding, VREDUCEPS).
 // Build and test: header-only, compiled into the CPU kernels (see adam8bit_cpu.cpp); pytest
 // tests/kernels/test_key_table.py tests/kernels/test_fused_rules.py.
 #pragma once
@@ -84,11 +89,14 @@ struct RunTable {
     bool usable = false;                    // every check below held
     float band = 0.0f;                      // a line's fraction below this: settled by the key table
     alignas(64) int32_t first_run[kOctaves];  // octave -> the run its bottom is in (the boundaries below it)
-    alignas(64) float boundary[kOctaves];     // octave -> the boundary magnitude inside it (+inf: none)
+    // octave -> the boundary magnitude inside it (+inf: none), as its bits: |u| above it is in the next run, and a
+    // negative u on it too (the kernels compare |u|'s bits + 1 for u < 0), a positive u on it in the run below
+    alignas(64) int32_t boundary[kOctaves];
     alignas(64) float slope[2 * kRuns];       // run (+ kRuns for u < 0, -0.0 included) -> S
-    alignas(64) float offset[2 * kRuns];      // -> C: the count of midpoints below u is floor(|u| * S + C) ...
-    alignas(64) int32_t lowest[2 * kRuns];    // ... clamped to [lowest, highest]
-    alignas(64) int32_t highest[2 * kRuns];
+    alignas(64) float offset[2 * kRuns];      // -> C: the count of midpoints below u is floor(min(|u|, top) * S + C)
+    alignas(64) float top[2 * kRuns];         // -> the largest |u| the line is evaluated at (+inf: any)
+    int32_t lowest[2 * kRuns];                // -> the counts the run takes (host checks only)
+    int32_t highest[2 * kRuns];
 
     // `midpoints`: QuantTables::midpoints, 255 sorted fp32 midpoints (+inf after them).
     explicit RunTable(const float* midpoints) {
@@ -125,13 +133,13 @@ struct RunTable {
             const float low = o == 0 ? 0.0f : std::ldexp(1.0f, kFirstOctave + o - 127);
             const float high = std::ldexp(1.0f, kFirstOctave + o + 1 - 127);
             int below = 0, inside = 0;
-            boundary[o] = INFINITY;
+            boundary[o] = bits_of(INFINITY);
             for (const float b : bounds) {
                 if (b < low) {
                     ++below;
                 } else if (b < high) {
                     ++inside;
-                    boundary[o] = b;
+                    boundary[o] = bits_of(b);
                 }
             }
             if (inside > 1) return;  // one compare per octave decides the run
@@ -148,7 +156,7 @@ struct RunTable {
         // monotone in |u|, so between two midpoints of a run u's line value lies between theirs; theirs lie within
         // [low, high] above the counts they separate (measured below in the kernels' arithmetic), so u's lies in
         // [count + low, count + 1 + high]. Where 0 < low and high < 1, a fraction above `high` has floor() = count;
-        // beyond a run's last midpoints the clamp to [lowest, highest] gives the count. `shift` and `band` keep two
+        // before a run's first midpoint and after its last, set_ends checks the line. `shift` and `band` keep two
         // ulps of the largest line values to spare.
         double worst = 0.0;  // the largest distance of a midpoint's unshifted line value from its whole number
         each_midpoint_line(positive, negative, bounds, [&](double distance) {
@@ -162,10 +170,50 @@ struct RunTable {
             high = std::max(high, distance);
         });
         band = static_cast<float>(high) + std::ldexp(1.0f, -14);
-        usable = low > 0.0 && band < 0.1f;
+        usable = low > 0.0 && band < 0.1f && set_ends(midpoints, bounds);
+    }
+
+    static int32_t bits_of(float x) {
+        int32_t bits;
+        std::memcpy(&bits, &x, sizeof(bits));
+        return bits;
     }
 
   private:
+    // The line in the kernels' arithmetic (one fp32 FMA) and its floor.
+    float line(int slot, float magnitude) const { return std::fma(magnitude, slope[slot], offset[slot]); }
+    int count_of(int slot, float magnitude) const { return static_cast<int>(std::floor(line(slot, magnitude))); }
+
+    // Each run's ends, where no clamp of the count is left (the kernels have none): `top`, the magnitude at which the
+    // line is half a count past the run's last one, and a check that the line gives the run's first count at the
+    // run's first magnitude (or, for a decreasing line, a value within `band` above the next count, which the key
+    // table settles). Why that covers a whole run: the line is monotone in |u|, so between the run's first magnitude
+    // and its first midpoint it lies between those two ends' values (and the midpoints' own band, above, settles the
+    // values next to that midpoint), and from its last midpoint to `top` and beyond (min(|u|, top)) it lies between
+    // the last count + low and that count + 1/2. A negative u on a boundary is in the run above it (its
+    // magnitude compared one ulp up), so its first magnitude is the boundary itself; a positive u on it is in the run
+    // below (the count below a boundary excludes the boundary, as the run below's last count does). False when a
+    // check fails (the kernels keep the key table).
+    bool set_ends(const float* midpoints, const std::vector<float>& bounds) {
+        for (int slot = 0; slot < 2 * kRuns; ++slot) {
+            top[slot] = INFINITY;
+            const bool negative = slot >= kRuns;
+            float from, to;
+            if (slope[slot] == 0.0f || !run_range(bounds, slot % kRuns, from, to)) continue;  // one count throughout
+            const int first = negative ? highest[slot] : lowest[slot], last = negative ? lowest[slot] : highest[slot];
+            const float start = (slot % kRuns == 0 || negative) ? from : std::nextafter(from, INFINITY);
+            if (count_below(midpoints, negative ? -start : start) != first) return false;
+            // a decreasing line (u < 0) may start just above first + 1: the values there are near, in the band
+            const float at_start = line(slot, start);
+            const int counted = count_of(slot, start);
+            const bool near_above = negative && counted == first + 1 && at_start - std::floor(at_start) < band;
+            if (counted != first && !near_above) return false;
+            top[slot] = static_cast<float>((last + 0.5 - offset[slot]) / slope[slot]);
+            if (!(top[slot] > from) || count_of(slot, top[slot]) != last) return false;
+        }
+        return true;
+    }
+
     // The magnitudes between which run `run` lies (exclusive); false for a run past the last boundary's.
     static bool run_range(const std::vector<float>& bounds, int run, float& from, float& to) {
         if (run > static_cast<int>(bounds.size())) return false;
@@ -199,7 +247,7 @@ struct RunTable {
         }
     }
 
-    // The line of one run on one side (unshifted): its slope, offset and the counts it is clamped to.
+    // The line of one run on one side (unshifted): its slope, offset and the counts it takes.
     void set_line(const float* midpoints, const std::vector<float>& bounds, const std::vector<float>& side,
                   int direction, int run, int slot) {
         slope[slot] = offset[slot] = 0.0f;
@@ -216,7 +264,7 @@ struct RunTable {
         double s = 0.0, c = first + 0.5;  // no midpoint inside: the same count throughout
         if (n > 0) {
             // one step of the count per spacing, the first at inner[0]; one midpoint alone: a spacing as wide as the
-            // run around it (the clamp holds the count beyond)
+            // run around it (`top` holds the count beyond)
             const double reach = (to < INFINITY ? to : 2.0) - static_cast<double>(inner[0]);
             const double spacing = n > 1 ? (static_cast<double>(inner[n - 1]) - inner[0]) / (n - 1)
                                          : 2.0 * std::max(static_cast<double>(inner[0]) - from, reach);

@@ -154,6 +154,27 @@ def test_kernel_quantizer_on_and_next_to_midpoints(rule, shuffled, device):
     check_midpoints(rule, device, shuffled)
 
 
+@on_each_device
+@for_every_rule
+def test_kernel_blocks_whose_reciprocal_absmax_overflows(rule, device):
+    """Moments so small (subnormal) that 1 / absmax overflows to inf: the zero elements' 0 * inf (NaN) is normalized to
+    0 and the others' inf kept, bit for bit as the reference does; the kernels skip normalize()'s test only for blocks
+    where no such product can arise."""
+    qmaps = maps(rule, False)
+    grads = torch.zeros(512)
+    grads[::3], grads[1::7] = 1e-40, -1e-40  # the second block: 2^-126 too, so its reciprocal is finite (control)
+    grads[256] = torch.finfo(torch.float32).tiny
+    parts = [Whole(rule, torch.zeros(512, device=device), lambda t: CASES[rule].midpoint_row, qmaps)
+             for _ in range(2)]
+    for part, use_kernel in zip(parts, (True, False)):
+        part.step(1, grads.to(device), use_kernel)
+    assert_bit_identical(parts[0], parts[1], f"{rule}, subnormal moments")
+    # not vacuous: the first block's reciprocal overflows, its codes hold both outcomes; the second block's does not
+    absmax, codes = parts[1].absmax1.cpu(), parts[1].codes1.cpu().view(2, 256)
+    assert torch.isinf(1.0 / absmax[0]) and torch.isfinite(1.0 / absmax[1]), absmax
+    assert codes[0].unique().numel() >= 2, codes[0].unique()
+
+
 @needs_kernel
 @pytest.mark.parametrize("lookup", ["gather", "scalar"])
 @pytest.mark.parametrize("seed", range(4))

@@ -8,8 +8,10 @@ Checked on the host by tests/native/key_table_check.cpp, built here with g++ -ma
 of every midpoint and map value, 4 ulps of every one of the 65,536 bucket edges, special values and 2^24 random bit
 patterns, for bnb's two maps, the project's rebuild of them and maps with a midpoint at zero. The run over all 2^32
 floats takes minutes: `key_table_check MAP.bin all`. bnb's maps have runs; maps with a midpoint at zero do not (the key
-table steps them). Controls: the wrong tie rule is caught; runs that settle no value by the key table (band 0) are
-caught; a map with two midpoints in one bucket is reported unusable (the kernels then take the generic look-up).
+table steps them). quantize16 is also checked with Adam's floor (floor_positive) and with normalize()'s test skipped.
+Controls: the wrong tie rule is caught; runs that settle no value by the key table (band 0) are caught, and so are
+lines evaluated past their run's last count (no `top`) and floored codes held to codes without the floor; a map with
+two midpoints in one bucket is reported unusable (the kernels then take the generic look-up).
 """
 
 
@@ -67,9 +69,12 @@ def test_control_the_wrong_tie_rule_is_caught(tmp_path):
     assert usable == 1 and mismatches > 0 and code == 1, out
 
 
-def test_control_runs_that_settle_nothing_exactly_are_caught(tmp_path):
-    mutant = build(str(tmp_path), "RUN_TABLE_MUTANT")
-    code, _, mismatches, _, runs, paths, out = run(mutant, F.create_dynamic_map(signed=True), tmp_path)
+@pytest.mark.parametrize("mutant", ["RUN_TABLE_MUTANT", "RUN_ENDS_MUTANT", "FLOOR_MUTANT"])
+def test_control_quantize16_errors_are_caught(tmp_path, mutant):
+    # band 0: no value settled by the key table; top +inf: lines past their run's last count; the floor expected
+    # nowhere: the floored spellings are checked against it
+    mutant = build(str(tmp_path), mutant)
+    code, _, mismatches, _, runs, paths, out = run(mutant, F.create_dynamic_map(signed=False), tmp_path)
     if not AVX512:  # quantize16 is not compiled here: the runs have no spelling to check
         assert paths < 4, out
         pytest.skip("this CPU has no AVX-512 F, BW and DQ: the build has no quantize16, whose runs this control checks")

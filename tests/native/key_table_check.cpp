@@ -3,7 +3,8 @@
 // literal search they replace: the count of fp32 midpoints strictly below u (the project's IEEE rule,
 // ops/reference.py), on the host, through each spelling the build has: KeyTable::lookup (portable), lookup8 (AVX2)
 // and avx512::quantize16 (AVX-512 F, BW and DQ) by the runs and by the key table's gather, a value near its bucket's
-// midpoint settled by the one exact compare the kernels make.
+// midpoint settled by the one exact compare the kernels make; quantize16 also with Adam's floor (floor_positive) and
+// with normalize()'s test skipped, in groups of 64 (its packed store).
 // Usage: key_table_check MAP.bin [near|all]
 //   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint or a map value,
 //   4 ulps of every bucket edge, special values (signed zeros, subnormals, 1, 2, the largest float, infinities) and
@@ -13,7 +14,9 @@
 // many spellings ran) and the first mismatches; exit code 1 on any mismatch.
 // Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/key_table_check.cpp
 // (tests/kernels/test_key_table.py; -DKEY_TABLE_MUTANT builds its control, which settles near values the wrong way;
-// -DRUN_TABLE_MUTANT the runs' control, which settles none of them: band 0).
+// -DRUN_TABLE_MUTANT the runs' control, which settles none of them: band 0; -DRUN_ENDS_MUTANT the runs' ends'
+// control, every line evaluated past its run's last count: top +inf; -DFLOOR_MUTANT the floor's control, which
+// expects codes without it).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -51,10 +54,19 @@ struct Checker {
         return static_cast<int>(std::lower_bound(generic.midpoints, generic.midpoints + 255, u) - generic.midpoints);
     }
 
-    void report(const char* path, float u, int got) {
+    // The code the kernels store for u with the map's floor applied (floor_positive, x = u here).
+    int want_floored(float u) const {
+        const int index = want(u);
+#ifdef FLOOR_MUTANT  // a control: the floor expected nowhere
+        return index;
+#endif
+        return generic.floor.zero >= 0 && index == generic.floor.zero && u > 0.0f ? generic.floor.smallest : index;
+    }
+
+    void report(const char* path, float u, int got, int expected) {
         if (++mismatches <= 10) {
             std::printf("mismatch (%s) at 0x%08x (%.9g): %d, the count of midpoints below is %d\n", path, bits_of(u),
-                        u, got, want(u));
+                        u, got, expected);
         }
     }
 
@@ -65,32 +77,44 @@ struct Checker {
         bool near = false;
         const int index = keys.lookup(u, near);
         const int got = settle(index, near, u);
-        if (got != want(u)) report("lookup", u, got);
+        if (got != want(u)) report("lookup", u, got, want(u));
         pending.push_back(u);
-        if (pending.size() == 16) flush();
+        if (pending.size() == kBatch) flush();
     }
 
+    static constexpr size_t kBatch = 64;  // four groups of 16: the AVX-512 quantizer's packed store
+
     void flush() {
-        while (pending.size() < 16) pending.push_back(0.0f);
+        while (pending.size() < kBatch) pending.push_back(0.0f);
 #if defined(__AVX2__)
-        for (int half = 0; half < 2; ++half) {
+        for (size_t eighth = 0; eighth < kBatch / 8; ++eighth) {
             uint8_t out[8];
-            const int near = keys.lookup8(_mm256_loadu_ps(pending.data() + 8 * half), out);
+            const int near = keys.lookup8(_mm256_loadu_ps(pending.data() + 8 * eighth), out);
             for (int k = 0; k < 8; ++k) {
-                const float u = pending[8 * half + k];
+                const float u = pending[8 * eighth + k];
                 const int got = settle(out[k], near >> k & 1, u);
-                if (got != want(u)) report("lookup8", u, got);
+                if (got != want(u)) report("lookup8", u, got, want(u));
             }
         }
 #endif
 #if DSBNB_AVX512
         using dsbnb::cpu::KeyLookup;
-        for (const KeyLookup lookup : {KeyLookup::kRuns, KeyLookup::kGather}) {
-            if (lookup == KeyLookup::kRuns && !runs.usable) continue;
-            uint8_t codes[16];
+        // the runs with normalize()'s test skipped (no u is NaN here) and the map's floor, the runs with both, the key
+        // table's gather with the floor
+        struct Spelling {
+            const char* name;
+            KeyLookup lookup;
+            bool finite, floored;
+        };
+        for (const Spelling& s : {Spelling{"quantize16 runs, finite, floored", KeyLookup::kRuns, true, true},
+                                  Spelling{"quantize16 runs", KeyLookup::kRuns, false, false},
+                                  Spelling{"quantize16 gather, floored", KeyLookup::kGather, false, true}}) {
+            if (s.lookup == KeyLookup::kRuns && !runs.usable) continue;
+            uint8_t codes[kBatch];
             dsbnb::avx512::quantize16(keys, dsbnb::avx512::RunRegisters(runs), generic.midpoints, pending.data(), 1.0f,
-                                      codes, dsbnb::PositiveFloor(), lookup);
-            for (int k = 0; k < 16; ++k) {
+                                      codes, s.floored ? generic.floor : dsbnb::PositiveFloor(), s.finite, s.lookup,
+                                      kBatch / 16);
+            for (size_t k = 0; k < kBatch; ++k) {
                 // quantize16 settles near values itself (its exact compare); x * 1.0f is x for every non-NaN float
                 const float u = pending[k];
 #ifdef KEY_TABLE_MUTANT
@@ -98,7 +122,8 @@ struct Checker {
 #else
                 const int got = codes[k];
 #endif
-                if (got != want(u)) report(lookup == KeyLookup::kRuns ? "quantize16 runs" : "quantize16", u, got);
+                const int expected = s.floored ? want_floored(u) : want(u);
+                if (got != expected) report(s.name, u, got, expected);
             }
         }
 #endif
@@ -113,7 +138,7 @@ int paths() {
     ++n;
 #endif
 #if DSBNB_AVX512
-    n += 2;  // quantize16 by the runs (where the map has them) and by the key table
+    n += 3;  // quantize16 by the runs (where the map has them; normalize()'s test skipped or made) and by the key table
 #endif
     return n;
 }
@@ -129,6 +154,9 @@ int main(int argc, char** argv) {
     auto runs = std::make_unique<dsbnb::cpu::RunTable>(generic->midpoints);
 #ifdef RUN_TABLE_MUTANT
     runs->band = 0.0f;  // the control: no value is left to the key table
+#endif
+#ifdef RUN_ENDS_MUTANT
+    for (float& top : runs->top) top = INFINITY;  // the control: every line evaluated past its run's last count
 #endif
     Checker c{*generic, *keys, *runs};
     const auto visit = [&c](uint32_t pattern) { c.check(pattern); };
