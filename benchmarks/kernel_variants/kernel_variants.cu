@@ -91,9 +91,34 @@ void describe(int variant, char* name, size_t size) {
     }
 }
 
+// Shape V's Tuning arguments as DEEPSPEED_BNB_CUDA_SHAPE takes them (deepspeed_bnb/ops/build_flags.py), e.g.
+// "3,true,false,1,true,false,true": what a build measures as the product, and what a rule's line names.
+template <typename Rule, int V = 0>
+void arguments(int variant, char* text, size_t size) {
+    if constexpr (V < kShapes) {
+        using Tune = ShapeOf<Rule, V>;
+        if (variant != V) return arguments<Rule, V + 1>(variant, text, size);
+        const auto word = [](bool on) { return on ? "true" : "false"; };
+        snprintf(text, size, "%d,%s,%s,%d,%s,%s,%s", Tune::kMinBlocks, word(Tune::kSplitFull),
+                 word(Tune::kPrefetchSegment), Tune::kBlocksPerStep, word(Tune::kFastMaps), word(Tune::kStaged),
+                 word(Tune::kSelects));
+    }
+}
+
 }  // namespace
 
 int count() { return kShapes; }
+
+const char* shape(int rule, int variant) {
+    static char texts[3][kShapes][48];
+    if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
+    switch (rule) {
+        case 0: arguments<cuda_rules::AdamBnb>(variant, texts[rule][variant], sizeof(texts[rule][variant])); break;
+        case 1: arguments<cuda_rules::LionBnb>(variant, texts[rule][variant], sizeof(texts[rule][variant])); break;
+        default: arguments<cuda_rules::MomentumBnb>(variant, texts[rule][variant], sizeof(texts[rule][variant]));
+    }
+    return texts[rule][variant];
+}
 
 const char* name(int rule, int variant) {
     static char names[3][kShapes][112];

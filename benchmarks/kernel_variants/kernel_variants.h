@@ -19,6 +19,7 @@ using Info = int (*)(int* registers, int* blocks_per_sm);  // a CUDA error code 
 
 int count();
 const char* name(int rule, int variant);  // null out of range
+const char* shape(int rule, int variant);  // Tuning's arguments, "3,true,false,1,true,false,true"; null out of range
 Launch launcher(int rule, int variant);  // null out of range
 Info info(int rule, int variant);        // null out of range
 

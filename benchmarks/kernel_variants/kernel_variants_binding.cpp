@@ -1,6 +1,7 @@
 // kernel_variants_binding.cpp — torch operators over kernel_variants.cu, for the launch-shape sweep
 // (tests/gpu/part_variants.py): dsbnb_variants::step (one fused step of a rule in one shape, the product's argument
-// checks and cached tables: csrc/cuda/fused_cuda.h), ::count, ::name and ::info (registers, resident blocks per SM).
+// checks and cached tables: csrc/cuda/fused_cuda.h), ::count, ::name, ::shape (its Tuning arguments) and ::info
+// (registers, resident blocks per SM).
 // Build: with a CUDA build of torch, by the part (torch's JIT). Only bitsandbytes' CUDA arithmetic, fp32 master
 // weights.
 
@@ -34,6 +35,12 @@ std::string name(int64_t rule, int64_t variant) {
     return found;
 }
 
+std::string shape(int64_t rule, int64_t variant) {
+    const char* found = dsbnb::variants::shape(static_cast<int>(rule), static_cast<int>(variant));
+    TORCH_CHECK(found != nullptr, "dsbnb_variants::shape: no rule ", rule, " variant ", variant);
+    return found;
+}
+
 std::vector<int64_t> info(int64_t rule, int64_t variant) {
     const auto of = dsbnb::variants::info(static_cast<int>(rule), static_cast<int>(variant));
     TORCH_CHECK(of != nullptr, "dsbnb_variants::info: no rule ", rule, " variant ", variant);
@@ -52,6 +59,7 @@ TORCH_LIBRARY(dsbnb_variants, m) {
     // no tensor arguments, so nothing to dispatch on: one kernel for every key
     m.def("count() -> int", &count);
     m.def("name(int rule, int variant) -> str", &name);
+    m.def("shape(int rule, int variant) -> str", &shape);
     m.def("info(int rule, int variant) -> int[]", &info);
 }
 

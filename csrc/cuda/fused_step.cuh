@@ -380,10 +380,11 @@ using FullBlockBody = Tuning<3, true, false>;
 template <long Digits>
 using ShapeOfDigits = Tuning<Digits / 1000000 % 10, Digits / 100000 % 10 != 0, Digits / 10000 % 10 != 0,
                              Digits / 1000 % 10, Digits / 100 % 10 != 0, Digits / 10 % 10 != 0, Digits % 10 != 0>;
+// Variadic, so that a rule may name a Tuning<...> itself: its commas would split a one-argument macro's argument.
 #ifdef DSBNB_CUDA_SHAPE
-#define DSBNB_PRODUCT_SHAPE(named) device::ShapeOfDigits<DSBNB_CUDA_SHAPE>
+#define DSBNB_PRODUCT_SHAPE(...) device::ShapeOfDigits<DSBNB_CUDA_SHAPE>
 #else
-#define DSBNB_PRODUCT_SHAPE(named) named
+#define DSBNB_PRODUCT_SHAPE(...) __VA_ARGS__
 #endif
 
 // The 8-bit part of one block's step once its inputs are in registers (p: master weights, g: gradients unscaled,

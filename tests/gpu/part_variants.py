@@ -74,9 +74,11 @@ def variant_step(ops, rule_index: int, variant: int, partition, step: int, grads
              *state_args(partition.codes, partition.absmax, partition.state, partition.qmaps), partition.table, hyper)
 
 
-def exactness(ops, result) -> None:
-    """Every variant of every rule against bnb's own CUDA update, STEPS steps from a random state."""
+def exactness(ops, result) -> dict:
+    """Every variant of every rule against bnb's own CUDA update, STEPS steps from a random state; returns
+    (rule index, variant) -> whether it held."""
     from support.bnb_cuda_partition import BnbPartition, differences
+    held = {}
     for rule_index, (rule, label, _) in enumerate(RULES):
         for variant in range(ops.count()):
             ours = BnbPartition(rule, 11 + rule_index, "cuda", *ODD, dp=1, rank=0, random_start=True)
@@ -90,8 +92,10 @@ def exactness(ops, result) -> None:
                 if found:
                     found = [f"step {step}: {found[0]}"]
                     break
-            result.check(f"k: {label}, {ops.name(rule_index, variant)} == bitsandbytes' CUDA update, bit for bit, "
-                         f"{STEPS} steps", not found, found[0] if found else "equal", "equal")
+            held[rule_index, variant] = result.check(
+                f"k: {label}, {ops.name(rule_index, variant)} == bitsandbytes' CUDA update, bit for bit, {STEPS} "
+                f"steps", not found, found[0] if found else "equal", "equal")
+    return held
 
 
 def rule_times(ops, rule_index: int, copy) -> tuple:
@@ -128,12 +132,13 @@ def rule_times(ops, rule_index: int, copy) -> tuple:
     return times, copies
 
 
-def speed(ops, result) -> None:
-    """Interleaved timing of every variant over one 256M-element 8-bit segment per rule."""
+def speed(ops, result) -> dict:
+    """Interleaved timing of every variant over one 256M-element 8-bit segment per rule; returns (rule index,
+    variant) -> its share of the copy's bandwidth."""
     import torch
     src = torch.empty(ELEMENTS * 4, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    rows, copy_times = [], []
+    rows, copy_times, shares = [], [], {}
     for rule_index, (_, label, moved) in enumerate(RULES):
         times, copies = rule_times(ops, rule_index, lambda: dst.copy_(src))
         torch.cuda.empty_cache()
@@ -143,6 +148,7 @@ def speed(ops, result) -> None:
             registers, per_sm = ops.info(rule_index, variant)
             median = statistics.median(times[variant])
             rate = ELEMENTS * moved / median
+            shares[rule_index, variant] = rate / copy_rate
             rows.append([label, ops.name(rule_index, variant), registers, per_sm, f"{median * 1e3:.3f}",
                          f"{min(times[variant]) * 1e3:.3f}-{max(times[variant]) * 1e3:.3f}", f"{rate / 1e9:,.0f}",
                          f"{rate / copy_rate:.0%}"])
@@ -153,6 +159,46 @@ def speed(ops, result) -> None:
                   "of copy"], rows)
     result.check("k: every rule's variants were timed", len(rows) == len(RULES) * ops.count(), len(rows),
                  f"{len(RULES) * ops.count()}")
+    return shares
+
+
+# each rule's product shape: the line in csrc/cuda/<rule>_rules.cuh that names it
+SHAPE_LINES = {"adam": ("AdamShape", "adam8bit_rules.cuh"), "lion": ("LionShape", "lion8bit_rules.cuh"),
+               "momentum": ("MomentumShape", "momentum8bit_rules.cuh")}
+
+
+def fastest_exact(held: dict, shares: dict, shapes: dict) -> list:
+    """Per rule (RULES' order): (rule, the fastest variant that held bit for bit or None, its share of the copy,
+    variant 0's share, the Tuning line that makes it the rule's product shape). `held`, `shares`: (rule index,
+    variant) -> exactness and share of the copy; `shapes`: -> Tuning's arguments ("3,true,false,1,true,false,true")."""
+    found = []
+    for rule_index, (rule, _, _) in enumerate(RULES):
+        exact = [v for (r, v), ok in held.items() if r == rule_index and ok and (r, v) in shares]
+        best = max(exact, key=lambda v: shares[rule_index, v], default=None)
+        line = None
+        if best is not None:
+            name, header = SHAPE_LINES[rule]
+            tuning = shapes[rule_index, best].replace(",", ", ")
+            line = f"using {name} = DSBNB_PRODUCT_SHAPE(device::Tuning<{tuning}>);  // csrc/cuda/{header}"
+        found.append((rule, best, shares.get((rule_index, best)), shares.get((rule_index, 0)), line))
+    return found
+
+
+def choices(ops, held: dict, shares: dict, result) -> None:
+    """The table a session reads its product shapes off: each rule's fastest exact shape, the --cuda-shape value
+    that measures it as the product in a later run, and the line that makes it the rule's own."""
+    shapes = {(r, v): ops.shape(r, v) for r in range(len(RULES)) for v in range(ops.count())}
+    rows = []
+    for rule_index, (_, best, share, own, line) in enumerate(fastest_exact(held, shares, shapes)):
+        label, own_share = RULES[rule_index][1], f"{own:.0%}" if own is not None else "-"
+        if best is None:
+            rows.append([label, "none held bit for bit", "-", own_share, "-", "-"])
+        else:
+            rows.append([label, ops.name(rule_index, best), f"{share:.0%}", own_share,
+                         f"`{shapes[rule_index, best]}`", f"`{line}`"])
+    result.table("k: each rule's fastest shape that held bit for bit (--cuda-shape measures it as the product; the "
+                 "line makes it the rule's own)", ["rule", "fastest exact shape", "of copy", "product's own of copy",
+                                                   "--cuda-shape", "line"], rows)
 
 
 def rehearsal(result) -> None:
@@ -173,8 +219,8 @@ def body(args, result):
         return
     ops = build(args.work)
     result.check("k: the launch-shape variants build", ops.count() > 1, f"{ops.count()} variants", ">= 2")
-    exactness(ops, result)
-    speed(ops, result)
+    held = exactness(ops, result)
+    choices(ops, held, speed(ops, result), result)
 
 
 if __name__ == "__main__":

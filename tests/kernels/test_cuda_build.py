@@ -79,3 +79,31 @@ def test_the_launch_shape_variants_compile(cuda_compiles):
     for name in ("kernel_variants", "kernel_variants_binding"):
         returncode, stderr, _ = cuda_compiles[name]
         assert returncode == 0, f"{name}: {stderr[-4000:]}"
+
+
+def _described(fields: list) -> str:
+    """The part's description of a shape from its seven fields (kernel_variants.cu: describe)."""
+    blocks, full, ahead, per_step, table_only, staged, selects = fields
+    parts = [f"{blocks} blocks/SM"] + [text for on, text in (
+        (full == "true", "full-block body"), (ahead == "true", "index ahead"),
+        (per_step == "2", "2 blocks per warp step"), (table_only == "true", "table-only quantizer"),
+        (staged == "true", "staged in shared memory"), (selects == "true", "selects")) if on]
+    return ", ".join(parts)
+
+
+def test_the_variants_name_the_shapes_they_compile(cuda_compiles):
+    """Part k's table offers each shape's Tuning arguments (--cuda-shape, the rule's line): for every rule and
+    variant they are a value DEEPSPEED_BNB_CUDA_SHAPE accepts and say what the variant's description says; variant 0
+    is the rule's own; the sweep has no shape twice and holds the candidate the proof measures as the product."""
+    from deepspeed_bnb.ops.build_flags import cuda_shape_fields
+    from support.cuda_compiles import CANDIDATE_SHAPE
+    returncode, listing, _ = cuda_compiles["kernel_variants_shapes"]
+    assert returncode == 0, listing[-4000:]
+    rows = [line.split(" ", 3) for line in listing.splitlines()]
+    assert len(rows) >= 3 * 2 and {r for r, *_ in rows} == {"0", "1", "2"}, listing
+    for rule, variant, shape, name in rows:
+        fields = cuda_shape_fields(shape)
+        assert name == ("product: " if variant == "0" else "") + _described(fields), (rule, variant, shape, name)
+    for rule in "012":
+        swept = [shape for r, variant, shape, _ in rows if r == rule and variant != "0"]
+        assert len(swept) == len(set(swept)) and CANDIDATE_SHAPE in swept, swept

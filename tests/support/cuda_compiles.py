@@ -1,8 +1,8 @@
 """Every CUDA compile of tests/kernels/test_cuda_build.py, run as one fresh process beside the suite's other tests
 (tests/support/background.py): nvcc for each kernel (sm_80 and sm_90; and for sm_90 with a candidate launch shape,
-as DEEPSPEED_BNB_CUDA_SHAPE builds it) and the GPU proof's launch-shape variants (sm_90), g++ syntax checks of the
-torch bindings. Writes `<folder>/results.json`: name -> [return code, stderr], or
-{"skip": why} where nvcc or the CUDA headers are missing; the objects beside it.
+as DEEPSPEED_BNB_CUDA_SHAPE builds it) and the GPU proof's launch-shape variants (sm_90, then their list of shapes,
+linked and run: `kernel_variants_shapes`), g++ syntax checks of the torch bindings. Writes `<folder>/results.json`:
+name -> [return code, stderr], or {"skip": why} where nvcc or the CUDA headers are missing; the objects beside it.
 
     python tests/support/cuda_compiles.py FOLDER
 """
@@ -75,6 +75,19 @@ def commands(out_dir) -> dict:
                                                        os.path.join(VARIANTS, "kernel_variants_binding.cpp"))}
 
 
+def list_shapes(out_dir: str) -> list:
+    """[return code, stdout or stderr] of the variants' shape list (benchmarks/kernel_variants/list_shapes.cpp),
+    linked against their object: a host program that calls no CUDA function, so it runs without a GPU."""
+    program = os.path.join(out_dir, "list_shapes")
+    includes = [f"-I{os.path.join(CSRC, 'include')}", f"-I{os.path.join(CSRC, 'cuda')}"]
+    link = subprocess.run([nvcc(), "-std=c++17", *includes, os.path.join(out_dir, "kernel_variants.o"),
+                           os.path.join(VARIANTS, "list_shapes.cpp"), "-o", program], capture_output=True, text=True)
+    if link.returncode != 0:
+        return [link.returncode, link.stderr]
+    run = subprocess.run([program], capture_output=True, text=True)
+    return [run.returncode, run.stdout if run.returncode == 0 else run.stderr]
+
+
 def main(out_dir: str) -> None:
     try:
         todo = commands(out_dir)
@@ -85,6 +98,8 @@ def main(out_dir: str) -> None:
             runs = dict(zip(todo, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
                                            todo.values())))
         results = {name: [run.returncode, run.stderr] for name, run in runs.items()}
+        if runs["kernel_variants"].returncode == 0:
+            results["kernel_variants_shapes"] = list_shapes(out_dir)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f)
 
