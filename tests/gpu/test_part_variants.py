@@ -12,6 +12,7 @@ from conftest import TESTS
 sys.path.append(os.path.join(TESTS, "gpu"))
 
 import part_variants  # noqa: E402
+import proof_common  # noqa: E402
 from deepspeed_bnb.ops.build_flags import cuda_shape_flags  # noqa: E402
 
 
@@ -41,3 +42,29 @@ def test_each_swept_shape_is_a_valid_cuda_shape_value():
     for variant in range(4):
         flags = cuda_shape_flags(_shape(variant))
         assert len(flags) == 1 and len(flags[0].split("=")[1]) == 7, flags
+
+
+class _Variants:
+    """What part k's table reads of the compiled variants (torch.ops.dsbnb_variants), without them."""
+
+    def count(self):
+        return 4
+
+    def name(self, rule, variant):
+        return f"rule {rule} shape {variant}"
+
+    def shape(self, rule, variant):
+        return _shape(variant)
+
+
+def test_the_table_a_session_reads_names_shape_value_and_line():
+    held = {(r, v): (r, v) != (2, 0) for r in range(3) for v in range(4)}
+    shares = {(r, v): 0.5 + 0.05 * v for r in range(3) for v in range(4)}
+    held[2, 1] = held[2, 2] = held[2, 3] = False  # SGD-momentum: nothing held
+    result = proof_common.Result("k", "launch shapes", "cuda")
+    part_variants.choices(_Variants(), held, shares, result)
+    (table,) = result.data["tables"]
+    adam, lion, momentum = table["rows"]
+    assert adam[:4] == ["AdamW", "rule 0 shape 3", "65%", "50%"] and adam[4] == f"`{_shape(3)}`"
+    assert "AdamShape = DSBNB_PRODUCT_SHAPE(device::Tuning<2, true, false, 1, true, false, true>)" in adam[5]
+    assert lion[1] == "rule 1 shape 3" and momentum[1:3] == ["none held bit for bit", "-"]
