@@ -1,8 +1,7 @@
 """Optimizer-step throughput on CPU: deepspeed_bnb's fused 8-bit kernels against the alternatives.
 
 For each size and thread count, one optimizer step over a flat fp32 parameter of that many elements, timed as the
-median of repeated rounds after a warm-up (each round steps every implementation once, in turn; bnb's CPU paths and the
-pure-torch reference, 10-100x slower, in rounds of their own: see SLOW), for:
+median of repeated rounds after a warm-up (each round steps every implementation once, in turn), for:
 deepspeed_bnb's C++ kernels (8-bit state), bitsandbytes' own CPU 8-bit path (AdamW8bit, Lion8bit, SGD8bit),
 torch.optim.AdamW(fused=True) (fp32 state), DeepSpeedCPUAdam (fp32 state) and deepspeed_bnb's pure-torch reference
 (the fallback; small sizes only). Prints a markdown table of M elements/s and the ratio to torch's fused AdamW and
@@ -15,6 +14,8 @@ step is to the memory ceiling, the bound a many-core host's optimizer step hits 
     python benchmarks/bench_optimizer_step.py --quick      # 1M elements, 1 thread: a smoke test
     python benchmarks/bench_optimizer_step.py --cold --sizes 0.42 --threads 1   # from memory, as inside training
     python benchmarks/bench_optimizer_step.py --march x86-64-v3 --sizes 0.42 --threads 1   # the AVX2 path, here
+    python benchmarks/bench_optimizer_step.py --sizes 0.42 --threads 1 --rows "deepspeed_bnb C++ kernel (8-bit)" \
+        "torch AdamW fused (fp32)" "DeepSpeedCPUAdam (fp32)"   # some rows: fewer share the rounds, more stays cached
 """
 
 import argparse
@@ -207,23 +208,6 @@ def measure_interleaved(makers, n, repeats, cold=False):
     return {name: rates[name] for name in makers}
 
 
-# the slow rows (bnb's pure-torch CPU paths and the reference: 10-100x slower, their temporaries hundreds of MB), timed
-# in rounds of their own. Interleaved with the fast rows they evicted those rows' data and page mappings every round:
-# on a 2-core Zen 4 at 0.42M elements, one thread, torch's fused AdamW read 704 M elements/s beside them against 1,344
-# without them, DeepSpeedCPUAdam 1,168 against 2,113, the 8-bit kernel 537 against 639, so its ratios to the fp32 rows
-# read about 1.5x too favourable (0.76x against 0.48x torch's).
-SLOW = ("bitsandbytes CPU", "reference (pure torch)")
-
-
-def measure_groups(makers, n, repeats, cold=False):
-    """measure_interleaved over the fast rows and, apart, over the slow ones (SLOW); the rates of both, in the order
-    of `makers`."""
-    slow = {name: make for name, make in makers.items() if any(word in name for word in SLOW)}
-    fast = {name: make for name, make in makers.items() if name not in slow}
-    rates = {**measure_interleaved(fast, n, repeats, cold), **measure_interleaved(slow, n, repeats, cold)}
-    return {name: rates[name] for name in makers}
-
-
 def cpu_description():
     """The CPU model and which full-block path the loaded build runs: the table's numbers depend on it far more than
     on the core count (csrc/cpu/adam8bit_avx512.h needs AVX-512 F, BW and DQ, quantize_keys.h AVX2)."""
@@ -249,7 +233,14 @@ def main():
     parser.add_argument("--march", help="build the C++ kernels for this gcc -march (x86-64-v3: the AVX2 path; "
                         "x86-64-v4: the AVX-512 path without VBMI) instead of this machine's CPU, so that one machine "
                         "compares the paths other hosts run")
+    parser.add_argument("--rows", nargs="+", metavar="NAME",
+                        help="only these rows, by their names in the table (the memory pass always runs); fewer rows "
+                             "leave more of each one's data in the caches between its steps")
     args = parser.parse_args()
+    unknown = sorted(set(args.rows or ()) - set(IMPLEMENTATIONS))
+    if unknown:
+        parser.error(f"--rows: no row named {', '.join(map(repr, unknown))}; the rows: "
+                     f"{', '.join(map(repr, IMPLEMENTATIONS))}")
     if args.march:
         from deepspeed_bnb.ops import build_flags
         # the loader compiles with this list (its JIT cache is named after the target, so each -march builds once)
@@ -267,8 +258,9 @@ def main():
         for threads in args.threads:
             torch.set_num_threads(threads)
             makers = {name: make for name, make in IMPLEMENTATIONS.items()
-                      if not ("reference" in name and n > REFERENCE_MAX)}
-            rates = measure_groups(makers, n, args.repeats, args.cold)
+                      if not ("reference" in name and n > REFERENCE_MAX)
+                      and (not args.rows or name == YARDSTICK or name in args.rows)}
+            rates = measure_interleaved(makers, n, args.repeats, args.cold)
             for name, rate in list(rates.items()):
                 if isinstance(rate, str):
                     print(f"| {size:g}M | {threads} | {name} | {rate} | | | | |")
