@@ -105,6 +105,22 @@ void arguments(int variant, char* text, size_t size) {
     }
 }
 
+// A rule's type carried as a value, for the generic lambdas of with_rule.
+template <typename Rule>
+struct RuleTag {
+    using type = Rule;
+};
+
+// f(RuleTag<R>{}) for rule 0 (AdamW), 1 (Lion) or 2 (SGD-momentum), R its rules in bitsandbytes' CUDA arithmetic.
+template <typename F>
+void with_rule(int rule, F&& f) {
+    switch (rule) {
+        case 0: f(RuleTag<cuda_rules::AdamBnb>{}); break;
+        case 1: f(RuleTag<cuda_rules::LionBnb>{}); break;
+        default: f(RuleTag<cuda_rules::MomentumBnb>{});
+    }
+}
+
 }  // namespace
 
 int count() { return kShapes; }
@@ -112,23 +128,17 @@ int count() { return kShapes; }
 const char* shape(int rule, int variant) {
     static char texts[3][kShapes][48];
     if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
-    switch (rule) {
-        case 0: arguments<cuda_rules::AdamBnb>(variant, texts[rule][variant], sizeof(texts[rule][variant])); break;
-        case 1: arguments<cuda_rules::LionBnb>(variant, texts[rule][variant], sizeof(texts[rule][variant])); break;
-        default: arguments<cuda_rules::MomentumBnb>(variant, texts[rule][variant], sizeof(texts[rule][variant]));
-    }
-    return texts[rule][variant];
+    char* text = texts[rule][variant];
+    with_rule(rule, [&](auto tag) { arguments<typename decltype(tag)::type>(variant, text, sizeof(texts[0][0])); });
+    return text;
 }
 
 const char* name(int rule, int variant) {
     static char names[3][kShapes][112];
     if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
-    switch (rule) {
-        case 0: describe<cuda_rules::AdamBnb>(variant, names[rule][variant], sizeof(names[rule][variant])); break;
-        case 1: describe<cuda_rules::LionBnb>(variant, names[rule][variant], sizeof(names[rule][variant])); break;
-        default: describe<cuda_rules::MomentumBnb>(variant, names[rule][variant], sizeof(names[rule][variant]));
-    }
-    return names[rule][variant];
+    char* text = names[rule][variant];
+    with_rule(rule, [&](auto tag) { describe<typename decltype(tag)::type>(variant, text, sizeof(names[0][0])); });
+    return text;
 }
 
 Launch launcher(int rule, int variant) {
