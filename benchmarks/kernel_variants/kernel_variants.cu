@@ -121,24 +121,31 @@ void with_rule(int rule, F&& f) {
     }
 }
 
+// The text write(RuleTag, variant, buffer, size) gives for a rule and variant, kept in `texts`; null out of range.
+template <size_t N, typename Write>
+const char* text_of(char (&texts)[3][kShapes][N], int rule, int variant, Write write) {
+    if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
+    char* text = texts[rule][variant];
+    with_rule(rule, [&](auto tag) { write(tag, variant, text, N); });
+    return text;
+}
+
 }  // namespace
 
 int count() { return kShapes; }
 
 const char* shape(int rule, int variant) {
     static char texts[3][kShapes][48];
-    if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
-    char* text = texts[rule][variant];
-    with_rule(rule, [&](auto tag) { arguments<typename decltype(tag)::type>(variant, text, sizeof(texts[0][0])); });
-    return text;
+    return text_of(texts, rule, variant, [](auto tag, int v, char* text, size_t size) {
+        arguments<typename decltype(tag)::type>(v, text, size);
+    });
 }
 
 const char* name(int rule, int variant) {
     static char names[3][kShapes][112];
-    if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
-    char* text = names[rule][variant];
-    with_rule(rule, [&](auto tag) { describe<typename decltype(tag)::type>(variant, text, sizeof(names[0][0])); });
-    return text;
+    return text_of(names, rule, variant, [](auto tag, int v, char* text, size_t size) {
+        describe<typename decltype(tag)::type>(v, text, size);
+    });
 }
 
 Launch launcher(int rule, int variant) {
