@@ -284,15 +284,15 @@ constexpr float kMinusFltMax = -3.40282347e+38f;
 // One element's term of the block maximum: max(|s|, -FLT_MAX), which drops a NaN (bnb's FMNMX).
 __device__ __forceinline__ float absmax_term(float s) { return max(fabsf(s), kMinusFltMax); }
 
-// bnb's sign fix after quantize_2D for signed states: a code whose map value's sign bit differs from s's moves one
-// code towards s (unsigned char arithmetic: 0 - 1 wraps to 255). Selects: the moved code is formed always and
-// selected, no branch.
-// code moved one towards s where `differs`, as selects: both codes formed, one picked.
+// `code` moved one towards s where `differs`, as selects: both codes formed, one picked.
 __device__ __forceinline__ uint8_t moved_where(bool differs, uint8_t code, float s) {
     const uint32_t moved = static_cast<uint8_t>(pick(gt(s, 0.0f), code + 1u, code - 1u));
     return static_cast<uint8_t>(pick(differs, moved, code));
 }
 
+// bnb's sign fix after quantize_2D for signed states: a code whose map value's sign bit differs from s's moves one
+// code towards s (unsigned char arithmetic: 0 - 1 wraps to 255). Selects: the moved code is formed always and
+// selected, no branch (moved_where).
 template <bool Selects = false>
 __device__ __forceinline__ uint8_t sign_fix(uint8_t code, float s, const float* map) {
     const bool differs = (__float_as_uint(map[code]) >> 31) != (__float_as_uint(s) >> 31);
