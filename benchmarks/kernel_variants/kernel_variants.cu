@@ -111,13 +111,15 @@ struct RuleTag {
     using type = Rule;
 };
 
-// f(RuleTag<R>{}) for rule 0 (AdamW), 1 (Lion) or 2 (SGD-momentum), R its rules in bitsandbytes' CUDA arithmetic.
+// f(RuleTag<R>{}) for rule 0 (AdamW), 1 (Lion) or 2 (SGD-momentum), R its rules in bitsandbytes' CUDA arithmetic;
+// false (f not called) for any other rule.
 template <typename F>
-void with_rule(int rule, F&& f) {
+bool with_rule(int rule, F&& f) {
     switch (rule) {
-        case 0: f(RuleTag<cuda_rules::AdamBnb>{}); break;
-        case 1: f(RuleTag<cuda_rules::LionBnb>{}); break;
-        default: f(RuleTag<cuda_rules::MomentumBnb>{});
+        case 0: f(RuleTag<cuda_rules::AdamBnb>{}); return true;
+        case 1: f(RuleTag<cuda_rules::LionBnb>{}); return true;
+        case 2: f(RuleTag<cuda_rules::MomentumBnb>{}); return true;
+        default: return false;
     }
 }
 
@@ -149,21 +151,15 @@ const char* name(int rule, int variant) {
 }
 
 Launch launcher(int rule, int variant) {
-    switch (rule) {
-        case 0: return launch_for<cuda_rules::AdamBnb>(variant);
-        case 1: return launch_for<cuda_rules::LionBnb>(variant);
-        case 2: return launch_for<cuda_rules::MomentumBnb>(variant);
-        default: return nullptr;
-    }
+    Launch found = nullptr;
+    with_rule(rule, [&](auto tag) { found = launch_for<typename decltype(tag)::type>(variant); });
+    return found;
 }
 
 Info info(int rule, int variant) {
-    switch (rule) {
-        case 0: return info_for<cuda_rules::AdamBnb>(variant);
-        case 1: return info_for<cuda_rules::LionBnb>(variant);
-        case 2: return info_for<cuda_rules::MomentumBnb>(variant);
-        default: return nullptr;
-    }
+    Info found = nullptr;
+    with_rule(rule, [&](auto tag) { found = info_for<typename decltype(tag)::type>(variant); });
+    return found;
 }
 
 }  // namespace variants
