@@ -36,9 +36,9 @@ def test_the_fastest_exact_shape_is_chosen_with_its_line():
     assert momentum == ("momentum", None, None, 0.75, None)
 
 
-def test_each_swept_shape_is_a_valid_cuda_shape_value():
-    # what the table offers as --cuda-shape is what DEEPSPEED_BNB_CUDA_SHAPE accepts (its checks would refuse a
-    # malformed one by name), as seven digits for nvcc
+def test_the_made_up_shapes_are_valid_cuda_shape_values():
+    # the shapes these tests feed the choice are values DEEPSPEED_BNB_CUDA_SHAPE accepts, as seven digits for nvcc
+    # (the swept shapes themselves: tests/kernels/test_cuda_build.py, test_the_variants_name_the_shapes_they_compile)
     for variant in range(4):
         flags = cuda_shape_flags(_shape(variant))
         assert len(flags) == 1 and len(flags[0].split("=")[1]) == 7, flags
