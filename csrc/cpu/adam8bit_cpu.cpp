@@ -182,7 +182,7 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
         const float* r = root.defined() ? root.data_ptr<float>() : nullptr;
         dsbnb::cpu::for_each_block(segments, work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
                                                        int64_t base) {
-            if (s.eight_bit) dsbnb::cpu::prefetch_block(master, g, c1, c2, base + kBlock);
+            if (s.eight_bit) dsbnb::cpu::prefetch_block(master, g, c1, c2, base + kBlock, copy);
             dsbnb::cpu::with_fp32_master(master, copy, base, len, [&](float* p) {
                 if (s.eight_bit) {
                     const int64_t block = base / kBlock;
