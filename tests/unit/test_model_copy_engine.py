@@ -232,14 +232,19 @@ def test_no_copy_where_the_model_partition_is_the_master(one_rank, monkeypatch):
         model[0] = own
 
 
-def test_master_partitions_mid_step(one_rank, monkeypatch):
+@pytest.mark.parametrize("offload", [False, True])
+def test_master_partitions_mid_step(one_rank, monkeypatch, offload):
     """Mid-step, while a group's entry of DeepSpeed's list is lent to the model's copy, bnb_master_partitions() still
     names every master partition (what tools that count tensors during a step read)."""
-    engine = build(True, torch.bfloat16, monkeypatch, True)
+    engine = build(offload, torch.bfloat16, monkeypatch, True)
     optimizer = engine.optimizer
     own = masters(optimizer)
     assert len(own) >= 2
     train(engine, range(1))  # DeepSpeed's whole copy
+    if deepspeeds_copies(optimizer):
+        import deepspeed
+        pytest.skip(f"DeepSpeed {deepspeed.__version__} sends the fp32 partition itself under offload at ZeRO-1/2 (no "
+                    f"pinned buffer): the kernel writes no copy, so no entry is lent")
     seen = []
     real = type(optimizer)._optimizer_step
 
