@@ -2,11 +2,13 @@
 stage, and the dimension each parameter is split along across the tensor-parallel ranks, read from the layers.
 
 The split comes from what marks it, in this order: DeepSpeed's AutoTP conversion metadata (0.19.x attaches it to every
-parameter of its tensor-parallel layers); Megatron-style attributes (`tensor_model_parallel`, `partition_dim`,
-`partition_stride`); AutoTP's two plain layer classes by type where a release attaches no metadata (LinearLayer cuts
-its weight and bias along dim 0, LinearAllreduce its weight along dim 1 and keeps its bias whole). A parameter of
-any other module is taken as held whole by every tensor-parallel rank; a reader checks that their copies agree before
-it joins the ranks (checkpoint/format/merged.py), so a split nothing marked is refused rather than joined wrongly.
+parameter of its tensor-parallel layers); AutoTP's two plain layer classes by type where a release attaches no
+metadata (LinearLayer cuts its weight and bias along dim 0, LinearAllreduce its weight along dim 1 and keeps its bias
+whole); Megatron-style attributes (`tensor_model_parallel`, `partition_dim`, `partition_stride`). The layer's type
+goes before the attributes because AutoTP's layers before 0.19 mark their weights `tensor_model_parallel` too, without
+a `partition_dim`. A parameter of any other module is taken as held whole by every tensor-parallel rank; a reader
+checks that their copies agree before it joins the ranks (checkpoint/format/merged.py), so a split nothing marked is
+refused rather than joined wrongly.
 """
 
 from typing import Dict
@@ -60,10 +62,6 @@ def _split(layer, local: str, param) -> Split:
         if meta.get("sub_param_shard_widths") or meta.get("sub_param_shape"):
             return "a fused AutoTP layer (sub-parameters sliced separately): not joined by deepspeed_bnb"
         return None if meta.get("replicated") else meta.get("partition_dim")
-    if getattr(param, "tensor_model_parallel", False):  # Megatron-LM's marks
-        if getattr(param, "partition_stride", 1) != 1:
-            return f"a Megatron strided split (partition_stride {param.partition_stride}): not joined"
-        return int(param.partition_dim)
     kind = _autotp_layer_kind(layer)
     if kind == "column":
         return 0
@@ -71,6 +69,12 @@ def _split(layer, local: str, param) -> Split:
         return 1 if local == "weight" else None
     if kind is not None:
         return f"AutoTP layer {type(layer).__name__}: its split is not known to deepspeed_bnb"
+    if getattr(param, "tensor_model_parallel", False):  # Megatron-LM's marks
+        if getattr(param, "partition_dim", None) is None:
+            return "marked tensor_model_parallel without a partition_dim: its split is not known to deepspeed_bnb"
+        if getattr(param, "partition_stride", 1) != 1:
+            return f"a Megatron strided split (partition_stride {param.partition_stride}): not joined"
+        return int(param.partition_dim)
     return None
 
 

@@ -2,11 +2,13 @@
 back only when well formed, and each parameter's tensor-parallel split taken from what marks it.
 
 The AutoTP layers themselves are checked against DeepSpeed's own conversion schema in
-tests/distributed/test_model_parallel.py (AutoTP needs a tensor-parallel group); here the Megatron-style marks, the
-parameters nothing marks, tied weights, and the refusals of damaged records.
+tests/distributed/test_model_parallel.py (AutoTP needs a tensor-parallel group); here the Megatron-style marks, AutoTP's
+layers as releases without its conversion metadata leave them, the parameters nothing marks, tied weights, and the
+refusals of damaged records.
 """
 
 import pytest
+import torch
 from torch import nn
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
@@ -66,6 +68,30 @@ def test_splits_follow_the_marks_and_name_each_parameter_once():
     assert "strided" in splits["strided.weight"] and "partition_stride 3" in splits["strided.weight"]
     assert list(splits) == [name for name, _ in Marked().named_parameters()]  # control: the engine's names, in order
     assert tensor_parallel_splits(nn.Linear(2, 2)) == {"weight": None, "bias": None}
+
+
+def autotp_layer(kind: str) -> nn.Module:
+    """One of AutoTP's plain layers (`LinearLayer`, `LinearAllreduce`) as DeepSpeed before 0.19 leaves it: its weight
+    and bias marked `tensor_model_parallel` (AutoTP's config_tp_params), no partition_dim and no conversion metadata.
+    Built without __init__, which needs a tensor-parallel group."""
+    from deepspeed.module_inject import layers
+    layer = getattr(layers, kind).__new__(getattr(layers, kind))
+    nn.Module.__init__(layer)
+    layer.weight, layer.bias = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))
+    for param in (layer.weight, layer.bias):
+        param.tensor_model_parallel = True
+    return layer
+
+
+def test_autotp_layers_without_metadata_split_by_their_type():
+    model = nn.Module()
+    model.column, model.row = autotp_layer("LinearLayer"), autotp_layer("LinearAllreduce")
+    model.marked = nn.Linear(4, 4, bias=False)
+    model.marked.weight.tensor_model_parallel = True  # a Megatron-style mark without its partition_dim
+    splits = tensor_parallel_splits(model)
+    assert splits["column.weight"] == 0 and splits["column.bias"] == 0
+    assert splits["row.weight"] == 1 and splits["row.bias"] is None
+    assert "without a partition_dim" in splits["marked.weight"]  # not joined: nothing says how it is cut
 
 
 class Grid016:
