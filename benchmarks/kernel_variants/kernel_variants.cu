@@ -123,13 +123,17 @@ bool with_rule(int rule, F&& f) {
     }
 }
 
-// The text write(RuleTag, variant, buffer, size) gives for a rule and variant, kept in `texts`; null out of range.
+// The text write(RuleTag, variant, buffer, size) gives for a rule and variant, kept in `texts`; null out of range
+// (with_rule answers for the rule, so `texts` is indexed only by a rule it knows).
 template <size_t N, typename Write>
 const char* text_of(char (&texts)[3][kShapes][N], int rule, int variant, Write write) {
-    if (rule < 0 || rule > 2 || variant < 0 || variant >= kShapes) return nullptr;
-    char* text = texts[rule][variant];
-    with_rule(rule, [&](auto tag) { write(tag, variant, text, N); });
-    return text;
+    if (variant < 0 || variant >= kShapes) return nullptr;
+    const char* found = nullptr;
+    with_rule(rule, [&](auto tag) {
+        write(tag, variant, texts[rule][variant], N);
+        found = texts[rule][variant];
+    });
+    return found;
 }
 
 }  // namespace
