@@ -146,8 +146,8 @@ def parser() -> argparse.ArgumentParser:
                              ("export", _export, "write consolidated fp32 weights as safetensors (optionally the "
                                                  "optimizer state, dequantized, under torch's names)"),
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
-                                                   "bnb 32-bit; ZeRO or universal checkpoints) <-> bnb 8-bit; reports "
-                                                   "the round-trip error"),
+                                                   "bnb 32-bit; ZeRO-1/2/3 or universal checkpoints) <-> bnb 8-bit; "
+                                                   "reports the round-trip error"),
                              ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the "
                                                    "current one (per-tensor checksums; with --trust, one that needs "
                                                    "trust or lost its manifest)")):

@@ -122,6 +122,8 @@ CLAIMS = {
                           "tests/unit/test_model_copy_engine.py"],
     "NVMe offload (ZeRO-3)": list(NVME_IDS),
     "control: stock + torch AdamW": ["tests/unit/test_stock_control.py"],
+    # the offline writers on a 2-rank ZeRO-3 checkpoint with frozen parameters, and convert of a stock ZeRO-3 one
+    "offline tools (ZeRO-3)": ["tests/distributed/test_offline_frozen.py", "tests/distributed/test_convert_zero3.py"],
 }
 # tests that cannot run for a cell, and why: they run bitsandbytes' own update on the CPU, which 0.49 does not have
 # (a claim left with none of its tests is n/a; one left with some says how many were n/a)
@@ -670,7 +672,8 @@ def render(results: dict, disk=None) -> str:
         "gloo ranks), written by `tools/compat_matrix.sh` (one cell: `tools/compat_matrix.sh --only deepspeed==X.Y.Z`;",
         f"one torch: `--only torch==X.Y.Z`). torch {TORCH} is the local CPU build; the other torch releases are PyPI's",
         "CUDA builds, run on the CPU. Each verdict gives the number of tests behind it; n/a: the claim cannot hold for",
-        "that release (why below). Time: the cell's tests (its environment is made once and reused).",
+        "that release (why below); blank: not run for that cell (a claim added after the cell's run at `commit`, or",
+        "one for other releases). Time: the cell's tests (its environment is made once and reused).",
         "",
         "| DeepSpeed | bitsandbytes | torch | Python | " + " | ".join(claims) + " | time | commit |",
         "|---|---|---|---|" + "---|" * len(claims) + "---:|---|",

@@ -49,7 +49,7 @@ from deepspeed_bnb.checkpoint.format.records import is_record
 from deepspeed_bnb.checkpoint.format.safe_load import forced_weights_only, load_file
 from deepspeed_bnb.checkpoint.format.sources import FileSource, rank_file_paths
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, consolidated_weights, \
-    frozen_zero3_weights
+    frozen_weights
 from deepspeed_bnb.checkpoint.tools.universal import refuse_for_stock_engine
 from deepspeed_bnb.installer import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime.universal_load import load_universal
@@ -381,7 +381,7 @@ def _frozen_weights(engine, plan: TagLoad, checkpoint) -> Dict:
     if not frozen:
         return {}
     sliced = plan.saved_stage == 3 and bool(plan.model_states.get(FROZEN_SHAPES))
-    held = frozen_zero3_weights(checkpoint()) if sliced else \
+    held = frozen_weights(checkpoint()) if sliced else \
         plan.model_states["module"] or {}  # None from a pipeline engine (layer files)
     weights = {}
     for name, param in frozen.items():

@@ -43,8 +43,9 @@ from deepspeed_bnb.runtime.zero.compat import PADDING_ENV, all_gather_object, ch
     flattens_with_autograd  # noqa: E402
 from deepspeed_bnb.checkpoint.format.param_state import gather_param_states  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
-from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,  # noqa: E402
-                             safe_set_full_optimizer_state, safe_set_local_optimizer_state)
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
+                             safe_get_local_optimizer_state, safe_set_full_optimizer_state,
+                             safe_set_local_optimizer_state)
 from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 from support.bnb_state import bnb_moments  # noqa: E402
 from support.toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model,  # noqa: E402
@@ -304,6 +305,38 @@ def scenario_stock_elastic(world, rank, out):
         return {"outcome": "failed", "type": type(exc).__name__, "message": str(exc)[:200],
                 "raised_in": where.name, "statement": where.line}
     return {"outcome": outcome}
+
+
+STOCK_ZERO3 = "stock_zero3"  # scenario_stock_zero3_save's folder under the launches' output
+
+
+def scenario_stock_zero3_save(world, rank, out):
+    """What a user converts to 8-bit state (`deepspeed-bnb convert`; test_convert_zero3.py): a stock ZeRO-3 run of
+    torch's AdamW with the FROZEN parameters frozen, 3 steps, saved with its state as DeepSpeed's own API gathers it
+    (reference_state.pt: each trained parameter's fp32 weights and moments, each frozen one's weights), then 3 more
+    steps."""
+    folder = os.path.join(out, STOCK_ZERO3, f"dp{world}")
+    model = make_model(0)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in FROZEN)
+    groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in param_groups(model)]
+    config = {**ds_config(world, stage=3), "zero_allow_untested_optimizer": True}
+    with stock_deepspeed():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups), config=config)
+    run_steps(engine, range(3), world, rank)
+    engine.save_checkpoint(folder, tag="t")
+    reference = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:  # collective: every rank asks, in the same order
+            reference[name] = {key: safe_get_full_optimizer_state(param, key).reshape(-1).clone()
+                               for key in ("exp_avg", "exp_avg_sq")}
+            reference[name]["fp32"] = safe_get_full_fp32_param(param).reshape(-1).clone()
+        else:
+            with deepspeed.zero.GatheredParameters([param]):
+                reference[name] = {"frozen": param.detach().reshape(-1).clone()}
+    if rank == 0:
+        torch.save(reference, os.path.join(folder, "reference_state.pt"))
+    return {"continued": run_steps(engine, range(3, 6), world, rank)}
 
 
 class WithMap(bnb.optim.AdamW8bit):
@@ -845,7 +878,7 @@ def scenario_fails_on_one_rank(world, rank, out):
 
 
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
-             "whole_mismatch": scenario_whole_mismatch,
+             "whole_mismatch": scenario_whole_mismatch, "stock_zero3_save": scenario_stock_zero3_save,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
              "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load,

@@ -5,7 +5,7 @@
   written here from the bnb formula;
 - convert reads a stock DeepSpeed torch.optim.AdamW checkpoint: to bnb 32-bit state exactly, to 8-bit within one
   code step of torch's moments (half a step, measured); 8-bit -> 32-bit is exact dequantization; engines load the
-  results and keep training.
+  results and keep training; a stock ZeRO-3 checkpoint without Adam's moments is refused by name.
 """
 
 import json
@@ -144,6 +144,18 @@ def test_convert_stock_adamw_to_8bit_within_one_code_step(stock_adamw, tmp_path)
             error = (qmap[codes.long()] * absmax[torch.arange(codes.numel()) // 256] - value).abs()
             assert (error <= code_gap(value, absmax, qmap)).all(), f"{name}.{key}"  # within one step
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
+
+
+def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, tmp_path):
+    """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name, and nothing is
+    written (the 2-rank ZeRO-3 AdamW conversion: tests/distributed/test_convert_zero3.py)."""
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    engine = build_engine(torch.optim.SGD, stock=True, stage=3, momentum=0.9)
+    train_steps(engine, range(1))
+    engine.save_checkpoint(str(tmp_path / "sgd"), tag="s")
+    with pytest.raises(CheckpointMismatchError, match=r"\['momentum_buffer'\].*not Adam's exp_avg / exp_avg_sq"):
+        convert(str(tmp_path / "sgd"), str(tmp_path / "out"), "8bit", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_8bit_to_32bit_is_exact_dequantization(saved, tmp_path):

@@ -3,11 +3,11 @@ parameter's optimizer-state rows with 8-bit codes dequantized. Read through Save
 
 zero_to_fp32 unpickles every file in full and globs the tag for files (listed in a manifest or not); this module is
 what deepspeed_bnb reads instead, for its own checkpoints (the records' master weights) and stock DeepSpeed's (ZeRO-1/2:
-the master partitions cut by `param_slice_mappings`; ZeRO-3: `fp32_flat_groups` in slices of ceil(numel / dp)), with
-ZeRO-3's frozen parameters joined from every rank's model states as zero_to_fp32 joins them.
+the master partitions cut by `param_slice_mappings`; ZeRO-3: `fp32_flat_groups` in slices of ceil(numel / dp),
+stock_zero3.py), with the frozen parameters ZeRO-2/3 saves record (ZeRO-3's slices joined from every rank's model
+states as zero_to_fp32 joins them).
 """
 
-import math
 import os
 from collections import OrderedDict
 from typing import Dict, List
@@ -16,12 +16,13 @@ import torch
 from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
 
 from deepspeed_bnb.checkpoint.format import constants as C
+from deepspeed_bnb.checkpoint.format import stock_zero3
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.ops.reference import dequantize_blockwise
 
-FROZEN_SHAPES, FROZEN_FRAGMENTS = "frozen_param_shapes", "frozen_param_fragments"  # DeepSpeed's ZeRO-3 entries
+FROZEN_SHAPES, FROZEN_FRAGMENTS = "frozen_param_shapes", "frozen_param_fragments"  # DeepSpeed's ZeRO-2/3 entries
 
 
 def fp32_moments(state: dict) -> list:
@@ -42,7 +43,7 @@ def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     """fp32 weights of every trained parameter, plus the model's other tensors (buffers, frozen) as saved."""
     states = ckpt.model_states
     weights = {name: tensor for name, tensor in (states["module"] or {}).items()}
-    weights.update(frozen_zero3_weights(ckpt))
+    weights.update(frozen_weights(ckpt))
     weights.update(trained_weights(ckpt))
     for name, source in states.get("shared_params", {}).items():
         weights[name] = weights[source]  # tied weights: the same tensor under both names
@@ -52,7 +53,7 @@ def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
 def trained_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     """name -> fp32 weights (the parameter's shape) of every parameter the optimizer trained."""
     if not ckpt.is_deepspeed_bnb and ckpt.zero_stage == 3:
-        return _stock_zero3_weights(ckpt)
+        return stock_zero3.fp32_weights(ckpt)
     weights = {}
     for g, shapes in enumerate(ckpt.param_shapes()):
         masters = ckpt.master_weights(g) if ckpt.is_deepspeed_bnb else stock_master_weights(ckpt, g)
@@ -86,51 +87,44 @@ def stock_master_weights(ckpt: SavedCheckpoint, g: int) -> List[torch.Tensor]:
     return out
 
 
-def _stock_zero3_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
-    """A stock ZeRO-3 checkpoint's trained parameters: each rank's `fp32_flat_groups` joined, every parameter a slice
-    of ceil(numel / dp) per rank in `param_shapes` order (zero_to_fp32's reading)."""
-    shapes = [(name, torch.Size(shape)) for group in ckpt.param_shapes() for name, shape in group.items()]
-    slices = [math.ceil(shape.numel() / ckpt.dp) for _, shape in shapes]
-    flats = []
-    for rank in range(ckpt.dp):
-        groups = ckpt.optimizer_state(rank).get(C.FP32_FLAT_GROUPS_KEY)
-        if not isinstance(groups, list) or not all(torch.is_tensor(t) for t in groups) or \
-                sum(t.numel() for t in groups) < sum(slices):
-            raise CheckpointMismatchError(f"{ckpt.source.name(rank)}: '{C.FP32_FLAT_GROUPS_KEY}' does not hold the "
-                                          f"{sum(slices):,} elements its model states' parameters take on each rank; "
-                                          f"the files are malformed or of different runs.")
-        flats.append(torch.cat([t.reshape(-1) for t in groups]))
-    weights, offset = {}, 0
-    for (name, shape), size in zip(shapes, slices):
-        joined = torch.cat([flat.narrow(0, offset, size) for flat in flats])
-        weights[name] = joined.narrow(0, 0, shape.numel()).reshape(shape).float().clone()
-        offset += size
-    return weights
+def frozen_weights(ckpt) -> Dict[str, torch.Tensor]:
+    """The frozen parameters' full weights as the tag holds them, in their saved dtype; empty where it holds none.
 
-
-def frozen_zero3_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
-    """ZeRO-3's frozen parameters: partitioned like the trained ones, each rank's slice kept in its own model states
-    (`frozen_param_fragments`) with the shapes in rank 0's (`frozen_param_shapes`); empty for other checkpoints."""
+    DeepSpeed's ZeRO-2 and ZeRO-3 saves record parameters the optimizer does not own (`frozen_param_shapes`, and
+    `frozen_param_fragments`: what each rank holds of them). A ZeRO-2 rank holds them whole, in the one model-states
+    file; a ZeRO-3 rank holds its slice of ceil(numel / dp) elements (zero-padded at the end), in its own
+    `zero_pp_rank_<r>` model states. Per parameter: rank 0's fragment where it covers the parameter (a ZeRO-2 tag, or
+    one ZeRO-3 rank), else the slices of ranks 0, 1, ... joined as zero_to_fp32 joins them."""
     shapes = ckpt.model_states.get(FROZEN_SHAPES)
     if not shapes:
         return {}
+    first = getattr(ckpt, "model_states_path", ckpt.tag_dir)  # a universal checkpoint's has no such property
     if not isinstance(shapes, dict):
-        raise CheckpointMismatchError(f"{ckpt.model_states_path}: '{FROZEN_SHAPES}' is not a map of names to shapes.")
-    fragments = []
-    for rank in range(ckpt.dp):
-        path = os.path.join(ckpt.tag_dir, C.STAGE3_MODEL_STATES.format(rank))
-        states = ckpt.model_states if rank == 0 else check_model_states(load_file(path), path)
+        raise CheckpointMismatchError(f"{first}: '{FROZEN_SHAPES}' is not a map of names to shapes.")
+    ranks = [(first, ckpt.model_states)]  # (path, model states) of ranks 0, 1, ... read so far
+
+    def fragments(rank: int) -> dict:
+        while len(ranks) <= rank:
+            path = os.path.join(ckpt.tag_dir, C.STAGE3_MODEL_STATES.format(len(ranks)))
+            ranks.append((path, check_model_states(load_file(path), path)))
+        path, states = ranks[rank]
         found = states.get(FROZEN_FRAGMENTS)
-        if not isinstance(found, dict) or set(found) != set(shapes):
-            raise CheckpointMismatchError(f"{path}: '{FROZEN_FRAGMENTS}' does not hold this rank's slice of every "
+        if not isinstance(found, dict) or set(found) != set(shapes) or \
+                not all(torch.is_tensor(found[name]) for name in shapes):
+            raise CheckpointMismatchError(f"{path}: '{FROZEN_FRAGMENTS}' does not hold this rank's share of every "
                                           f"frozen parameter {sorted(shapes)[:5]}; the files are of different runs.")
-        fragments.append(found)
+        return found
+
     weights = {}
     for name, shape in shapes.items():
-        parts = [rank_fragments[name] for rank_fragments in fragments]
         numel = torch.Size(shape).numel()
-        if not all(torch.is_tensor(p) for p in parts) or sum(p.numel() for p in parts) < numel:
-            raise CheckpointMismatchError(f"{ckpt.tag_dir}: the slices of frozen parameter {name} hold fewer than its "
-                                          f"{numel} elements; the files are of different runs.")
-        weights[name] = torch.cat([p.reshape(-1) for p in parts]).narrow(0, 0, numel).reshape(shape).clone()
+        parts, held = [], 0
+        while held < numel or not parts:
+            part = fragments(len(parts))[name].reshape(-1)
+            if part.numel() == 0 and numel > 0:
+                raise CheckpointMismatchError(f"{ckpt.tag_dir}: the slices of frozen parameter {name} hold fewer than "
+                                              f"its {numel} elements; the files are of different runs.")
+            parts.append(part)
+            held += part.numel()
+        weights[name] = torch.cat(parts).narrow(0, 0, numel).reshape(shape).clone()
     return weights

@@ -1,12 +1,12 @@
 """Offline precision switch: 32-bit Adam state (torch / DeepSpeed AdamW, bnb 32-bit) <-> bnb 8-bit blockwise state.
 
-Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2 checkpoint or a DeepSpeed universal checkpoint
-(universal.py) of an Adam-family optimizer (`exp_avg`, `exp_avg_sq`), joins every parameter's moments, and writes a
-deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any) for the target
-bnb optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the nearest code
-(ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot hold 0), fp32
-parameters keep the moments exactly. The report gives the round-trip error of the quantized moments against the gap
-between the two codes around each value (one quantization step): at most 0.5 by construction.
+Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2/3 checkpoint (ZeRO-3: format/stock_zero3.py) or a
+DeepSpeed universal checkpoint (universal.py) of an Adam-family optimizer (`exp_avg`, `exp_avg_sq`), joins every
+parameter's moments, and writes a deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any)
+for the target bnb optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the
+nearest code (ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot
+hold 0), fp32 parameters keep the moments exactly. The report gives the round-trip error of the quantized moments
+against the gap between the two codes around each value (one quantization step): at most 0.5 by construction.
 `--master-weights` switches the master weights between fp32, bf16 and compensated bf16+8 (switch_master_weights
 alone, or with --to), exactly where the target holds the values and rounded as that mode rounds otherwise.
 """
@@ -25,6 +25,7 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
+from deepspeed_bnb.checkpoint.format.stock_zero3 import StockZero3, not_adam_state
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, source_master_mode, write_rank_files
 from deepspeed_bnb.checkpoint.tools.reshape import reshape
@@ -85,8 +86,7 @@ def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Te
         else:  # elastic: one trimmed state dict per group
             flat = base[g]
         if "exp_avg" not in flat or "exp_avg_sq" not in flat:
-            raise CheckpointMismatchError(f"{ckpt.source.name(rank)} holds optimizer state keys {sorted(flat)}, not "
-                                          f"Adam's exp_avg / exp_avg_sq: convert cannot read it.")
+            raise not_adam_state(ckpt.source.name(rank), list(flat))
         value = flat.get("step", state.get(BASE_OPTIMIZER_STATE_STEP))
         step = int(value.item() if torch.is_tensor(value) else value) if value is not None else step
         for name, address in state[PARAM_SLICE_MAPPINGS][g].items():
@@ -190,10 +190,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
     if ours:
         ckpt.refuse_experts("deepspeed-bnb convert")
     if not ours and not universal and ckpt.zero_stage == 3:
-        raise CheckpointMismatchError(f"{ckpt.tag_dir} is a stock DeepSpeed ZeRO-3 checkpoint; convert reads stock "
-                                      f"ZeRO-1/2 ones (and deepspeed_bnb checkpoints of any stage). Load it into a "
-                                      f"stock ZeRO-1/2 engine of the same DP size and save again, or train on from "
-                                      f"its weights (load_optimizer_states=False).")
+        ckpt = StockZero3(ckpt)  # per param group, its sub-groups joined
     plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress)
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
 
@@ -218,6 +215,8 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         elif ours:
             moments, master = _moments_of_record(ckpt, g), ckpt.master_weights(g)
             hyper = ckpt.groups[g][C.HYPERPARAMS_KEY]
+        elif isinstance(ckpt, StockZero3):
+            moments, master, hyper = ckpt.moments(g), ckpt.master_weights(g), ckpt.hyperparams(g)
         else:
             moments, master = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g)
             hyper = _stock_hyperparams(ckpt, g)

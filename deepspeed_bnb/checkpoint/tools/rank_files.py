@@ -7,6 +7,7 @@ model-states file per rank; stage 1/2 files hold `single_partition_of_fp32_group
 """
 
 import copy
+import math
 import os
 import shutil
 from collections import OrderedDict
@@ -26,11 +27,14 @@ from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_stage
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
+from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, frozen_weights
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.state_layout import ShardedLayout
 
+# rewritten per stage (OPTIMIZER_STATE_DICT: a stock ZeRO-3 source's torch state_dict inside its ZeRO state, which the
+# records replace; deepspeed_bnb's ZeRO-3 saves drop it too)
 STAGE_SPECIFIC = (C.BASE_OPTIMIZER_STATE_KEY, C.MASTER_WEIGHTS_KEY, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS,
-                  C.PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY)  # rewritten per stage
+                  C.PARAM_ALIGNMENT_PADDINGS, PARAM_SLICE_MAPPINGS, C.FP32_FLAT_GROUPS_KEY, OPTIMIZER_STATE_DICT)
 
 
 def rank_file_name(rank: int, bf16: bool, mp_rank: int = 0) -> str:
@@ -81,10 +85,12 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
     return state
 
 
-def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
+def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optional[dict] = None) -> dict:
     """The checkpoint's model states for `dp` ranks at `stage`. Module weights the source does not hold (universal
     checkpoints and plain bnb runs carry none; stage-3 files empty ones, which a stage-3 target keeps as DeepSpeed
-    writes them) become the fp32 master weights, in the module's dtype where known (for a stage-3 target: empty ones)."""
+    writes them) become the fp32 master weights, in the module's dtype where known (for a stage-3 target: empty ones).
+    `frozen`: the source's frozen parameters, whole (weights.frozen_weights): a stage-1/2 target holds them whole in
+    `module` and in its fragments; a stage-3 target's fragments are each rank's own (frozen_fragments)."""
     states = dict(ckpt.model_states)
     states["dp_world_size"] = dp
     config = copy.deepcopy(states.get("ds_config"))
@@ -105,8 +111,29 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int) -> dict:
             # a ZeRO-3 target: the empty placeholder DeepSpeed's ZeRO-3 save writes (its engine takes the weights from
             # fp32_flat_groups, and refuses a whole tensor for a partitioned parameter)
             module[name] = master.new_empty(0, dtype=dtype) if stage == 3 else master.reshape(shape).to(dtype)
+    if frozen and stage != 3:
+        for name, weights in frozen.items():  # a stage-3 source's module holds empty placeholders of them
+            if name not in module or module[name].numel() != weights.numel():
+                module[name] = weights.to(module[name].dtype if name in module else weights.dtype)
+        states[FROZEN_FRAGMENTS] = dict(frozen)
     states["module"] = module
     return states
+
+
+def frozen_fragments(frozen: dict, rank: int, dp: int) -> dict:
+    """What rank `rank` of a ZeRO-3 run at `dp` ranks holds of each frozen parameter, as DeepSpeed's save writes it
+    (`frozen_param_fragments`): elements [rank * n, (rank + 1) * n) of the flattened tensor, n = ceil(numel / dp),
+    zero-padded past its end (the partition DeepSpeed's ZeRO-3 gives every parameter)."""
+    out = {}
+    for name, weights in frozen.items():
+        flat = weights.reshape(-1)
+        size = math.ceil(flat.numel() / dp)
+        piece = flat.new_zeros(size)
+        start = min(rank * size, flat.numel())
+        real = flat.narrow(0, start, min(size, flat.numel() - start))
+        piece.narrow(0, 0, real.numel()).copy_(real)
+        out[name] = piece
+    return out
 
 
 class RanklessSource:
@@ -179,12 +206,15 @@ def _stage_rank_files(ckpt, staged: str, dp: int, fill, optimizer_class: str, op
                       stage: int, mode: str, mp_rank: int, mp_size: int):
     """One model-parallel rank's model states and rank files into `staged`; returns its groups' description."""
     switched = mode != source_master_mode(ckpt)  # the source's own values are what their mode holds already
-    states = model_states_for(ckpt, dp, stage)
+    frozen = frozen_weights(ckpt)
+    states = model_states_for(ckpt, dp, stage, frozen)
     states["mp_world_size"] = mp_size
-    names = [STAGE3_MODEL_STATES_OF.format(rank, mp_rank) for rank in range(dp)] if stage == 3 else \
-        [MODEL_STATES_OF.format(mp_rank)]
-    for name in names:
-        torch.save(states, os.path.join(staged, name))
+    if stage == 3:  # one model-states file per rank: each with that rank's slices of the frozen parameters
+        for rank in range(dp):
+            own = {**states, FROZEN_FRAGMENTS: frozen_fragments(frozen, rank, dp)} if frozen else states
+            torch.save(own, os.path.join(staged, STAGE3_MODEL_STATES_OF.format(rank, mp_rank)))
+    else:
+        torch.save(states, os.path.join(staged, MODEL_STATES_OF.format(mp_rank)))
     masters = {}
 
     def full_masters(g):  # every parameter's fp32 weights, read once per group (stage-3 targets only)
