@@ -146,6 +146,27 @@ def test_convert_stock_adamw_to_8bit_within_one_code_step(stock_adamw, tmp_path)
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
 
 
+def test_convert_joins_a_stock_zero3_checkpoints_sub_groups(one_rank, tmp_path):
+    """A stock ZeRO-3 run whose param groups are split into several sub-groups (`sub_group_size`): convert to bnb's
+    32-bit AdamW gives every parameter DeepSpeed's own moments (safe_get_full_optimizer_state) and each param group its
+    hyper-parameters, in an engine of one sub-group per param group."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+    from support.bnb_state import engine_param_states
+    stock = build_engine(torch.optim.AdamW, stock=True, stage=3, zero={"sub_group_size": 2000})
+    assert len(stock.optimizer.fp16_groups) > 2  # the toy's two param groups in more sub-groups than that
+    train_steps(stock, range(2))
+    stock.save_checkpoint(str(tmp_path / "stock"), tag="s")
+    moments = {name: [safe_get_full_optimizer_state(p, key).reshape(-1).clone() for key in ("exp_avg", "exp_avg_sq")]
+               for name, p in stock.module.named_parameters()}
+    convert(str(tmp_path / "stock"), str(tmp_path / "c32"), "32bit", progress=False)
+    engine = build_engine(bnb.optim.AdamW, seed=1, lr=5e-2, stage=3)
+    engine.load_checkpoint(str(tmp_path / "c32"))
+    for name, state in engine_param_states(engine).items():
+        assert torch.equal(state["state1"].reshape(-1), moments[name][0]), name
+        assert torch.equal(state["state2"].reshape(-1), moments[name][1]), name
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [1e-3, 5e-4]  # the stock run's, not the builder's
+
+
 def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, tmp_path):
     """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name, and nothing is
     written (the 2-rank ZeRO-3 AdamW conversion: tests/distributed/test_convert_zero3.py)."""
