@@ -167,6 +167,22 @@ def test_convert_joins_a_stock_zero3_checkpoints_sub_groups(one_rank, tmp_path):
     assert [g["lr"] for g in engine.optimizer.param_groups] == [1e-3, 5e-4]  # the stock run's, not the builder's
 
 
+@pytest.mark.parametrize("dp", [1, 3])
+def test_a_stage3_engine_loads_a_zero2_checkpoint_reshaped_for_stage3(saved, tmp_path, dp):
+    """reshape of a ZeRO-2 checkpoint (whole weights in its model states) for ZeRO-3 writes DeepSpeed's stage-3 model
+    states (an empty placeholder per parameter), which a ZeRO-3 engine loads: every parameter's state and weights as
+    the saving engine held them (from 3 ranks' files too)."""
+    from support.bnb_state import engine_param_states
+    from support.toy import gathered_weights
+    folder, engine = saved
+    reshape(folder, str(tmp_path / "stage3"), dp, progress=False, stage=3)
+    fresh = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, stage=3)
+    fresh.load_checkpoint(str(tmp_path / "stage3"))
+    assert_same(engine_param_states(fresh), snapshot(engine))
+    expected = gathered_weights(engine)
+    assert all(torch.equal(weights, expected[name]) for name, weights in gathered_weights(fresh).items())
+
+
 def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, tmp_path):
     """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name, and nothing is
     written (the 2-rank ZeRO-3 AdamW conversion: tests/distributed/test_convert_zero3.py)."""

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 
+import bitsandbytes as bnb
 import deepspeed
 import pytest
 import torch
@@ -137,6 +138,28 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
         assert torch.equal(p.detach().reshape(-1), reference["fp32"]), names[p]
         assert torch.equal(again["fp32"], reference["fp32"]), names[p]
     assert eight_bit >= 4  # the 8-bit path was exercised
+    train_steps(engine, range(STEPS, STEPS + 1))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_engine_of_ours_loads_deepspeeds_universal_checkpoint_of_a_torch_run(one_rank, tmp_path, stage):
+    """ds_to_universal's output of a stock ZeRO-2 torch AdamW run (its model states hold whole weights) loads into an
+    AdamW8bit engine with `load_universal` at ZeRO-2 and ZeRO-3 (whose rewritten files must hold DeepSpeed's stage-3
+    placeholders, not whole weights): the weights torch's fp32 weights exactly, and it trains on."""
+    from support.toy import gathered_weights
+    stock = torch_adamw_engine(2, universal=False, lr=1e-3, seed=0)
+    train_steps(stock, range(STEPS))
+    stock.save_checkpoint(str(tmp_path / "torch"), tag="t")
+    fp32 = {name: safe_get_full_fp32_param(p).clone() for name, p in stock.module.named_parameters()}
+    code, log = ds_to_universal(str(tmp_path / "torch" / "t"), str(tmp_path / "torch" / "t_universal"))
+    assert code == 0, log[-3000:]
+    model = make_model(1)
+    optimizer = bnb.optim.AdamW8bit(param_groups(model, lr=5e-2), min_8bit_size=MIN_8BIT_SIZE)
+    config = {**ds_config(1, stage=stage), "checkpoint": {"load_universal": True}}
+    engine = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+    engine.load_checkpoint(str(tmp_path / "torch"), tag="t_universal")
+    for name, weights in gathered_weights(engine).items():
+        assert torch.equal(weights, fp32[name]), name
     train_steps(engine, range(STEPS, STEPS + 1))
 
 

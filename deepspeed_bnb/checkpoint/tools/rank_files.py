@@ -86,11 +86,13 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
 
 
 def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optional[dict] = None) -> dict:
-    """The checkpoint's model states for `dp` ranks at `stage`. Module weights the source does not hold (universal
-    checkpoints and plain bnb runs carry none; stage-3 files empty ones, which a stage-3 target keeps as DeepSpeed
-    writes them) become the fp32 master weights, in the module's dtype where known (for a stage-3 target: empty ones).
-    `frozen`: the source's frozen parameters, whole (weights.frozen_weights): a stage-1/2 target holds them whole in
-    `module` and in its fragments; a stage-3 target's fragments are each rank's own (frozen_fragments)."""
+    """The checkpoint's model states for `dp` ranks at `stage`, module weights as DeepSpeed's save of that stage holds
+    them. A stage-3 target: an empty placeholder for every trained and frozen parameter (its engine takes the trained
+    weights from fp32_flat_groups and the frozen ones from each rank's fragments, frozen_fragments, and refuses a whole
+    tensor for a partitioned parameter). A stage-1/2 target: every parameter whole, the trained ones the fp32 master
+    weights where the source holds none (universal checkpoints and plain bnb runs carry none, stage-3 files
+    placeholders), in the module's dtype where known; `frozen` (the source's frozen parameters, whole:
+    weights.frozen_weights) whole in `module` and in its fragments. Buffers stay as the source holds them."""
     states = dict(ckpt.model_states)
     states["dp_world_size"] = dp
     config = copy.deepcopy(states.get("ds_config"))
@@ -98,20 +100,21 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optiona
         config.setdefault("zero_optimization", {})["stage"] = stage
         states["ds_config"] = config
     module = dict(states.get("module") or {})
+    if stage == 3:
+        for name in [name for shapes in ckpt.param_shapes() for name in shapes] + list(frozen or {}):
+            module[name] = torch.empty(0, dtype=module[name].dtype if name in module else torch.float32)
+        states["module"] = module
+        return states
     def held(name, shape):
-        return name in module and (stage == 3 or module[name].numel() == shape.numel())
+        return name in module and module[name].numel() == torch.Size(shape).numel()
 
     for g, shapes in enumerate(ckpt.param_shapes()):
         if all(held(name, shape) for name, shape in shapes.items()):
             continue
         for (name, shape), master in zip(shapes.items(), ckpt.master_weights(g)):
-            if held(name, shape):
-                continue
-            dtype = module[name].dtype if name in module else torch.float32
-            # a ZeRO-3 target: the empty placeholder DeepSpeed's ZeRO-3 save writes (its engine takes the weights from
-            # fp32_flat_groups, and refuses a whole tensor for a partitioned parameter)
-            module[name] = master.new_empty(0, dtype=dtype) if stage == 3 else master.reshape(shape).to(dtype)
-    if frozen and stage != 3:
+            if not held(name, shape):
+                module[name] = master.reshape(shape).to(module[name].dtype if name in module else torch.float32)
+    if frozen:
         for name, weights in frozen.items():  # a stage-3 source's module holds empty placeholders of them
             if name not in module or module[name].numel() != weights.numel():
                 module[name] = weights.to(module[name].dtype if name in module else weights.dtype)
