@@ -4,6 +4,7 @@ deepspeed_bnb active in its processes."""
 
 import argparse
 import contextlib
+import json
 import sys
 import traceback
 
@@ -59,8 +60,23 @@ def _convert(args):
         return
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage,
-                     allow_large_dp=args.allow_large_dp, master_mode=args.master_weights)
+                     allow_large_dp=args.allow_large_dp, master_mode=args.master_weights,
+                     param_groups=_param_groups(args.param_groups))
     print(report)
+
+
+def _param_groups(text):
+    """--param-groups: a JSON list of objects (each param group's hyper-parameters), or None."""
+    if text is None:
+        return None
+    try:
+        groups = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"convert: --param-groups is not JSON ({exc}); give a list of objects, one per param group, "
+                         f"e.g. '[{{\"lr\": 1e-4, \"weight_decay\": 0.1}}]'") from None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"convert: --param-groups must be a JSON list of objects, one per param group; got {text!r}")
+    return groups
 
 
 def _run(args):
@@ -219,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
                          help="bnb optimizer class the converted checkpoint is for (default: "
                               "bitsandbytes.optim.adamw.AdamW8bit for --to 8bit, bitsandbytes.optim.adamw.AdamW for "
                               "--to 32bit); build the engine with the same class")
+    convert.add_argument("--param-groups", default=None, metavar="JSON",
+                         help="each param group's hyper-parameters as a JSON list of objects, in the run's order, for "
+                              "an elastic stock ZeRO-1/2 checkpoint (elastic_checkpoint: true keeps none), e.g. "
+                              "'[{\"lr\": 1e-4, \"weight_decay\": 0.1}, {\"lr\": 1e-4, \"weight_decay\": 0.0}]'")
     convert.add_argument("--min-8bit-size", type=int, default=4096,
                          help="with --to 8bit: parameters with fewer elements keep fp32 state, as bnb does "
                               "(default 4096; use the min_8bit_size the new optimizer is built with)")

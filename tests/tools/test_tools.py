@@ -183,6 +183,36 @@ def test_a_stage3_engine_loads_a_zero2_checkpoint_reshaped_for_stage3(saved, tmp
     assert all(torch.equal(weights, expected[name]) for name, weights in gathered_weights(fresh).items())
 
 
+def test_convert_takes_an_elastic_stock_checkpoints_hyperparameters_from_the_user(one_rank, tmp_path):
+    """An elastic stock ZeRO-1 checkpoint (elastic_checkpoint: true) keeps no param group hyper-parameters: convert
+    refuses to guess them (it gave every group the target class's defaults before), and with --param-groups writes
+    those given, the moments the stock run's."""
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    stock = build_engine(torch.optim.AdamW, stock=True, stage=1, zero={"elastic_checkpoint": True})
+    train_steps(stock, range(2))
+    stock.save_checkpoint(str(tmp_path / "elastic"), tag="e")
+    opt = stock.optimizer
+    moments = {}
+    for g, params in enumerate(opt.bit16_groups):
+        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
+        for p in params:
+            address = p._hp_mapping.get_hp_fragment_address()
+            moments[opt.param_names[p]] = flat["exp_avg"].narrow(0, address.start, address.numel)
+    with pytest.raises(CheckpointMismatchError, match="elastic_checkpoint: true.*--param-groups, a JSON list of 2"):
+        convert(str(tmp_path / "elastic"), str(tmp_path / "guessed"), "32bit", progress=False)
+    with pytest.raises(ValueError, match="gives 1 param group"):
+        convert(str(tmp_path / "elastic"), str(tmp_path / "one"), "32bit", progress=False, param_groups=[{}])
+    given = [{"lr": 1e-3, "weight_decay": 0.1}, {"lr": 5e-4, "weight_decay": 0.0}]  # the run's (support.toy)
+    convert(str(tmp_path / "elastic"), str(tmp_path / "c32"), "32bit", progress=False, param_groups=given)
+    written = SavedCheckpoint(str(tmp_path / "c32"))
+    assert [{k: g["hyperparams"][k] for k in ("lr", "weight_decay")} for g in written.groups] == given
+    engine = build_engine(bnb.optim.AdamW, seed=1, lr=5e-2, stage=1)
+    engine.load_checkpoint(str(tmp_path / "c32"))
+    for name, s in snapshot(engine).items():
+        assert torch.equal(s["state1"], moments[name].reshape(s["state1"].shape)), name
+    assert [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups] == [(1e-3, 0.1), (5e-4, 0.0)]
+
+
 def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, tmp_path):
     """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name, and nothing is
     written (the 2-rank ZeRO-3 AdamW conversion: tests/distributed/test_convert_zero3.py)."""
@@ -226,6 +256,9 @@ def test_cli_help_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["reshape", str(tmp_path), str(tmp_path / "o")])  # --dp is required
     assert "--dp" in capsys.readouterr().err
+    for groups in ("[{lr: 1}]", "{}", "[1]"):  # not JSON; not a list; not objects
+        assert main(["convert", str(tmp_path), str(tmp_path / "o"), "--to", "8bit", "--param-groups", groups]) == 2
+        assert "--param-groups" in capsys.readouterr().err
     done = subprocess.run([sys.executable, "-m", "deepspeed_bnb", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "inspect" in done.stdout and "convert" in done.stdout
 

@@ -95,12 +95,29 @@ def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Te
     return [([torch.cat(parts[0]), torch.cat(parts[1])], step or 0) for parts in pieces.values()]
 
 
-def _stock_hyperparams(ckpt: SavedCheckpoint, g: int) -> dict:
+def _stock_hyperparams(ckpt: SavedCheckpoint, g: int, given: Optional[List[dict]]) -> dict:
+    """Param group g's hyper-parameters: a rigid stock checkpoint's own (its torch state_dict's param groups); for an
+    elastic one, which keeps none, `given` (the user's, one dict per group), else an error saying so."""
     base = ckpt.optimizer_state(0)[BASE_OPTIMIZER_STATE]
     if isinstance(base, dict):
+        if given is not None:
+            raise ValueError(f"convert: --param-groups is for elastic stock checkpoints, which keep no hyper-"
+                             f"parameters; {ckpt.tag_dir} holds each param group's own (they are used)")
         return {k: v for k, v in base["param_groups"][g].items() if k != "params"}
-    params = ckpt.source.blob(0).get("ds_config", {}).get("optimizer", {}).get("params", {})
-    return dict(params)  # elastic stock checkpoints keep no param groups: the ds_config's optimizer section
+    # DeepSpeed's elastic ZeRO-1/2 save (elastic_checkpoint: true) keeps each group's moments only, and its load
+    # keeps the loading engine's hyper-parameters; the ds_config's optimizer section is empty for a client optimizer
+    # and a default for every group otherwise, so nothing in the files says what each group had
+    if given is None:
+        raise CheckpointMismatchError(
+            f"{ckpt.tag_dir} is an elastic stock DeepSpeed checkpoint (zero_optimization.elastic_checkpoint: true): "
+            f"it keeps each param group's moments but not its hyper-parameters (lr, betas, eps, weight_decay), and "
+            f"convert will not guess them. Give them with --param-groups, a JSON list of {len(base)} object(s) in the "
+            f"run's param-group order, e.g. '[{{\"lr\": 1e-4, \"weight_decay\": 0.1}}, {{\"lr\": 1e-4, "
+            f"\"weight_decay\": 0.0}}]' (keys left out take the target class's defaults); or load only its weights "
+            f"into a deepspeed_bnb engine (load_optimizer_states=False) and train on.")
+    if len(given) != len(base):
+        raise ValueError(f"convert: --param-groups gives {len(given)} param group(s); {ckpt.tag_dir} has {len(base)}")
+    return dict(given[g])
 
 
 def group_filler(plans, shapes, stage: int, dp: int):
@@ -158,10 +175,12 @@ def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = T
 
 def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_size: int = 4096,
             progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None,
-            allow_large_dp: bool = False, master_mode: Optional[str] = None) -> str:
+            allow_large_dp: bool = False, master_mode: Optional[str] = None,
+            param_groups: Optional[List[dict]] = None) -> str:
     """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
     files to write for a universal checkpoint (which has neither; default 1 and 2); other inputs keep theirs (reshape
-    changes them). `master_mode`: the master weights to write (default: the source's; fp32 for stock sources)."""
+    changes them). `master_mode`: the master weights to write (default: the source's; fp32 for stock sources).
+    `param_groups`: each param group's hyper-parameters, for an elastic stock checkpoint (which keeps none)."""
     if master_mode is not None:
         master_weights.check_mode(master_mode, "convert --master-weights")
     if to not in DEFAULT_CLASS:
@@ -191,7 +210,11 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
         ckpt.refuse_experts("deepspeed-bnb convert")
     if not ours and not universal and ckpt.zero_stage == 3:
         ckpt = StockZero3(ckpt)  # per param group, its sub-groups joined
-    plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress)
+    if param_groups is not None and (ours or universal or isinstance(ckpt, StockZero3)):
+        raise ValueError(f"convert: --param-groups is for elastic stock ZeRO-1/2 checkpoints, which keep no hyper-"
+                         f"parameters; {path} holds each param group's own (they are used)")
+    plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress,
+                                            param_groups)
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
 
     written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress,
@@ -202,9 +225,11 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
             f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")
 
 
-def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bool, ours: bool, progress: bool):
+def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bool, ours: bool, progress: bool,
+              param_groups: Optional[List[dict]] = None):
     """Per param group of `ckpt`: (eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
-    weights) for target class `cls` at precision `to`; with the shapes, bnb's update rule and the report's counts."""
+    weights) for target class `cls` at precision `to`; with the shapes, bnb's update rule and the report's counts.
+    `param_groups`: the groups' hyper-parameters where an elastic stock source keeps none (convert)."""
     shapes = ckpt.param_shapes()
     report = {"params": 0, "8bit": 0, "fp32": 0, "kept": 0, "worst_step_ratio": 0.0, "worst_abs_error": 0.0}
 
@@ -219,7 +244,7 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
             moments, master, hyper = ckpt.moments(g), ckpt.master_weights(g), ckpt.hyperparams(g)
         else:
             moments, master = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g)
-            hyper = _stock_hyperparams(ckpt, g)
+            hyper = _stock_hyperparams(ckpt, g, param_groups)
         optimizer = _build(cls, target, hyper)
         rule = getattr(optimizer, "optimizer_name", None)
         carries_over = universal and ckpt.optimizer_name == rule  # an 8-bit universal source of the same rule
