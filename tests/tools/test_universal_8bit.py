@@ -7,6 +7,8 @@ into ZeRO files keeps it bit for bit; an engine of ours with `load_universal` lo
 state bit for bit and then trains exactly as the uninterrupted run does; the state files are at most 0.3x the bytes of the fp32 (stock) kind's for a
 model of realistic parameter sizes. Controls: the stock kind of the same checkpoint is not bit for bit (its moments
 are requantized on the way back: the resumed losses differ, slightly), and a stock engine is refused on the 8-bit kind instead of starting fresh moments.
+Buffers and frozen parameters (which zero/ does not hold) come back from its model states into an engine of ours built
+with other values, at the saving stage and another.
 DeepSpeed's own converter (ds_to_universal.main, called in-process as DeepSpeed's tests call it) writes the 8-bit kind
 for a checkpoint of ours while deepspeed_bnb is imported (control: DeepSpeed's original fails on it) and still
 converts a stock checkpoint itself.
@@ -217,3 +219,38 @@ def test_deepspeeds_converter_still_converts_stock_checkpoints(one_rank, tmp_pat
     name = next(iter(dict(engine.module.named_parameters())))
     assert sorted(os.listdir(tmp_path / "s_universal" / "zero" / name)) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt",
                                                                             "step.pt"]
+
+
+def frozen_buffer_engine(seed: int, stage: int, universal: bool = False):
+    """The toy with a persistent buffer and frozen parameters (support.distributed_scenarios' FROZEN), one rank."""
+    from support.distributed_scenarios import FROZEN
+    model = make_model(seed)
+    model.register_buffer("scale", torch.randn(5, generator=torch.Generator().manual_seed(seed)))
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in FROZEN)
+        if name in FROZEN:  # values of their own per seed (the toy's layer norm starts at ones and zeros)
+            param.data.normal_(generator=torch.Generator().manual_seed(seed))
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
+    config = {**ds_config(1, stage=stage), **({"checkpoint": {"load_universal": True}} if universal else {})}
+    optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+@pytest.mark.parametrize("saved_stage,stage", [(2, 2), (3, 3), (3, 1)])
+def test_the_universal_checkpoint_keeps_buffers_and_frozen_parameters(one_rank, tmp_path, saved_stage, stage):
+    """What zero/ does not hold, the model states of the universal export do: a buffer and the frozen parameters come
+    back in an engine of ours built with other values (a strict load of the module), at the saving stage and another;
+    the trained weights are the saved master weights."""
+    from support.toy import gathered_weights
+    engine = frozen_buffer_engine(0, saved_stage)
+    train_steps(engine, range(STEPS))
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    expected = {**gathered_weights(engine), "scale": engine.module.scale.clone()}
+    export(str(tmp_path / "ckpt" / "t"), str(tmp_path / "universal"), universal=True, progress=False)
+    fresh = frozen_buffer_engine(1, stage, universal=True)
+    assert not torch.equal(fresh.module.scale, expected["scale"])  # control: the loader starts elsewhere
+    fresh.load_checkpoint(str(tmp_path / "universal"), load_module_strict=True)
+    got = {**gathered_weights(fresh), "scale": fresh.module.scale}
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
