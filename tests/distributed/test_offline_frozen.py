@@ -58,10 +58,16 @@ def test_control_the_source_ranks_hold_different_slices(source):
 
 @pytest.mark.parametrize("label", ["source", "convert32", "dp1", "dp3", "dp2_stage2"])
 def test_deepspeeds_zero_to_fp32_reads_the_frozen_weights(source, written, label):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils import zero_to_fp32
     folder, frozen = source
     where, tag = (folder, "t") if label == "source" else written[label]
-    weights = get_fp32_state_dict_from_zero_checkpoint(where, tag=tag)
+    if label == "dp2_stage2" and not hasattr(zero_to_fp32, "PARAM_ALIGNMENT_PADDINGS"):
+        # before 0.19.7 zero_to_fp32 reads a ZeRO-1/2 group's parameters back to back, and a block-aligned layout
+        # at DP >= 2 has gaps between them: it stops, as its own sanity check says (docs/checkpoint_format.md)
+        with pytest.raises(ValueError, match="numels out of .* something is wrong"):
+            zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(where, tag=tag)
+        return
+    weights = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(where, tag=tag)
     for name, expected in frozen.items():
         assert torch.equal(weights[name].reshape(-1), expected), name
 
