@@ -34,6 +34,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import deepspeed
 import torch
 from deepspeed import comm as dist
 
@@ -52,6 +53,7 @@ from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHA
     frozen_weights
 from deepspeed_bnb.checkpoint.tools.universal import refuse_for_stock_engine
 from deepspeed_bnb.installer import given_kwargs, stock, swapped
+from deepspeed_bnb.runtime import recovery_script
 from deepspeed_bnb.runtime.universal_load import load_universal
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
@@ -226,6 +228,8 @@ def _publish(engine, save_dir: str, tag: str, shares, save_latest: bool) -> None
                       f"scheduler) cannot be read by the safe loader: loading it will need "
                       f"DEEPSPEED_BNB_TRUST_CHECKPOINTS=1. Store plain values (numbers, strings, lists, dicts, "
                       f"tensors) there instead.", RuntimeWarning)
+    # DeepSpeed's zero_to_fp32.py, copied beside the tag, cannot read a ZeRO-1/2 checkpoint of ours before 0.19.7
+    recovery_script.guard(staging_dir(save_dir, tag), engine.zero_optimization_stage(), deepspeed.__version__)
     publish(save_dir, tag, files, engine.optimizer.bnb_description(), save_latest)
 
 
