@@ -78,9 +78,16 @@ def test_inspect_names_what_matters(saved):
 def test_export_matches_zero_to_fp32_and_bnb_formula(saved, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     folder, engine = saved
+    from deepspeed_bnb.runtime.recovery_script import reads_block_aligned
+    from support.toy import gathered_weights
     written = export(folder, str(tmp_path / "out"), optimizer_state=True, progress=False)
     weights = load_file(written["model"])
-    reference = get_fp32_state_dict_from_zero_checkpoint(folder)
+    if reads_block_aligned():
+        reference = get_fp32_state_dict_from_zero_checkpoint(folder)
+    else:  # before DeepSpeed 0.19.7 zero_to_fp32 cannot read the block-aligned layout: it stops
+        with pytest.raises(ValueError, match="numels out of .* something is wrong"):
+            get_fp32_state_dict_from_zero_checkpoint(folder)
+        reference = gathered_weights(engine)  # the saving engine's weights, the same fp32 values
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[k], reference[k]) for k in weights)
     state = load_file(written["optimizer"])
