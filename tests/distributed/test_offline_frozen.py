@@ -9,7 +9,8 @@ model-states file. Source: the 2-rank ZeRO-3 checkpoint with frozen parameters o
 `convert` to bnb's 32-bit AdamW (the same DP size), `reshape` to 1 and 3 ranks (ZeRO-3) and to 2 ranks of ZeRO-2; and
 `export` of that ZeRO-2 tag (the layout a ZeRO-2 run of DP 2 writes). Each is held to the frozen weights the saving
 engine held (reference_state.pt): DeepSpeed's own zero_to_fp32 of it, `deepspeed-bnb export`, and a one-rank engine's
-load of the converted and the 3-rank tags.
+load of the converted and the 3-rank tags. And a MoE model's frozen expert layers at expert-parallel size 2: `export`
+writes every expert's (DeepSpeed's frozen_param_* name only rank 0's; the others are in their expert files).
 """
 
 import os
@@ -104,3 +105,20 @@ def test_a_one_rank_engine_loads_the_frozen_weights(source, written, label):
     with deepspeed.zero.GatheredParameters([params[name] for name in frozen]):
         for name, expected in frozen.items():
             assert torch.equal(params[name].detach().reshape(-1), expected), name
+
+
+def test_export_writes_every_frozen_expert(scenario_results, scenario_folder, tmp_path):
+    """A MoE model's frozen expert layers at expert-parallel size 2 (scenario_moe_frozen_save): DeepSpeed's save names
+    only rank 0's experts in frozen_param_* (control); export takes the others from their expert files."""
+    from safetensors.torch import load_file
+
+    from deepspeed_bnb.checkpoint.tools.export import export
+    from support.distributed_scenarios import MOE_FROZEN
+    folder = os.path.join(scenario_folder, MOE_FROZEN, "dp2")
+    reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=True)
+    assert len(reference) == 4  # the first layer of each of the 4 experts
+    named = torch.load(os.path.join(folder, "t", "mp_rank_00_model_states.pt"), weights_only=False)
+    assert len(named["frozen_param_shapes"]) == 2  # control: rank 0's two experts only
+    weights = load_file(export(os.path.join(folder, "t"), str(tmp_path / "export"), progress=False)["model"])
+    for name, expected in reference.items():
+        assert name in weights and torch.equal(weights[name], expected), name

@@ -22,6 +22,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import sys
 import traceback
 import types
@@ -48,8 +49,8 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_local_optimizer_state)
 from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 from support.bnb_state import bnb_moments  # noqa: E402
-from support.toy import (MIN_8BIT_SIZE, ds_config, global_batch, local_slice, loss_fn, make_model,  # noqa: E402
-                         moment_values, param_groups)
+from support.toy import (MIN_8BIT_SIZE, NUM_EXPERTS, ds_config, global_batch, local_slice, loss_fn,  # noqa: E402
+                         make_model, moment_values, param_groups)
 
 TRAIN_CONFIGS = {
     # name -> ds_config overrides
@@ -337,6 +338,42 @@ def scenario_stock_zero3_save(world, rank, out):
     if rank == 0:
         torch.save(reference, os.path.join(folder, "reference_state.pt"))
     return {"continued": run_steps(engine, range(3, 6), world, rank)}
+
+
+MOE_FROZEN = "moe_frozen"  # scenario_moe_frozen_save's folder under the launches' output
+FROZEN_EXPERT_LAYER = re.compile(r"deepspeed_experts\.(\d+)\.0\.weight$")  # each expert's first layer, frozen
+
+
+def scenario_moe_frozen_save(world, rank, out):
+    """A MoE toy whose experts' first layers are frozen, its 4 experts over `world` expert-parallel ranks, one step,
+    saved (test_offline_frozen.py exports it): DeepSpeed writes frozen_param_* from DP rank 0 alone, under local expert
+    names, so the other ranks' frozen experts are only in their expert files. reference_state.pt: every frozen
+    expert layer under its global name."""
+    folder = os.path.join(out, MOE_FROZEN, f"dp{world}")
+    model = make_model(0, ep_size=world)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{**group, "name": name} for group, name in zip(param_groups(model), ("decay", "no_decay"))])
+    local = NUM_EXPERTS // world
+    frozen = {}
+    for name, param in model.named_parameters():
+        found = FROZEN_EXPERT_LAYER.search(name)
+        if found:
+            param.requires_grad_(False)
+            param.data.normal_(generator=torch.Generator().manual_seed(rank))  # values of their own on each rank
+            expert = rank * local + int(found.group(1))
+            frozen[name.replace(f"deepspeed_experts.{found.group(1)}.", f"deepspeed_experts.{expert}.")] = \
+                param.detach().clone()
+    groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in groups]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE),
+                                      config=ds_config(world, stage=2))
+    run_steps(engine, range(1), world, rank)
+    engine.save_checkpoint(folder, tag="t")
+    everyone = [None] * world
+    all_gather_object(everyone, frozen)
+    if rank == 0:
+        torch.save({name: value for share in everyone for name, value in share.items()},
+                   os.path.join(folder, "reference_state.pt"))
+    return {"saved": True}
 
 
 class WithMap(bnb.optim.AdamW8bit):
@@ -879,6 +916,7 @@ def scenario_fails_on_one_rank(world, rank, out):
 
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch, "stock_zero3_save": scenario_stock_zero3_save,
+             "moe_frozen_save": scenario_moe_frozen_save,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
              "parallel_save": scenario_parallel_save, "parallel_load": scenario_parallel_load,

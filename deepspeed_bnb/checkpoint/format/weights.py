@@ -9,6 +9,7 @@ states as zero_to_fp32 joins them).
 """
 
 import os
+import re
 from collections import OrderedDict
 from typing import Dict, List
 
@@ -39,15 +40,38 @@ def fp32_moments(state: dict) -> list:
     return rows
 
 
+# DeepSpeed's MoE saves: one file per expert of every MoE layer, its tensors under their global names
+EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_(\d\d+)_model_states\.pt$")
+
+
 def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     """fp32 weights of every trained parameter, plus the model's other tensors (buffers, frozen) as saved."""
     states = ckpt.model_states
     weights = {name: tensor for name, tensor in (states["module"] or {}).items()}
     weights.update(frozen_weights(ckpt))
     weights.update(trained_weights(ckpt))
+    weights.update({name: tensor for name, tensor in expert_weights(ckpt).items() if name not in weights})
     for name, source in states.get("shared_params", {}).items():
         weights[name] = weights[source]  # tied weights: the same tensor under both names
     return weights
+
+
+def expert_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
+    """Every tensor of the tag's MoE expert files (this model-parallel rank's). What the optimizer does not train of an
+    expert is only there: DeepSpeed writes `frozen_param_*` from DP rank 0 alone, under its local expert names, so the
+    frozen parts of the other expert-parallel ranks' experts are in no other file."""
+    out = {}
+    for name in ckpt.other_files():
+        match = EXPERT_FILE.match(os.path.basename(name))
+        if match is None or int(match.group(1)) != getattr(ckpt, "mp_rank", 0):
+            continue
+        path = os.path.join(ckpt.tag_dir, name)
+        held = load_file(path)
+        if not isinstance(held, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in held.items()):
+            raise CheckpointMismatchError(f"{path} is not a map of names to tensors (an expert's weights); the file "
+                                          f"is malformed.")
+        out.update(held)
+    return out
 
 
 def trained_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
