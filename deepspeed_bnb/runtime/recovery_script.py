@@ -13,7 +13,7 @@ hold stock slices).
 
 import os
 
-SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies (zero_to_torch.py from 0.19 on)
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies (zero_to_torch.py too from 0.19.7)
 
 GUARD = '''#!/usr/bin/env python
 """Written by deepspeed_bnb in place of DeepSpeed's {script} (DeepSpeed {version} here).
