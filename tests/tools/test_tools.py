@@ -220,6 +220,45 @@ def test_convert_takes_an_elastic_stock_checkpoints_hyperparameters_from_the_use
     assert [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups] == [(1e-3, 0.1), (5e-4, 0.0)]
 
 
+class Tied(torch.nn.Module):
+    """An embedding tied to the output head (DeepSpeed saves the head's name in shared_params)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = torch.nn.Embedding(97, 40), torch.nn.Linear(40, 40)
+        self.head = torch.nn.Linear(40, 97, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.mid(self.emb(tokens))))
+
+
+def test_a_stage3_engine_loads_a_tied_model_reshaped_for_stage3(one_rank, tmp_path):
+    """The tied name (shared_params) is a parameter too: a ZeRO-2 checkpoint of a tied model reshaped for ZeRO-3 loads
+    into a ZeRO-3 engine with the saved weights (its whole tensor under the tied name failed the load)."""
+    import deepspeed
+
+    from support.toy import ds_config, gathered_weights
+
+    def engine_of(seed, stage):
+        torch.manual_seed(seed)
+        model = Tied()
+        optimizer = bnb.optim.AdamW8bit(model.parameters(), min_8bit_size=MIN_8BIT_SIZE)
+        return deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(1, stage=stage))[0]
+
+    saving = engine_of(0, 2)
+    for step in range(2):
+        tokens = torch.randint(0, 97, (8, 16), generator=torch.Generator().manual_seed(step))
+        saving.backward(torch.nn.functional.cross_entropy(saving(tokens).reshape(-1, 97), tokens.reshape(-1)))
+        saving.step()
+    saving.save_checkpoint(str(tmp_path / "tied"), tag="t")
+    reshape(str(tmp_path / "tied" / "t"), str(tmp_path / "stage3"), 1, progress=False, stage=3)
+    loading = engine_of(1, 3)
+    loading.load_checkpoint(str(tmp_path / "stage3"))
+    expected = gathered_weights(saving)
+    assert all(torch.equal(weights, expected[name]) for name, weights in gathered_weights(loading).items())
+
+
 def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, tmp_path):
     """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name, and nothing is
     written (the 2-rank ZeRO-3 AdamW conversion: tests/distributed/test_convert_zero3.py)."""

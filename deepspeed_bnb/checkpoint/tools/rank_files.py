@@ -100,11 +100,14 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optiona
         config.setdefault("zero_optimization", {})["stage"] = stage
         states["ds_config"] = config
     module = dict(states.get("module") or {})
-    if stage == 3:
-        for name in [name for shapes in ckpt.param_shapes() for name in shapes] + list(frozen or {}):
+    if stage == 3:  # tied weights' other names (shared_params) are parameters too
+        parameters = [name for shapes in ckpt.param_shapes() for name in shapes] + list(frozen or {}) + \
+            [name for name in states.get("shared_params") or {} if name in module]
+        for name in parameters:
             module[name] = torch.empty(0, dtype=module[name].dtype if name in module else torch.float32)
         states["module"] = module
         return states
+
     def held(name, shape):
         return name in module and module[name].numel() == torch.Size(shape).numel()
 
