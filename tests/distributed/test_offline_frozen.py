@@ -10,7 +10,7 @@ model-states file. Source: the 2-rank ZeRO-3 checkpoint with frozen parameters o
 `export` of that ZeRO-2 tag (the layout a ZeRO-2 run of DP 2 writes). Each is held to the frozen weights the saving
 engine held (reference_state.pt): DeepSpeed's own zero_to_fp32 of it, `deepspeed-bnb export`, and a one-rank engine's
 load of the converted and the 3-rank tags. And a MoE model's frozen expert layers at expert-parallel size 2: `export`
-writes every expert's (DeepSpeed's frozen_param_* name only rank 0's; the others are in their expert files).
+writes every expert's (DeepSpeed's frozen_param_* name rank 0's at most; all are in their expert files).
 """
 
 import os
@@ -118,7 +118,8 @@ def test_export_writes_every_frozen_expert(scenario_results, scenario_folder, tm
     reference = torch.load(os.path.join(folder, "reference_state.pt"), weights_only=True)
     assert len(reference) == 4  # the first layer of each of the 4 experts
     named = torch.load(os.path.join(folder, "t", "mp_rank_00_model_states.pt"), weights_only=False)
-    assert len(named["frozen_param_shapes"]) == 2  # control: rank 0's two experts only
+    # control: DeepSpeed's frozen_param_* do not give all four (rank 0's two experts on 0.19.8, none on 0.18.2)
+    assert len(named.get("frozen_param_shapes") or {}) < len(reference)
     weights = load_file(export(os.path.join(folder, "t"), str(tmp_path / "export"), progress=False)["model"])
     for name, expected in reference.items():
         assert name in weights and torch.equal(weights[name], expected), name
