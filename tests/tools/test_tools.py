@@ -135,6 +135,15 @@ def test_convert_stock_adamw_to_bnb_32bit_is_exact(stock_adamw, tmp_path):
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-4  # bnb vs torch AdamW
 
 
+def test_convert_refuses_param_groups_for_a_checkpoint_that_keeps_its_own(stock_adamw, saved, tmp_path):
+    """--param-groups is for elastic stock checkpoints only: a rigid stock one and one of ours keep each group's
+    hyper-parameters, and giving others is refused by name before anything is written."""
+    for folder in (stock_adamw[0], saved[0]):
+        with pytest.raises(ValueError, match="--param-groups is for elastic stock ZeRO-1/2 checkpoints"):
+            convert(folder, str(tmp_path / "out"), "8bit", progress=False, param_groups=[{"lr": 1.0}] * 2)
+        assert not (tmp_path / "out").exists()
+
+
 def test_convert_stock_adamw_to_8bit_within_one_code_step(stock_adamw, tmp_path):
     folder, moments, continued = stock_adamw
     report = convert(folder, str(tmp_path / "c8"), "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False)

@@ -99,10 +99,7 @@ def _stock_hyperparams(ckpt: SavedCheckpoint, g: int, given: Optional[List[dict]
     """Param group g's hyper-parameters: a rigid stock checkpoint's own (its torch state_dict's param groups); for an
     elastic one, which keeps none, `given` (the user's, one dict per group), else an error saying so."""
     base = ckpt.optimizer_state(0)[BASE_OPTIMIZER_STATE]
-    if isinstance(base, dict):
-        if given is not None:
-            raise ValueError(f"convert: --param-groups is for elastic stock checkpoints, which keep no hyper-"
-                             f"parameters; {ckpt.tag_dir} holds each param group's own (they are used)")
+    if isinstance(base, dict):  # convert() refused `given` for it
         return {k: v for k, v in base["param_groups"][g].items() if k != "params"}
     # DeepSpeed's elastic ZeRO-1/2 save (elastic_checkpoint: true) keeps each group's moments only, and its load
     # keeps the loading engine's hyper-parameters; the ds_config's optimizer section is empty for a client optimizer
@@ -210,7 +207,9 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
         ckpt.refuse_experts("deepspeed-bnb convert")
     if not ours and not universal and ckpt.zero_stage == 3:
         ckpt = StockZero3(ckpt)  # per param group, its sub-groups joined
-    if param_groups is not None and (ours or universal or isinstance(ckpt, StockZero3)):
+    elastic_stock = not (ours or universal or isinstance(ckpt, StockZero3)) and \
+        not isinstance(ckpt.optimizer_state(0)[BASE_OPTIMIZER_STATE], dict)  # keeps no param groups
+    if param_groups is not None and not elastic_stock:
         raise ValueError(f"convert: --param-groups is for elastic stock ZeRO-1/2 checkpoints, which keep no hyper-"
                          f"parameters; {path} holds each param group's own (they are used)")
     plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress,

@@ -59,11 +59,7 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
             group.master_layout = ShardedLayout(group.layout.numels, dp, block=1)
             pieces = []
             for j, master in enumerate(full_masters(g)):
-                size = group.master_layout.slice_numel(j)
-                piece = torch.zeros(size, dtype=dtype)
-                real = master.reshape(-1)[rank * size:(rank + 1) * size]
-                piece[:real.numel()] = real
-                pieces.append(piece)
+                pieces.append(zero3_slice(master.reshape(-1), rank, group.master_layout.slice_numel(j)).to(dtype))
             state[C.FP32_FLAT_GROUPS_KEY].append(torch.cat(pieces))
         state[C.BASE_OPTIMIZER_STATE_KEY] = build_record(optimizer_class, optimizer_name, rank, groups,
                                                          master_entry=C.FP32_FLAT_GROUPS_KEY, master_mode=master_mode,
@@ -126,20 +122,21 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optiona
     return states
 
 
+def zero3_slice(flat: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """What ZeRO-3 rank `rank` holds of a flattened parameter whose slices are `size` elements: elements
+    [rank * size, (rank + 1) * size), zero-padded past its end."""
+    piece = flat.new_zeros(size)
+    real = flat[rank * size:(rank + 1) * size]
+    piece[:real.numel()] = real
+    return piece
+
+
 def frozen_fragments(frozen: dict, rank: int, dp: int) -> dict:
     """What rank `rank` of a ZeRO-3 run at `dp` ranks holds of each frozen parameter, as DeepSpeed's save writes it
-    (`frozen_param_fragments`): elements [rank * n, (rank + 1) * n) of the flattened tensor, n = ceil(numel / dp),
-    zero-padded past its end (the partition DeepSpeed's ZeRO-3 gives every parameter)."""
-    out = {}
-    for name, weights in frozen.items():
-        flat = weights.reshape(-1)
-        size = math.ceil(flat.numel() / dp)
-        piece = flat.new_zeros(size)
-        start = min(rank * size, flat.numel())
-        real = flat.narrow(0, start, min(size, flat.numel() - start))
-        piece.narrow(0, 0, real.numel()).copy_(real)
-        out[name] = piece
-    return out
+    (`frozen_param_fragments`): its slice of ceil(numel / dp) elements (the partition DeepSpeed's ZeRO-3 gives every
+    parameter)."""
+    return {name: zero3_slice(weights.reshape(-1), rank, math.ceil(weights.numel() / dp))
+            for name, weights in frozen.items()}
 
 
 class RanklessSource:
