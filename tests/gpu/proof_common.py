@@ -7,7 +7,6 @@ on a machine without a GPU (the same code, gloo instead of NCCL, stand-ins where
 """
 
 import argparse
-import atexit
 import contextlib
 import json
 import os
@@ -88,6 +87,10 @@ class Result:
         print(f"[{self.data['part']}] note: {text}", flush=True)
 
 
+# What run_part does before its os._exit, which skips atexit handlers: one_rank's release of DeepSpeed's CPU comm buffer
+AT_EXIT: List[Callable[[], None]] = []
+
+
 def run_part(part: str, title: str, body: Callable[[argparse.Namespace, Result], None],
              extra: Optional[Callable] = None) -> None:
     """Parse the arguments, run `body(args, result)`, write the result (also when it raised) and exit 0 when every
@@ -104,6 +107,8 @@ def run_part(part: str, title: str, body: Callable[[argparse.Namespace, Result],
     result.data["ok"] = result.data["error"] is None and bool(checks) and all(c["ok"] for c in checks)
     result.data["seconds"] = round(time.monotonic() - start, 1)
     write_json(args.result, result.data)
+    for release in AT_EXIT:
+        release()
     sys.stdout.flush()
     os._exit(0 if result.data["ok"] else 1)  # no interpreter teardown: NCCL/gloo groups can abort there
 
@@ -131,7 +136,7 @@ def one_rank(device: str):
                       MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
     from deepspeed_bnb.utils.teardown import release_shm_buffer
-    atexit.register(release_shm_buffer, 0)  # DeepSpeed's CPU comm op leaves its buffer in /dev/shm otherwise
+    AT_EXIT.append(lambda: release_shm_buffer(0))  # DeepSpeed's CPU comm op leaves its buffer in /dev/shm otherwise
 
 
 def deterministic(device: str) -> None:

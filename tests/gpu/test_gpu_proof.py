@@ -166,6 +166,40 @@ _REPORT = {"device": "x", "mode": "GPU", "command": "c", "started": "now", "dead
            "install": None}
 
 
+# a part on one CPU rank, which notes the name of DeepSpeed's shared-memory buffer and whether it exists while it runs
+_SHM_PART = """
+import os
+import sys
+sys.path.insert(0, {gpu!r})
+import proof_common
+
+
+def body(args, result):
+    proof_common.one_rank("cpu")
+    port = os.environ["MASTER_PORT"]
+    buffer = os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{{os.getuid()}}_127.0.0.1_{{port}}_0")
+    result.note(buffer)
+    result.check("the buffer exists while the part runs", os.path.exists(buffer), buffer, "exists")
+
+
+proof_common.run_part("z", "a part on one CPU rank", body)
+"""
+
+
+def test_a_part_on_one_cpu_rank_leaves_no_shared_memory_behind(tmp_path):
+    """DeepSpeed's CPU comm op creates a 66 MB /dev/shm buffer per rank and never removes it; a part ends with
+    os._exit (which skips atexit handlers) and removes its own first (the rehearsal runs about fifteen of them per
+    test run). Control: the buffer existed while the part ran."""
+    script = _SHM_PART.format(gpu=os.path.join(TESTS, "gpu"))
+    done = subprocess.run([sys.executable, "-c", script, "--device", "cpu", "--result", str(tmp_path / "z.json"),
+                           "--work", str(tmp_path)], env=launch_env(), capture_output=True, text=True, timeout=900)
+    result = json.loads((tmp_path / "z.json").read_text())
+    assert result["error"] is None and result["notes"], (result, done.stderr[-3000:])
+    if not result["checks"][0]["ok"]:
+        pytest.skip("this DeepSpeed's CPU accelerator made no shared-memory buffer (no shm comm op)")
+    assert not os.path.exists(result["notes"][0]), result["notes"][0]
+
+
 @pytest.mark.parametrize("precision, master", [("fp32", "fp32"), ("bf16", "bf16+8")])
 def test_control_the_engine_check_catches_another_update(one_rank, monkeypatch, precision, master):
     import part_engines
