@@ -50,7 +50,7 @@ from deepspeed_bnb.checkpoint.format.records import is_record
 from deepspeed_bnb.checkpoint.format.safe_load import forced_weights_only, load_file
 from deepspeed_bnb.checkpoint.format.sources import FileSource, rank_file_paths
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, consolidated_weights, \
-    frozen_weights
+    frozen_weights, zero3_slice
 from deepspeed_bnb.checkpoint.tools.universal import refuse_for_stock_engine
 from deepspeed_bnb.installer import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime import recovery_script
@@ -540,11 +540,8 @@ def _without_frozen(engine, checkpoint: dict, frozen: set, loaded_here: dict, st
 
 
 def _load_frozen(param, full) -> None:
-    """A frozen ZeRO-3 parameter's own slice set from its full saved weights (rank r holds elements [r * n, (r + 1) * n)
-    of the flattened tensor, zero-padded past its end)."""
-    full, part = full.reshape(-1), param.ds_tensor
-    start = dist.get_rank(group=param.ds_process_group) * part.numel()
-    piece = full.narrow(0, min(start, full.numel()), max(0, min(part.numel(), full.numel() - start)))
+    """A frozen ZeRO-3 parameter's own slice set from its full saved weights (zero3_slice)."""
+    part = param.ds_tensor
+    piece = zero3_slice(full.reshape(-1), dist.get_rank(group=param.ds_process_group), part.numel())
     with torch.no_grad():
-        part.data.zero_()
-        part.data.reshape(-1).narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))
+        part.data.reshape(-1).copy_(piece.to(part.dtype))

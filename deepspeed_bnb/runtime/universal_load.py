@@ -28,14 +28,18 @@ SCRATCH = ".{tag}.from-universal.deepspeed_bnb"  # beside the tag, the same path
 
 def _model_parallel_layouts(engine):
     """Every model-parallel rank's layout (checkpoint/tools/universal_split.py) where `engine` is tensor- or
-    pipeline-parallel, gathered from all ranks (each knows its own parameters' slices); None otherwise."""
+    pipeline-parallel, gathered from all ranks (each knows its own parameters' slices, frozen ones included, and its
+    buffers); None otherwise."""
     place = engine.optimizer.bnb_model_parallel
     if place.size == 1:
         return None
     shapes = [{name: tuple(shape) for name, shape in group.items()} for group in engine._get_zero_param_shapes()]
+    frozen = {name: tuple(param.shape) for name, param in engine.module.named_parameters() if not param.requires_grad}
+    persistent = engine.module.state_dict().keys()
+    buffers = [name for name, _ in engine.module.named_buffers() if name in persistent]
     held = [None] * dist.get_world_size()
-    compat.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes))
-    by_rank = {mp_rank: (place, shapes) for mp_rank, place, shapes in held}
+    compat.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes, frozen, buffers))
+    by_rank = {mp_rank: rest for mp_rank, *rest in held}
     return rank_layouts([by_rank[r] for r in range(len(by_rank))])
 
 

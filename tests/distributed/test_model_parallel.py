@@ -133,7 +133,8 @@ def test_the_recorded_tensor_parallel_splits_are_deepspeeds(scenario_results, sc
         info = states.get("universal_checkpoint_info")
         if info is None:
             continue
-        theirs = {name: deepspeeds_split(info, name) for group in states["param_shapes"] for name in group}
+        names = [name for group in states["param_shapes"] for name in group] + list(states["frozen_param_shapes"])
+        theirs = {name: deepspeeds_split(info, name) for name in names}  # the frozen parameters' too
         assert place["splits"] == theirs
         assert set(place["splits"].values()) == {None, 0, 1}  # control: all three kinds occur in the model
 

@@ -545,9 +545,9 @@ def global_state(engine, world):
 
 
 def weights_follow_master(engine, state: dict, prefix: str = "") -> bool:
-    """The module's weights (gathered at stage 3) are the fp32 master weights of `state` (under `prefix` + name) in
-    the module's dtype."""
-    params = [(prefix + name, p) for name, p in engine.module.named_parameters()]
+    """The module's trained weights (gathered at stage 3) are the fp32 master weights of `state` (under `prefix` +
+    name) in the module's dtype."""
+    params = [(prefix + name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
     if any(getattr(engine.optimizer, "bnb_experts", ())):  # expert parameters by their global names
         names = {p: name for i, group in enumerate(engine.optimizer.bnb_params)
                  for p, name in zip(group, engine.optimizer.bnb_record_names[i])}

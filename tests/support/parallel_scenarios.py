@@ -45,9 +45,10 @@ class Block(nn.Module):
     def __init__(self, width):
         super().__init__()
         self.fc, self.out = nn.Linear(40, width), nn.Linear(width, 40)
+        self.register_buffer("shift", torch.randn(40) * 0.1)  # a persistent buffer of the seed's, in the forward
 
     def forward(self, h):
-        return h + self.out(torch.tanh(self.fc(h)))
+        return h + self.out(torch.tanh(self.fc(h))) + self.shift
 
 
 class Head(nn.Module):
@@ -61,6 +62,30 @@ class Head(nn.Module):
 
 def pipeline_loss(logits, targets):
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+# What each kind does not train, of the seed's values like the rest: a whole pipeline layer and a piece of another on
+# the other stage; under AutoTP a row-parallel weight (split along dim 1), a column-parallel one (dim 0) and one every
+# tensor-parallel rank holds whole. A load that left any at the loader's own values (or a buffer) would not track
+# the run that never stopped.
+FROZEN = {True: ("0.emb.weight", "3.head.bias"),
+          False: ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight", "model.norm.weight")}
+
+
+def with_frozen_and_buffer(model, pipeline):
+    """`model` with FROZEN[pipeline] frozen; the tiny Llama also gets a persistent buffer added after its final norm
+    (the pipeline's blocks have theirs)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in FROZEN[pipeline])
+    if not pipeline:
+        norm = model.model.norm
+        norm.register_buffer("shift", torch.randn(norm.weight.shape[0]) * 0.1)
+        norm.register_forward_hook(lambda module, inputs, output: output + module.shift)
+    return model
+
+
+def trained_parameters(model):
+    return [param for param in model.parameters() if param.requires_grad]
 
 
 def build(world, pipeline, stage, seed=0, lr=1e-3, universal=False):
@@ -79,7 +104,8 @@ def build(world, pipeline, stage, seed=0, lr=1e-3, universal=False):
         config = {**ds_config(dp, stage=stage), "tensor_parallel": {"autotp_size": MODEL_PARALLEL}}
     if universal:  # load_checkpoint reads universal checkpoints
         config["checkpoint"] = {"load_universal": True}
-    optimizer = bnb.optim.AdamW8bit([{"params": list(model.parameters()), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
+    model = with_frozen_and_buffer(model, pipeline)
+    optimizer = bnb.optim.AdamW8bit([{"params": trained_parameters(model), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
@@ -193,7 +219,8 @@ def build_whole(world, pipeline, stage, seed=0, lr=1e-3):
                                              max_position_embeddings=32))
         config = ds_config(world, stage=stage)
     config["checkpoint"] = {"load_universal": True}
-    optimizer = bnb.optim.AdamW8bit([{"params": list(model.parameters()), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
+    model = with_frozen_and_buffer(model, pipeline)
+    optimizer = bnb.optim.AdamW8bit([{"params": trained_parameters(model), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
@@ -209,6 +236,11 @@ def saved_shapes(folder, ranks=MODEL_PARALLEL):
     return shapes
 
 
+def trained(loaded):
+    """global_state's entries of trained parameters (a frozen one's holds only its weights, under its bare name)."""
+    return {key: state for key, state in loaded.items() if "master" in state}
+
+
 def compare_with_slices(loaded, reference, shapes, full_shapes):
     """How each loaded parameter relates to the model-parallel ranks' saved state (reference, "mp<r>/<name>"): the
     pieces along the dimension where the ranks' shapes differ from the whole one (every rank's own parameters for
@@ -219,7 +251,7 @@ def compare_with_slices(loaded, reference, shapes, full_shapes):
     from deepspeed_bnb.checkpoint.tools.convert import step_ratio
     from deepspeed_bnb.ops.reference import dequantize_blockwise
     out = {"master_differs": [], "codes_differ": [], "moved": [], "requantized": [], "largest_steps": 0.0}
-    for name, state in loaded.items():
+    for name, state in trained(loaded).items():
         ranks = sorted(shapes[name])
         pieces = [reference[f"mp{mp}/{name}"] for mp in ranks]
         whole = full_shapes[name]
@@ -322,7 +354,7 @@ def compare_with_saved(loaded, reference, shapes, whole, universal):
     from deepspeed_bnb.checkpoint.tools.convert import step_ratio
     from deepspeed_bnb.ops.reference import dequantize_blockwise
     out = {"master_differs": [], "codes_differ": [], "moved": [], "requantized": [], "largest_steps": 0.0}
-    for key, state in loaded.items():
+    for key, state in trained(loaded).items():
         mp, name = key.split("/", 1)
         rank, saved = int(mp[2:]), reference[key]
         local, full, dim, start, _, intact = slice_geometry(name, rank, shapes, whole)
@@ -366,7 +398,7 @@ def compare_with_whole(loaded, whole_reference, shapes, whole):
     from deepspeed_bnb.checkpoint.tools.convert import step_ratio
     from deepspeed_bnb.ops.reference import dequantize_blockwise
     out = {"master_differs": [], "codes_differ": [], "moved": [], "requantized": [], "largest_steps": 0.0}
-    for key, state in loaded.items():
+    for key, state in trained(loaded).items():
         mp, name = key.split("/", 1)
         rank, saved = int(mp[2:]), whole_reference[name]
         local, full, dim, start, inner, intact = slice_geometry(name, rank, shapes, whole)

@@ -38,7 +38,8 @@ def universal(one_rank, tmp_path_factory):
 
 
 def layouts_for(universal_dir, splits=SPLITS, widths=(151, 150), tp=2, **changes):
-    """Each tensor-parallel rank's (place, local shapes) for `splits`, the widths along the split dimension."""
+    """Each tensor-parallel rank's (place, local shapes, no frozen parameters, no buffers) for `splits`, the widths
+    along the split dimension."""
     shapes = UniversalCheckpoint(universal_dir).param_shapes()
     held = []
     for rank in range(tp):
@@ -54,8 +55,8 @@ def layouts_for(universal_dir, splits=SPLITS, widths=(151, 150), tp=2, **changes
                 if name in splits and isinstance(splits[name], int):
                     shape[splits[name]] = widths[rank]
                 local[-1][name] = tuple(shape)
-        held.append((place, local))
-    for rank, (place, local) in enumerate(held):
+        held.append((place, local, {}, ()))
+    for rank, (place, local, _, _) in enumerate(held):
         for name, shape in changes.get("shapes", {}).get(rank, {}).items():
             local[0][name] = shape
         for name in changes.get("drop", ()):
@@ -121,3 +122,49 @@ def test_a_split_recorded_as_not_joinable_is_refused_by_name(universal, tmp_path
     with pytest.raises(CheckpointMismatchError, match=r"parameter 'head.weight' cannot be sliced: a fused AutoTP"):
         convert_for_model_parallel(universal, str(tmp_path / "cut"), layouts, bnb.optim.AdamW8bit, MIN_8BIT_SIZE,
                                    stage=2)
+
+
+def test_frozen_parameters_and_buffers_are_cut_and_joined_back(one_rank, tmp_path):
+    """A model with frozen parameters and a buffer (test_universal_8bit's): each tensor-parallel rank's model states
+    hold the buffer whole, its slice of a frozen parameter cut along that parameter's split (here the embedding along
+    dim 1) and a replicated one whole, in `module` and as DeepSpeed's frozen fragments; joining the ranks again
+    (format/merged.py) gives back the universal checkpoint's tensors exactly. A frozen slice the checkpoint cannot
+    give is refused, naming it."""
+    from deepspeed_bnb.checkpoint.format.merged import buffers_and_frozen
+    from tools.test_universal_8bit import frozen_buffer_engine
+    engine = frozen_buffer_engine(0, 2)
+    train_steps(engine, range(2))
+    engine.save_checkpoint(str(tmp_path / "saved"), tag="t")
+    universal = str(tmp_path / "universal")
+    export(str(tmp_path / "saved"), universal, universal=True, progress=False)
+    buffers, frozen = buffers_and_frozen(UniversalCheckpoint(universal))
+    assert set(buffers) == {"scale"} and set(frozen) == {"emb.weight", "ln.weight", "ln.bias"}
+    splits = {**SPLITS, "emb.weight": 1, "ln.weight": None, "ln.bias": None}  # the places name the frozen ones too
+
+    def layouts(emb_widths=(20, 20)):
+        held = []
+        for rank, layout in enumerate(layouts_for(universal, splits=splits)):
+            cut = {name: tuple(weights.shape) for name, weights in frozen.items()}
+            cut["emb.weight"] = (97, emb_widths[rank])
+            held.append((layout.place, layout.shapes, cut, ("scale",)))
+        return rank_layouts(held)
+
+    out = str(tmp_path / "cut")
+    convert_for_model_parallel(universal, out, layouts(), bnb.optim.AdamW8bit, MIN_8BIT_SIZE, stage=2)
+    for rank in range(2):
+        states = SavedCheckpoint(out, mp_rank=rank).model_states
+        mine = {**frozen, "emb.weight": frozen["emb.weight"].narrow(1, 20 * rank, 20)}
+        assert torch.equal(states["module"]["scale"], buffers["scale"])
+        for name, expected in mine.items():
+            assert torch.equal(states["module"][name], expected), name
+            assert torch.equal(states["frozen_param_fragments"][name], expected), name
+            assert tuple(states["frozen_param_shapes"][name]) == tuple(expected.shape), name
+    joined_buffers, joined_frozen = buffers_and_frozen(open_whole_model(out))
+    assert joined_buffers.keys() == buffers.keys() and joined_frozen.keys() == frozen.keys()
+    assert all(torch.equal(joined_frozen[n], frozen[n]) for n in frozen) and torch.equal(joined_buffers["scale"],
+                                                                                        buffers["scale"])
+    with pytest.raises(CheckpointMismatchError, match=r"parameter 'emb.weight' of shape \(97, 40\) cannot give this "
+                                                      r"rank the slice"):
+        convert_for_model_parallel(universal, str(tmp_path / "bad"), layouts((20, 30)), bnb.optim.AdamW8bit,
+                                   MIN_8BIT_SIZE, stage=2)
+    assert not os.path.exists(str(tmp_path / "bad"))

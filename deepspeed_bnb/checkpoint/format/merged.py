@@ -12,7 +12,8 @@ parameter every tensor-parallel rank holds whole must be the same on every rank:
 otherwise be joined as rank 0's slice, so a difference is refused, naming the parameter.
 
 It offers what the universal writer reads of a SavedCheckpoint (reader.py) of one rank: param_shapes, param_states,
-master_weights, record(0), model_states.
+master_weights, record(0), model_states; and the model's buffers and frozen parameters, joined the same way
+(buffers_and_frozen, which reads one rank's from weights.py).
 """
 
 from typing import Dict, List, Tuple
@@ -23,6 +24,7 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.model_parallel import ModelParallelPlace, no_place_error, split_of
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import saved_place
+from deepspeed_bnb.checkpoint.format.weights import buffer_weights, frozen_weights, module_tensors
 from deepspeed_bnb.optim.param_state import ParamState, Requantization
 
 
@@ -146,26 +148,91 @@ class ModelParallelCheckpoint:
         """(shape, flat fp32 master weights, state) of parameter `name` from its (shape, master, state) on each
         tensor-parallel rank of `stage`."""
         where = f"{self.tag_dir}, pipeline stage {stage}"
-        split = split_of(self._at[(stage, 0)][1], name, where)
+        split = self._split(name, stage, where)
+        local = [tuple(s) for s, _, _ in slices]
+        shape = _joined_shape(name, where, split, local, [m for _, m, _ in slices])
+        if split is None:
+            return shape, slices[0][1], slices[0][2]
+        state = ParamState.join([s for _, _, s in slices], list(shape), split, self.requantized, what=name)
+        master = torch.cat([m.reshape(s) for s, (_, m, _) in zip(local, slices)], dim=split).reshape(-1)
+        return shape, master, state
+
+    def _split(self, name: str, stage: int, where: str):
+        """The recorded split of parameter `name` of `stage` (a pipeline's layer files hold every stage's layers: a
+        frozen parameter read there may be another stage's), refused where it cannot be joined."""
+        place = self._at[(stage, 0)][1]
+        if name not in place.splits:
+            place = next((other for other in self.places if name in other.splits), place)
+        split = split_of(place, name, where)
         if isinstance(split, str):
             raise CheckpointMismatchError(f"{where}: parameter {name!r} cannot be joined across tensor-parallel "
                                           f"ranks: {split}.")
-        if split is None:
-            shape, master, state = slices[0]
-            for t, (other_shape, other, _) in enumerate(slices[1:], 1):
-                if tuple(other_shape) != tuple(shape) or not torch.equal(other, master):
-                    raise CheckpointMismatchError(
-                        f"{where}: parameter {name!r} is recorded as held whole by every tensor-parallel rank, but "
-                        f"rank {t}'s copy differs from rank 0's ({tuple(other_shape)} vs {tuple(shape)}): a split "
-                        f"the layer did not mark. It cannot be joined safely.")
-            return torch.Size(shape), master, state
-        local = [tuple(s) for s, _, _ in slices]
-        if any(len(s) <= split or s[:split] + s[split + 1:] != local[0][:split] + local[0][split + 1:]
-               for s in local):
-            raise CheckpointMismatchError(f"{where}: parameter {name!r}'s tensor-parallel slices have shapes {local}, "
-                                          f"which are not slices along dimension {split} of one tensor.")
-        shape = list(local[0])
-        shape[split] = sum(s[split] for s in local)
-        state = ParamState.join([s for _, _, s in slices], shape, split, self.requantized, what=name)
-        master = torch.cat([m.reshape(s) for s, (_, m, _) in zip(local, slices)], dim=split).reshape(-1)
-        return torch.Size(shape), master, state
+        return split
+
+    def buffers_and_frozen(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """The whole model's persistent buffers and frozen parameters (what the optimizer records do not hold), in
+        their saved dtype: each stage's (a name two stages hold: the first stage's), a frozen parameter's
+        tensor-parallel slices joined along its recorded split; a tensor every tensor-parallel rank holds whole (every
+        buffer, a parameter of split None) must be the same on all of them."""
+        trained = {name: tuple(shape) for ckpt in self.ranks for group in ckpt.param_shapes()
+                   for name, shape in group.items()}
+        buffer_names = list(dict.fromkeys(name for ckpt in self.ranks
+                                          for name in ckpt.model_states.get("buffer_names") or []))
+        known = {**{name: None for name in buffer_names}, **trained}
+        layer_files: Dict[int, Dict[str, torch.Tensor]] = {}  # tensor-parallel rank -> a pipeline's (every stage's)
+
+        def module(ckpt, t):  # the rank's module tensors; a pipeline's layer files read once per tensor-parallel rank
+            if ckpt.model_states.get("module") is not None:
+                return module_tensors(ckpt)
+            if t not in layer_files:
+                layer_files[t] = module_tensors(ckpt, t, known)
+            return layer_files[t]
+
+        buffers: Dict[str, torch.Tensor] = {}
+        frozen: Dict[str, torch.Tensor] = {}
+        for stage in range(self.pp_size):
+            where = f"{self.tag_dir}, pipeline stage {stage}"
+            ranks = [self._at[(stage, t)][0] for t in range(self.tp_size)]
+            modules = [module(ckpt, t) for t, ckpt in enumerate(ranks)]
+            for what, held, into in (
+                    ("buffer", [buffer_weights(ckpt, buffer_names, m) for ckpt, m in zip(ranks, modules)], buffers),
+                    ("frozen parameter", [frozen_weights(ckpt, trained, buffer_names, m)
+                                          for ckpt, m in zip(ranks, modules)], frozen)):
+                for name in held[0]:
+                    if name in into:
+                        continue
+                    tensors = [h.get(name) for h in held]
+                    if any(t is None for t in tensors):
+                        raise CheckpointMismatchError(f"{where}: {what} {name!r} is missing on some of its "
+                                                      f"tensor-parallel ranks; the files are of different runs.")
+                    split = None if what == "buffer" else self._split(name, stage, where)
+                    _joined_shape(name, where, split, [tuple(t.shape) for t in tensors], tensors)
+                    into[name] = tensors[0] if split is None else torch.cat(tensors, dim=split)
+        return buffers, frozen
+
+
+def _joined_shape(name: str, where: str, split, local: List[tuple], tensors: List[torch.Tensor]) -> torch.Size:
+    """The shape of tensor `name` joined from its tensor-parallel ranks' `tensors` of shapes `local` along `split`;
+    where the split is None (held whole), every rank's copy must be rank 0's."""
+    if split is None:
+        for t, (shape, other) in enumerate(zip(local[1:], tensors[1:]), 1):
+            if shape != local[0] or not torch.equal(other, tensors[0]):
+                raise CheckpointMismatchError(
+                    f"{where}: {name!r} is recorded as held whole by every tensor-parallel rank, but rank {t}'s copy "
+                    f"differs from rank 0's ({shape} vs {local[0]}): a split the layer did not mark. It cannot be "
+                    f"joined safely.")
+        return torch.Size(local[0])
+    if any(len(s) <= split or s[:split] + s[split + 1:] != local[0][:split] + local[0][split + 1:] for s in local):
+        raise CheckpointMismatchError(f"{where}: {name!r}'s tensor-parallel slices have shapes {local}, which are not "
+                                      f"slices along dimension {split} of one tensor.")
+    shape = list(local[0])
+    shape[split] = sum(s[split] for s in local)
+    return torch.Size(shape)
+
+
+def buffers_and_frozen(ckpt) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """(persistent buffers, frozen parameters) of `ckpt` (a whole_model), whole."""
+    if isinstance(ckpt, ModelParallelCheckpoint):
+        return ckpt.buffers_and_frozen()
+    module = module_tensors(ckpt)
+    return buffer_weights(ckpt, module=module), frozen_weights(ckpt, module=module)

@@ -5,13 +5,14 @@ zero_to_fp32 unpickles every file in full and globs the tag for files (listed in
 what deepspeed_bnb reads instead, for its own checkpoints (the records' master weights) and stock DeepSpeed's (ZeRO-1/2:
 the master partitions cut by `param_slice_mappings`; ZeRO-3: `fp32_flat_groups` in slices of ceil(numel / dp),
 stock_zero3.py), with the frozen parameters ZeRO-2/3 saves record (ZeRO-3's slices joined from every rank's model
-states as zero_to_fp32 joins them).
+states as zero_to_fp32 joins them), and the module's other tensors: from the model states' `module`, or, for a
+pipeline engine, which saves its module in one file per layer, from those files.
 """
 
 import os
 import re
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Collection, Dict, List, Optional
 
 import torch
 from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
@@ -47,8 +48,8 @@ EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_(\d\d+)_model_states\.p
 def consolidated_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
     """fp32 weights of every trained parameter, plus the model's other tensors (buffers, frozen) as saved."""
     states = ckpt.model_states
-    weights = {name: tensor for name, tensor in (states["module"] or {}).items()}
-    weights.update(frozen_weights(ckpt))
+    weights = module_tensors(ckpt)
+    weights.update(frozen_weights(ckpt, module=weights))
     weights.update(trained_weights(ckpt))
     weights.update({name: tensor for name, tensor in expert_weights(ckpt).items() if name not in weights})
     for name, source in states.get("shared_params", {}).items():
@@ -65,13 +66,16 @@ def expert_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
         match = EXPERT_FILE.match(os.path.basename(name))
         if match is None or int(match.group(1)) != getattr(ckpt, "mp_rank", 0):
             continue
-        path = os.path.join(ckpt.tag_dir, name)
-        held = load_file(path)
-        if not isinstance(held, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in held.items()):
-            raise CheckpointMismatchError(f"{path} is not a map of names to tensors (an expert's weights); the file "
-                                          f"is malformed.")
-        out.update(held)
+        out.update(_tensor_map(os.path.join(ckpt.tag_dir, name), "an expert's weights"))
     return out
+
+
+def _tensor_map(path: str, what: str) -> Dict[str, torch.Tensor]:
+    """The file at `path`, which must hold a map of names to tensors (`what`)."""
+    held = load_file(path)
+    if not isinstance(held, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in held.items()):
+        raise CheckpointMismatchError(f"{path} is not a map of names to tensors ({what}); the file is malformed.")
+    return held
 
 
 def trained_weights(ckpt: SavedCheckpoint) -> Dict[str, torch.Tensor]:
@@ -111,17 +115,36 @@ def stock_master_weights(ckpt: SavedCheckpoint, g: int) -> List[torch.Tensor]:
     return out
 
 
-def frozen_weights(ckpt) -> Dict[str, torch.Tensor]:
+def zero3_slice(flat: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """What ZeRO-3 rank `rank` holds of a flattened parameter whose slices are `size` elements: elements
+    [rank * size, (rank + 1) * size), zero-padded past its end (frozen_weights joins them back)."""
+    piece = flat.new_zeros(size)
+    real = flat[rank * size:(rank + 1) * size]
+    piece[:real.numel()] = real
+    return piece
+
+
+def frozen_weights(ckpt, trained: Optional[Dict[str, tuple]] = None, buffers: Optional[Collection[str]] = None,
+                   module: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """The frozen parameters' full weights as the tag holds them, in their saved dtype; empty where it holds none.
 
     DeepSpeed's ZeRO-2 and ZeRO-3 saves record parameters the optimizer does not own (`frozen_param_shapes`, and
     `frozen_param_fragments`: what each rank holds of them). A ZeRO-2 rank holds them whole, in the one model-states
     file; a ZeRO-3 rank holds its slice of ceil(numel / dp) elements (zero-padded at the end), in its own
     `zero_pp_rank_<r>` model states. Per parameter: rank 0's fragment where it covers the parameter (a ZeRO-2 tag, or
-    one ZeRO-3 rank), else the slices of ranks 0, 1, ... joined as zero_to_fp32 joins them."""
+    one ZeRO-3 rank), else the slices of ranks 0, 1, ... joined as zero_to_fp32 joins them.
+
+    A ZeRO-1 save (a pipeline's too) records neither (None): its frozen parameters are the module's other tensors
+    (`module`, by default module_tensors): neither `trained` (name -> shape) nor `buffers` (by default what this
+    rank's model states name; a reader joining several pipeline stages passes every stage's) nor a tied weight's
+    second name."""
     shapes = ckpt.model_states.get(FROZEN_SHAPES)
     if not shapes:
-        return {}
+        known = {name: None for name in (ckpt.model_states.get("buffer_names") or [] if buffers is None else buffers)}
+        known.update(_trained_shapes(ckpt) if trained is None else trained)
+        known.update({name: None for name in ckpt.model_states.get("shared_params") or {}})
+        module = module_tensors(ckpt, 0, known) if module is None else module
+        return {name: tensor for name, tensor in module.items() if name not in known and tensor.numel() > 0}
     first = getattr(ckpt, "model_states_path", ckpt.tag_dir)  # a universal checkpoint's has no such property
     if not isinstance(shapes, dict):
         raise CheckpointMismatchError(f"{first}: '{FROZEN_SHAPES}' is not a map of names to shapes.")
@@ -152,3 +175,70 @@ def frozen_weights(ckpt) -> Dict[str, torch.Tensor]:
             held += part.numel()
         weights[name] = torch.cat(parts).narrow(0, 0, numel).reshape(shape).clone()
     return weights
+
+
+# A PipelineModule's save: one file per layer, `layer_<index>[-<rank repr>]-model_states.pt`, holding that layer's
+# state_dict under its own names (DeepSpeed's PipelineModule.ckpt_layer_path: the rank repr names the tensor-parallel
+# coordinate, `model_<r>`, where the topology has one)
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+TIED = "tied_modules."  # PipelineModule's prefix of the modules TiedLayerSpec shares between layers
+
+
+def pipeline_layers(ckpt, tp_rank: int = 0, known: Optional[Dict[str, Optional[tuple]]] = None) \
+        -> Dict[str, torch.Tensor]:
+    """Every tensor of the tag's pipeline layer files (of tensor-parallel rank `tp_rank`) under the module's names: a
+    pipeline engine saves its module there, every stage's layers side by side, and `module` None in the model states.
+    Layer i's tensors are `<i>.<name>`, except where none of those is `known` (name -> shape or None: trained
+    parameters, buffers) but the file holds every known tensor of one tied module (`tied_modules.<key>.<name>`), in
+    its shape: then they are that module's."""
+    known = known or {}
+    tied: Dict[str, Dict[str, Optional[tuple]]] = {}
+    for name, shape in known.items():
+        if name.startswith(TIED):
+            key, _, local = name[len(TIED):].partition(".")
+            tied.setdefault(key, {})[local] = shape
+    out = {}
+    for name in ckpt.other_files():
+        match = LAYER_FILE.match(os.path.basename(name))
+        if match is None or int(match.group(2) or 0) != tp_rank:
+            continue
+        held = _tensor_map(os.path.join(ckpt.tag_dir, name), "a pipeline layer's weights")
+        prefix = f"{int(match.group(1))}."
+        owners = [key for key, members in tied.items()
+                  if all(local in held and (shape is None or tuple(held[local].shape) == tuple(shape))
+                         for local, shape in members.items())]
+        if not any(prefix + local in known for local in held) and len(owners) == 1:
+            prefix = f"{TIED}{owners[0]}."
+        out.update({prefix + local: tensor for local, tensor in held.items()})
+    return out
+
+
+def _trained_shapes(ckpt) -> Dict[str, tuple]:
+    return {name: tuple(shape) for group in ckpt.param_shapes() for name, shape in group.items()}
+
+
+def _known(ckpt) -> Dict[str, Optional[tuple]]:
+    """name -> shape of the parameters the optimizer trains and (shape unknown) the buffers the model states name."""
+    return {**{name: None for name in ckpt.model_states.get("buffer_names") or []}, **_trained_shapes(ckpt)}
+
+
+def module_tensors(ckpt, tp_rank: int = 0, known: Optional[Dict[str, Optional[tuple]]] = None) \
+        -> Dict[str, torch.Tensor]:
+    """The module's tensors as the tag's model states hold them (`module`), or a pipeline's from its layer files
+    (pipeline_layers; `known` by default this rank's trained parameters and buffers)."""
+    module = ckpt.model_states.get("module")
+    if module is not None:
+        return dict(module)
+    return pipeline_layers(ckpt, tp_rank, _known(ckpt) if known is None else known)
+
+
+def buffer_weights(ckpt, names: Optional[Collection[str]] = None,
+                   module: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """The persistent buffers `names` (by default the ones the model states name: `buffer_names`) as saved (in
+    `module`, by default module_tensors)."""
+    names = ckpt.model_states.get("buffer_names") or [] if names is None else names
+    if not names:
+        return {}
+    if module is None:
+        module = module_tensors(ckpt, 0, {**_known(ckpt), **{name: None for name in names}})
+    return {name: module[name] for name in names if name in module}

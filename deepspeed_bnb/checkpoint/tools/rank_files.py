@@ -27,7 +27,8 @@ from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_stage
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
-from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, frozen_weights
+from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, frozen_weights, module_tensors, \
+    zero3_slice
 from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.state_layout import ShardedLayout
 
@@ -95,13 +96,15 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optiona
     if isinstance(config, dict):
         config.setdefault("zero_optimization", {})["stage"] = stage
         states["ds_config"] = config
-    module = dict(states.get("module") or {})
+    module = module_tensors(ckpt)  # a pipeline's from its layer files
     if stage == 3:  # tied weights' other names (shared_params) are parameters too
         parameters = [name for shapes in ckpt.param_shapes() for name in shapes] + list(frozen or {}) + \
             [name for name in states.get("shared_params") or {} if name in module]
         for name in parameters:
             module[name] = torch.empty(0, dtype=module[name].dtype if name in module else torch.float32)
         states["module"] = module
+        if frozen:
+            states[FROZEN_SHAPES] = {name: weights.shape for name, weights in frozen.items()}
         return states
 
     def held(name, shape):
@@ -117,18 +120,10 @@ def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optiona
         for name, weights in frozen.items():  # a stage-3 source's module holds empty placeholders of them
             if name not in module or module[name].numel() != weights.numel():
                 module[name] = weights.to(module[name].dtype if name in module else weights.dtype)
+        states[FROZEN_SHAPES] = {name: weights.shape for name, weights in frozen.items()}
         states[FROZEN_FRAGMENTS] = dict(frozen)
     states["module"] = module
     return states
-
-
-def zero3_slice(flat: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """What ZeRO-3 rank `rank` holds of a flattened parameter whose slices are `size` elements: elements
-    [rank * size, (rank + 1) * size), zero-padded past its end."""
-    piece = flat.new_zeros(size)
-    real = flat[rank * size:(rank + 1) * size]
-    piece[:real.numel()] = real
-    return piece
 
 
 def frozen_fragments(frozen: dict, rank: int, dp: int) -> dict:

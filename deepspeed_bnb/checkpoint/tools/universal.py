@@ -29,10 +29,11 @@ from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.constants import MODEL_STATES, STAGE3_MODEL_STATES
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL, pointer_tag, read_manifest, safe_name, verify
+from deepspeed_bnb.checkpoint.format.merged import buffers_and_frozen
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged, write_json_atomic
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states, check_unlisted
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
-from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, fp32_moments, frozen_weights
+from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, fp32_moments
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, TRUST_RATIO_RULES
@@ -151,15 +152,13 @@ def _write_model_states(ckpt: SavedCheckpoint, staged: str) -> None:
     # stage-3 source has none, and full copies would double the folder). What zero/ does not hold is: the buffers
     # (a strict load of the module fails without them) and the frozen parameters (whole, in `module` and as the
     # fragments a ZeRO-2 save writes), else the loading engine kept its own values of both without a word. A tag of
-    # several model-parallel ranks holds each rank's own share of them, which nothing here joins: there they stay out.
-    module = {}
-    if getattr(ckpt, "model_parallel", 1) == 1:
-        held = source.get("module") or {}
-        module = {name: held[name] for name in source.get("buffer_names") or [] if name in held}
-        frozen = frozen_weights(ckpt)
-        if frozen:
-            module.update(frozen)
-            states.update({FROZEN_SHAPES: source[FROZEN_SHAPES], FROZEN_FRAGMENTS: frozen})
+    # several model-parallel ranks gives them joined (merged.py), a pipeline's from its layer files.
+    buffers, frozen = buffers_and_frozen(ckpt)
+    module = {**buffers, **frozen}
+    states["buffer_names"] = list(buffers)
+    if frozen:
+        states.update({FROZEN_SHAPES: {name: weights.shape for name, weights in frozen.items()},
+                       FROZEN_FRAGMENTS: frozen})
     states.update(module=module, dp_world_size=1, mp_world_size=1, param_shapes=ckpt.param_shapes())
     for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(0)):  # the names stage 1/2 and stage 3 loaders glob for
         torch.save(states, os.path.join(staged, name))

@@ -10,13 +10,14 @@ dimension the slices do not add up to, parameter groups that do not correspond) 
 written, naming the parameter.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.model_parallel import ModelParallelPlace, split_of
+from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, frozen_weights
 from deepspeed_bnb.checkpoint.tools.convert import group_filler, plans_for
 from deepspeed_bnb.checkpoint.tools.rank_files import write_model_parallel_files
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
@@ -29,23 +30,28 @@ class RankLayout:
 
     place: ModelParallelPlace  # its tensor-parallel rank and stage, each parameter's split
     shapes: Tuple[Dict[str, Tuple[int, ...]], ...]  # per param group: its parameters' local shapes, in flat order
-    starts: Dict[str, int]  # per sliced parameter: where its slice starts along the split dimension
+    starts: Dict[str, int]  # per sliced parameter (trained or frozen): where its slice starts along the split dimension
+    frozen: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # its frozen parameters' local shapes
+    buffers: Tuple[str, ...] = ()  # its module's persistent buffers (every tensor-parallel rank holds them whole)
 
 
-def rank_layouts(held: Sequence[Tuple[ModelParallelPlace, Sequence[Dict[str, Tuple[int, ...]]]]]) -> List[RankLayout]:
-    """Every model-parallel rank's layout, in model-parallel rank order, from each rank's (place, local shapes): a
-    slice starts where the slices of the lower tensor-parallel ranks of its stage end (AutoTP's uneven vocabulary
-    split included)."""
-    by_place = {(place.pp_stage, place.tp_rank): shapes for place, shapes in held}
+Shapes = Dict[str, Tuple[int, ...]]  # parameter name -> shape
+
+
+def rank_layouts(held: Sequence[Tuple[ModelParallelPlace, Sequence[Shapes], Shapes, Sequence[str]]]) -> List[RankLayout]:
+    """Every model-parallel rank's layout, in model-parallel rank order, from each rank's (place, local shapes per
+    param group, frozen parameters' local shapes, buffer names): a slice starts where the slices of the lower
+    tensor-parallel ranks of its stage end (AutoTP's uneven vocabulary split included)."""
+    by_place = {(place.pp_stage, place.tp_rank): [*shapes, frozen] for place, shapes, frozen, _ in held}
     layouts = []
-    for place, shapes in held:
+    for place, shapes, frozen, buffers in held:
         starts = {}
-        for group in shapes:
+        for group in [*shapes, frozen]:
             for name in group:
                 split = split_of(place, name, f"model-parallel rank ({place.pp_stage}, {place.tp_rank})")
                 if isinstance(split, int):
                     starts[name] = sum(_find(by_place[(place.pp_stage, t)], name)[split] for t in range(place.tp_rank))
-        layouts.append(RankLayout(place, tuple(dict(g) for g in shapes), starts))
+        layouts.append(RankLayout(place, tuple(dict(g) for g in shapes), starts, dict(frozen), tuple(buffers)))
     return layouts
 
 
@@ -74,23 +80,32 @@ class ModelRankUniversal:
                 if name not in full[g]:
                     raise CheckpointMismatchError(f"{where}: parameter {name!r} (param group {g}) is not in the "
                                                   f"checkpoint; it is of another model.")
-                whole = tuple(full[g][name])
-                split = split_of(self.place, name, where)
-                if isinstance(split, str):
-                    raise CheckpointMismatchError(f"{where}: parameter {name!r} cannot be sliced: {split}.")
-                expected = list(whole)
-                if split is not None:
-                    if split >= len(whole) or layout.starts[name] + local[split] > whole[split]:
-                        raise CheckpointMismatchError(
-                            f"{where}: parameter {name!r} of shape {whole} cannot give this rank the slice "
-                            f"{tuple(local)} along dimension {split} from index {layout.starts.get(name)}: the "
-                            f"tensor-parallel size does not divide it as the engine does.")
-                    expected[split] = local[split]
-                if tuple(expected) != tuple(local):
-                    raise CheckpointMismatchError(f"{where}: parameter {name!r} is {whole} in the checkpoint; this "
-                                                  f"rank holds it as {tuple(local)}, not a slice of it.")
-                self._index[name] = (position[name], whole, split, tuple(local))
+                self._index[name] = (position[name], *self._cut(name, tuple(full[g][name]), local, where))
+        # The frozen parameters the checkpoint holds (whole; one saved with exclude_frozen_parameters holds none, and
+        # the engine keeps its own values of those, as a load at model-parallel size 1 does) and the buffers
+        self._frozen = {name: weights for name, weights in frozen_weights(universal).items() if name in layout.frozen}
+        for name, weights in self._frozen.items():
+            self._index[name] = (None, *self._cut(name, tuple(weights.shape), layout.frozen[name], where))
         self._groups: Dict[int, Tuple[List[torch.Tensor], List[ParamState]]] = {}
+
+    def _cut(self, name: str, whole: Tuple[int, ...], local: Tuple[int, ...], where: str):
+        """(whole shape, split dim or None, this rank's shape) of parameter `name`: this rank's shape checked to be a
+        slice of the checkpoint's along its split."""
+        split = split_of(self.place, name, where)
+        if isinstance(split, str):
+            raise CheckpointMismatchError(f"{where}: parameter {name!r} cannot be sliced: {split}.")
+        expected = list(whole)
+        if split is not None:
+            if split >= len(whole) or self.layout.starts[name] + local[split] > whole[split]:
+                raise CheckpointMismatchError(
+                    f"{where}: parameter {name!r} of shape {whole} cannot give this rank the slice {tuple(local)} "
+                    f"along dimension {split} from index {self.layout.starts.get(name)}: the tensor-parallel size "
+                    f"does not divide it as the engine does.")
+            expected[split] = local[split]
+        if tuple(expected) != tuple(local):
+            raise CheckpointMismatchError(f"{where}: parameter {name!r} is {whole} in the checkpoint; this rank holds "
+                                          f"it as {tuple(local)}, not a slice of it.")
+        return whole, split, tuple(local)
 
     def __getattr__(self, name):
         return getattr(self.universal, name)
@@ -100,8 +115,18 @@ class ModelRankUniversal:
 
     @property
     def model_states(self) -> dict:
-        """The universal checkpoint's model states, naming this rank's parameters and their slices' shapes."""
-        return {**self.universal.model_states, "param_shapes": self.param_shapes()}
+        """The universal checkpoint's model states for this rank: its parameters and their slices' shapes, its
+        buffers, its slices of the frozen parameters (in `module` and as the fragments a ZeRO-2 save writes)."""
+        states = {k: v for k, v in self.universal.model_states.items() if k not in (FROZEN_SHAPES, FROZEN_FRAGMENTS)}
+        held = self.universal.model_states.get("module") or {}
+        buffers = {name: held[name] for name in self.layout.buffers if name in held}
+        frozen = {name: self._slice(name, weights.reshape(-1)).reshape(self.layout.frozen[name])
+                  for name, weights in self._frozen.items()}
+        states.update(module={**buffers, **frozen}, buffer_names=list(buffers), param_shapes=self.param_shapes())
+        if frozen:
+            states.update({FROZEN_SHAPES: {name: weights.shape for name, weights in frozen.items()},
+                           FROZEN_FRAGMENTS: frozen})
+        return states
 
     def _slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         _, whole, split, local = self._index[name]

@@ -1,0 +1,96 @@
+"""A pipeline engine's module through the offline tools (checkpoint/format/weights.py: pipeline_layers).
+
+DeepSpeed saves a PipelineModule's weights and buffers only in its per-layer files (`layer_<i>-model_states.pt`, each
+layer's own state_dict; the model states' `module` is None) and, under ZeRO-1, records no frozen parameters at all.
+Checked against the engine that saved (one rank, one stage: the offline tools read one model-parallel rank): `export`
+gives its whole state_dict, trained weights, a wholly frozen layer, buffers, and a tied module under its own name
+(`tied_modules.<key>.*`, which its layer file does not say); the 8-bit universal export, loaded by an engine built
+from another seed, gives that engine the saving engine's state_dict. Control: the loader's own frozen weights and
+buffers differ from the saved ones before the load.
+"""
+
+import pytest
+import torch
+
+import deepspeed_bnb  # noqa: F401
+from deepspeed_bnb.cli import main
+from support.parallel_scenarios import Block, Embed, pipeline_loss
+from support.toy import GLOBAL_BATCH, MIN_8BIT_SIZE, ds_config, global_batch
+
+MICRO = 2
+FROZEN_LAYER = "2."  # every parameter of the third layer is frozen
+
+
+def tied_head(module, h):
+    return h @ module.emb.weight.t()
+
+
+def build(seed, universal=False):
+    import bitsandbytes as bnb
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    torch.manual_seed(seed)
+    model = PipelineModule([TiedLayerSpec("embed", Embed), LayerSpec(Block, 64), LayerSpec(Block, 32),
+                            TiedLayerSpec("embed", Embed, forward_fn=tied_head)],
+                           num_stages=1, loss_fn=pipeline_loss, partition_method="uniform")
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(FROZEN_LAYER))
+    config = ds_config(1, stage=1, micro_steps=MICRO)
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    optimizer = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-3,
+                                    min_8bit_size=MIN_8BIT_SIZE)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def train(engine, steps):
+    for step in steps:
+        tokens, targets = global_batch(step)
+        micro = GLOBAL_BATCH // MICRO
+        engine.train_batch(data_iter=iter([(tokens[i * micro:(i + 1) * micro], targets[i * micro:(i + 1) * micro])
+                                           for i in range(MICRO)]))
+
+
+def state(engine):
+    return {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def saved(one_rank, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipeline")
+    engine = build(seed=0)
+    train(engine, range(2))
+    engine.save_checkpoint(str(folder / "ckpt"), tag="t")
+    return folder, state(engine)
+
+
+def test_the_save_keeps_the_module_in_layer_files_only(saved):
+    folder, expected = saved
+    states = torch.load(folder / "ckpt" / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert states["module"] is None and not states.get("frozen_param_shapes")  # what the reader must work around
+    assert any(name.startswith("tied_modules.embed.") for name in expected)  # the model ties a module
+    assert any(name.startswith(FROZEN_LAYER) and name.endswith("shift") for name in expected)  # and has buffers
+
+
+def test_export_gives_the_engines_whole_state_dict(saved):
+    from safetensors.torch import load_file
+    folder, expected = saved
+    assert main(["export", str(folder / "ckpt"), str(folder / "weights")]) == 0
+    weights = load_file(str(folder / "weights" / "model.safetensors"))
+    assert sorted(weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_the_universal_export_gives_a_loader_the_frozen_layer_and_buffers(saved):
+    folder, expected = saved
+    assert main(["export", str(folder / "ckpt"), str(folder / "universal"), "--universal"]) == 0
+    loader = build(seed=1, universal=True)
+    own = state(loader)
+    kept = [name for name in expected if name.startswith(FROZEN_LAYER)]
+    assert kept and all(not torch.equal(own[name], expected[name]) for name in kept)  # control: seed 1's differ
+    loader.load_checkpoint(str(folder / "universal"))
+    loaded = state(loader)
+    assert sorted(loaded) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
