@@ -20,6 +20,7 @@ Only plain tensors and builtins are written. `UniversalCheckpoint` reads either 
 """
 
 import os
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -194,6 +195,28 @@ class UniversalCheckpoint(RanklessSource):
             raise CheckpointMismatchError(f"{self.tag_dir} has no model-states file ({MODEL_STATES}).")
         self.zero_stage, self.dp = stage, dp
         self.bnb = self._bnb_entry(optimizer_path)
+        # DeepSpeed's ds_to_universal of a tensor-parallel run joins every trained parameter's fp32 weights and moments
+        # in zero/, but copies model-parallel rank 0's model states: its param_shapes are that rank's slices, and its
+        # frozen parameters that rank's share (which nothing joins: DeepSpeed 0.19.8's converter stops on them unless
+        # --no_strict). The shapes are read from zero/ instead; the frozen shares are left out, loudly
+        self.sliced_model_states = self.manifest is None and (self.model_states.get("mp_world_size") or 1) > 1
+        if self.sliced_model_states:
+            self._leave_out_frozen_shares()
+
+    def _leave_out_frozen_shares(self) -> None:
+        from deepspeed_bnb.checkpoint.format.weights import frozen_weights
+        frozen = frozen_weights(self)
+        if not frozen:
+            return
+        warnings.warn(f"deepspeed_bnb: {self.tag_dir} is DeepSpeed's universal checkpoint of a run of "
+                      f"{self.model_states['mp_world_size']} model-parallel ranks, whose model states hold rank 0's "
+                      f"share of the frozen parameters {sorted(frozen)[:5]}{' ...' if len(frozen) > 5 else ''}: "
+                      f"they are not loaded, and the engine keeps its own values of them (the pretrained weights it "
+                      f"was built with, for a frozen layer).", RuntimeWarning, stacklevel=3)
+        module = {k: v for k, v in (self.model_states.get("module") or {}).items() if k not in frozen}
+        self.model_states = {**{k: v for k, v in self.model_states.items() if k not in (FROZEN_SHAPES,
+                                                                                      FROZEN_FRAGMENTS)},
+                             "module": module}
 
     def _bnb_entry(self, optimizer_path: str):
         """The 8-bit kind's entry of optimizer_state.pt, checked; None for the fp32 kinds."""
@@ -256,6 +279,9 @@ class UniversalCheckpoint(RanklessSource):
                                               f"optimizer param groups; which parameter belongs to which group is "
                                               f"unknown.")
             saved = [{name: shape for shapes in saved for name, shape in shapes.items()}]
+        if self.sliced_model_states:  # rank 0's slices: the whole shapes are those of the joined fp32 weights
+            saved = [{name: _whole(self._param_file(name, "fp32"), f"{self.tag_dir}/{ZERO_DIR}/{name}/fp32.pt").shape
+                      for name in shapes} for shapes in saved]
         return saved
 
     def _param_file(self, name: str, key: str) -> torch.Tensor:
