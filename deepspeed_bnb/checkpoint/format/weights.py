@@ -144,7 +144,9 @@ def frozen_weights(ckpt, trained: Optional[Dict[str, tuple]] = None, buffers: Op
         known.update(_trained_shapes(ckpt) if trained is None else trained)
         known.update({name: None for name in ckpt.model_states.get("shared_params") or {}})
         module = module_tensors(ckpt, 0, known) if module is None else module
-        return {name: tensor for name, tensor in module.items() if name not in known and tensor.numel() > 0}
+        return {name: tensor for name, tensor in module.items()  # (a module's get_extra_state is no parameter)
+                if name not in known and torch.is_tensor(tensor) and tensor.numel() > 0
+                and name.rpartition(".")[2] != "_extra_state"}
     first = getattr(ckpt, "model_states_path", ckpt.tag_dir)  # a universal checkpoint's has no such property
     if not isinstance(shapes, dict):
         raise CheckpointMismatchError(f"{first}: '{FROZEN_SHAPES}' is not a map of names to shapes.")
