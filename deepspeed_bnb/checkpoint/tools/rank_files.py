@@ -82,21 +82,23 @@ def rank_state_dict(base: dict, groups: List[GroupRecord], rank: int, dp: int, o
     return state
 
 
-def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optional[dict] = None) -> dict:
+def model_states_for(ckpt: SavedCheckpoint, dp: int, stage: int, frozen: Optional[dict] = None,
+                     module: Optional[dict] = None) -> dict:
     """The checkpoint's model states for `dp` ranks at `stage`, module weights as DeepSpeed's save of that stage holds
     them. A stage-3 target: an empty placeholder for every trained and frozen parameter (its engine takes the trained
     weights from fp32_flat_groups and the frozen ones from each rank's fragments, frozen_fragments, and refuses a whole
     tensor for a partitioned parameter). A stage-1/2 target: every parameter whole, the trained ones the fp32 master
     weights where the source holds none (universal checkpoints and plain bnb runs carry none, stage-3 files
     placeholders), in the module's dtype where known; `frozen` (the source's frozen parameters, whole:
-    weights.frozen_weights) whole in `module` and in its fragments. Buffers stay as the source holds them."""
+    weights.frozen_weights) whole in `module` and in its fragments. Buffers stay as the source holds them. `module`:
+    the source's module tensors (weights.module_tensors), if already read."""
     states = dict(ckpt.model_states)
     states["dp_world_size"] = dp
     config = copy.deepcopy(states.get("ds_config"))
     if isinstance(config, dict):
         config.setdefault("zero_optimization", {})["stage"] = stage
         states["ds_config"] = config
-    module = module_tensors(ckpt)  # a pipeline's from its layer files
+    module = dict(module_tensors(ckpt) if module is None else module)  # a pipeline's from its layer files
     if stage == 3:  # tied weights' other names (shared_params) are parameters too
         parameters = [name for shapes in ckpt.param_shapes() for name in shapes] + list(frozen or {}) + \
             [name for name in states.get("shared_params") or {} if name in module]
@@ -204,8 +206,9 @@ def _stage_rank_files(ckpt, staged: str, dp: int, fill, optimizer_class: str, op
                       stage: int, mode: str, mp_rank: int, mp_size: int):
     """One model-parallel rank's model states and rank files into `staged`; returns its groups' description."""
     switched = mode != source_master_mode(ckpt)  # the source's own values are what their mode holds already
-    frozen = frozen_weights(ckpt)
-    states = model_states_for(ckpt, dp, stage, frozen)
+    module = module_tensors(ckpt)  # read once (a pipeline's layer files)
+    frozen = frozen_weights(ckpt, module=module)
+    states = model_states_for(ckpt, dp, stage, frozen, module)
     states["mp_world_size"] = mp_size
     if stage == 3:  # one model-states file per rank: each with that rank's slices of the frozen parameters
         for rank in range(dp):

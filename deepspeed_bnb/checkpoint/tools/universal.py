@@ -34,7 +34,7 @@ from deepspeed_bnb.checkpoint.format.merged import buffers_and_frozen
 from deepspeed_bnb.checkpoint.format.publish import offline_write, publish_staged, write_json_atomic
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states, check_unlisted
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
-from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, fp32_moments
+from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, fp32_moments, frozen_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 from deepspeed_bnb.optim.param_state import ParamState
 from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, TRUST_RATIO_RULES
@@ -148,7 +148,7 @@ def _write_model_states(ckpt: SavedCheckpoint, staged: str) -> None:
     """Model states for the stage-1/2 and stage-3 loaders (both kinds)."""
     source = ckpt.model_states
     states = {k: source[k] for k in ("global_steps", "skipped_steps", "global_samples", "lr_scheduler",
-                                     "ds_version", "param_shapes", "buffer_names", "ds_config") if k in source}
+                                     "ds_version", "ds_config") if k in source}
     # The universal loader restores the trained weights from zero/, never from `module`: they are not copied (a
     # stage-3 source has none, and full copies would double the folder). What zero/ does not hold is: the buffers
     # (a strict load of the module fails without them) and the frozen parameters (whole, in `module` and as the
@@ -200,11 +200,11 @@ class UniversalCheckpoint(RanklessSource):
         # frozen parameters that rank's share (which nothing joins: DeepSpeed 0.19.8's converter stops on them unless
         # --no_strict). The shapes are read from zero/ instead; the frozen shares are left out, loudly
         self.sliced_model_states = self.manifest is None and (self.model_states.get("mp_world_size") or 1) > 1
+        self._joined_shapes = None  # param_shapes read from zero/ (sliced model states), once
         if self.sliced_model_states:
             self._leave_out_frozen_shares()
 
     def _leave_out_frozen_shares(self) -> None:
-        from deepspeed_bnb.checkpoint.format.weights import frozen_weights
         frozen = frozen_weights(self)
         if not frozen:
             return
@@ -280,8 +280,11 @@ class UniversalCheckpoint(RanklessSource):
                                               f"unknown.")
             saved = [{name: shape for shapes in saved for name, shape in shapes.items()}]
         if self.sliced_model_states:  # rank 0's slices: the whole shapes are those of the joined fp32 weights
-            saved = [{name: _whole(self._param_file(name, "fp32"), f"{self.tag_dir}/{ZERO_DIR}/{name}/fp32.pt").shape
-                      for name in shapes} for shapes in saved]
+            if self._joined_shapes is None:
+                self._joined_shapes = [
+                    {name: _whole(self._param_file(name, "fp32"), f"{self.tag_dir}/{ZERO_DIR}/{name}/fp32.pt").shape
+                     for name in shapes} for shapes in saved]
+            saved = [dict(shapes) for shapes in self._joined_shapes]
         return saved
 
     def _param_file(self, name: str, key: str) -> torch.Tensor:

@@ -11,6 +11,7 @@ written, naming the parameter.
 """
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -38,7 +39,8 @@ class RankLayout:
 Shapes = Dict[str, Tuple[int, ...]]  # parameter name -> shape
 
 
-def rank_layouts(held: Sequence[Tuple[ModelParallelPlace, Sequence[Shapes], Shapes, Sequence[str]]]) -> List[RankLayout]:
+def rank_layouts(held: Sequence[Tuple[ModelParallelPlace, Sequence[Shapes], Shapes, Sequence[str]]]) \
+        -> List[RankLayout]:
     """Every model-parallel rank's layout, in model-parallel rank order, from each rank's (place, local shapes per
     param group, frozen parameters' local shapes, buffer names): a slice starts where the slices of the lower
     tensor-parallel ranks of its stage end (AutoTP's uneven vocabulary split included)."""
@@ -113,7 +115,7 @@ class ModelRankUniversal:
     def param_shapes(self) -> List[Dict[str, torch.Size]]:
         return [{name: torch.Size(shape) for name, shape in group.items()} for group in self.layout.shapes]
 
-    @property
+    @cached_property  # read by several writers' steps; the frozen slices are cut once
     def model_states(self) -> dict:
         """The universal checkpoint's model states for this rank: its parameters and their slices' shapes, its
         buffers, its slices of the frozen parameters (in `module` and as the fragments a ZeRO-2 save writes)."""
