@@ -13,7 +13,9 @@ refused rather than joined wrongly.
 
 from typing import Dict
 
-from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, Split
+import torch
+
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, TIED, ModelParallelPlace, Split
 
 
 def place_of(engine) -> ModelParallelPlace:
@@ -31,10 +33,31 @@ def place_of(engine) -> ModelParallelPlace:
         tp_size, tp_rank = int(size()), int(rank())
         if hasattr(mpu, "get_pipe_parallel_world_size"):
             pp_size, pp_stage = int(mpu.get_pipe_parallel_world_size()), int(mpu.get_stage_id())
-    if tp_size == 1 and pp_size == 1:
+    layers = pipeline_layer_names(engine.module)
+    if tp_size == 1 and pp_size == 1 and not layers:
         return ALONE
     splits = tensor_parallel_splits(engine.module) if tp_size > 1 else {}
-    return ModelParallelPlace(tp_size, tp_rank, pp_size, pp_stage, splits)
+    return ModelParallelPlace(tp_size, tp_rank, pp_size, pp_stage, splits, layers)
+
+
+def pipeline_layer_names(module) -> Dict[int, str]:
+    """A PipelineModule's layer file index -> the module name of what that file holds (ModelParallelPlace.layers),
+    for every stage's layers: DeepSpeed's PipelineModule.save_state_dict writes `layer_<i>` for each layer that has
+    a state_dict, i its index in the whole pipeline. _build registers a LayerSpec's or an nn.Module's layer as `<i>`
+    and a TiedLayerSpec's module once, as `tied_modules.<key>`, stepping it as a layer (a file) only where the spec
+    has no forward_fn (a forward_fn makes the layer a partial: no file). A plain function is no module: no file.
+    Empty for any other module."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    if not isinstance(module, PipelineModule):
+        return {}
+    layers = {}
+    for index, spec in enumerate(module._layer_specs):
+        if isinstance(spec, TiedLayerSpec):  # (a LayerSpec too: tested first)
+            if spec.forward_fn is None:
+                layers[index] = f"{TIED}{spec.key}"
+        elif isinstance(spec, (LayerSpec, torch.nn.Module)):
+            layers[index] = str(index)
+    return layers
 
 
 def _first(mpu, *names):

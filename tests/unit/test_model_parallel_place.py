@@ -14,6 +14,7 @@ from torch import nn
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, no_place_error, \
     place_from_dict, split_of
+from deepspeed_bnb.checkpoint.format.records import build_record, saved_place
 from deepspeed_bnb.runtime.model_parallel import tensor_parallel_splits
 
 PLACE = ModelParallelPlace(2, 1, 3, 2, {"a.weight": 0, "b.weight": 1, "norm.weight": None, "fused.weight": "why"})
@@ -33,6 +34,26 @@ def test_a_damaged_place_is_refused_naming_the_file(damage):
     damage(data)
     with pytest.raises(CheckpointMismatchError, match=r"rank_7\.pt: the model-parallel place .* malformed"):
         place_from_dict(data, "rank_7.pt")
+
+
+def test_a_pipelines_layer_names_read_back_beside_the_place():
+    layers = {0: "tied_modules.embed", 1: "1", 2: "tied_modules.embed"}
+    piped = ModelParallelPlace(1, 0, 2, 1, {}, layers)
+    record = build_record("bnb.optim.AdamW8bit", "adam", 0, [], model_parallel=piped)
+    assert record["model_parallel"] == place_from_dict(record["model_parallel"], "f").to_dict()  # the place as before
+    assert saved_place(record, "f") == piped and saved_place(record, "f").layers == layers
+    plain = build_record("bnb.optim.AdamW8bit", "adam", 0, [], model_parallel=PLACE)
+    assert "pipeline_layers" not in plain and saved_place(plain, "f") == PLACE
+
+
+@pytest.mark.parametrize("layers", [
+    {"x": "1"}, {"1": "2"}, {"1": "tied_modules.a.b"}, {"1": "tied_modules."}, {"1": 1}, ["1"], {"-1": "-1"},
+    {"1": "tied_modules.a b"}])
+def test_damaged_layer_names_are_refused_naming_the_file(layers):
+    record = build_record("bnb.optim.AdamW8bit", "adam", 0, [], model_parallel=PLACE)
+    record["pipeline_layers"] = layers
+    with pytest.raises(CheckpointMismatchError, match=r"rank_7\.pt: the pipeline's layer names .* malformed"):
+        saved_place(record, "rank_7.pt")
 
 
 def test_split_of_names_what_is_missing():

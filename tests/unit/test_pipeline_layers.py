@@ -3,22 +3,39 @@
 DeepSpeed saves a PipelineModule's weights and buffers only in its per-layer files (`layer_<i>-model_states.pt`, each
 layer's own state_dict; the model states' `module` is None) and, under ZeRO-1, records no frozen parameters at all.
 Checked against the engine that saved (one rank, one stage: the offline tools read one model-parallel rank): `export`
-gives its whole state_dict, trained weights, a wholly frozen layer, buffers, and a tied module under its own name
-(`tied_modules.<key>.*`, which its layer file does not say); the 8-bit universal export, loaded by an engine built
-from another seed, gives that engine the saving engine's state_dict. Control: the loader's own frozen weights and
-buffers differ from the saved ones before the load.
+gives its whole state_dict, trained weights, a wholly frozen layer, buffers, and tied modules under their own names
+(`tied_modules.<key>.*`, which their layer files do not say: the save records each layer file's module name); the
+8-bit universal export, loaded by an engine built from another seed, gives that engine the saving engine's
+state_dict. Controls: the loader's own frozen weights and buffers differ from the saved ones before the load; without
+the recorded names a wholly frozen tied module (nothing of it in the optimizer record to recognise it by) is read
+under its layer index.
 """
+
+import os
+from unittest import mock
 
 import pytest
 import torch
 
 import deepspeed_bnb  # noqa: F401
+from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
+from deepspeed_bnb.checkpoint.format.weights import _known, pipeline_layers, recorded_layers
 from deepspeed_bnb.cli import main
 from support.parallel_scenarios import Block, Embed, pipeline_loss
 from support.toy import GLOBAL_BATCH, MIN_8BIT_SIZE, ds_config, global_batch
 
 MICRO = 2
-FROZEN_LAYER = "2."  # every parameter of the third layer is frozen
+FROZEN_LAYER = "3."  # every parameter of this layer is frozen
+FROZEN_TIED = "tied_modules.mix."  # and of this tied module (used twice), which holds no buffer
+
+
+class Mix(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(40, 40)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
 
 
 def tied_head(module, h):
@@ -30,11 +47,12 @@ def build(seed, universal=False):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     torch.manual_seed(seed)
-    model = PipelineModule([TiedLayerSpec("embed", Embed), LayerSpec(Block, 64), LayerSpec(Block, 32),
+    model = PipelineModule([TiedLayerSpec("embed", Embed), TiedLayerSpec("mix", Mix), LayerSpec(Block, 64),
+                            LayerSpec(Block, 32), TiedLayerSpec("mix", Mix),
                             TiedLayerSpec("embed", Embed, forward_fn=tied_head)],
                            num_stages=1, loss_fn=pipeline_loss, partition_method="uniform")
     for name, param in model.named_parameters():
-        param.requires_grad_(not name.startswith(FROZEN_LAYER))
+        param.requires_grad_(not name.startswith((FROZEN_LAYER, FROZEN_TIED)))
     config = ds_config(1, stage=1, micro_steps=MICRO)
     if universal:
         config["checkpoint"] = {"load_universal": True}
@@ -70,6 +88,22 @@ def test_the_save_keeps_the_module_in_layer_files_only(saved):
     assert states["module"] is None and not states.get("frozen_param_shapes")  # what the reader must work around
     assert any(name.startswith("tied_modules.embed.") for name in expected)  # the model ties a module
     assert any(name.startswith(FROZEN_LAYER) and name.endswith("shift") for name in expected)  # and has buffers
+    files = sorted(os.listdir(folder / "ckpt" / "t"))
+    assert [name for name in files if name.startswith("layer_")] == \
+        [f"layer_0{i}-model_states.pt" for i in range(5)]  # the last layer (a tied forward_fn) has no file
+
+
+def test_the_record_names_each_layer_files_module(saved):
+    folder, expected = saved
+    ckpt = SavedCheckpoint(str(folder / "ckpt" / "t"))
+    assert recorded_layers(ckpt) == {0: "tied_modules.embed", 1: "tied_modules.mix", 2: "2", 3: "3",
+                                     4: "tied_modules.mix"}
+    assert pipeline_layers(ckpt).keys() == expected.keys()
+    # control: without the recorded names, the wholly frozen tied module is read under its layer indices
+    with mock.patch("deepspeed_bnb.checkpoint.format.weights.recorded_layers", return_value={}):
+        inferred = pipeline_layers(ckpt, known=_known(ckpt))
+    assert "1.lin.weight" in inferred and not any(name.startswith(FROZEN_TIED) for name in inferred)
+    assert "tied_modules.embed.emb.weight" in inferred  # a trained tied module is recognised either way
 
 
 def test_export_gives_the_engines_whole_state_dict(saved):
@@ -87,7 +121,7 @@ def test_the_universal_export_gives_a_loader_the_frozen_layer_and_buffers(saved)
     assert main(["export", str(folder / "ckpt"), str(folder / "universal"), "--universal"]) == 0
     loader = build(seed=1, universal=True)
     own = state(loader)
-    kept = [name for name in expected if name.startswith(FROZEN_LAYER)]
+    kept = [name for name in expected if name.startswith((FROZEN_LAYER, FROZEN_TIED))]
     assert kept and all(not torch.equal(own[name], expected[name]) for name in kept)  # control: seed 1's differ
     loader.load_checkpoint(str(folder / "universal"))
     loaded = state(loader)

@@ -21,6 +21,8 @@ OPTIMIZER_NAME_KEY = "optimizer_name"  # bnb's update-rule name ("adam", "lion",
 DP_RANK_KEY = "dp_rank"  # data-parallel rank that wrote the record
 MODEL_PARALLEL_KEY = "model_parallel"  # model_parallel.ModelParallelPlace.to_dict(): the rank's tensor-parallel rank
 # and pipeline stage, each parameter's tensor-parallel split; absent in records written before it was recorded
+PIPELINE_LAYERS_KEY = "pipeline_layers"  # pipelines: layer file index (str) -> the layer's module name
+# (ModelParallelPlace.layers); absent in other records and in records written before it was recorded
 MASTER_MODE_KEY = "master_weights"  # "fp32", "bf16" or "bf16+8" (optim/master_weights.py); absent before format 3
 GROUPS_KEY = "groups"  # list, one entry per param group:
 HYPERPARAMS_KEY = "hyperparams"  # the param group's settings (lr, betas, ...) without its params

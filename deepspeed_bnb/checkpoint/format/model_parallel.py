@@ -7,8 +7,13 @@ tensor along one dimension or the whole of it; under a pipeline each stage's own
 universal checkpoint written from a model-parallel one) needs each parameter's split dimension, which neither the
 files' shapes nor the names tell; DeepSpeed describes it only from 0.19.x on and only for AutoTP's own layers. So
 every rank records it when it saves, and a reader refuses a checkpoint that lacks it, naming what is missing.
+
+A pipeline's layer files (`layer_<i>-model_states.pt`) hold each layer's own state_dict and name the layer by its
+index only; a TiedLayerSpec's module is `tied_modules.<key>` in the engine, which no file says. So a pipeline rank
+also records the module's name of every layer file the save writes (`layers`), beside the place in the record.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, Union
 
@@ -28,6 +33,12 @@ class ModelParallelPlace:
     pp_size: int = 1  # pipeline stages; 1 without a pipeline
     pp_stage: int = 0  # this rank's stage
     splits: Dict[str, Split] = field(default_factory=dict)  # per parameter (tensor parallelism only): see Split
+    # pipelines only (one stage too): the index of each layer file the save writes -> that layer's module name in the
+    # engine (its index, or `tied_modules.<key>` for a TiedLayerSpec's module); every stage records every stage's
+    # layers. Empty where not a pipeline or not recorded (then a reader infers the names: weights.pipeline_layers).
+    # Not in to_dict(): the record holds it under its own key (constants.PIPELINE_LAYERS_KEY), which readers that
+    # predate it ignore, where they would refuse an unknown key in the place.
+    layers: Dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"tp_size": self.tp_size, "tp_rank": self.tp_rank, "pp_size": self.pp_size,
@@ -40,6 +51,24 @@ class ModelParallelPlace:
 
 
 ALONE = ModelParallelPlace()  # a data-parallel-only run
+TIED = "tied_modules."  # PipelineModule's prefix of the modules TiedLayerSpec shares between layers
+_TIED_NAME = re.compile(r"^tied_modules\.[^.\s]+$")  # a ModuleDict key holds no "." (torch's add_module refuses one)
+
+
+def layers_to_dict(layers: Dict[int, str]) -> Dict[str, str]:
+    return {str(index): name for index, name in sorted(layers.items())}
+
+
+def layers_from_dict(data, where: str) -> Dict[int, str]:
+    """A pipeline's recorded layer names (ModelParallelPlace.layers), each checked: a layer file's index names its
+    own layer (`<index>`) or a tied module (the file is not trusted to be well formed)."""
+    if not isinstance(data, dict) or not all(
+            isinstance(k, str) and k.isdigit() and len(k) < 8 and isinstance(v, str) and
+            (v == str(int(k)) or _TIED_NAME.match(v)) for k, v in data.items()):
+        raise CheckpointMismatchError(f"{where}: the pipeline's layer names are not a map of layer indices to the "
+                                      f"layer's own index or a 'tied_modules.<key>' name; the record is malformed "
+                                      f"(damaged or crafted).")
+    return {int(k): v for k, v in data.items()}
 
 
 def place_from_dict(data, where: str) -> ModelParallelPlace:

@@ -15,7 +15,8 @@ import torch
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, placement_from_dict
-from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, place_from_dict
+from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, layers_from_dict, layers_to_dict, \
+    place_from_dict
 from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights
@@ -69,6 +70,7 @@ def build_record(optimizer_class: str, optimizer_name: str, dp_rank: int, groups
         C.OPTIMIZER_NAME_KEY: optimizer_name,
         C.DP_RANK_KEY: dp_rank,
         C.MODEL_PARALLEL_KEY: model_parallel.to_dict(),
+        **({C.PIPELINE_LAYERS_KEY: layers_to_dict(model_parallel.layers)} if model_parallel.layers else {}),
         C.GROUPS_KEY: [{
             C.HYPERPARAMS_KEY: {k: v for k, v in g.hyperparams.items() if k != "params"},
             C.LAYOUT_KEY: g.layout.to_dict(),
@@ -95,9 +97,14 @@ def saved_master_mode(record: dict) -> str:
 
 
 def saved_place(record: dict, source: str) -> Optional[ModelParallelPlace]:
-    """The model-parallel place of the rank that wrote a record, checked; None where the record predates it."""
+    """The model-parallel place of the rank that wrote a record (with a pipeline's layer names where recorded),
+    checked; None where the record predates it."""
     data = record.get(C.MODEL_PARALLEL_KEY)
-    return None if data is None else place_from_dict(data, source)
+    if data is None:
+        return None
+    place = place_from_dict(data, source)
+    layers = record.get(C.PIPELINE_LAYERS_KEY)
+    return place if layers is None else dataclasses.replace(place, layers=layers_from_dict(layers, source))
 
 
 def saved_master_dtype(record: dict) -> torch.dtype:

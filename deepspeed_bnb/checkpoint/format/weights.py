@@ -20,7 +20,9 @@ from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format import stock_zero3
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.model_parallel import TIED
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint, check_model_states
+from deepspeed_bnb.checkpoint.format.records import saved_place
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.ops.reference import dequantize_blockwise
 
@@ -183,16 +185,18 @@ def frozen_weights(ckpt, trained: Optional[Dict[str, tuple]] = None, buffers: Op
 # state_dict under its own names (DeepSpeed's PipelineModule.ckpt_layer_path: the rank repr names the tensor-parallel
 # coordinate, `model_<r>`, where the topology has one)
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-TIED = "tied_modules."  # PipelineModule's prefix of the modules TiedLayerSpec shares between layers
 
 
 def pipeline_layers(ckpt, tp_rank: int = 0, known: Optional[Dict[str, Optional[tuple]]] = None) \
         -> Dict[str, torch.Tensor]:
     """Every tensor of the tag's pipeline layer files (of tensor-parallel rank `tp_rank`) under the module's names: a
     pipeline engine saves its module there, every stage's layers side by side, and `module` None in the model states.
-    Layer i's tensors are `<i>.<name>`, except where none of those is `known` (name -> shape or None: trained
-    parameters, buffers) but the file holds every known tensor of one tied module (`tied_modules.<key>.<name>`), in
-    its shape: then they are that module's."""
+    Layer i's tensors are `<name of layer i>.<name>`, the layer's name as our record holds it (recorded_layers). A
+    pipeline saved by stock DeepSpeed or before the names were recorded: `<i>.<name>`, except where none of those is
+    `known` (name -> shape or None: trained parameters, buffers) but the file holds every known tensor of one tied
+    module (`tied_modules.<key>.<name>`), in its shape: then they are that module's (a tied module with no tensor
+    known, wholly frozen, cannot be told from layer i then)."""
+    recorded = recorded_layers(ckpt)
     known = known or {}
     tied: Dict[str, Dict[str, Optional[tuple]]] = {}
     for name, shape in known.items():
@@ -205,14 +209,31 @@ def pipeline_layers(ckpt, tp_rank: int = 0, known: Optional[Dict[str, Optional[t
         if match is None or int(match.group(2) or 0) != tp_rank:
             continue
         held = _tensor_map(os.path.join(ckpt.tag_dir, name), "a pipeline layer's weights")
-        prefix = f"{int(match.group(1))}."
-        owners = [key for key, members in tied.items()
-                  if all(local in held and (shape is None or tuple(held[local].shape) == tuple(shape))
-                         for local, shape in members.items())]
-        if not any(prefix + local in known for local in held) and len(owners) == 1:
-            prefix = f"{TIED}{owners[0]}."
+        index = int(match.group(1))
+        if recorded:
+            if index not in recorded:
+                raise CheckpointMismatchError(f"{ckpt.tag_dir}: {name} is a layer file the save's record does not "
+                                              f"name (its pipeline has layer files {sorted(recorded)}); the files "
+                                              f"are of different runs.")
+            prefix = recorded[index] + "."
+        else:
+            prefix = f"{index}."
+            owners = [key for key, members in tied.items()
+                      if all(local in held and (shape is None or tuple(held[local].shape) == tuple(shape))
+                             for local, shape in members.items())]
+            if not any(prefix + local in known for local in held) and len(owners) == 1:
+                prefix = f"{TIED}{owners[0]}."
         out.update({prefix + local: tensor for local, tensor in held.items()})
     return out
+
+
+def recorded_layers(ckpt) -> Dict[int, str]:
+    """A pipeline's layer file index -> its module name, as the first rank's record holds it (ModelParallelPlace
+    .layers); empty where none is recorded (stock DeepSpeed, an older deepspeed_bnb, a checkpoint of another tool)."""
+    if not getattr(ckpt, "is_deepspeed_bnb", False) or not hasattr(ckpt, "record"):
+        return {}
+    place = saved_place(ckpt.record(0), ckpt.source.name(0))
+    return place.layers if place is not None else {}
 
 
 def _trained_shapes(ckpt) -> Dict[str, tuple]:
