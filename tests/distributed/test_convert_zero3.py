@@ -35,11 +35,9 @@ def loaded_engine(folder: str, eight_bit: bool):
     import deepspeed
 
     from support.distributed_scenarios import FROZEN
-    from support.toy import MIN_8BIT_SIZE, ds_config, make_model, param_groups
+    from support.toy import MIN_8BIT_SIZE, ds_config, freeze, make_model, param_groups
     model = make_model(seed=1)
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN)
-    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model, lr=5e-2)]
+    groups = freeze(model, FROZEN, param_groups(model, lr=5e-2))
     optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE) if eight_bit else bnb.optim.AdamW(groups)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(1, stage=3))
     engine.load_checkpoint(folder)

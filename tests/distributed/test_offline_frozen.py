@@ -91,12 +91,10 @@ def test_a_one_rank_engine_loads_the_frozen_weights(source, written, label):
     import deepspeed
 
     from support.distributed_scenarios import FROZEN
-    from support.toy import MIN_8BIT_SIZE, ds_config, make_model, param_groups
+    from support.toy import MIN_8BIT_SIZE, ds_config, freeze, make_model, param_groups
     _, frozen = source
     model = make_model(seed=1)
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN)
-    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
+    groups = freeze(model, FROZEN, param_groups(model))
     optimizer = bnb.optim.AdamW(groups) if label == "convert32" else \
         bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(1, stage=3))

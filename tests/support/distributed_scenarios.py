@@ -50,7 +50,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 from support.bnb_state import bnb_moments  # noqa: E402
 from support.toy import (MIN_8BIT_SIZE, NUM_EXPERTS, ds_config, global_batch, local_slice, loss_fn,  # noqa: E402
-                         make_model, moment_values, param_groups)
+                         freeze, make_model, moment_values, param_groups)
 
 TRAIN_CONFIGS = {
     # name -> ds_config overrides
@@ -113,9 +113,7 @@ def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, pad
         groups = split_params_into_different_moe_groups_for_optimizer(
             [{**group, "name": name} for group, name in zip(groups, ("decay", "no_decay"))])
     if frozen:
-        for name, param in model.named_parameters():
-            param.requires_grad_(name not in FROZEN)
-        groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in groups]
+        groups = freeze(model, FROZEN, groups)
     manager = bnb.optim.GlobalOptimManager.get_instance()
     manager.initialize()
     if emb32:
@@ -318,9 +316,7 @@ def scenario_stock_zero3_save(world, rank, out):
     steps."""
     folder = os.path.join(out, STOCK_ZERO3, f"dp{world}")
     model = make_model(0)
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN)
-    groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in param_groups(model)]
+    groups = freeze(model, FROZEN, param_groups(model))
     config = {**ds_config(world, stage=3), "zero_allow_untested_optimizer": True}
     with stock_deepspeed():
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups), config=config)

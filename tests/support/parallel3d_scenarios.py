@@ -22,8 +22,8 @@ from deepspeed_bnb.runtime.zero.compat import all_gather_object, checkpoint_mp_r
 from support.distributed_scenarios import LOADER_LR, global_state, weights_follow_master
 from support.megatron_tp import ParallelMLP, TensorParallel
 from support.parallel_scenarios import (Embed, Head, MICRO_STEPS, compare_with_slices, compare_with_whole, folder_of,
-                                        pipeline_loss, run_steps, saved_shapes, trained_parameters, universal_of)
-from support.toy import MIN_8BIT_SIZE, ds_config
+                                        pipeline_loss, run_steps, saved_shapes, universal_of)
+from support.toy import MIN_8BIT_SIZE, ds_config, freeze
 
 KIND = "tp2pp2_stage1"
 SAVED = dict(tp=2, pp=2)  # the saved layout, at data-parallel 1: 4 ranks
@@ -47,12 +47,11 @@ def build(world, tp, pp, seed=0, lr=1e-3, universal=False):
                            topology=topology, loss_fn=pipeline_loss, partition_method="uniform")
     if tp > 1:  # the grid exists once the module is built: its slice-parallel group is the tensor-parallel one
         parallel.group = model._grid.get_slice_parallel_group()
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN)
+    trained = freeze(model, FROZEN)
     config = ds_config(dp, stage=1, micro_steps=MICRO_STEPS)
     if universal:
         config["checkpoint"] = {"load_universal": True}
-    optimizer = bnb.optim.AdamW8bit([{"params": trained_parameters(model), "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
+    optimizer = bnb.optim.AdamW8bit([{"params": trained, "lr": lr}], min_8bit_size=MIN_8BIT_SIZE)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 

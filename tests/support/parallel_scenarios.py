@@ -20,7 +20,7 @@ from torch import nn
 
 from support.distributed_scenarios import LOADER_LR, global_state, identical, weights_follow_master
 from deepspeed_bnb.runtime.zero.compat import checkpoint_mp_rank
-from support.toy import GLOBAL_BATCH, MIN_8BIT_SIZE, VOCAB, ds_config, global_batch, loss_fn
+from support.toy import GLOBAL_BATCH, MIN_8BIT_SIZE, VOCAB, ds_config, freeze, global_batch, loss_fn
 
 MODEL_PARALLEL = 2  # pipeline stages / tensor-parallel ranks of every kind
 PARALLEL_KINDS = {"pp2_stage1": dict(pipeline=True, stage=1), "tp2_stage2": dict(pipeline=False, stage=2)}
@@ -75,8 +75,7 @@ FROZEN = {True: ("0.emb.weight", "3.head.bias"),
 def with_frozen_and_buffer(model, pipeline):
     """`model` with FROZEN[pipeline] frozen; the tiny Llama also gets a persistent buffer added after its final norm
     (the pipeline's blocks have theirs)."""
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN[pipeline])
+    freeze(model, FROZEN[pipeline])
     if not pipeline:
         norm = model.model.norm
         norm.register_buffer("shift", torch.randn(norm.weight.shape[0]) * 0.1)

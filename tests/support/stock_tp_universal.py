@@ -16,7 +16,7 @@ from deepspeed import comm as dist  # noqa: E402
 import deepspeed_bnb  # noqa: E402,F401
 from deepspeed_bnb.utils.teardown import finish  # noqa: E402
 from support.parallel_scenarios import FROZEN, run_steps  # noqa: E402
-from support.toy import VOCAB, ds_config  # noqa: E402
+from support.toy import VOCAB, ds_config, freeze  # noqa: E402
 
 TP = 2
 
@@ -26,10 +26,8 @@ def build(seed: int, stock: bool):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN[False])
+    trained = freeze(model, FROZEN[False])
     config = {**ds_config(1, stage=2), "tensor_parallel": {"autotp_size": TP}}
-    trained = [p for p in model.parameters() if p.requires_grad]
     if stock:
         optimizer = torch.optim.AdamW(trained, lr=1e-3)
     else:

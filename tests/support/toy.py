@@ -63,6 +63,17 @@ def param_groups(model, lr=1e-3):
     return [{"params": decay, "weight_decay": 0.1, "lr": lr}, {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
 
 
+def freeze(model, frozen, groups=None) -> list:
+    """Freeze the parameters of `model` that `frozen` names (requires_grad False: the optimizer holds no state for
+    them, as in a fine-tuning run); returns `groups` (param-group dicts) without them, or, where None, the parameters
+    still trained."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    if groups is None:
+        return [param for param in model.parameters() if param.requires_grad]
+    return [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in groups]
+
+
 def global_batch(step: int):
     """The same global batch for every DP size: (tokens, targets) of GLOBAL_BATCH sequences."""
     g = torch.Generator().manual_seed(1000 + step)

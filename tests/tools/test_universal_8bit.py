@@ -30,7 +30,7 @@ from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
 from support.bnb_state import assert_same
-from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, make_model, param_groups, train_steps
+from support.toy import MIN_8BIT_SIZE, build_engine, ds_config, freeze, make_model, param_groups, train_steps
 
 STEPS = 3
 OPTIMIZERS = {
@@ -227,10 +227,9 @@ def frozen_buffer_engine(seed: int, stage: int, universal: bool = False):
     model = make_model(seed)
     model.register_buffer("scale", torch.randn(5, generator=torch.Generator().manual_seed(seed)))
     for name, param in model.named_parameters():
-        param.requires_grad_(name not in FROZEN)
         if name in FROZEN:  # values of their own per seed (the toy's layer norm starts at ones and zeros)
             param.data.normal_(generator=torch.Generator().manual_seed(seed))
-    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
+    groups = freeze(model, FROZEN, param_groups(model))
     config = {**ds_config(1, stage=stage), **({"checkpoint": {"load_universal": True}} if universal else {})}
     optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
