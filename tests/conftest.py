@@ -48,12 +48,17 @@ def free_port() -> int:
 TEST_EXTRA = ("accelerate", "transformers", "trl", "datasets", "matplotlib", "build")  # setup.py's "test" extra
 
 
+SESSION = {}  # "start": the session's time.time(); "swept": the comm buffers swept at its end
+
+
 def pytest_sessionstart(session):
     """The suite needs the `test` extra (the client tests, and the multi-rank scenarios' models import transformers):
     without it, say so once, by name, instead of failing inside a rank. A run of named files only (the GPU proof's
     kernel tests, on a machine without the extra) is not held to it: a file that needs a missing package fails at its
     own import, which names the package."""
     import importlib.util
+    import time
+    SESSION["start"] = time.time()
     root = session.config.invocation_params.dir
     paths = [os.path.join(root, arg.split("::")[0]) for arg in session.config.args]
     if paths and all(os.path.isfile(path) for path in paths):
@@ -88,16 +93,26 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     from support import background
     background.stop()
+    if "start" in SESSION:  # DeepSpeed never unlinks its CPU comm buffers; a rank killed before finish() leaves its own
+        from deepspeed_bnb.utils.teardown import sweep_shm_buffers
+        SESSION["swept"] = sweep_shm_buffers(SESSION["start"])
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The background jobs' start and run times, after the durations: where a slow suite waited on its queue."""
+    """The background jobs' start and run times, after the durations: where a slow suite waited on its queue; the
+    comm buffers swept at the session's end."""
     from support import background
     lines = background.report()
     if lines:
         terminalreporter.section("background jobs")
         for line in lines:
             terminalreporter.write_line(line)
+    swept = SESSION.get("swept")
+    if swept:  # a leak to look into: every launch of the suite releases its ranks' buffers when they end normally
+        terminalreporter.section("shared memory")
+        terminalreporter.write_line(f"removed {len(swept)} buffer(s) of DeepSpeed's CPU comm op that ranks of this "
+                                    f"session left in /dev/shm (66 MB each; a rank killed before finish()): "
+                                    f"{', '.join(swept[:4])}{' ...' if len(swept) > 4 else ''}")
 
 
 @pytest.fixture(scope="session")

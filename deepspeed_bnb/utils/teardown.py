@@ -48,15 +48,69 @@ def mark_done(rank: int) -> None:
             os.fsync(f.fileno())
 
 
+SHM_DIR = "/dev/shm"
+SHM_BUFFER = "deepspeed_allreduce_buffer_{uid}_"  # DeepSpeed's CPU comm op's buffer names (this user's), then
+# <addr>_<port>_<rank>
+
+
 def release_shm_buffer(rank: int) -> None:
     """Unlink this rank's buffer of DeepSpeed's CPU comm op, named by the launch's MASTER_ADDR and MASTER_PORT (its
     peers have mapped it since their first collective, and a mapping outlives the name)."""
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
-           f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    name = SHM_BUFFER.format(uid=os.getuid()) + f"{os.environ.get('MASTER_ADDR', '')}_" \
+        f"{os.environ.get('MASTER_PORT', '')}_{rank}"
     try:
-        os.unlink(os.path.join("/dev/shm", name))
+        os.unlink(os.path.join(SHM_DIR, name))
     except OSError:  # none (another accelerator, no shm op, not a POSIX system): nothing was left behind
         pass
+
+
+def sweep_shm_buffers(since: float) -> List[str]:
+    """Unlink this user's comm-op buffers created at or after `since` (a time.time()) that no process maps: those of
+    ranks that ended without finish() (killed by a signal or a timeout, or a script that never calls it). Returns
+    their names. A buffer some process maps (a concurrent launch's) is kept; so is any created before `since`. The
+    one window left: a concurrent launch's rank between creating its buffer and mapping it (a few system calls)."""
+    prefix = SHM_BUFFER.format(uid=os.getuid())
+    try:
+        names = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
+    except OSError:  # no /dev/shm: nothing to sweep
+        return []
+    candidates = []
+    for name in names:
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_mtime >= since:  # (a mapped write moves it later)
+                candidates.append(name)
+        except OSError:  # removed meanwhile
+            continue
+    if not candidates:
+        return []
+    mapped = _mapped_shm_names(prefix)
+    removed = []
+    for name in candidates:
+        if name in mapped:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def _mapped_shm_names(prefix: str) -> set:
+    """The names under SHM_DIR starting with `prefix` that some process this user can inspect maps (/proc/*/maps)."""
+    mapped = set()
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find(os.path.join(SHM_DIR, prefix))
+                    if at >= 0:
+                        mapped.add(os.path.basename(line[at:].split()[0]))
+        except OSError:  # gone, or another user's
+            continue
+    return mapped
 
 
 def finish() -> None:
