@@ -142,9 +142,8 @@ def frozen_weights(ckpt, trained: Optional[Dict[str, tuple]] = None, buffers: Op
     second name."""
     shapes = ckpt.model_states.get(FROZEN_SHAPES)
     if not shapes:
-        known = {name: None for name in (ckpt.model_states.get("buffer_names") or [] if buffers is None else buffers)}
-        known.update(_trained_shapes(ckpt) if trained is None else trained)
-        known.update({name: None for name in ckpt.model_states.get("shared_params") or {}})
+        known = {**_known(ckpt, trained, buffers),
+                 **{name: None for name in ckpt.model_states.get("shared_params") or {}}}
         module = module_tensors(ckpt, 0, known) if module is None else module
         return {name: tensor for name, tensor in module.items()  # (a module's get_extra_state is no parameter)
                 if name not in known and torch.is_tensor(tensor) and tensor.numel() > 0
@@ -240,9 +239,12 @@ def _trained_shapes(ckpt) -> Dict[str, tuple]:
     return {name: tuple(shape) for group in ckpt.param_shapes() for name, shape in group.items()}
 
 
-def _known(ckpt) -> Dict[str, Optional[tuple]]:
-    """name -> shape of the parameters the optimizer trains and (shape unknown) the buffers the model states name."""
-    return {**{name: None for name in ckpt.model_states.get("buffer_names") or []}, **_trained_shapes(ckpt)}
+def _known(ckpt, trained: Optional[Dict[str, tuple]] = None,
+           buffers: Optional[Collection[str]] = None) -> Dict[str, Optional[tuple]]:
+    """name -> shape of the parameters the optimizer trains (`trained`, by default the checkpoint's) and, shape
+    unknown, the buffers (`buffers`, by default the ones the model states name)."""
+    buffers = ckpt.model_states.get("buffer_names") or [] if buffers is None else buffers
+    return {**{name: None for name in buffers}, **(_trained_shapes(ckpt) if trained is None else trained)}
 
 
 def module_tensors(ckpt, tp_rank: int = 0, known: Optional[Dict[str, Optional[tuple]]] = None) \
