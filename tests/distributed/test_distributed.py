@@ -6,7 +6,8 @@ Controls: stock DeepSpeed does not track DP=1 within the same bar, dropping the 
 the losses, and stock DeepSpeed's elastic checkpoint of a bnb optimizer fails to load.
 DeepSpeed's parameter-level optimizer-state API at DP=2 (param_state): full gets are the ranks' local fragments joined
 and bnb's own dequantization of the joined state; sets come back within half a quantization step, equal to the same
-sets at DP=1, and a set by one rank alone reaches the checkpoint, which reloads identically at DP=2 and at DP=1.
+sets at DP=1 and at ZeRO-3 (whose local state is each rank's slice), and a set by one rank alone reaches the
+checkpoint, which reloads identically at DP=2 and at DP=1.
 """
 
 import pytest
@@ -199,6 +200,27 @@ def test_param_state_sets_come_back_within_half_a_step(results, param_state_gets
     assert step_ratio(after[start:], mine, False, numel) <= 0.5
     assert not torch.equal(after[start:], before[start:])
     assert all(torch.equal(local_set[k], full_set[k]) for k in full_set if k != "fc1.weight.exp_avg")
+
+
+def test_param_state_at_stage3_across_ranks(results, param_state_gets):
+    """ZeRO-3 at DP=2: a rank's local state is its slice of the parameter (the slices in rank order are the full get),
+    the full get is bnb's dequantization of the joined state, the same sets give stage 2's gets bit for bit (another
+    layout of the same 256-element blocks), a set by the last rank alone changes its slice only, and the checkpoint
+    reloads into another seed's engine unchanged."""
+    run = results[2]["param_state"]["zero3"]
+    assert run["joined_equals_full"], "full get != the ranks' local slices joined in rank order"
+    assert run["full_equals_bnb"], "full get != bnb's dequantize_blockwise of the parameter's joined state"
+    full_set, local_set = param_state_gets["zero3_full_set"], param_state_gets["zero3_local_set"]
+    assert full_set.keys() == param_state_gets["full_set"].keys()
+    for label, got in full_set.items():
+        assert torch.equal(got, param_state_gets["full_set"][label]), label
+    name = run["split"][0]
+    kept, numel = run["slices"][name]
+    before, after = full_set[f"{name}.exp_avg"].flatten(), local_set[f"{name}.exp_avg"].flatten()
+    assert torch.equal(after[:kept], before[:kept]) and not torch.equal(after[kept:], before[kept:])
+    assert step_ratio(after[kept:], moment_values(f"{name}.exp_avg.local", (numel,)), False, numel) <= 0.5
+    assert all(torch.equal(local_set[k], full_set[k]) for k in full_set if k != f"{name}.exp_avg")
+    assert run["reloaded_identical"] and run["fresh_differs"]
 
 
 def test_param_state_same_at_dp1_and_reloads_at_dp2_and_dp1(one_rank, results, param_state_gets):

@@ -726,14 +726,58 @@ def scenario_param_state(world, rank, out):
     before = state_gets(fresh)
     fresh.load_checkpoint(ckpt, tag="set")
     reloaded = state_gets(fresh)
+    zero3 = param_state_at_stage3(world, rank, out)
     gets_path = os.path.join(out, "param_state_gets.pt")
     if rank == 0:
-        torch.save({"full_set": full_set, "local_set": local_set}, gets_path)
+        torch.save({"full_set": full_set, "local_set": local_set, "zero3_full_set": zero3.pop("full_set"),
+                    "zero3_local_set": zero3.pop("local_set")}, gets_path)
     return {"joined_equals_full": joined_ok, "full_equals_bnb": bnb_ok, "round_robin_ok": all(round_robin_ok),
             "split": split,
             "fragments": fragments, "reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
             "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before),
-            "checkpoint": ckpt, "tag": "set", "gets": gets_path}
+            "checkpoint": ckpt, "tag": "set", "gets": gets_path, "zero3": zero3}
+
+
+def param_state_at_stage3(world, rank, out):
+    """scenario_param_state's gets and sets under ZeRO-3, where a rank's local state is its slice of the parameter
+    (its elements in rank order, without the partition's padding): full gets are the slices joined and bnb's
+    dequantization of the joined state; the same full sets as at stage 2 (the test compares them), a set by the last
+    rank alone in a parameter split across the ranks, and the checkpoint reloading into another seed's engine."""
+    engine = build(world, stage=3)
+    run_steps(engine, range(3), world, rank)
+    gathered = global_state(engine, world)
+    params = dict(engine.module.named_parameters())
+    joined_ok = bnb_ok = True
+    slices = {}
+    for name, p in params.items():
+        reference = bnb_moments(gathered[name], p.ds_numel)
+        for key, bnb_key in zip(STATE_KEYS, ("state1", "state2")):
+            full, local = safe_get_full_optimizer_state(p, key), safe_get_local_optimizer_state(p, key)
+            pieces = [None] * world
+            all_gather_object(pieces, local.cpu().reshape(-1))
+            joined_ok &= torch.equal(torch.cat(pieces), full.flatten()) and full.shape == p.ds_shape
+            bnb_ok &= torch.equal(full.flatten(), reference[bnb_key][0])
+            slices[name] = [piece.numel() for piece in pieces]
+    split = [name for name, numels in slices.items() if all(numels)]
+    for name, p in params.items():
+        for key in STATE_KEYS:
+            safe_set_full_optimizer_state(p, moment_values(f"{name}.{key}", p.ds_shape, key == "exp_avg_sq"), key)
+    full_set = state_gets(engine)
+    if rank == world - 1:
+        local = safe_get_local_optimizer_state(params[split[0]], "exp_avg")
+        safe_set_local_optimizer_state(params[split[0]], moment_values(f"{split[0]}.exp_avg.local", local.shape),
+                                       "exp_avg")
+    local_set = state_gets(engine)
+    ckpt = os.path.join(out, "ckpt_param_state_zero3")
+    engine.save_checkpoint(ckpt, tag="set")
+    fresh = build(world, seed=1, stage=3)
+    before = state_gets(fresh)
+    fresh.load_checkpoint(ckpt, tag="set")
+    reloaded = state_gets(fresh)
+    return {"joined_equals_full": all_ranks(joined_ok), "full_equals_bnb": all_ranks(bnb_ok), "split": split,
+            "slices": slices, "full_set": full_set, "local_set": local_set,
+            "reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
+            "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before)}
 
 
 # ---- one rank's failure fails every rank -----------------------------------------------------------------------------
