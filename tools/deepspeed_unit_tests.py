@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,19 @@ def main():
     parser.add_argument("--devices", type=int, default=4, help="CPU 'devices' the harness sees (LOCAL_SIZE)")
     parser.add_argument("ids", nargs="+")
     args = parser.parse_args()
+    # the runs start in the tests folder: a relative interpreter path would name another file there
+    given = args.python
+    args.python = shutil.which(given) if os.sep not in given else os.path.abspath(given)
+    version = subprocess.run([args.python, "-c", "import pytest; print(pytest.__version__)"],
+                             capture_output=True, text=True) if args.python else None
+    if version is None or version.returncode != 0 or not re.match(r"\d+\.\d+", version.stdout):
+        why = "not found" if version is None else (version.stderr.strip().splitlines() or ["no pytest"])[-1][:200]
+        sys.exit(f"deepspeed_unit_tests: --python {given} does not run pytest ({why}): pass an interpreter with "
+                 f"pytest < 8.4 and DeepSpeed installed")
+    if tuple(int(x) for x in re.findall(r"\d+", version.stdout)[:2]) >= (8, 4):
+        sys.exit(f"deepspeed_unit_tests: {given} has pytest {version.stdout.strip()}; DeepSpeed's unit tests need "
+                 f"pytest < 8.4 (its DistributedTest harness breaks on later releases): pass another interpreter "
+                 f"(--python), e.g. a venv with `pip install 'pytest<8.4'`")
     if not os.path.isdir(os.path.join(args.tests, "unit")):
         sys.exit(f"deepspeed_unit_tests: {args.tests} has no unit/ folder: pass the tests folder of a DeepSpeed "
                  f"checkout (git clone https://github.com/deepspeedai/DeepSpeed; --tests DeepSpeed/tests)")
