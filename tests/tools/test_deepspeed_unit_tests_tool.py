@@ -5,6 +5,7 @@ the optimizer replacement (its sitecustomize) and the nested state comparison.
   hyper-parameters, the config losing its "optimizer" entry; anything else is left alone (control).
 - The comparison descends into bnb 0.50's nested '__bnb_optimizer_quant_state__': equal nested states pass, one
   changed code fails. Control: a flat comparison in DeepSpeed's manner cannot compare them at all.
+- An interpreter whose pytest is 8.4 or later (or that has none) is refused before any run, naming the fix.
 """
 
 import importlib.util
@@ -68,3 +69,26 @@ def test_adam_becomes_adamw8bit_with_the_same_settings(site):
     assert group["params"] == client.param_groups[0]["params"]
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # control: not an Adam, left alone
     assert site._bnb_optimizer({"model": model, "optimizer": sgd, "config": {}})["optimizer"] is sgd
+
+
+@pytest.mark.parametrize("prints,needle", [("9.0.1", "has pytest 9.0.1; DeepSpeed's unit tests need pytest < 8.4"),
+                                           ("", "does not run pytest")])
+def test_an_interpreter_without_pytest_before_8_4_is_refused_up_front(tmp_path, prints, needle):
+    """DeepSpeed's DistributedTest harness needs pytest < 8.4: the tool names the interpreter and the fix before any
+    run (a stand-in interpreter that answers the version question; control: one answering 8.3.5 gets past the check
+    to the tests folder's)."""
+    import subprocess
+    import sys
+
+    def tool(answer):
+        fake = tmp_path / f"python_{answer or 'none'}"
+        fake.write_text(f"#!/bin/sh\necho {answer}\n")
+        fake.chmod(0o755)
+        return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "deepspeed_unit_tests.py"), "--tests",
+                               str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "r.md"), "some::id"],
+                              capture_output=True, text=True)
+
+    refused = tool(prints)
+    assert refused.returncode != 0 and needle in refused.stderr, refused.stderr
+    passed = tool("8.3.5")
+    assert passed.returncode != 0 and "has no unit/ folder" in passed.stderr, passed.stderr
