@@ -706,26 +706,11 @@ def scenario_param_state(world, rank, out):
     round_robin_ok = check_state_gets(round_robin, world)[:2]
     engine = build(world, stage=2)
     run_steps(engine, range(3), world, rank)
-    params = dict(engine.module.named_parameters())
     joined_ok, bnb_ok, fragments = check_state_gets(engine, world)
     split = [name for name, pieces in fragments.items() if all(numel for _, numel in pieces)]
 
-    for name, p in params.items():  # every moment set from values that are the same at every DP size
-        for key in STATE_KEYS:
-            safe_set_full_optimizer_state(p, moment_values(f"{name}.{key}", p.shape, key == "exp_avg_sq"), key)
-    full_set = state_gets(engine)
-    target = params[split[0]]  # a set by one rank alone, in a parameter split across the ranks
-    if rank == world - 1:
-        local = safe_get_local_optimizer_state(target, "exp_avg")
-        safe_set_local_optimizer_state(target, moment_values(f"{split[0]}.exp_avg.local", local.shape), "exp_avg")
-    local_set = state_gets(engine)
-
     ckpt = os.path.join(out, "ckpt_param_state")
-    engine.save_checkpoint(ckpt, tag="set")
-    fresh = build(world, seed=1, stage=2)
-    before = state_gets(fresh)
-    fresh.load_checkpoint(ckpt, tag="set")
-    reloaded = state_gets(fresh)
+    full_set, local_set, reloaded = sets_and_reload(engine, world, rank, split[0], ckpt, stage=2)
     zero3 = param_state_at_stage3(world, rank, out)
     gets_path = os.path.join(out, "param_state_gets.pt")
     if rank == 0:
@@ -733,9 +718,31 @@ def scenario_param_state(world, rank, out):
                     "zero3_local_set": zero3.pop("local_set")}, gets_path)
     return {"joined_equals_full": joined_ok, "full_equals_bnb": bnb_ok, "round_robin_ok": all(round_robin_ok),
             "split": split,
-            "fragments": fragments, "reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
-            "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before),
-            "checkpoint": ckpt, "tag": "set", "gets": gets_path, "zero3": zero3}
+            "fragments": fragments, **reloaded, "checkpoint": ckpt, "tag": "set", "gets": gets_path, "zero3": zero3}
+
+
+def sets_and_reload(engine, world, rank, split, ckpt, stage):
+    """Every moment of `engine` set (from values that are the same at every DP size and stage), then one set by the
+    last rank alone in parameter `split` (split across the ranks); saved into `ckpt` and loaded by an engine of
+    another seed. Returns (the gets after the full sets, after the local one, {"reloaded_identical": the loader's
+    gets are the saved ones, "fresh_differs": its gets before the load were not})."""
+    params = dict(engine.module.named_parameters())
+    for name, p in params.items():
+        for key in STATE_KEYS:
+            shape = getattr(p, "ds_shape", p.shape)  # (a ZeRO-3 parameter is empty outside a gather)
+            safe_set_full_optimizer_state(p, moment_values(f"{name}.{key}", shape, key == "exp_avg_sq"), key)
+    full_set = state_gets(engine)
+    if rank == world - 1:
+        local = safe_get_local_optimizer_state(params[split], "exp_avg")
+        safe_set_local_optimizer_state(params[split], moment_values(f"{split}.exp_avg.local", local.shape), "exp_avg")
+    local_set = state_gets(engine)
+    engine.save_checkpoint(ckpt, tag="set")
+    fresh = build(world, seed=1, stage=stage)
+    before = state_gets(fresh)
+    fresh.load_checkpoint(ckpt, tag="set")
+    reloaded = state_gets(fresh)
+    return full_set, local_set, {"reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
+                                 "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before)}
 
 
 def param_state_at_stage3(world, rank, out):
@@ -759,25 +766,10 @@ def param_state_at_stage3(world, rank, out):
             bnb_ok &= torch.equal(full.flatten(), reference[bnb_key][0])
             slices[name] = [piece.numel() for piece in pieces]
     split = [name for name, numels in slices.items() if all(numels)]
-    for name, p in params.items():
-        for key in STATE_KEYS:
-            safe_set_full_optimizer_state(p, moment_values(f"{name}.{key}", p.ds_shape, key == "exp_avg_sq"), key)
-    full_set = state_gets(engine)
-    if rank == world - 1:
-        local = safe_get_local_optimizer_state(params[split[0]], "exp_avg")
-        safe_set_local_optimizer_state(params[split[0]], moment_values(f"{split[0]}.exp_avg.local", local.shape),
-                                       "exp_avg")
-    local_set = state_gets(engine)
-    ckpt = os.path.join(out, "ckpt_param_state_zero3")
-    engine.save_checkpoint(ckpt, tag="set")
-    fresh = build(world, seed=1, stage=3)
-    before = state_gets(fresh)
-    fresh.load_checkpoint(ckpt, tag="set")
-    reloaded = state_gets(fresh)
+    full_set, local_set, reloaded = sets_and_reload(engine, world, rank, split[0],
+                                                    os.path.join(out, "ckpt_param_state_zero3"), stage=3)
     return {"joined_equals_full": all_ranks(joined_ok), "full_equals_bnb": all_ranks(bnb_ok), "split": split,
-            "slices": slices, "full_set": full_set, "local_set": local_set,
-            "reloaded_identical": all(torch.equal(reloaded[k], local_set[k]) for k in reloaded),
-            "fresh_differs": any(not torch.equal(before[k], local_set[k]) for k in before)}
+            "slices": slices, "full_set": full_set, "local_set": local_set, **reloaded}
 
 
 # ---- one rank's failure fails every rank -----------------------------------------------------------------------------
