@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from conftest import TESTS, free_port, launch_env, run_or_fail
-from deepspeed_bnb.ops import loader
+from deepspeed_bnb.ops import loader, rules
 from deepspeed_bnb.optim import own_update
 from deepspeed_bnb.optim.fused import contract as fused_contract, partition_step
 from deepspeed_bnb.optim.fused.route import FUSED
@@ -319,11 +319,13 @@ def test_049_trains_saves_and_loads_at_another_dp_as_050(legacy_runs, scenario):
 
 @needs_legacy
 def test_control_050s_own_32bit_update_differs(legacy_runs):
-    """The comparison sees last-bit differences: this venv's own 32-bit update (bnb 0.50.2's, not the kernel's fp32
-    path) gives other bytes than 0.49's run, though close."""
+    """The comparison sees last-bit differences: this venv's 32-bit update (bnb 0.50.2's own CPU arithmetic, which
+    the kernel computes here, or bnb's update itself where the kernel's copy disagrees on this machine), not the
+    kernel's IEEE fp32 path that 0.49 gets, gives other bytes than 0.49's run, though close."""
     theirs, ours, _ = legacy_runs
     mine, other = theirs["load"]["scenarios"][CONTROL], ours["load"]["scenarios"][CONTROL]
-    assert "32-bit state (bnb's own 32-bit update)" in other["routes"].values()
+    assert (mine["arithmetic"], other["arithmetic"]) == (rules.IEEE, rules.BNB_CPU) or \
+        "32-bit state (bnb's own 32-bit update)" in other["routes"].values(), (mine["arithmetic"], other)
     assert not _identical(mine["final"], other["final"])
     assert max((mine["final"][k] - other["final"][k]).abs().max().item()
                for k in mine["final"] if mine["final"][k].is_floating_point()) < 1e-3

@@ -131,7 +131,8 @@ def run(phase: str, out: str, scenarios) -> None:
                 loaded = tensors(engine)
                 results["scenarios"][scenario] = {
                     "loaded": loaded, "losses": train(engine, MORE_STEPS, world, rank), "final": tensors(engine),
-                    "routes": {n: r.reason for n, r in engine.optimizer.bnb_routes.items()}}
+                    "routes": {n: r.reason for n, r in engine.optimizer.bnb_routes.items()},
+                    "arithmetic": engine.optimizer.bnb_arithmetic}
     if rank == 0:
         torch.save(results, os.path.join(out, f"{phase}.pt"))
     dist.barrier()
