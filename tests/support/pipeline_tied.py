@@ -50,12 +50,18 @@ def build(seed: int, stages: int, universal: bool = False):
                             LayerSpec(Block, 64), TiedLayerSpec("mix", Mix, **mix),
                             TiedLayerSpec("embed", Embed, forward_fn=tied_head, **embed)],
                            num_stages=stages, loss_fn=pipeline_loss, partition_method="uniform")
+    return engine_of(model, (FROZEN,), dist.get_world_size() // stages, lr=1e-2, universal=universal)
+
+
+def engine_of(model, frozen: tuple, dp: int, lr: float, universal: bool = False):
+    """A ZeRO-1 engine of the PipelineModule `model` (MICRO micro-batches) whose parameters under the name prefixes
+    `frozen` do not train; AdamW8bit steps the rest. `universal`: its load_checkpoint reads universal checkpoints."""
     for name, param in model.named_parameters():
-        param.requires_grad_(not name.startswith(FROZEN))
-    config = ds_config(dist.get_world_size() // stages, stage=1, micro_steps=MICRO)
+        param.requires_grad_(not name.startswith(frozen))
+    config = ds_config(dp, stage=1, micro_steps=MICRO)
     if universal:
         config["checkpoint"] = {"load_universal": True}
-    optimizer = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+    optimizer = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=lr,
                                     min_8bit_size=MIN_8BIT_SIZE)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 

@@ -22,55 +22,20 @@ from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.weights import _known, pipeline_layers, recorded_layers
 from deepspeed_bnb.cli import main
 from support.parallel_scenarios import Block, Embed, pipeline_loss
-from support.toy import GLOBAL_BATCH, MIN_8BIT_SIZE, ds_config, global_batch
+from support.pipeline_tied import FROZEN as FROZEN_TIED  # a tied module (used twice) frozen whole, with no buffer
+from support.pipeline_tied import Mix, engine_of, state, tied_head, train
 
-MICRO = 2
 FROZEN_LAYER = "3."  # every parameter of this layer is frozen
-FROZEN_TIED = "tied_modules.mix."  # and of this tied module (used twice), which holds no buffer
-
-
-class Mix(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(40, 40)
-
-    def forward(self, h):
-        return h + torch.tanh(self.lin(h))
-
-
-def tied_head(module, h):
-    return h @ module.emb.weight.t()
 
 
 def build(seed, universal=False):
-    import bitsandbytes as bnb
-    import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     torch.manual_seed(seed)
     model = PipelineModule([TiedLayerSpec("embed", Embed), TiedLayerSpec("mix", Mix), LayerSpec(Block, 64),
                             LayerSpec(Block, 32), TiedLayerSpec("mix", Mix),
                             TiedLayerSpec("embed", Embed, forward_fn=tied_head)],
                            num_stages=1, loss_fn=pipeline_loss, partition_method="uniform")
-    for name, param in model.named_parameters():
-        param.requires_grad_(not name.startswith((FROZEN_LAYER, FROZEN_TIED)))
-    config = ds_config(1, stage=1, micro_steps=MICRO)
-    if universal:
-        config["checkpoint"] = {"load_universal": True}
-    optimizer = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-3,
-                                    min_8bit_size=MIN_8BIT_SIZE)
-    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
-
-
-def train(engine, steps):
-    for step in steps:
-        tokens, targets = global_batch(step)
-        micro = GLOBAL_BATCH // MICRO
-        engine.train_batch(data_iter=iter([(tokens[i * micro:(i + 1) * micro], targets[i * micro:(i + 1) * micro])
-                                           for i in range(MICRO)]))
-
-
-def state(engine):
-    return {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
+    return engine_of(model, (FROZEN_LAYER, FROZEN_TIED), 1, lr=1e-3, universal=universal)
 
 
 @pytest.fixture(scope="module")
