@@ -99,13 +99,14 @@ def sweep_shm_buffers(since: float) -> List[str]:
 def _mapped_shm_names(prefix: str) -> set:
     """The names under SHM_DIR starting with `prefix` that some process this user can inspect maps (/proc/*/maps)."""
     mapped = set()
+    path = os.path.join(SHM_DIR, prefix)
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
-                    at = line.find(os.path.join(SHM_DIR, prefix))
+                    at = line.find(path)
                     if at >= 0:
                         mapped.add(os.path.basename(line[at:].split()[0]))
         except OSError:  # gone, or another user's
