@@ -13,6 +13,7 @@ engine's ZeRO and base optimizer classes, so the report shows that the bnb runs 
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -31,36 +32,19 @@ MODES = ("stock", "bnb")
 OURS = ("BnbZeroOptimizer", "BnbZeroStage3Optimizer")
 
 
-SHM = "/dev/shm"
-SHM_BUFFER = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU comm op: one per rank, never unlinked by DeepSpeed
+def _teardown():
+    """deepspeed_bnb/utils/teardown.py loaded by its path: it needs only the standard library, and importing it as
+    part of the package would run the package's __init__ (DeepSpeed's overrides) in this driver, which may lack
+    DeepSpeed."""
+    spec = importlib.util.spec_from_file_location("_dsbnb_teardown", os.path.join(ROOT, "deepspeed_bnb", "utils",
+                                                                                  "teardown.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _mapped_files() -> set:
-    """Every file some live process maps (from /proc/*/maps)."""
-    mapped = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                mapped.update(line.split(None, 5)[-1].strip() for line in f if SHM in line)
-        except OSError:
-            continue
-    return mapped
-
-
-def release_leaked_buffers(before: set) -> int:
-    """Unlink the comm-op buffers a finished run left in /dev/shm (66 MB of RAM each): new since `before` and mapped
-    by no live process (another job's ranks may be using theirs). Returns how many."""
-    if not os.path.isdir(SHM):
-        return 0
-    mapped = _mapped_files()
-    left = [n for n in os.listdir(SHM) if n.startswith(SHM_BUFFER) and n not in before
-            and os.path.join(SHM, n) not in mapped]
-    for name in left:
-        try:
-            os.unlink(os.path.join(SHM, name))
-        except OSError:
-            pass
-    return len(left)
+# DeepSpeed's CPU comm op leaves a 66 MB buffer per rank in /dev/shm that it never unlinks; swept after each run
+sweep_shm_buffers = _teardown().sweep_shm_buffers
 
 
 def run_one(test_id: str, mode: str, args, log_dir: str) -> dict:
@@ -72,13 +56,12 @@ def run_one(test_id: str, mode: str, args, log_dir: str) -> dict:
                PYTHONPATH=os.pathsep.join([SITE, ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(
                    os.pathsep))]))
     env.pop("LOCAL_RANK", None)
-    before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
-    began = time.monotonic()
+    since, began = time.time(), time.monotonic()
     done = process_tree.run([args.python, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", test_id],
                             args.timeout, env=env, cwd=args.tests, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     seconds = time.monotonic() - began
-    release_leaked_buffers(before)
+    sweep_shm_buffers(since)
     output = re.sub(r"\x1b\[[0-9;]*m", "", (done.stdout or "") + (done.stderr or ""))  # DeepSpeed's pytest.ini colors
     engines = []
     if os.path.isfile(log):

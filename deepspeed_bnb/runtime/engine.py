@@ -20,7 +20,7 @@ from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as _stock_i
 from deepspeed_bnb.optim.bnb_adapter import is_bnb_optimizer
 from deepspeed_bnb.installer import stock, stock_deepspeed, swapped  # noqa: F401  (stock_deepspeed: API)
 from deepspeed_bnb.launch import RUN_ENV, frameworks
-from deepspeed_bnb.runtime.model_parallel import place_of
+from deepspeed_bnb.runtime.model_parallel import place_of, unsaved_tied_tensors
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero import padding_tensors
 from deepspeed_bnb.runtime.zero.compat import PADDING_TENSORS
@@ -130,6 +130,14 @@ def _configure_zero_optimizer(self, optimizer):
                        f"{self.zero_optimization_stage()}: DeepSpeed's stages 1 and 2 keep the optimizer state in "
                        f"host memory (CPU offload), nothing goes to {offload.nvme_path}. NVMe offload is ZeRO-3's "
                        f"(zero_optimization.stage 3).")
+    for module, names in unsaved_tied_tensors(self.module).items():
+        # upstream behaviour (stock DeepSpeed loses them too): said here, where it can still be changed
+        logger.warning(f"deepspeed_bnb: the pipeline's tied module {module!r} is used only through TiedLayerSpecs with "
+                       f"a forward_fn, and DeepSpeed's PipelineModule writes no layer file for such a module: its "
+                       f"frozen parameters and buffers {names} are in no checkpoint, and a load keeps the loading "
+                       f"engine's values (its trained parameters come back from the optimizer's master weights). "
+                       f"Give one of its TiedLayerSpecs no forward_fn (DeepSpeed then runs the module's own forward there "
+                       f"and saves it), or restore these tensors yourself after a load.")
     swap, ours = _ZERO_CLASSES[self.zero_optimization_stage()]
     if ours is BnbZeroStage3Optimizer:
         # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one

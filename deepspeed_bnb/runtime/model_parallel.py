@@ -60,6 +60,28 @@ def pipeline_layer_names(module) -> Dict[int, str]:
     return layers
 
 
+def unsaved_tied_tensors(module) -> Dict[str, list]:
+    """A PipelineModule's tied modules whose every TiedLayerSpec has a forward_fn -> the names of their tensors that no
+    checkpoint file holds: the frozen parameters and persistent buffers. DeepSpeed's save_state_dict writes a layer
+    file only for a layer with a state_dict, and _build makes every spec with a forward_fn a partial, so such a module
+    is in no layer file; its trained parameters come back from the optimizer's master weights, the rest does not (a
+    load keeps the loading engine's values, in stock DeepSpeed as here). Empty for any other module."""
+    from deepspeed.pipe import PipelineModule, TiedLayerSpec
+    if not isinstance(module, PipelineModule):
+        return {}
+    saved = {spec.key for spec in module._layer_specs if isinstance(spec, TiedLayerSpec) and spec.forward_fn is None}
+    unsaved = {}
+    for key, tied in module.tied_modules.items():
+        if key in saved:
+            continue
+        params = dict(tied.named_parameters(remove_duplicate=False))
+        names = [name for name in tied.state_dict(keep_vars=True)
+                 if name not in params or not params[name].requires_grad]
+        if names:
+            unsaved[f"{TIED}{key}"] = names
+    return unsaved
+
+
 def _first(mpu, *names):
     """The first of the methods `names` that `mpu` has."""
     return next(getattr(mpu, name) for name in names if hasattr(mpu, name))

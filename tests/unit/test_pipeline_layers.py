@@ -93,3 +93,53 @@ def test_the_universal_export_gives_a_loader_the_frozen_layer_and_buffers(saved)
     assert sorted(loaded) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def mixed_through(module, h):  # a forward_fn: the tied module's layer becomes a partial, with no layer file
+    return module(h)
+
+
+def test_a_tied_module_used_only_through_forward_fn_is_named_at_initialize(one_rank, tmp_path, caplog):
+    """DeepSpeed writes no layer file for a tied module whose every spec has a forward_fn: its frozen parameters are
+    in no checkpoint (a load keeps the loader's values, checked), and initialize says so, naming them. Controls: the
+    module above (tied without a forward_fn, frozen whole) is saved and not named; a trained-only one is not named."""
+    import logging
+
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.utils import logger
+
+    def engine(seed, specs, frozen=(FROZEN_TIED,)):
+        torch.manual_seed(seed)
+        model = PipelineModule(specs, num_stages=1, loss_fn=pipeline_loss, partition_method="uniform")
+        logger.addHandler(caplog.handler)
+        try:
+            with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+                built = engine_of(model, frozen, 1, lr=1e-3)
+        finally:
+            logger.removeHandler(caplog.handler)
+        said = [r.getMessage() for r in caplog.records if "writes no layer file" in r.getMessage()]
+        caplog.clear()
+        return built, said
+
+    def specs():
+        return [TiedLayerSpec("embed", Embed), TiedLayerSpec("mix", Mix, forward_fn=mixed_through),
+                LayerSpec(Block, 32), TiedLayerSpec("mix", Mix, forward_fn=mixed_through),
+                TiedLayerSpec("embed", Embed, forward_fn=tied_head)]
+
+    saver, said = engine(0, specs())
+    assert len(said) == 1 and "'tied_modules.mix'" in said[0] and "['lin.weight', 'lin.bias']" in said[0]
+    train(saver, range(2))
+    saver.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    loader, _ = engine(1, specs())
+    own = state(loader)
+    loader.load_checkpoint(str(tmp_path / "ckpt"))
+    saved, loaded = state(saver), state(loader)
+    mixed = [name for name in saved if name.startswith(FROZEN_TIED)]
+    assert mixed and all(not torch.equal(saved[name], own[name]) for name in mixed)  # the seeds differ
+    assert all(torch.equal(loaded[name], own[name]) for name in mixed)  # what the warning says: the loader's kept
+    assert torch.equal(loaded["tied_modules.embed.emb.weight"], saved["tied_modules.embed.emb.weight"])  # trained
+
+    saved_whole = [TiedLayerSpec("embed", Embed), TiedLayerSpec("mix", Mix), LayerSpec(Block, 32),
+                   TiedLayerSpec("mix", Mix, forward_fn=mixed_through), TiedLayerSpec("embed", Embed, forward_fn=tied_head)]
+    assert engine(2, saved_whole)[1] == []  # control: one spec without a forward_fn, a layer file holds the module
+    assert engine(3, specs(), frozen=())[1] == []  # control: nothing of it frozen, the master weights hold it all
