@@ -4,6 +4,10 @@ step, step time and host memory, side by side in one run.
 An MLP (bf16, ZeRO-3, `offload_optimizer: {"device": "nvme"}`) trains on 2 CPU ranks, once per configuration, each
 its own torchrun job (benchmarks/nvme_offload_worker.py), with the same model, data and hyper-parameters:
   bnb8         bnb.optim.AdamW8bit through deepspeed_bnb (fp32 master weights, 8-bit state swapped by deepspeed_bnb)
+  bnb8_bf16    the same with bf16 master weights (`"bnb_master_weights": "bf16"`: DeepSpeed swaps them, and the
+               gradients, in bf16)
+  bnb8_bf16+8  the same with compensated master weights (`"bf16+8"`: bf16, and their int8 error terms swapped by
+               deepspeed_bnb with the state)
   torch_adamw  torch.optim.AdamW as the client optimizer, stock ZeRO-3 (fp32 master weights and moments)
   ds_cpuadam   DeepSpeed's AdamW from the config's "optimizer" section (DeepSpeedCPUAdam under offload)
 Bytes are counted at the async_io handles every swapper of the process uses (the worker's docstring says how): what
@@ -26,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from launch import torchrun  # noqa: E402
 
-CONFIGS = ("bnb8", "torch_adamw", "ds_cpuadam")
+CONFIGS = ("bnb8", "bnb8_bf16", "bnb8_bf16+8", "torch_adamw", "ds_cpuadam")
 REFERENCE = "torch_adamw"
 
 

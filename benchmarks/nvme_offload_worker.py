@@ -63,7 +63,8 @@ def model(hidden: int, depth: int) -> torch.nn.Module:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True, choices=("bnb8", "torch_adamw", "ds_cpuadam"))
+    p.add_argument("--config", required=True, choices=("bnb8", "bnb8_bf16", "bnb8_bf16+8", "torch_adamw",
+                                                       "ds_cpuadam"))
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
@@ -79,7 +80,8 @@ def main():
     import bitsandbytes as bnb
     import deepspeed
     from deepspeed import comm as dist
-    if args.config == "bnb8":
+    ours = args.config.startswith("bnb8")
+    if ours:
         import deepspeed_bnb  # noqa: F401
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -89,12 +91,14 @@ def main():
               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme},
                                     "stage3_param_persistence_threshold": 0},
               "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}}
+    if ours:  # bnb8: fp32 master weights; bnb8_bf16, bnb8_bf16+8: bf16 and compensated ones
+        config["zero_optimization"]["bnb_master_weights"] = args.config.partition("_")[2] or "fp32"
     if args.config == "ds_cpuadam":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
         engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     else:
         config["zero_force_ds_cpu_optimizer"] = False
-        optimizer = (bnb.optim.AdamW8bit(net.parameters(), lr=1e-3, weight_decay=0.0) if args.config == "bnb8"
+        optimizer = (bnb.optim.AdamW8bit(net.parameters(), lr=1e-3, weight_decay=0.0) if ours
                      else torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0))
         engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
     times, losses = [], []

@@ -279,8 +279,10 @@ OVERRIDES: Tuple[Override, ...] = (
              "NVMe (its fp32 partition of 1 MiB or more)", ("self", "sub_group_id")),
     _subclass(ZERO3, NVME_PY, "_optimizer_states_and_gradient_swap_in", "DeepSpeed's swap writes report success for "
               "short files (a full disk) and its reader then asserts, aborting one rank: its files are checked first, "
-              "a short one recorded and extended, and the ranks agree on it after the step; also called to bring a "
-              "sub-group in outside a step (checkpoints, loads)", ("self", "sub_group_id")),
+              "a short one recorded and extended, and the ranks agree on it after the step; the swapped-out partition's "
+              "placeholder gets the master dtype back (DeepSpeed empties it as fp32, and with bf16 master weights its "
+              "buffer pool then asserts at the next swap-in); also called to bring a sub-group in outside a step "
+              "(checkpoints, loads)", ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "step", "with the optimizer on NVMe, the ranks agree on swap failures after the step "
               "and all raise the same error; no sub-group's model copy left pending (lp_copy.py), also when it "
               "raises", ("self",)),

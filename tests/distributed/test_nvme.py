@@ -5,7 +5,8 @@ NVMe offload of the parameters (`offload_param.device: nvme`), of the optimizer 
 master partitions, gradients and bnb's 8-bit state on NVMe), and of both, trains exactly as CPU offload: the same losses
 and final fp32 weights, bit for bit. Every checkpoint, of any kind, loads into an engine of any kind (built with another
 seed) and continues exactly as the run that never stopped; at DP 1, a ZeRO-2 engine without offload and a ZeRO-3 engine
-with the optimizer on NVMe continue within the bf16 bar. Controls: the NVMe runs held swap files on every rank, the CPU
+with the optimizer on NVMe continue within the bf16 bar. bf16 and compensated (bf16+8) master weights with the optimizer
+on NVMe train and resume as with CPU offload, bit for bit. Controls: the NVMe runs held swap files on every rank, the CPU
 run none; with the optimizer on NVMe, every swapped sub-group's fp32 partition and bnb state were out of memory between
 steps (and one small sub-group stayed in memory, as DeepSpeed keeps those below 1 MiB); loading without the optimizer
 state diverges.
@@ -94,6 +95,38 @@ def test_checkpoints_resume_exactly_across_offload_kinds(results, saved, loader)
 def test_checkpoints_load_at_dp1(results, saved, loader):
     reference = results["runs"][saved]["losses"][SAVE_AT:]
     assert max(abs(a - b) for a, b in zip(results["dp1"][f"{saved}->{loader}"], reference)) <= BF16_TOL
+
+
+@pytest.fixture(scope="module", params=["bf16", "bf16+8"])
+def bf16_masters(request, tmp_path_factory):
+    """The CPU-offload run and the optimizer-on-NVMe run with bf16 or compensated (bf16+8) master weights, each saved
+    at SAVE_AT and loaded by an engine of either kind."""
+    require_aio()
+    out = str(tmp_path_factory.mktemp(f"nvme_{request.param}"))
+    torchrun("support/nvme_scenarios.py", 2, "--out", out, "--kinds", "cpu,opt_nvme", "--master-weights", request.param)
+    with open(os.path.join(out, "nvme_results.json")) as f:
+        return request.param, json.load(f)
+
+
+def test_bf16_master_weights_on_nvme_train_and_resume_as_on_cpu(bf16_masters):
+    """bf16 master weights go to NVMe in DeepSpeed's swap files (its bf16 buffer pool), compensated ones with their
+    error terms in files of deepspeed_bnb's swapper beside the state: the same losses and weights as CPU offload, bit
+    for bit, out of memory between steps, and every checkpoint resumes exactly in either kind. Controls: NVMe was used
+    (swap files), the error terms are in use where compensated, and a load
+    without the optimizer state diverges. (Before this, both master modes were refused with NVMe; DeepSpeed 0.19.8's
+    own bf16 master weights on NVMe assert at the first step's swap-in, the partition emptied as fp32 before it.)"""
+    master, results = bf16_masters
+    runs = results["runs"]
+    assert runs["cpu"]["swap_files"] == [0, 0] and all(n > 0 for n in runs["opt_nvme"]["swap_files"])
+    assert runs["opt_nvme"]["losses"] == runs["cpu"]["losses"] and runs["opt_nvme"]["weights_equal_first"]
+    assert all(swapped > 0 and out for swapped, _, out in runs["opt_nvme"]["released"])  # error terms included
+    compensated = master == "bf16+8"
+    assert runs["cpu"]["error_terms_in_use"] == runs["opt_nvme"]["error_terms_in_use"] == [compensated] * 2
+    reference = runs["cpu"]["losses"][SAVE_AT:]
+    for pair, loaded in results["loads"].items():
+        assert loaded["losses"] == reference and loaded["weights_equal"], pair
+    for saved, losses in results["state_dropped"].items():
+        assert max(abs(a - b) for a, b in zip(losses, reference)) > 1e-3, saved  # control
 
 
 def test_without_libaio_the_skip_names_the_package(monkeypatch):

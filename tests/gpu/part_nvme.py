@@ -7,8 +7,9 @@ Then the MLP of tests/support/nvme_scenarios.py (bf16, sub-groups of which two a
 steps with `offload_optimizer: {"device": "nvme"}` and again with `"cpu"`, saving after step 3. Checks: the NVMe run's
 losses and final fp32 weights equal the CPU-offload run's, bit for bit (DeepSpeed's swapper moves the fp32 partitions
 and gradients, deepspeed_bnb's the 8-bit state; the step itself is the same CPU step); the NVMe run's checkpoint, loaded
-by a CPU-offload engine built with another seed, continues exactly as the run that never stopped. Controls: swap files
-were written, and the weights moved.
+by a CPU-offload engine built with another seed, continues exactly as the run that never stopped; and with compensated
+master weights (bf16 partitions through DeepSpeed's swapper, their int8 error terms through deepspeed_bnb's) the NVMe
+run equals its CPU-offload run too. Controls: swap files were written, and the weights moved.
 The rehearsal (`--device cpu`) runs the same on a CPU rank with gloo (tests/distributed/test_nvme.py runs it at 2
 ranks).
 """
@@ -21,6 +22,7 @@ import time
 import proof_common as common  # first: it puts tests/ on the path
 
 STEPS, SAVE_AT = 6, 3
+COMPENSATED = "bf16+8"  # the master weights of the second pair of runs (zero_optimization.bnb_master_weights)
 
 
 def use_libaio(bundle: str) -> str:
@@ -98,9 +100,23 @@ def body(args, result):
                  resumed == nvme_losses[SAVE_AT:] and apart == 0,
                  f"losses {'equal' if resumed == nvme_losses[SAVE_AT:] else 'differ'}, weights {apart:.3g} apart",
                  "bit for bit")
-    result.table("h: losses", ["run", *[f"step {i + 1}" for i in range(STEPS)]],
-                 [["cpu offload", *[f"{x:.6f}" for x in cpu_losses]], ["nvme", *[f"{x:.6f}" for x in nvme_losses]],
-                  ["nvme checkpoint resumed", "", "", "", *[f"{x:.6f}" for x in resumed]]])
+    rows = [["cpu offload", *[f"{x:.6f}" for x in cpu_losses]], ["nvme", *[f"{x:.6f}" for x in nvme_losses]],
+            ["nvme checkpoint resumed", "", "", "", *[f"{x:.6f}" for x in resumed]]]
+    # compensated master weights: bf16 partitions in DeepSpeed's swapper, their error terms in ours
+    ns.MASTER = COMPENSATED
+    try:
+        cpu_losses, cpu_final, _ = run("cpu", folder, args.device, seed=2)
+        nvme_losses, nvme_final, files = run("opt_nvme", folder, args.device, seed=2)
+    finally:
+        ns.MASTER = "fp32"
+    weights = max(common.max_abs(nvme_final[n], cpu_final[n]) for n in cpu_final)
+    result.check(f"h: {COMPENSATED!r} master weights, optimizer on NVMe == CPU offload, losses and weights",
+                 nvme_losses == cpu_losses and weights == 0 and files > 0,
+                 f"losses {'equal' if nvme_losses == cpu_losses else 'differ'}, weights up to {weights:.3g} apart; "
+                 f"{files} swap files", "bit for bit; swap files written (control)")
+    rows += [[f"cpu offload, {COMPENSATED}", *[f"{x:.6f}" for x in cpu_losses]],
+             [f"nvme, {COMPENSATED}", *[f"{x:.6f}" for x in nvme_losses]]]
+    result.table("h: losses", ["run", *[f"step {i + 1}" for i in range(STEPS)]], rows)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ def swap_root(out: str, kind: str, seed: int) -> str:
     return os.path.join(out, "swap", f"{kind}_seed{seed}")
 
 
+MASTER = "fp32"  # zero_optimization.bnb_master_weights of every engine (--master-weights)
+
+
 def config(kind: str, swap: str) -> dict:
     common = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
               "gradient_accumulation_steps": 1, "bf16": {"enabled": True}, "steps_per_print": 10**9}
@@ -56,6 +59,7 @@ def config(kind: str, swap: str) -> dict:
         return {**common, "zero_optimization": {"stage": 2}}
     # sub-groups of one large weight each (its 2-rank partition), and one of the small rest, which stays in memory
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False,
+            "bnb_master_weights": MASTER,
             "sub_group_size": HIDDEN * HIDDEN // 2,
             "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     if kind == "param_nvme":
@@ -108,6 +112,18 @@ def released(engine):
     out = all(opt.fp32_partitioned_groups_flat[i].numel() == 0
               and all(t.numel() == 0 for t in opt._bnb_swapped_state(i).values()) for i in on_nvme)
     return [len(on_nvme), len(opt.fp16_groups), out]
+
+
+def error_terms_in_use(engine) -> bool:
+    """Whether some error term of compensated master weights is nonzero on this rank (each sub-group brought into
+    memory to look; False for other master weights)."""
+    opt = engine.optimizer
+    found = False
+    for i, error in enumerate(opt.bnb_master_errors):
+        if error is not None:
+            with opt._bnb_state_resident(i, read_only=True):
+                found = found or bool((opt.bnb_master_errors[i] != 0).any())
+    return found
 
 
 def weights(engine) -> dict:
@@ -192,12 +208,15 @@ def faults(out: str, small_mount: str, world: int, rank: int) -> dict:
 
 
 def main():
+    global MASTER  # read by config() in every engine this process builds
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--load-only", action="store_true", help="load the saved checkpoints into ZeRO-2 engines")
     parser.add_argument("--faults", default=None, help="run the fault cases, the full disk on this (small) mount")
+    parser.add_argument("--master-weights", default=MASTER, help="zero_optimization.bnb_master_weights of every engine")
     args = parser.parse_args()
+    MASTER = args.master_weights
     # DeepSpeed before 0.19.8 (seen on 0.16.4, 0.18.4, 0.19.2) finds libaio missing once a torch JIT extension (the
     # fused kernel of the first engine here) is loaded: its has_function swallows the error. Loaded first, the op is
     # cached for every later engine (one engine per process, as a user runs, is not affected)
@@ -235,7 +254,8 @@ def main():
         same = all(torch.equal(finals[kind][n], reference[n]) for n in reference)
         results["runs"][kind] = {"losses": losses, "weights_equal_first": same,
                                  "swap_files": everywhere(swap_files(args.out, kind, 0)),
-                                 "released": everywhere(released(engine))}
+                                 "released": everywhere(released(engine)),
+                                 "error_terms_in_use": everywhere(error_terms_in_use(engine))}
         del engine
     for saved in kinds:
         for loader in kinds:

@@ -7,7 +7,6 @@ sub-groups, offload, stock control, elastic checkpoints) runs in tests/distribut
 tests/distributed/test_elastic.py.
 """
 
-import re
 
 import bitsandbytes as bnb
 import deepspeed
@@ -154,19 +153,34 @@ def test_hpz_is_refused_on_releases_whose_hpz_partitioning_fails_on_block_paddin
 
 
 @pytest.mark.parametrize("master", ["bf16", "bf16+8"])
-def test_nvme_optimizer_offload_with_bf16_master_weights_is_refused_by_name(one_rank, tmp_path, master):
-    """NVMe offload of the optimizer keeps fp32 master weights (tests/distributed/test_nvme.py): the bf16 modes are
-    refused before anything is built, naming both settings and the fixes. Control: fp32 master weights are
-    accepted (where DeepSpeed's async_io op builds)."""
-    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
-    with pytest.raises(NotImplementedError, match=rf"bnb_master_weights '{re.escape(master)}' with "
-                                                  r"offload_optimizer.device \"nvme\" is not supported yet.*set "
-                                                  r"bnb_master_weights to \"fp32\", or offload the optimizer to "
-                                                  r"\"cpu\""):
-        engine_of(FACTORIES["AdamW8bit"], make_model(0), bf16=True, offload_optimizer=nvme,
-                  bnb_master_weights=master)
-    require_aio()  # the control builds DeepSpeed's NVMe swapper: skipped, naming libaio, where it cannot
-    engine_of(FACTORIES["AdamW8bit"], make_model(0), bf16=True, offload_optimizer=nvme, bnb_master_weights="fp32")
+def test_a_weight_set_on_nvme_with_bf16_master_weights_reaches_the_next_steps(one_rank, tmp_path, monkeypatch,
+                                                                           master):
+    """bf16 and compensated master weights with the optimizer on NVMe (tests/distributed/test_nvme.py trains and
+    resumes them on 2 ranks): DeepSpeed's safe_set_full_fp32_param on a sub-group that lives on NVMe (compensated:
+    its master partition and error terms brought in and written back) reads back, and steps on, as with CPU offload,
+    bit for bit. Controls: the sub-group was out of memory before the set; the set changed the weights."""
+    require_aio()  # DeepSpeed's NVMe swapper: skipped, naming libaio, where it cannot be built
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+    from support import nvme_scenarios as scenarios
+    monkeypatch.setattr(scenarios, "MASTER", master)
+    runs = {}
+    for kind in ("cpu", "opt_nvme"):
+        engine = scenarios.build(kind, str(tmp_path))
+        scenarios.train(engine, range(2), 1, 0)
+        if kind == "opt_nvme":
+            swapped, _, out = scenarios.released(engine)
+            assert swapped > 0 and out  # control: on NVMe, out of memory
+        weight = engine.module[0].weight
+        before = safe_get_full_fp32_param(weight)
+        safe_set_full_fp32_param(weight, before + torch.linspace(-1e-3, 1e-3, before.numel()).view_as(before))
+        after_set = safe_get_full_fp32_param(weight)
+        scenarios.train(engine, range(2, 4), 1, 0)
+        runs[kind] = (before, after_set, scenarios.weights(engine))
+    (before, after_set, final), (nvme_before, nvme_after_set, nvme_final) = runs["cpu"], runs["opt_nvme"]
+    assert not torch.equal(after_set, before)  # control: the set changed the weights
+    assert torch.equal(nvme_before, before) and torch.equal(nvme_after_set, after_set)
+    for name, tensor in final.items():
+        assert torch.equal(nvme_final[name], tensor), name
 
 
 def test_parameter_state_api_gives_the_moments_as_at_stage_2(one_rank, tmp_path):

@@ -8,6 +8,10 @@ memory as with CPU offload. Its step brings a swapped sub-group's fp32 partition
 checkpoint's records, a load, the parameter-level state API, zeroing the padding at initialize) does so inside
 `_bnb_resident(i)`, one sub-group at a time: DeepSpeed's swap buffers hold a few sub-groups, not all of them.
 
+bf16 master weights are DeepSpeed's to swap (its swapper works in the master dtype, the gradients with them);
+compensated ones add an int8 error term per element, which DeepSpeed does not know: it goes to NVMe with the bnb state,
+as one more file per sub-group (`MASTER_ERROR_FILE`), allocated at the sub-group's first swap-out.
+
 A swap that fails (a file written short: a full disk; or found short before it is read) never raises where it
 happens, on one rank alone, which would leave the others waiting in the next collective: it is recorded, a short
 file of DeepSpeed's is extended with zeros so its reader does not abort the process, and at the end of the step (and
@@ -19,6 +23,8 @@ import contextlib
 import os
 from typing import List, Optional
 
+import torch
+
 from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 
@@ -27,6 +33,7 @@ from deepspeed_bnb.runtime.zero import compat
 
 SWAP_SUBFOLDER = os.path.join("zero_stage_3", "bnb_state")  # under nvme_path, beside DeepSpeed's "optimizer"
 SHOWN = 3  # swap failures named per rank in the error (the rest counted)
+MASTER_ERROR_FILE = "master_error"  # the swap-file key of compensated master weights' error terms (beside bnb's keys)
 
 
 class BnbNVMeStateMixin:
@@ -50,6 +57,14 @@ class BnbNVMeStateMixin:
 
     def _optimizer_states_and_gradient_swap_in(self, sub_group_id, timer_names=None):
         self._bnb_check_deepspeed_files(sub_group_id)
+        # DeepSpeed's swap-out empties the partition with `torch.Tensor()` (OptimizerStateSwapInfo.release_memory),
+        # which is fp32 whatever the master dtype, and its swap-in then asks its buffer pool, built for the master
+        # dtype, for buffers of the placeholder's dtype: with bf16 master weights an AssertionError in
+        # SwapBufferManager.allocate at the second swap-in (DeepSpeed 0.19.8). The placeholder gets its dtype back.
+        partition = self.fp32_partitioned_groups_flat[sub_group_id]
+        pooled = getattr(self.optimizer_swapper, "dtype", partition.dtype)  # (a release without it: fp32 only)
+        if partition.numel() == 0 and partition.dtype != pooled:
+            partition.data = torch.empty(0, dtype=pooled, device=partition.device)
         return super()._optimizer_states_and_gradient_swap_in(sub_group_id, timer_names)
 
     def _bnb_check_deepspeed_files(self, i: int) -> None:
@@ -97,9 +112,21 @@ class BnbNVMeStateMixin:
 
     def _bnb_swapped_state(self, i: int) -> dict:
         """The tensors of sub-group i's bnb state that live on NVMe, by key: the partitioned ones (whole tensors and
-        scalars stay in memory)."""
+        scalars stay in memory), and the error terms of compensated master weights (the master partition's companion,
+        swapped with the state: DeepSpeed's swapper knows only the partition)."""
         state = self.optimizer.state.get(self.fp32_partitioned_groups_flat[i], {})
-        return self.bnb.stored_classes(state).partitioned(state) if state else {}
+        swapped = self.bnb.stored_classes(state).partitioned(state) if state else {}
+        error = self.bnb_master_errors[i]
+        return swapped if error is None else {**swapped, MASTER_ERROR_FILE: error}
+
+    def _bnb_first_error_terms(self, i: int) -> None:
+        """Sub-group i's error terms before their first swap-out: zeros of the partition's size. Allocated one
+        sub-group at a time, here, not with the others at initialize (a swapped partition is an empty placeholder
+        then, and the whole rank's error terms at once would be the host memory NVMe offload exists to save)."""
+        error = self.bnb_master_errors[i]
+        if error is not None and error.numel() == 0:
+            error.data = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=error.dtype,
+                                     device=error.device)
 
     @contextlib.contextmanager
     def _bnb_state_resident(self, i: int, read_only: bool = False):
@@ -108,8 +135,10 @@ class BnbNVMeStateMixin:
         if not self._bnb_on_nvme(i):
             yield
             return
-        tensors = self._bnb_swapped_state(i)
         swapped = self.bnb_swapper.swapped(i)
+        if not swapped:
+            self._bnb_first_error_terms(i)
+        tensors = self._bnb_swapped_state(i)
         if swapped:
             try:
                 self.bnb_swapper.swap_in(i, tensors)  # a short file gives zeros: recorded, agreed on after the step

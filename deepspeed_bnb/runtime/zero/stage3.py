@@ -43,7 +43,6 @@ from deepspeed_bnb.checkpoint.format.manifest import describe
 from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace
 from deepspeed_bnb.checkpoint.format.records import GroupRecord, build_record, load_records
 from deepspeed_bnb.ops import compensated
-from deepspeed_bnb.optim import master_weights
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
 from deepspeed_bnb.runtime.zero.lp_copy import LpCopies, zero3_copy
@@ -92,12 +91,6 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
                                             bnb_model_parallel)
         module, init_optimizer = kwargs["module"], kwargs["init_optimizer"]
         _refuse_unsupported(init_optimizer, kwargs)
-        offload = kwargs.get("offload_optimizer_config")
-        if getattr(offload, "device", None) == "nvme" and self.bnb_master.mode != master_weights.FP32:
-            raise NotImplementedError(
-                f"deepspeed_bnb: zero_optimization.bnb_master_weights {self.bnb_master.mode!r} with "
-                f"offload_optimizer.device \"nvme\" is not supported yet (the NVMe swap of bnb state keeps fp32 master "
-                f"weights): set bnb_master_weights to \"fp32\", or offload the optimizer to \"cpu\".")
         # Before DeepSpeed partitions this rank's slices: every slice whole blocks of its parameter.
         block_align([p for group in init_optimizer.param_groups for p in group["params"] if p.requires_grad])
         super().__init__(**kwargs)
@@ -296,10 +289,18 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
 
     def _bnb_with_state(self, param, optim_state_key, method, *args):
         """`method(*args)`; with a key, on a sub-group whose bnb state is on NVMe: with that state in memory, and what
-        it returns copied out of it. DeepSpeed's own calls without a key swap the fp32 partition in themselves."""
-        if optim_state_key is None or not param.requires_grad or self.bnb_swapper is None:
+        it returns copied out of it. DeepSpeed's own calls without a key swap the fp32 partition in themselves; the
+        compensated master weights' calls (ours) bring the sub-group in whole."""
+        if not param.requires_grad or self.bnb_swapper is None:
             return method(*args)
-        with self._bnb_state_resident(self.grad_position[self.get_param_id(param)][0]):
+        i = self.grad_position[self.get_param_id(param)][0]
+        if optim_state_key is not None:
+            resident = self._bnb_state_resident(i)
+        elif self.bnb_master.compensated:  # the weights from the master partition and its error terms, both swapped
+            resident = self._bnb_resident(i)
+        else:
+            return method(*args)
+        with resident:
             out = method(*args)
             return out.clone() if torch.is_tensor(out) else out
 
@@ -381,9 +382,11 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         # DeepSpeed copies the 16-bit partitions into the fp32 ones, which are empty placeholders while on NVMe
         if self.bnb_swapper is None:
             return super()._restore_from_bit16_weights()
-        for i in range(len(self.fp16_groups)):  # on NVMe: one sub-group in memory at a time (the masters are fp32)
+        for i in range(len(self.fp16_groups)):  # on NVMe: one sub-group in memory at a time
             with self._bnb_resident(i):
                 self.fp32_partitioned_groups_flat[i].data.copy_(self.fp16_partitioned_groups_flat[i].data)
+                if self.bnb_master_errors[i] is not None:  # compensated: the 16-bit weights exactly, no error left
+                    self.bnb_master_errors[i].zero_()
         return None
 
     def _get_fp32_opt_state_partition(self, param, *args, **kwargs):
@@ -419,20 +422,23 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         records = []
         for gindex, params, layout, eight_bit in self._bnb_groups():
             subs = self.bnb_sub_groups[gindex]
-            states, masters = [], []
+            states, masters, errors = [], [], []
             for i in subs:  # on NVMe: brought in one at a time and copied (their memory goes with the swap-out)
                 with self._bnb_resident(i, read_only=True):
                     state, master = self.optimizer.state[self.fp32_partitioned_groups_flat[i]], \
                         self.fp32_partitioned_groups_flat[i].data
+                    error = self.bnb_master_errors[i]
                     if self._bnb_on_nvme(i):
                         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
                         master = master.clone()
+                        error = error if error is None else error.clone()
                     states.append(state)
                     masters.append(master)
+                    errors.append(error)
             classes = self.bnb.stored_classes(states[0])
             state = classes.join(states)
             master = _joined(masters)
-            error = _joined([self.bnb_master_errors[i] for i in subs]) if self.bnb_master.compensated else None
+            error = _joined(errors) if self.bnb_master.compensated else None
             records.append(GroupRecord(hyperparams=self.optimizer.param_groups[gindex], layout=layout,
                                        param_names=[self.param_names[p] for p in params], eight_bit=eight_bit,
                                        key_classes=classes, state=state, master=master, master_error=error,
@@ -474,14 +480,18 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         DeepSpeed's zero_to_fp32 reads `fp32_flat_groups` that way. One all-gather per parameter. fp32, or bf16 for
         bf16 master weights (compensated ones are joined to the fp32 values they stand for)."""
         # each sub-group's master weights, from the records (on NVMe: the copies they hold, not a second swap-in)
+        pieces = list(self._bnb_record_pieces(records))
         masters = {i: record.master.narrow(0, offset, self.bnb_layouts[i].partition_size)
-                   for record, i, offset, _ in self._bnb_record_pieces(records)}
+                   for record, i, offset, _ in pieces}
+        errors = {i: None if record.master_error is None else
+                  record.master_error.narrow(0, offset, self.bnb_layouts[i].partition_size)
+                  for record, i, offset, _ in pieces}
         out = []
         for i, params in enumerate(self.fp16_groups):
             group = compat.sub_group_process_group(self, i)
             rank, dp = dist.get_rank(group=group), dist.get_world_size(group=group)
             layout, partition = self.bnb_layouts[i], masters[i].detach()
-            error = self.bnb_master_errors[i]
+            error = errors[i]
             stock = ShardedLayout(layout.numels, dp, block=1)
             pieces = []
             for j in range(len(params)):
