@@ -163,7 +163,8 @@ def parser() -> argparse.ArgumentParser:
                                                  "optimizer state, dequantized, under torch's names)"),
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
                                                    "bnb 32-bit; ZeRO-1/2/3 or universal checkpoints) <-> bnb 8-bit; "
-                                                   "reports the round-trip error"),
+                                                   "also a stock DeepSpeed run of a bnb Adam into deepspeed_bnb's "
+                                                   "layout; reports the round-trip error"),
                              ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the "
                                                    "current one (per-tensor checksums; with --trust, one that needs "
                                                    "trust or lost its manifest)")):

@@ -280,6 +280,114 @@ def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, t
     assert not (tmp_path / "out").exists()
 
 
+def stock_bnb_moments(engine) -> dict:
+    """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping a bitsandbytes Adam: bnb's state of each
+    flat partition, dequantized here by bnb's formula (qmap[code] * absmax[element // 256], blocks from the
+    partition's first element), cut at DeepSpeed's own places of the parameters in it."""
+    opt = engine.optimizer
+
+    def moment(flat, i):
+        codes = flat[f"state{i}"]
+        if codes.dtype != torch.uint8:  # 32-bit state: a partition below min_8bit_size
+            return codes.float()
+        return flat[f"qmap{i}"][codes.long()] * flat[f"absmax{i}"][torch.arange(codes.numel()) // 256]
+
+    out = {}
+    if engine.zero_optimization_stage() == 3:  # one rank: each sub-group's parameters whole, back to back
+        for i, params in enumerate(opt.fp16_groups):
+            flat, offset = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]], 0
+            for p in params:
+                out[opt.param_names[p]] = [moment(flat, k).narrow(0, offset, p.ds_numel).clone() for k in (1, 2)]
+                offset += p.ds_numel
+        return out
+    for g, params in enumerate(opt.bit16_groups):
+        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
+        for p in params:
+            address = p._hp_mapping.get_hp_fragment_address()
+            out[opt.param_names[p]] = [moment(flat, k).narrow(0, address.start, address.numel).clone()
+                                       for k in (1, 2)]
+    return out
+
+
+@pytest.mark.parametrize("stage, optimizer", [(2, "AdamW8bit"), (3, "AdamW8bit"), (2, "AdamW")])
+def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, optimizer):
+    """A run of bnb AdamW8bit under stock DeepSpeed (ZeRO-2, ZeRO-3; and of bnb's 32-bit AdamW) keeps bnb's whole state
+    of each flat partition per rank: convert gives every parameter those codes dequantized, exactly (to bnb's
+    32-bit AdamW), and within one code step of them in deepspeed_bnb's block-aligned 8-bit layout, whose engine
+    continues as the stock run does. Reference: the stock engine's live state (stock_bnb_moments). Controls: the codes
+    are not the moments (the 32-bit result differs from them); a stock run of Lion8bit (one state) is refused by name,
+    nothing written. (Before this, convert refused every stock run of a bitsandbytes optimizer.)"""
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    from support.bnb_state import engine_param_states
+    stock = build_engine(getattr(bnb.optim, optimizer), stock=True, stage=stage, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(stock, range(3))
+    stock.save_checkpoint(str(tmp_path / "stock"), tag="s")
+    moments = stock_bnb_moments(stock)
+    continued = train_steps(stock, range(3, 6))
+
+    convert(str(tmp_path / "stock"), str(tmp_path / "c32"), "32bit", progress=False)
+    wide = build_engine(bnb.optim.AdamW, seed=1, stage=stage)
+    wide.load_checkpoint(str(tmp_path / "c32"))
+    states = engine_param_states(wide)
+    assert states.keys() == moments.keys()
+    for name, state in states.items():
+        assert torch.equal(state["state1"].reshape(-1), moments[name][0]), name
+        assert torch.equal(state["state2"].reshape(-1), moments[name][1]), name
+    assert all(not torch.equal(s["state1"], s["state1"].round()) for s in states.values())  # control: moments, not
+    # codes read as numbers
+
+    report = convert(str(tmp_path / "stock"), str(tmp_path / "c8"), "8bit", min_8bit_size=MIN_8BIT_SIZE,
+                     progress=False)
+    assert "of one quantization step" in report
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, stage=stage)
+    engine.load_checkpoint(str(tmp_path / "c8"))
+    quantized = 0
+    for name, s in engine_param_states(engine).items():
+        for i in (1, 2):
+            value = moments[name][i - 1]
+            if s[f"state{i}"].dtype != torch.uint8:
+                assert torch.equal(s[f"state{i}"].reshape(-1), value), name
+                continue
+            quantized += 1
+            codes, absmax, qmap = s[f"state{i}"].reshape(-1), s[f"absmax{i}"], s[f"qmap{i}"]
+            error = (qmap[codes.long()] * absmax[torch.arange(codes.numel()) // 256] - value).abs()
+            assert (error <= code_gap(value, absmax, qmap)).all(), f"{name}.state{i}"  # within one step
+    assert quantized > 0
+    assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
+
+    lion = build_engine(bnb.optim.Lion8bit, stock=True, stage=stage, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(lion, range(1))
+    lion.save_checkpoint(str(tmp_path / "lion"), tag="s")
+    with pytest.raises(CheckpointMismatchError, match=r"bitsandbytes optimizer with one state \(Lion"):
+        convert(str(tmp_path / "lion"), str(tmp_path / "out"), "8bit", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_the_moments_of_a_stock_elastic_bnb_checkpoint_by_name(one_rank, tmp_path):
+    """DeepSpeed's elastic ZeRO-1/2 save drops the last `padding` entries of every state tensor of a padded partition:
+    of bnb's codes, but also of its per-block scales and maps, so the last blocks' scales are gone. convert refuses
+    such moments, naming the file, what is missing and the fix, and writes nothing; the weights still load (the
+    fix it names). Control: the saved absmax really is short of the codes' blocks."""
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    from support.toy import gathered_weights
+    stock = build_engine(bnb.optim.AdamW8bit, stock=True, stage=1, zero={"elastic_checkpoint": True},
+                         min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(stock, range(2))
+    stock.save_checkpoint(str(tmp_path / "elastic"), tag="e")
+    saved = SavedCheckpoint(str(tmp_path / "elastic")).optimizer_state(0)["base_optimizer_state"]
+    assert any(s["absmax1"].numel() < -(-s["state1"].numel() // 256) for s in saved if s["state1"].dtype == torch.uint8)
+    groups = [{"lr": 1e-3, "weight_decay": 0.1}, {"lr": 5e-4, "weight_decay": 0.0}]
+    with pytest.raises(CheckpointMismatchError, match=r"optim_states.pt: bitsandbytes 8-bit state1 of .* codes needs "
+                                                      r"absmax1 of at least .*elastic_checkpoint: true.*"
+                                                      r"load_optimizer_states=False"):
+        convert(str(tmp_path / "elastic"), str(tmp_path / "out"), "8bit", progress=False, param_groups=groups)
+    assert not (tmp_path / "out").exists()
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, stage=1)
+    engine.load_checkpoint(str(tmp_path / "elastic"), load_optimizer_states=False)
+    expected = gathered_weights(stock)
+    assert all(torch.equal(w, expected[n]) for n, w in gathered_weights(engine).items())
+
+
 def test_convert_8bit_to_32bit_is_exact_dequantization(saved, tmp_path):
     folder, engine = saved
     convert(folder, str(tmp_path / "up"), "32bit", progress=False)

@@ -119,8 +119,11 @@ def check_record(record, source: str, optimizer_class: Optional[str] = None) -> 
     if not is_record(record):
         raise CheckpointMismatchError(
             f"{source} holds no deepspeed_bnb optimizer state (it was written by stock DeepSpeed or another tool). "
-            f"Its bitsandbytes state is laid out per ZeRO partition, not per parameter, and cannot be loaded safely. "
-            f"Load with load_optimizer_states=False (weights only), or re-save it with deepspeed_bnb.")
+            f"Its optimizer state is laid out per ZeRO partition, not per parameter, and is not loaded directly. "
+            f"Convert it first: `deepspeed-bnb convert CHECKPOINT OUT --to 8bit --min-8bit-size N` (N: the run's "
+            f"min_8bit_size) reads a stock run of torch's AdamW or of a bitsandbytes Adam (elastic_checkpoint: false) "
+            f"and writes a checkpoint this engine loads at any DP size; or load with load_optimizer_states=False "
+            f"(weights only).")
     version = record[C.FORMAT_KEY]
     if version not in C.READABLE_FORMATS:
         raise CheckpointMismatchError(f"{source} uses deepspeed_bnb checkpoint format {version!r}; this version of "

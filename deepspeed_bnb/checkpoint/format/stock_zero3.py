@@ -5,8 +5,9 @@ What stock ZeRO-3 (DeepSpeed 0.16-0.19) writes per rank, and how it is cut here 
   parameter of the sub-group in turn; the model states list the sub-groups' parameters (`param_shapes`, one dict per
   sub-group). Joined over ranks, the slices give each parameter (its padding past numel dropped).
 - the torch optimizer's own state_dict (`optimizer_state_dict` inside the ZeRO state): each param group's `params`
-  are the indices of its sub-groups' flat tensors, and each index's state (Adam: exp_avg, exp_avg_sq, step) is shaped
-  like that flat tensor, so the moments are cut the same way.
+  are the indices of its sub-groups' flat tensors, and each index's state (Adam: exp_avg, exp_avg_sq, step; a
+  bitsandbytes Adam: its state of the flat tensor, dequantized by stock_moments.py) is shaped like that flat tensor,
+  so the moments are cut the same way.
 """
 
 import math
@@ -17,8 +18,8 @@ import torch
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
+from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, adam_moments
 
-MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's moments, the state `convert` reads
 
 
 def cut_flat_groups(ckpt, flats_of: Callable[[int], List[torch.Tensor]], what: str) -> Dict[str, torch.Tensor]:
@@ -49,15 +50,6 @@ def fp32_weights(ckpt) -> Dict[str, torch.Tensor]:
     cut = cut_flat_groups(ckpt, lambda rank: ckpt.optimizer_state(rank).get(C.FP32_FLAT_GROUPS_KEY),
                           f"'{C.FP32_FLAT_GROUPS_KEY}'")
     return {name: values.reshape(shapes[name]).float() for name, values in cut.items()}
-
-
-def not_adam_state(where: str, held) -> CheckpointMismatchError:
-    """The error for a stock checkpoint whose optimizer state `held` (its keys) is not Adam's moments."""
-    hint = (" A stock ZeRO run of a bitsandbytes optimizer keeps bnb's state cut and joined like moments, which "
-            "cannot be put back together: load its weights only (load_optimizer_states=False) into a deepspeed_bnb "
-            "engine and train on." if "state1" in held else "")
-    return CheckpointMismatchError(f"{where} holds optimizer state keys {sorted(held)}, not Adam's exp_avg / "
-                                   f"exp_avg_sq: convert cannot read it.{hint}")
 
 
 def _torch_state(ckpt, rank: int) -> dict:
@@ -118,18 +110,13 @@ class StockZero3:
         sub = self.ckpt.param_shapes()
         states = [_torch_state(self.ckpt, rank)["state"] for rank in range(self.ckpt.dp)]
 
-        def entry(rank, index):
-            found = states[rank].get(index)
-            if not isinstance(found, dict) or not all(torch.is_tensor(found.get(key)) for key in MOMENTS):
-                raise not_adam_state(f"{self.ckpt.source.name(rank)} (sub-group {index})",
-                                     list(found) if isinstance(found, dict) else [])
-            return found
-
-        values = {key: cut_flat_groups(self.ckpt, lambda rank: [entry(rank, i)[key] for i in range(len(sub))],
-                                       f"the torch optimizer's '{key}'") for key in MOMENTS}
+        moments = [{i: adam_moments(states[rank].get(i), f"{self.ckpt.source.name(rank)} (sub-group {i})")
+                    for i in range(len(sub))} for rank in range(self.ckpt.dp)]  # torch's, or bnb's dequantized
+        values = {key: cut_flat_groups(self.ckpt, lambda rank: [moments[rank][i][key] for i in range(len(sub))],
+                                       f"the optimizer's '{key}'") for key in MOMENTS}
         steps = []
         for indices in self.sub_groups:
-            found = {float(entry(0, i).get("step", 0)) for i in indices}
+            found = {float(states[0][i].get("step", 0)) for i in indices}
             if len(found) > 1:
                 raise CheckpointMismatchError(f"{self.ckpt.source.name(0)}: the sub-groups {indices} of one param "
                                               f"group are at different steps {sorted(found)}; the file is malformed.")

@@ -1,7 +1,8 @@
 """Offline precision switch: 32-bit Adam state (torch / DeepSpeed AdamW, bnb 32-bit) <-> bnb 8-bit blockwise state.
 
-Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2/3 checkpoint (ZeRO-3: format/stock_zero3.py) or a
-DeepSpeed universal checkpoint (universal.py) of an Adam-family optimizer (`exp_avg`, `exp_avg_sq`), joins every
+Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2/3 checkpoint (ZeRO-3: format/stock_zero3.py; torch's
+moments, or a bitsandbytes Adam's state of each flat partition dequantized: format/stock_moments.py) or a DeepSpeed
+universal checkpoint (universal.py) of an Adam-family optimizer (`exp_avg`, `exp_avg_sq`), joins every
 parameter's moments, and writes a deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any)
 for the target bnb optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the
 nearest code (ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot
@@ -25,7 +26,8 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
-from deepspeed_bnb.checkpoint.format.stock_zero3 import StockZero3, not_adam_state
+from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, adam_moments
+from deepspeed_bnb.checkpoint.format.stock_zero3 import StockZero3
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, source_master_mode, write_rank_files
 from deepspeed_bnb.checkpoint.tools.reshape import reshape
@@ -75,7 +77,8 @@ def _moments_of_record(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.T
 
 
 def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Tensor], int]]:
-    """exp_avg / exp_avg_sq of each parameter of a stock ZeRO checkpoint, joined over ranks (its slice mappings)."""
+    """exp_avg / exp_avg_sq of each parameter of a stock ZeRO checkpoint, joined over ranks (its slice mappings): torch's,
+    or a bitsandbytes Adam's state of the flat partition dequantized (stock_moments.py)."""
     pieces: Dict[str, list] = OrderedDict((name, [[], []]) for name in ckpt.param_shapes()[g])
     step = None
     for rank in range(ckpt.dp):
@@ -85,13 +88,12 @@ def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Te
             flat = base["state"][base["param_groups"][g]["params"][0]]
         else:  # elastic: one trimmed state dict per group
             flat = base[g]
-        if "exp_avg" not in flat or "exp_avg_sq" not in flat:
-            raise not_adam_state(ckpt.source.name(rank), list(flat))
+        moments = adam_moments(flat, ckpt.source.name(rank))
         value = flat.get("step", state.get(BASE_OPTIMIZER_STATE_STEP))
         step = int(value.item() if torch.is_tensor(value) else value) if value is not None else step
         for name, address in state[PARAM_SLICE_MAPPINGS][g].items():
-            for i, key in enumerate(("exp_avg", "exp_avg_sq")):
-                pieces[name][i].append(flat[key].narrow(0, address.start, address.numel).float())
+            for i, key in enumerate(MOMENTS):
+                pieces[name][i].append(moments[key].narrow(0, address.start, address.numel))
     return [([torch.cat(parts[0]), torch.cat(parts[1])], step or 0) for parts in pieces.values()]
 
 

@@ -18,11 +18,11 @@ import torch
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.safe_load import load_file
+from deepspeed_bnb.checkpoint.format.stock_moments import QUANT_STATE_KEY  # bitsandbytes >= 0.49.2's layout
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, write_rank_files
 from deepspeed_bnb.optim.flat_state import FlatKeys, bnb_name
 from deepspeed_bnb.optim.state_classes import StateClass
 
-QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2: quantization tensors
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")  # where training scripts put optimizer.state_dict()
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module")  # ... and model.state_dict()
 
