@@ -336,6 +336,42 @@ def scenario_stock_zero3_save(world, rank, out):
     return {"continued": run_steps(engine, range(3, 6), world, rank)}
 
 
+STOCK_BNB = "stock_bnb"  # scenario_stock_bnb_save's folder under the launches' output
+
+
+def scenario_stock_bnb_save(world, rank, out):
+    """What a user of stock DeepSpeed with bnb AdamW8bit converts to deepspeed_bnb (`deepspeed-bnb convert`;
+    test_convert_stock_bnb.py): a stock ZeRO-2 run, 3 steps, saved (rigid, DeepSpeed's default), then 3 more steps.
+    reference_state.pt: each parameter's fp32 weights and moments, the moments from each rank's bnb state of its flat
+    partition dequantized by bitsandbytes itself and cut at DeepSpeed's own fragment addresses, joined over ranks."""
+    folder = os.path.join(out, STOCK_BNB, f"dp{world}")
+    engine = build(world, stock=True)
+    run_steps(engine, range(3), world, rank)
+    engine.save_checkpoint(folder, tag="t")
+    opt, pieces = engine.optimizer, {}
+    for g, params in enumerate(opt.bit16_groups):
+        flat = opt.single_partition_of_fp32_groups[g]
+        moments = bnb_moments(opt.optimizer.state[flat], flat.numel())
+        for param in params:
+            mapping = param._hp_mapping
+            if mapping is None:  # no fragment on this rank
+                continue
+            hp = mapping.get_hp_fragment_address()
+            pieces[opt.param_names[param]] = (mapping.lp_fragment_address.start, *[
+                moments[key].reshape(-1).narrow(0, hp.start, hp.numel).clone() for key in ("state1", "state2")])
+    everyone = [None] * world
+    all_gather_object(everyone, pieces)
+    reference = {}
+    for name, param in engine.module.named_parameters():
+        found = sorted((piece for mine in everyone for key, piece in mine.items() if key == name), key=lambda p: p[0])
+        reference[name] = {key: torch.cat([piece[i] for piece in found]) for i, key in ((1, "exp_avg"),
+                                                                                        (2, "exp_avg_sq"))}
+        reference[name]["fp32"] = safe_get_full_fp32_param(param).reshape(-1).clone()  # collective: every rank
+    if rank == 0:
+        torch.save(reference, os.path.join(folder, "reference_state.pt"))
+    return {"continued": run_steps(engine, range(3, 6), world, rank)}
+
+
 MOE_FROZEN = "moe_frozen"  # scenario_moe_frozen_save's folder under the launches' output
 FROZEN_EXPERT_LAYER = re.compile(r"deepspeed_experts\.(\d+)\.0\.weight$")  # each expert's first layer, frozen
 
@@ -948,6 +984,7 @@ def scenario_fails_on_one_rank(world, rank, out):
 
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch, "stock_zero3_save": scenario_stock_zero3_save,
+             "stock_bnb_save": scenario_stock_bnb_save,
              "moe_frozen_save": scenario_moe_frozen_save,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,
