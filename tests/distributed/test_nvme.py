@@ -104,8 +104,13 @@ def bf16_masters(request, tmp_path_factory):
     require_aio()
     out = str(tmp_path_factory.mktemp(f"nvme_{request.param}"))
     torchrun("support/nvme_scenarios.py", 2, "--out", out, "--kinds", "cpu,opt_nvme", "--master-weights", request.param)
+    torchrun("support/nvme_scenarios.py", 1, "--out", out, "--kinds", "cpu,opt_nvme", "--master-weights", request.param,
+             "--load-only")
     with open(os.path.join(out, "nvme_results.json")) as f:
-        return request.param, json.load(f)
+        found = json.load(f)
+    with open(os.path.join(out, "nvme_loads_world1.json")) as f:
+        found["dp1"] = json.load(f)
+    return request.param, found
 
 
 def test_bf16_master_weights_on_nvme_train_and_resume_as_on_cpu(bf16_masters):
@@ -113,7 +118,8 @@ def test_bf16_master_weights_on_nvme_train_and_resume_as_on_cpu(bf16_masters):
     error terms in files of deepspeed_bnb's swapper beside the state: the same losses and weights as CPU offload, bit
     for bit, out of memory between steps, and every checkpoint resumes exactly in either kind. Controls: NVMe was used
     (swap files), the error terms are in use where compensated, and a load
-    without the optimizer state diverges. (Before this, both master modes were refused with NVMe; DeepSpeed 0.19.8's
+    without the optimizer state diverges. At DP 1, each checkpoint continues within the bf16 bar under ZeRO-2 and
+    with the optimizer on NVMe in the same mode. (Before this, both master modes were refused with NVMe; DeepSpeed 0.19.8's
     own bf16 master weights on NVMe assert at the first step's swap-in, the partition emptied as fp32 before it.)"""
     master, results = bf16_masters
     runs = results["runs"]
@@ -127,6 +133,10 @@ def test_bf16_master_weights_on_nvme_train_and_resume_as_on_cpu(bf16_masters):
         assert loaded["losses"] == reference and loaded["weights_equal"], pair
     for saved, losses in results["state_dropped"].items():
         assert max(abs(a - b) for a, b in zip(losses, reference)) > 1e-3, saved  # control
+    assert sorted(results["dp1"]) == sorted(f"{saved}->{loader}" for saved in ("cpu", "opt_nvme")
+                                            for loader in LOADERS_ELSEWHERE)
+    for pair, losses in results["dp1"].items():  # at DP 1: ZeRO-2 (fp32 master weights), and NVMe in the same mode
+        assert max(abs(a - b) for a, b in zip(losses, reference)) <= BF16_TOL, pair
 
 
 def test_without_libaio_the_skip_names_the_package(monkeypatch):
