@@ -21,7 +21,6 @@ from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
 from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, adam_moments
 
 
-
 def cut_flat_groups(ckpt, flats_of: Callable[[int], List[torch.Tensor]], what: str) -> Dict[str, torch.Tensor]:
     """name -> values (flattened, the parameter's numel) of every parameter of `ckpt`'s sub-groups, from
     `flats_of(rank)`: that rank's flat tensor of each sub-group, in order. `what` names the entry in errors."""
