@@ -95,6 +95,23 @@ def bnb_moments(state: dict, numel: int) -> dict:
     return out
 
 
+def assert_holds_moments(state: dict, moments, label: str) -> int:
+    """One parameter's bnb `state` against Adam moments `moments` ([exp_avg, exp_avg_sq], flat fp32): 32-bit state
+    equal to them, 8-bit codes within one quantization step of them (the gap between the two codes around each value,
+    bnb's formula qmap[code] * absmax[element // 256]). Returns how many of the two are 8-bit."""
+    eight_bit = 0
+    for i, value in enumerate(moments, start=1):
+        held = state[f"state{i}"].reshape(-1)
+        if held.dtype != torch.uint8:
+            assert torch.equal(held, value), f"{label}.state{i}"
+            continue
+        eight_bit += 1
+        absmax, qmap = state[f"absmax{i}"], state[f"qmap{i}"]
+        error = (qmap[held.long()] * absmax[torch.arange(held.numel()) // 256] - value).abs()
+        assert (error <= code_gap(value, absmax, qmap)).all(), f"{label}.state{i}"  # within one step
+    return eight_bit
+
+
 def step_ratio(got: torch.Tensor, values: torch.Tensor, unsigned: bool, numel: int) -> float:
     """Largest |got - value| (less fp32 rounding) over the gap between the two codes of bnb's map around the value,
     each 256-element block of each row of `numel` elements scaled by its largest |value| (nearest code: <= 0.5)."""

@@ -25,9 +25,8 @@ from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
-from deepspeed_bnb.ops.reference import code_gap
 from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
-from support.bnb_state import assert_same as assert_same_state, flat_param_states
+from support.bnb_state import assert_holds_moments, assert_same as assert_same_state, flat_param_states
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +150,7 @@ def test_convert_stock_adamw_to_8bit_within_one_code_step(stock_adamw, tmp_path)
     engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE)
     engine.load_checkpoint(str(tmp_path / "c8"))
     for name, s in snapshot(engine).items():
-        if s["state1"].dtype != torch.uint8:
-            assert torch.equal(s["state1"], moments[name]["exp_avg"])
-            continue
-        for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
-            codes, absmax, qmap = s[f"state{i}"], s[f"absmax{i}"], s[f"qmap{i}"]
-            value = moments[name][key]
-            error = (qmap[codes.long()] * absmax[torch.arange(codes.numel()) // 256] - value).abs()
-            assert (error <= code_gap(value, absmax, qmap)).all(), f"{name}.{key}"  # within one step
+        assert_holds_moments(s, [moments[name]["exp_avg"], moments[name]["exp_avg_sq"]], name)
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
 
 
@@ -282,15 +274,13 @@ def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, t
 
 def stock_bnb_moments(engine) -> dict:
     """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping a bitsandbytes Adam: bnb's state of each
-    flat partition, dequantized here by bnb's formula (qmap[code] * absmax[element // 256], blocks from the
-    partition's first element), cut at DeepSpeed's own places of the parameters in it."""
+    flat partition, dequantized by bitsandbytes itself (blocks from the partition's first element), cut at DeepSpeed's
+    own places of the parameters in it."""
+    from support.bnb_state import bnb_moments
     opt = engine.optimizer
 
     def moment(flat, i):
-        codes = flat[f"state{i}"]
-        if codes.dtype != torch.uint8:  # 32-bit state: a partition below min_8bit_size
-            return codes.float()
-        return flat[f"qmap{i}"][codes.long()] * flat[f"absmax{i}"][torch.arange(codes.numel()) // 256]
+        return bnb_moments(flat, flat["state1"].numel())[f"state{i}"].reshape(-1)
 
     out = {}
     if engine.zero_optimization_stage() == 3:  # one rank: each sub-group's parameters whole, back to back
@@ -341,17 +331,7 @@ def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, o
     assert "of one quantization step" in report
     engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, stage=stage)
     engine.load_checkpoint(str(tmp_path / "c8"))
-    quantized = 0
-    for name, s in engine_param_states(engine).items():
-        for i in (1, 2):
-            value = moments[name][i - 1]
-            if s[f"state{i}"].dtype != torch.uint8:
-                assert torch.equal(s[f"state{i}"].reshape(-1), value), name
-                continue
-            quantized += 1
-            codes, absmax, qmap = s[f"state{i}"].reshape(-1), s[f"absmax{i}"], s[f"qmap{i}"]
-            error = (qmap[codes.long()] * absmax[torch.arange(codes.numel()) // 256] - value).abs()
-            assert (error <= code_gap(value, absmax, qmap)).all(), f"{name}.state{i}"  # within one step
+    quantized = sum(assert_holds_moments(s, moments[name], name) for name, s in engine_param_states(engine).items())
     assert quantized > 0
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
 

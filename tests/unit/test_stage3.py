@@ -7,7 +7,6 @@ sub-groups, offload, stock control, elastic checkpoints) runs in tests/distribut
 tests/distributed/test_elastic.py.
 """
 
-
 import bitsandbytes as bnb
 import deepspeed
 import pytest

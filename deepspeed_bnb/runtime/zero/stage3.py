@@ -480,12 +480,11 @@ class BnbZeroStage3Optimizer(BnbNVMeStateMixin, BnbPartitionsMixin, DeepSpeedZer
         DeepSpeed's zero_to_fp32 reads `fp32_flat_groups` that way. One all-gather per parameter. fp32, or bf16 for
         bf16 master weights (compensated ones are joined to the fp32 values they stand for)."""
         # each sub-group's master weights, from the records (on NVMe: the copies they hold, not a second swap-in)
-        pieces = list(self._bnb_record_pieces(records))
-        masters = {i: record.master.narrow(0, offset, self.bnb_layouts[i].partition_size)
-                   for record, i, offset, _ in pieces}
-        errors = {i: None if record.master_error is None else
-                  record.master_error.narrow(0, offset, self.bnb_layouts[i].partition_size)
-                  for record, i, offset, _ in pieces}
+        masters, errors = {}, {}
+        for record, i, offset, _ in self._bnb_record_pieces(records):
+            size = self.bnb_layouts[i].partition_size
+            masters[i] = record.master.narrow(0, offset, size)
+            errors[i] = None if record.master_error is None else record.master_error.narrow(0, offset, size)
         out = []
         for i, params in enumerate(self.fp16_groups):
             group = compat.sub_group_process_group(self, i)
