@@ -18,7 +18,8 @@ Loads: a bnb engine loading any tag, and any engine loading a tag deepspeed_bnb 
   also read `latest` itself, whatever tag was asked for) are the tag's own, read through the safe loader, and every
   other torch.load it makes is forced weights-only with the same allow-list (safe_load.forced_weights_only).
 Stock tags loaded by stock engines keep DeepSpeed's behaviour. A bnb engine configured for universal checkpoints loads
-them through runtime/universal_load.py (written once as a tag of ours, then this route).
+them through runtime/universal_load.py, and one with bnb_convert_stock_on_load a stock tag's optimizer state through
+runtime/converted_load.py (each written once as a tag of ours, then this route).
 
 Every step before DeepSpeed's own load or after its save that can fail on one rank alone runs inside `agree`: each
 rank learns every rank's outcome, and a failure anywhere raises on every rank, instead of leaving the others in the
@@ -54,6 +55,7 @@ from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHA
 from deepspeed_bnb.checkpoint.tools.universal import refuse_for_stock_engine
 from deepspeed_bnb.installer import given_kwargs, stock, swapped
 from deepspeed_bnb.runtime import recovery_script
+from deepspeed_bnb.runtime.converted_load import load_stock
 from deepspeed_bnb.runtime.universal_load import load_universal
 from deepspeed_bnb.runtime.zero import compat
 from deepspeed_bnb.runtime.zero.bnb_partitions import BnbPartitionsMixin
@@ -290,6 +292,10 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
     if pointer is not None:  # a tag a file names must stay inside the checkpoint directory
         agree(lambda: safe_name(tag, pointer, "tag", one_component=True), context=what)
     agree(lambda: _recover(self, load_dir, tag), context=what)
+    if bnb and self.optimizer.bnb_settings.convert_stock_on_load and _loads_optimizer(arguments) and \
+            os.path.isdir(os.path.join(load_dir, tag)) and not _written_by_deepspeed_bnb(load_dir, tag):
+        arguments.pop("load_dir"), arguments.pop("tag")
+        return load_stock(self, load_dir, tag, arguments, agree, _publisher(self))
     plan = agree(lambda: _prepare(self, load_dir, tag, explicit=pointer is None, universal=universal,
                                   arguments=arguments), context=what)
     if plan.model_states is not None and not _holds_scheduler(plan.model_states) and \
@@ -306,6 +312,11 @@ def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
             return stock_load(self, **arguments)
     finally:
         _LOADING.reset(token)
+
+
+def _loads_optimizer(arguments: dict) -> bool:
+    """Whether load_checkpoint's `arguments` load optimizer state (DeepSpeed's rule)."""
+    return arguments["load_optimizer_states"] and not arguments["load_module_only"]
 
 
 def _holds_scheduler(model_states: dict) -> bool:
@@ -350,7 +361,7 @@ def _prepare(engine, load_dir: str, tag: str, explicit: bool, universal: bool, a
     plan.saved_stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0) \
         if isinstance(config.get("zero_optimization") or {}, dict) else 0
     dp = saved_dp(plan.model_states, tag_dir, plan.model_states_path)[0]
-    loads_optimizer = arguments["load_optimizer_states"] and not arguments["load_module_only"]  # DeepSpeed's rule
+    loads_optimizer = _loads_optimizer(arguments)
     if manifest is None:  # refused for a deepspeed_bnb checkpoint, warned about for a stock one
         check_unlisted(tag_dir, is_record(_rank_files(engine, load_dir, tag, dp).state(0).get("base_optimizer_state")))
     if bnb and loads_optimizer:

@@ -6,14 +6,14 @@ DeepSpeed's own universal loader (`load_hp_checkpoint_state_from_checkpoint_dir`
 folder as an element-wise tensor and cuts it by tensor-parallel rank and by the rank's fragment; 8-bit codes, block
 scales and maps cannot be cut that way, and bnb partitions are not DeepSpeed's fragments. So the publishing rank writes
 the checkpoint once as a deepspeed_bnb tag of one rank (`convert`, into a scratch folder beside it), and every rank
-loads that through the ordinary route (manifest, safe loader, block-aligned resharding to any DP size and stage). A
-tensor- or pipeline-parallel engine gets one tag of its own layout: every rank's parameters (its stage's, each
-sliced for its tensor-parallel rank: checkpoint/tools/universal_split.py), gathered from the ranks first. The
-scratch folder is removed afterwards, whatever happens.
+loads that through the ordinary route (manifest, safe loader, block-aligned resharding to any DP size and stage;
+converted_load.py). A tensor- or pipeline-parallel engine gets one tag of its own layout: every rank's parameters
+(its stage's, each sliced for its tensor-parallel rank: checkpoint/tools/universal_split.py), gathered from the ranks
+first. The scratch folder is removed afterwards, whatever happens.
 """
 
+import contextlib
 import os
-import shutil
 
 from deepspeed import comm as dist
 
@@ -21,6 +21,7 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.manifest import LATEST_UNIVERSAL, read_pointer, safe_name
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.universal_split import convert_for_model_parallel, rank_layouts
+from deepspeed_bnb.runtime.converted_load import load_through_scratch
 from deepspeed_bnb.runtime.zero import compat
 
 SCRATCH = ".{tag}.from-universal.deepspeed_bnb"  # beside the tag, the same path on every rank (and node)
@@ -57,38 +58,25 @@ def load_universal(engine, load_dir: str, tag, arguments: dict, agree, publisher
         agree(lambda: safe_name(tag, os.path.join(load_dir, LATEST_UNIVERSAL), "tag", one_component=True),
               context=what)
     tag = str(tag)
-    scratch = os.path.join(load_dir, SCRATCH.format(tag=tag))
     bnb_optimizer = engine.optimizer.optimizer
     stage = engine.zero_optimization_stage()
     layouts = _model_parallel_layouts(engine)  # None for a data-parallel engine
+    source, cls, size = os.path.join(load_dir, tag), type(bnb_optimizer), bnb_optimizer.args.min_8bit_size
 
-    def write():
-        if not publisher:
-            return None
-        if os.path.lexists(scratch):  # left by a load that was killed
-            shutil.rmtree(scratch)
-        source, cls, size = os.path.join(load_dir, tag), type(bnb_optimizer), bnb_optimizer.args.min_8bit_size
-        try:
-            if layouts is not None:
-                return convert_for_model_parallel(source, scratch, layouts, cls, size, stage)
-            return convert(source, scratch, "8bit", optimizer_class=cls, min_8bit_size=size, progress=False, dp=1,
-                           stage=stage)
-        except OSError as exc:
-            raise CheckpointMismatchError(
-                f"{exc}: the universal checkpoint is rewritten once into {scratch} for this engine, and that "
-                f"failed. Convert it yourself (`deepspeed-bnb convert {os.path.join(load_dir, tag)} OUT --to 8bit "
-                f"--optimizer-class ...`) and load OUT without load_universal.") from exc
+    def write(scratch):
+        if layouts is not None:
+            return convert_for_model_parallel(source, scratch, layouts, cls, size, stage)
+        return convert(source, scratch, "8bit", optimizer_class=cls, min_8bit_size=size, progress=False, dp=1,
+                       stage=stage)
 
-    try:
-        report = agree(write, context=what)
-        if report:
-            print(f"deepspeed_bnb: universal checkpoint {os.path.join(load_dir, tag)}: {report}", flush=True)
-        engine._config.load_universal_checkpoint = False  # the scratch tag is a deepspeed_bnb one
+    @contextlib.contextmanager
+    def as_our_tag():  # the scratch tag is a deepspeed_bnb one, not universal
+        engine._config.load_universal_checkpoint = False
         try:
-            return engine.load_checkpoint(scratch, tag=tag, **arguments)
+            yield
         finally:
             engine._config.load_universal_checkpoint = True
-    finally:
-        dist.barrier()
-        if publisher:
-            shutil.rmtree(scratch, ignore_errors=True)
+
+    return load_through_scratch(engine, load_dir, tag, SCRATCH.format(tag=tag), write, arguments, agree, publisher,
+                                what, "universal checkpoint",
+                                f"deepspeed-bnb convert {source} OUT --to 8bit --optimizer-class ...", as_our_tag)

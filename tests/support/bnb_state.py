@@ -124,3 +124,29 @@ def step_ratio(got: torch.Tensor, values: torch.Tensor, unsigned: bool, numel: i
         if (gap > 0).any():
             worst = max(worst, float((error[gap > 0] / gap[gap > 0]).max()))
     return worst
+
+
+def stock_bnb_moments(engine) -> dict:
+    """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping a bitsandbytes Adam: bnb's state of each
+    flat partition, dequantized by bitsandbytes itself (blocks from the partition's first element), cut at DeepSpeed's
+    own places of the parameters in it."""
+    opt = engine.optimizer
+
+    def moment(flat, i):
+        return bnb_moments(flat, flat["state1"].numel())[f"state{i}"].reshape(-1)
+
+    out = {}
+    if engine.zero_optimization_stage() == 3:  # one rank: each sub-group's parameters whole, back to back
+        for i, params in enumerate(opt.fp16_groups):
+            flat, offset = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]], 0
+            for p in params:
+                out[opt.param_names[p]] = [moment(flat, k).narrow(0, offset, p.ds_numel).clone() for k in (1, 2)]
+                offset += p.ds_numel
+        return out
+    for g, params in enumerate(opt.bit16_groups):
+        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
+        for p in params:
+            address = p._hp_mapping.get_hp_fragment_address()
+            out[opt.param_names[p]] = [moment(flat, k).narrow(0, address.start, address.numel).clone()
+                                       for k in (1, 2)]
+    return out

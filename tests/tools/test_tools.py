@@ -26,7 +26,8 @@ from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
-from support.bnb_state import assert_holds_moments, assert_same as assert_same_state, flat_param_states
+from support.bnb_state import assert_holds_moments, assert_same as assert_same_state, flat_param_states, \
+    stock_bnb_moments
 
 
 @pytest.fixture(scope="module")
@@ -270,33 +271,6 @@ def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, t
     with pytest.raises(CheckpointMismatchError, match=r"\['momentum_buffer'\].*not Adam's exp_avg / exp_avg_sq"):
         convert(str(tmp_path / "sgd"), str(tmp_path / "out"), "8bit", progress=False)
     assert not (tmp_path / "out").exists()
-
-
-def stock_bnb_moments(engine) -> dict:
-    """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping a bitsandbytes Adam: bnb's state of each
-    flat partition, dequantized by bitsandbytes itself (blocks from the partition's first element), cut at DeepSpeed's
-    own places of the parameters in it."""
-    from support.bnb_state import bnb_moments
-    opt = engine.optimizer
-
-    def moment(flat, i):
-        return bnb_moments(flat, flat["state1"].numel())[f"state{i}"].reshape(-1)
-
-    out = {}
-    if engine.zero_optimization_stage() == 3:  # one rank: each sub-group's parameters whole, back to back
-        for i, params in enumerate(opt.fp16_groups):
-            flat, offset = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]], 0
-            for p in params:
-                out[opt.param_names[p]] = [moment(flat, k).narrow(0, offset, p.ds_numel).clone() for k in (1, 2)]
-                offset += p.ds_numel
-        return out
-    for g, params in enumerate(opt.bit16_groups):
-        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
-        for p in params:
-            address = p._hp_mapping.get_hp_fragment_address()
-            out[opt.param_names[p]] = [moment(flat, k).narrow(0, address.start, address.numel).clone()
-                                       for k in (1, 2)]
-    return out
 
 
 @pytest.mark.parametrize("stage, optimizer", [(2, "AdamW8bit"), (3, "AdamW8bit"), (2, "AdamW")])

@@ -122,8 +122,9 @@ def check_record(record, source: str, optimizer_class: Optional[str] = None) -> 
             f"Its optimizer state is laid out per ZeRO partition, not per parameter, and is not loaded directly. "
             f"Convert it first: `deepspeed-bnb convert CHECKPOINT OUT --to 8bit --min-8bit-size N` (N: the run's "
             f"min_8bit_size) reads a stock run of torch's AdamW or of a bitsandbytes Adam (elastic_checkpoint: false) "
-            f"and writes a checkpoint this engine loads at any DP size; or load with load_optimizer_states=False "
-            f"(weights only).")
+            f"and writes a checkpoint this engine loads at any DP size (an engine with zero_optimization."
+            f"bnb_convert_stock_on_load: true does that itself at load_checkpoint); or load with "
+            f"load_optimizer_states=False (weights only).")
     version = record[C.FORMAT_KEY]
     if version not in C.READABLE_FORMATS:
         raise CheckpointMismatchError(f"{source} uses deepspeed_bnb checkpoint format {version!r}; this version of "

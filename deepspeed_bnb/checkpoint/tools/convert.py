@@ -175,11 +175,13 @@ def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = T
 def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_size: int = 4096,
             progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None,
             allow_large_dp: bool = False, master_mode: Optional[str] = None,
-            param_groups: Optional[List[dict]] = None) -> str:
+            param_groups: Optional[List[dict]] = None, default_param_groups: Optional[List[dict]] = None) -> str:
     """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
     files to write for a universal checkpoint (which has neither; default 1 and 2); other inputs keep theirs (reshape
     changes them). `master_mode`: the master weights to write (default: the source's; fp32 for stock sources).
-    `param_groups`: each param group's hyper-parameters, for an elastic stock checkpoint (which keeps none)."""
+    `param_groups`: each param group's hyper-parameters, for an elastic stock checkpoint (which keeps none; refused
+    for any other source); `default_param_groups`: the same where the source is an elastic stock one, ignored
+    otherwise (a live engine's own, when it converts at load: runtime/converted_load.py)."""
     if master_mode is not None:
         master_weights.check_mode(master_mode, "convert --master-weights")
     if to not in DEFAULT_CLASS:
@@ -214,6 +216,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
     if param_groups is not None and not elastic_stock:
         raise ValueError(f"convert: --param-groups is for elastic stock ZeRO-1/2 checkpoints, which keep no hyper-"
                          f"parameters; {path} holds each param group's own (they are used)")
+    if param_groups is None and elastic_stock:
+        param_groups = default_param_groups
     plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress,
                                             param_groups)
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)

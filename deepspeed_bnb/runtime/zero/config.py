@@ -55,6 +55,15 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
     a 24-bit master weight). "bf16" and "bf16+8" need bf16 model weights. optim/master_weights.py.
     """
 
+    bnb_convert_stock_on_load: bool = False
+    """
+    Load a stock DeepSpeed checkpoint's optimizer state (a run of torch's AdamW or of a bitsandbytes Adam under
+    DeepSpeed without deepspeed_bnb) by converting it at `load_checkpoint`: rewritten once into a deepspeed_bnb tag
+    beside it, loaded, and removed (runtime/converted_load.py). 8-bit moments are requantized (within half a
+    quantization step; the load prints the worst case). false (default): such a load is refused, naming
+    `deepspeed-bnb convert`.
+    """
+
     @field_validator("bnb_master_weights", mode="before")
     @classmethod
     def _master_weights_is_a_mode(cls, value):
@@ -74,6 +83,14 @@ class BnbZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
                              f"(non-empty strings), e.g. {list(DEFAULT_KEEP_WHOLE)}; got {value!r}")
         return list(value)
 
+    @field_validator("bnb_convert_stock_on_load", mode="before")
+    @classmethod
+    def _convert_is_bool(cls, value):
+        if not isinstance(value, bool):  # pydantic would read "no" or 0 as a choice: a typo must not pick one
+            raise ValueError(f"zero_optimization.bnb_convert_stock_on_load must be true or false (JSON booleans); "
+                             f"got {value!r}")
+        return value
+
     @field_validator("bnb_keep_whole_threshold", mode="before")
     @classmethod
     def _threshold_is_count(cls, value):
@@ -91,6 +108,7 @@ class BnbSettings:
     keep_whole_threshold: int = BLOCK_SIZE  # bnb_keep_whole_threshold: small unknown keys kept whole
     fused_kernel: FusedKernel = FusedKernel.AUTO  # bnb_fused_kernel, parsed
     master_weights: str = master_weights.AUTO  # bnb_master_weights: "auto" or one of master_weights.MODES
+    convert_stock_on_load: bool = False  # bnb_convert_stock_on_load: stock tags converted at load_checkpoint
 
     @classmethod
     def of(cls, zero_config) -> "BnbSettings":
@@ -100,4 +118,5 @@ class BnbSettings:
                    keep_whole_threshold=getattr(zero_config, "bnb_keep_whole_threshold", BLOCK_SIZE),
                    fused_kernel=FusedKernel.of(getattr(zero_config, "bnb_fused_kernel", "auto")),
                    master_weights=master_weights.check_setting(getattr(zero_config, "bnb_master_weights",
-                                                                        master_weights.AUTO)))
+                                                                        master_weights.AUTO)),
+                   convert_stock_on_load=bool(getattr(zero_config, "bnb_convert_stock_on_load", False)))

@@ -1,0 +1,137 @@
+"""`zero_optimization.bnb_convert_stock_on_load`: an engine of deepspeed_bnb resumes a stock DeepSpeed run's
+checkpoint, optimizer state included, at `load_checkpoint` (what a framework's `resume_from_checkpoint` calls).
+
+References: the stock engine's own state at save (bnb's codes dequantized by bitsandbytes itself, or torch's moments)
+and its next losses; the offline route (`convert`, then a load), which the key must equal bit for bit. Controls:
+without the key the same load is refused naming it; a source convert cannot read is refused by name with nothing
+left beside it; a weights-only load and a deepspeed_bnb tag do not convert at all.
+"""
+
+import hashlib
+import os
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from deepspeed.utils import safe_get_full_optimizer_state
+
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.tools.convert import convert
+from support.bnb_state import assert_holds_moments, assert_same, engine_param_states, stock_bnb_moments
+from support.toy import MIN_8BIT_SIZE, build_engine, gathered_weights, train_steps
+
+KEY = {"bnb_convert_stock_on_load": True}
+
+
+def digests(folder) -> dict:
+    """Every file under `folder` -> its sha256 (the source must only be read)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_8bit(one_rank, tmp_path_factory):
+    """A stock ZeRO-2 run of bnb AdamW8bit (DeepSpeed's rigid save), its moments at save and its next losses."""
+    folder = tmp_path_factory.mktemp("stock8")
+    stock = build_engine(bnb.optim.AdamW8bit, stock=True, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(stock, range(3))
+    stock.save_checkpoint(str(folder), tag="global_step3")
+    return str(folder), stock_bnb_moments(stock), gathered_weights(stock), train_steps(stock, range(3, 6))
+
+
+def test_a_stock_bnb_run_resumes_with_its_moments_at_load(stock_8bit, tmp_path, capsys):
+    folder, moments, weights, continued = stock_8bit
+    before = digests(folder)
+    with pytest.raises(CheckpointMismatchError, match="bnb_convert_stock_on_load: true"):  # control: the default
+        build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE).load_checkpoint(folder)
+
+    engine = build_engine(seed=1, lr=5e-2, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)  # lr comes from the checkpoint
+    path, _ = engine.load_checkpoint(folder)  # the tag from `latest`, as HF Trainer's resume asks
+    printed = capsys.readouterr().out
+    assert "stock DeepSpeed checkpoint" in printed and "of one quantization step" in printed
+    assert path == os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt")  # the source's, not scratch
+    assert digests(folder) == before  # the source was only read, and the scratch tag is gone
+    assert engine.global_steps == 3 and [g["lr"] for g in engine.optimizer.param_groups] == [1e-3, 5e-4]
+    states = engine_param_states(engine)
+    assert states.keys() == moments.keys()
+    assert sum(assert_holds_moments(states[name], moments[name], name) for name in states) > 0
+    assert all(torch.equal(w, weights[n]) for n, w in gathered_weights(engine).items())
+
+    convert(folder, str(tmp_path / "offline"), "8bit", min_8bit_size=MIN_8BIT_SIZE, progress=False)
+    offline = build_engine(seed=2, min_8bit_size=MIN_8BIT_SIZE)
+    offline.load_checkpoint(str(tmp_path / "offline"))
+    for name, state in engine_param_states(offline).items():  # the key is the offline route, bit for bit
+        assert_same(states[name], state, name)
+    assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
+
+
+def test_a_stock_zero3_run_of_torch_adamw_resumes_in_a_32bit_bnb_engine(one_rank, tmp_path):
+    """A stock ZeRO-3 run of torch's AdamW into a ZeRO-2 engine of bnb's 32-bit AdamW: torch's moments exactly."""
+    stock = build_engine(torch.optim.AdamW, stock=True, stage=3)
+    train_steps(stock, range(2))
+    stock.save_checkpoint(str(tmp_path / "s3"))
+    expected = {name: [safe_get_full_optimizer_state(param, key).reshape(-1) for key in ("exp_avg", "exp_avg_sq")]
+                for name, param in stock.module.named_parameters()}
+    engine = build_engine(bnb.optim.AdamW, seed=1, zero=KEY)
+    engine.load_checkpoint(str(tmp_path / "s3"))
+    for name, state in engine_param_states(engine).items():
+        assert torch.equal(state["state1"].reshape(-1), expected[name][0]), name
+        assert torch.equal(state["state2"].reshape(-1), expected[name][1]), name
+
+
+def test_an_elastic_stock_checkpoint_takes_the_engines_hyperparameters(one_rank, tmp_path):
+    """DeepSpeed's elastic save keeps no param group hyper-parameters and its own elastic load keeps the loading
+    engine's: so does the conversion at load (offline, convert asks for them)."""
+    stock = build_engine(torch.optim.AdamW, stock=True, stage=1, zero={"elastic_checkpoint": True})
+    train_steps(stock, range(2))
+    stock.save_checkpoint(str(tmp_path / "elastic"), tag="e")
+    opt, expected = stock.optimizer, {}
+    for g, params in enumerate(opt.bit16_groups):  # one rank: torch's moments of the flat partition, at each place
+        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]["exp_avg"]
+        for p in params:
+            address = p._hp_mapping.get_hp_fragment_address()
+            expected[opt.param_names[p]] = flat.narrow(0, address.start, address.numel)
+    engine = build_engine(bnb.optim.AdamW, seed=1, lr=5e-2, stage=1, zero=KEY)
+    engine.load_checkpoint(str(tmp_path / "elastic"))
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [5e-2, 2.5e-2]  # the engine's (support.toy halves)
+    for name, state in engine_param_states(engine).items():
+        assert torch.equal(state["state1"].reshape(-1), expected[name]), name
+
+
+def test_what_convert_cannot_read_is_refused_by_name_and_nothing_is_left(one_rank, tmp_path):
+    lion = build_engine(bnb.optim.Lion8bit, stock=True, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(lion, range(1))
+    lion.save_checkpoint(str(tmp_path / "lion"), tag="s")
+    before = digests(tmp_path / "lion")
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    with pytest.raises(CheckpointMismatchError, match=r"bnb_convert_stock_on_load failed: .*one state \(Lion"):
+        engine.load_checkpoint(str(tmp_path / "lion"))
+    assert digests(tmp_path / "lion") == before
+    engine.load_checkpoint(str(tmp_path / "lion"), load_optimizer_states=False)  # the weights need no conversion
+    expected = gathered_weights(lion)
+    assert all(torch.equal(w, expected[n]) for n, w in gathered_weights(engine).items())
+
+
+def test_a_deepspeed_bnb_tag_is_not_converted(one_rank, tmp_path, monkeypatch):
+    """With the key set, a tag deepspeed_bnb wrote loads as it is, bit for bit (the conversion would requantize)."""
+    import deepspeed_bnb.runtime.converted_load as converted_load
+    saving = build_engine(min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(saving, range(2))
+    saving.save_checkpoint(str(tmp_path / "ours"))
+    monkeypatch.setattr(converted_load, "convert", lambda *a, **k: pytest.fail("a deepspeed_bnb tag was converted"))
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    engine.load_checkpoint(str(tmp_path / "ours"))
+    theirs = engine_param_states(saving)
+    for name, state in engine_param_states(engine).items():
+        assert_same(state, theirs[name], name)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_the_key_takes_booleans_only(value):
+    from deepspeed_bnb.runtime.zero.config import BnbZeroConfig
+    with pytest.raises(ValueError, match="bnb_convert_stock_on_load must be true or false"):
+        BnbZeroConfig(stage=2, bnb_convert_stock_on_load=value)
