@@ -57,3 +57,15 @@ def test_a_stock_zero2_run_of_adamw8bit_converts_with_its_moments(stock, one_ran
     assert [g["lr"] for g in engine.optimizer.param_groups] == [1e-3, 5e-4]  # the stock run's
     # (the stock run steps on in 8 bits: requantized, or 32-bit state, the next losses stay within 1e-2 of it)
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
+
+
+def test_two_ranks_resume_the_stock_run_converted_at_load(scenario_results):
+    """bnb_convert_stock_on_load at DP 2: rank 0 converts, both ranks load; the next 3 losses track the stock run's
+    within 1e-3 (measured: 1.7e-4), and no scratch folder is left. Control: the weights alone with fresh moments miss
+    that bound (measured: 6.5e-3), so the moments were carried over."""
+    result = scenario_results[2]["stock_bnb_save"]
+    resumed, continued, control = result["converted_at_load"], result["continued"], result["weights_only"]
+    assert len(resumed) == len(continued) == len(control) == 3
+    assert max(abs(a - b) for a, b in zip(resumed, continued)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(control, continued)) > 1e-3
+    assert result["left_beside"] == []

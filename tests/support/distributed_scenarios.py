@@ -333,7 +333,16 @@ def scenario_stock_zero3_save(world, rank, out):
                 reference[name] = {"frozen": param.detach().reshape(-1).clone()}
     if rank == 0:
         torch.save(reference, os.path.join(folder, "reference_state.pt"))
-    return {"continued": run_steps(engine, range(3, 6), world, rank)}
+    continued = run_steps(engine, range(3, 6), world, rank)
+    # the same tag resumed by a deepspeed_bnb engine at this DP size, converted at load (rank 0 writes, all load)
+    resumed = build(world, seed=1, lr=5e-2, bnb_convert_stock_on_load=True)  # lr: the checkpoint's
+    resumed.load_checkpoint(folder)
+    converted = run_steps(resumed, range(3, 6), world, rank)
+    weights_only = build(world, seed=1)  # the control: the weights alone, fresh moments
+    weights_only.load_checkpoint(folder, load_optimizer_states=False)
+    return {"continued": continued, "converted_at_load": converted,
+            "weights_only": run_steps(weights_only, range(3, 6), world, rank),
+            "left_beside": sorted(name for name in os.listdir(folder) if name.startswith("."))}
 
 
 STOCK_BNB = "stock_bnb"  # scenario_stock_bnb_save's folder under the launches' output
@@ -343,7 +352,8 @@ def scenario_stock_bnb_save(world, rank, out):
     """What a user of stock DeepSpeed with bnb AdamW8bit converts to deepspeed_bnb (`deepspeed-bnb convert`;
     test_convert_stock_bnb.py): a stock ZeRO-2 run, 3 steps, saved (rigid, DeepSpeed's default), then 3 more steps.
     reference_state.pt: each parameter's fp32 weights and moments, the moments from each rank's bnb state of its flat
-    partition dequantized by bitsandbytes itself and cut at DeepSpeed's own fragment addresses, joined over ranks."""
+    partition dequantized by bitsandbytes itself and cut at DeepSpeed's own fragment addresses, joined over ranks.
+    Then the tag resumed at the same DP size by an engine of deepspeed_bnb with bnb_convert_stock_on_load."""
     folder = os.path.join(out, STOCK_BNB, f"dp{world}")
     engine = build(world, stock=True)
     run_steps(engine, range(3), world, rank)
@@ -369,7 +379,16 @@ def scenario_stock_bnb_save(world, rank, out):
         reference[name]["fp32"] = safe_get_full_fp32_param(param).reshape(-1).clone()  # collective: every rank
     if rank == 0:
         torch.save(reference, os.path.join(folder, "reference_state.pt"))
-    return {"continued": run_steps(engine, range(3, 6), world, rank)}
+    continued = run_steps(engine, range(3, 6), world, rank)
+    # the same tag resumed by a deepspeed_bnb engine at this DP size, converted at load (rank 0 writes, all load)
+    resumed = build(world, seed=1, lr=5e-2, bnb_convert_stock_on_load=True)  # lr: the checkpoint's
+    resumed.load_checkpoint(folder)
+    converted = run_steps(resumed, range(3, 6), world, rank)
+    weights_only = build(world, seed=1)  # the control: the weights alone, fresh moments
+    weights_only.load_checkpoint(folder, load_optimizer_states=False)
+    return {"continued": continued, "converted_at_load": converted,
+            "weights_only": run_steps(weights_only, range(3, 6), world, rank),
+            "left_beside": sorted(name for name in os.listdir(folder) if name.startswith("."))}
 
 
 MOE_FROZEN = "moe_frozen"  # scenario_moe_frozen_save's folder under the launches' output

@@ -66,7 +66,7 @@ def test_a_stock_bnb_run_resumes_with_its_moments_at_load(stock_8bit, tmp_path, 
     offline.load_checkpoint(str(tmp_path / "offline"))
     for name, state in engine_param_states(offline).items():  # the key is the offline route, bit for bit
         assert_same(states[name], state, name)
-    assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
+    assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-3
 
 
 def test_a_stock_zero3_run_of_torch_adamw_resumes_in_a_32bit_bnb_engine(one_rank, tmp_path):
