@@ -156,6 +156,12 @@ class BnbAdapter:
     def max_unorm(self, param: torch.Tensor) -> float:
         return self._max_unorm[id(param)]
 
+    def eight_bit_by_name(self) -> Dict[str, bool]:
+        """Model parameter name -> uses 8-bit state, for every parameter whose name is known (bnb's per-parameter
+        overrides included: HF Trainer keeps embeddings in 32-bit state with one)."""
+        return {name: eight_bit for described in self._described.values() for _, eight_bit, name in described
+                if not name.startswith("#")}
+
     def names(self, gindex: int, override: dict, eight_bit: bool) -> List[str]:
         """The model parameters of param group `gindex` with this override and precision (those that share a route)."""
         return [name for o, e, name in self._described.get(gindex, ()) if e == eight_bit and o == override]

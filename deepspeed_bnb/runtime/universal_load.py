@@ -67,7 +67,7 @@ def load_universal(engine, load_dir: str, tag, arguments: dict, agree, publisher
         if layouts is not None:
             return convert_for_model_parallel(source, scratch, layouts, cls, size, stage)
         return convert(source, scratch, "8bit", optimizer_class=cls, min_8bit_size=size, progress=False, dp=1,
-                       stage=stage)
+                       stage=stage, eight_bit_by_name=engine.optimizer.bnb.eight_bit_by_name())
 
     @contextlib.contextmanager
     def as_our_tag():  # the scratch tag is a deepspeed_bnb one, not universal

@@ -122,19 +122,34 @@ def clone(model):
     return copy.deepcopy(model)
 
 
-def build_engine(optimizer_cls=None, seed=0, lr=1e-3, stock=False, zero=None, stage=2, **optimizer_kwargs):
-    """A one-rank ZeRO engine (stage 2 unless said) of the toy model (deepspeed_bnb's, or stock's with stock=True)."""
+def build_engine(optimizer_cls=None, seed=0, lr=1e-3, stock=False, zero=None, stage=2, emb32=False, checkpoint=None,
+                 **optimizer_kwargs):
+    """A one-rank ZeRO engine (stage 2 unless said) of the toy model (deepspeed_bnb's, or stock's with stock=True).
+    emb32: the embedding in 32-bit state by a bnb GlobalOptimManager override, as HF Trainer registers one for its
+    8-bit optimizers (resolved when deepspeed_bnb's engine is built, then cleared; not for a stock one, whose bnb
+    resolves overrides at its first step). checkpoint: the config's "checkpoint" section."""
     import bitsandbytes as bnb
     import deepspeed
     from deepspeed_bnb.runtime.engine import stock_deepspeed
+    assert not (emb32 and stock), "a stock engine resolves bnb overrides at its first step, after they are cleared"
     model = make_model(seed)
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    if emb32:
+        manager.initialize()
+        manager.register_module_override(model.emb, "weight", {"optim_bits": 32})
     optimizer = (optimizer_cls or bnb.optim.AdamW8bit)(param_groups(model, lr=lr), **optimizer_kwargs)
     config = ds_config(1, stage=stage, **(zero or {}))
-    if not stock:
-        return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
-    config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers
-    with stock_deepspeed():
-        return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+    if checkpoint is not None:
+        config["checkpoint"] = checkpoint
+    try:
+        if not stock:
+            return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+        config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers
+        with stock_deepspeed():
+            return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+    finally:
+        if emb32:
+            manager.initialize()
 
 
 def gathered_weights(engine):

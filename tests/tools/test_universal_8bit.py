@@ -154,6 +154,24 @@ def test_an_engine_of_ours_loads_the_8bit_kind_and_tracks_the_uninterrupted_run(
     assert train_steps(engine, MORE) == CONTINUED[name]  # bit for bit: same state, same stage family at DP 1
 
 
+def test_a_per_parameter_precision_override_is_kept(one_rank, tmp_path):
+    """A run whose embedding has 32-bit state by a bnb override (HF Trainer registers one for its 8-bit optimizers)
+    loads back from its universal checkpoint into an engine with the same override: the scratch tag takes each
+    parameter's precision from the engine, so every state comes back bit for bit (it gave the embedding 8-bit state
+    by its size, and the load failed: "per-parameter state precision differs")."""
+    saving = build_engine(min_8bit_size=MIN_8BIT_SIZE, emb32=True)
+    train_steps(saving, range(2))
+    saving.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "universal"), universal=True, progress=False)
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, emb32=True, checkpoint={"load_universal": True})
+    engine.load_checkpoint(str(tmp_path / "universal"))
+    engine.save_checkpoint(str(tmp_path / "again"), tag="t")
+    ckpt, again = SavedCheckpoint(str(tmp_path / "ckpt")), SavedCheckpoint(str(tmp_path / "again"))
+    assert not all(state.eight_bit for state in ckpt.param_states(0))  # the override held at save
+    for g in range(len(ckpt.param_shapes())):
+        same_states(again.param_states(g), ckpt.param_states(g), f"group {g}")
+
+
 def test_control_the_stock_kind_resumes_close_but_not_exactly(saved, tmp_path):
     out = str(tmp_path / "universal")
     export(saved["AdamW8bit"], out, universal=True, stock=True, progress=False)

@@ -69,6 +69,28 @@ def test_a_stock_bnb_run_resumes_with_its_moments_at_load(stock_8bit, tmp_path, 
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-3
 
 
+def test_hf_trainers_optimizer_gets_its_own_precision_per_parameter(stock_8bit):
+    """HF Trainer's `adamw_bnb_8bit` builds bnb's AdamW with optim_bits=8 (not AdamW8bit) and keeps embeddings in
+    32-bit state (a GlobalOptimManager override): the conversion at load gives each parameter the engine's own
+    precision. The embedding's 32-bit moments are then the stock run's dequantized codes exactly; the others equal
+    AdamW8bit's conversion. (Before, a fresh AdamW of that class kept 32-bit state, "keeps 32-bit state", and the
+    embedding got 8-bit state by its size: "per-parameter state precision differs".)"""
+    folder, moments, _, _ = stock_8bit
+    engine = build_engine(bnb.optim.AdamW, seed=1, optim_bits=8, min_8bit_size=MIN_8BIT_SIZE, zero=KEY, emb32=True)
+    engine.load_checkpoint(folder)
+    states = engine_param_states(engine)
+    assert states["emb.weight"]["state1"].dtype == torch.float32
+    assert torch.equal(states["emb.weight"]["state1"].reshape(-1), moments["emb.weight"][0])
+    assert torch.equal(states["emb.weight"]["state2"].reshape(-1), moments["emb.weight"][1])
+    plain = build_engine(bnb.optim.AdamW8bit, seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    plain.load_checkpoint(folder)
+    theirs = engine_param_states(plain)
+    assert theirs["emb.weight"]["state1"].dtype == torch.uint8  # control: by its size the embedding is 8-bit
+    for name, state in states.items():
+        if name != "emb.weight":
+            assert_same(state, theirs[name], name)
+
+
 def test_a_stock_zero3_run_of_torch_adamw_resumes_in_a_32bit_bnb_engine(one_rank, tmp_path):
     """A stock ZeRO-3 run of torch's AdamW into a ZeRO-2 engine of bnb's 32-bit AdamW: torch's moments exactly."""
     stock = build_engine(torch.optim.AdamW, stock=True, stage=3)

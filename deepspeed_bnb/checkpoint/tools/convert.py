@@ -57,12 +57,18 @@ def _load_class(qualified: str):
     return cls
 
 
-def _build(cls, target: str, hyper: dict):
-    """One-parameter instance of the target class, given the hyper-parameters it accepts (Lion has no eps, ...)."""
+def _build(cls, target: str, hyper: dict, to: str):
+    """One-parameter instance of the target class, given the hyper-parameters it accepts (Lion has no eps, ...), with
+    8-bit state where `to` asks for it and the class keeps 32-bit state unless told: bnb's AdamW(optim_bits=8) is
+    what HF Trainer's `adamw_bnb_8bit` builds (bnb's 8-bit classes refuse any optim_bits but their default)."""
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in hyper.items() if k in ("lr", "betas", "eps", "weight_decay") and k in accepted}
     try:
-        return cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        optimizer = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        if to == "8bit" and optimizer.args.optim_bits != 8 and "optim_bits" in accepted:
+            kwargs["optim_bits"] = 8
+            optimizer = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        return optimizer
     except (TypeError, ValueError) as exc:
         raise ValueError(f"convert: {target} cannot be built with the checkpoint's hyper-parameters {kwargs} "
                          f"({exc})") from exc
@@ -175,13 +181,16 @@ def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = T
 def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_size: int = 4096,
             progress: bool = True, dp: Optional[int] = None, stage: Optional[int] = None,
             allow_large_dp: bool = False, master_mode: Optional[str] = None,
-            param_groups: Optional[List[dict]] = None, default_param_groups: Optional[List[dict]] = None) -> str:
+            param_groups: Optional[List[dict]] = None, default_param_groups: Optional[List[dict]] = None,
+            eight_bit_by_name: Optional[Dict[str, bool]] = None) -> str:
     """Write checkpoint `path` with `to` state precision into `out_dir`; returns a report line. `dp` / `stage`: the
     files to write for a universal checkpoint (which has neither; default 1 and 2); other inputs keep theirs (reshape
     changes them). `master_mode`: the master weights to write (default: the source's; fp32 for stock sources).
     `param_groups`: each param group's hyper-parameters, for an elastic stock checkpoint (which keeps none; refused
     for any other source); `default_param_groups`: the same where the source is an elastic stock one, ignored
-    otherwise (a live engine's own, when it converts at load: runtime/converted_load.py)."""
+    otherwise (a live engine's own, when it converts at load: runtime/converted_load.py). `eight_bit_by_name`: which
+    parameters get 8-bit state with `to` "8bit" (a live engine's, its bnb overrides included); the others, and every
+    parameter by default, by `min_8bit_size`."""
     if master_mode is not None:
         master_weights.check_mode(master_mode, "convert --master-weights")
     if to not in DEFAULT_CLASS:
@@ -219,7 +228,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
     if param_groups is None and elastic_stock:
         param_groups = default_param_groups
     plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress,
-                                            param_groups)
+                                            param_groups, eight_bit_by_name)
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
 
     written = write_rank_files(ckpt, out_dir, ckpt.dp, fill, f"{cls.__module__}.{cls.__qualname__}", rule, progress,
@@ -231,7 +240,7 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
 
 
 def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bool, ours: bool, progress: bool,
-              param_groups: Optional[List[dict]] = None):
+              param_groups: Optional[List[dict]] = None, eight_bit_by_name: Optional[Dict[str, bool]] = None):
     """Per param group of `ckpt`: (eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
     weights) for target class `cls` at precision `to`; with the shapes, bnb's update rule and the report's counts.
     `param_groups`: the groups' hyper-parameters where an elastic stock source keeps none (convert)."""
@@ -250,7 +259,7 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         else:
             moments, master = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g)
             hyper = _stock_hyperparams(ckpt, g, param_groups)
-        optimizer = _build(cls, target, hyper)
+        optimizer = _build(cls, target, hyper, to)
         rule = getattr(optimizer, "optimizer_name", None)
         carries_over = universal and ckpt.optimizer_name == rule  # an 8-bit universal source of the same rule
         if rule not in ADAM_STATE_RULES and not carries_over:
@@ -262,8 +271,9 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         from deepspeed_bnb.optim.bnb_adapter import BnbAdapter  # the live driver probes the target class's keys
         adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
         can_8bit = optimizer.args.optim_bits == 8
-        eight_bit = [to == "8bit" and can_8bit and uses_8bit_state(shape.numel(), 8, min_8bit_size)
-                     for shape in group_shapes.values()]
+        known = eight_bit_by_name or {}
+        eight_bit = [to == "8bit" and can_8bit and known.get(name, uses_8bit_state(shape.numel(), 8, min_8bit_size))
+                     for name, shape in group_shapes.items()]
         if to == "8bit" and not can_8bit:
             raise ValueError(f"convert --to 8bit: {target} keeps 32-bit state; pass an 8-bit class such as "
                              f"{DEFAULT_CLASS['8bit']}")

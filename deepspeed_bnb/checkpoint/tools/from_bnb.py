@@ -212,11 +212,11 @@ def convert_from_bnb(optimizer_path: str, weights_path: str, out_dir: str, optim
     run = BnbRun(optimizer_path, weights_path, names, optimizer_key, model_key, stage, dp)
     plans, counts, shapes = [], {"8bit": 0, "fp32": 0}, run.param_shapes()
     for g, group_shapes in enumerate(shapes):
-        optimizer = _build(cls, optimizer_class, run.hyperparams(g))
-        group = optimizer.param_groups[0]
-        adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
         states = run.states[run.group_slice(g)]
         eight_bit = [s["state1"].dtype == torch.uint8 for s in states]
+        optimizer = _build(cls, optimizer_class, run.hyperparams(g), "8bit" if any(eight_bit) else "32bit")
+        group = optimizer.param_groups[0]
+        adapter = BnbAdapter(optimizer, ("qmap1", "qmap2"), BLOCK_SIZE)
         steps = {int(s.get("step", 0)) for s in states}
         if len(steps) > 1:  # a ZeRO partition steps its parameters together
             raise CheckpointMismatchError(f"{optimizer_path}: the parameters of param group {g} are at different "
