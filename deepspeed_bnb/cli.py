@@ -58,10 +58,12 @@ def _convert(args):
     if args.to is None:
         print(switch_master_weights(args.checkpoint, args.out, args.master_weights, progress=not args.quiet))
         return
+    fp32_names = [name for name in (args.fp32_params or "").split(",") if name]
     report = convert(args.checkpoint, args.out, args.to, optimizer_class=args.optimizer_class,
                      min_8bit_size=args.min_8bit_size, progress=not args.quiet, dp=args.dp, stage=args.stage,
                      allow_large_dp=args.allow_large_dp, master_mode=args.master_weights,
-                     param_groups=_param_groups(args.param_groups))
+                     param_groups=_param_groups(args.param_groups),
+                     eight_bit_by_name={name: False for name in fp32_names} or None)
     print(report)
 
 
@@ -240,6 +242,10 @@ def parser() -> argparse.ArgumentParser:
                          help="each param group's hyper-parameters as a JSON list of objects, in the run's order, for "
                               "an elastic stock ZeRO-1/2 checkpoint (elastic_checkpoint: true keeps none), e.g. "
                               "'[{\"lr\": 1e-4, \"weight_decay\": 0.1}, {\"lr\": 1e-4, \"weight_decay\": 0.0}]'")
+    convert.add_argument("--32bit-params", dest="fp32_params", default=None, metavar="NAME,...",
+                         help="with --to 8bit: parameters that keep 32-bit state whatever their size, as a bnb "
+                              "override (GlobalOptimManager, optim_bits 32) keeps them; HF Trainer registers one for "
+                              "every nn.Embedding's weight with its 8-bit optimizers")
     convert.add_argument("--min-8bit-size", type=int, default=4096,
                          help="with --to 8bit: parameters with fewer elements keep fp32 state, as bnb does "
                               "(default 4096; use the min_8bit_size the new optimizer is built with)")

@@ -91,6 +91,31 @@ def test_hf_trainers_optimizer_gets_its_own_precision_per_parameter(stock_8bit):
             assert_same(state, theirs[name], name)
 
 
+def test_offline_convert_takes_the_32bit_parameters_by_name(stock_8bit, tmp_path, capsys):
+    """`deepspeed-bnb convert --32bit-params emb.weight`: the offline route for such an engine, the same state as the
+    conversion at load; a name the checkpoint lacks is refused, naming it, nothing written. Control: converted by
+    size alone, the engine refuses the result, naming --32bit-params."""
+    from deepspeed_bnb.cli import main
+    folder = stock_8bit[0]
+    common = ["convert", folder, None, "--to", "8bit", "--optimizer-class", "bitsandbytes.optim.adamw.AdamW",
+              "--min-8bit-size", str(MIN_8BIT_SIZE), "--quiet"]
+    assert main([*common[:2], str(tmp_path / "typo"), *common[3:], "--32bit-params", "emb.wieght"]) == 2
+    assert "['emb.wieght']" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+    assert main([*common[:2], str(tmp_path / "by_size"), *common[3:]]) == 0
+    assert main([*common[:2], str(tmp_path / "named"), *common[3:], "--32bit-params", "emb.weight"]) == 0
+    engines = {}
+    for name in ("by_size", "named", "at_load"):
+        engines[name] = build_engine(bnb.optim.AdamW, seed=1, optim_bits=8, min_8bit_size=MIN_8BIT_SIZE, emb32=True,
+                                     zero=KEY if name == "at_load" else None)
+    with pytest.raises(CheckpointMismatchError, match=r"emb.weight.*--32bit-params NAME"):
+        engines["by_size"].load_checkpoint(str(tmp_path / "by_size"))
+    engines["named"].load_checkpoint(str(tmp_path / "named"))
+    engines["at_load"].load_checkpoint(folder)
+    theirs = engine_param_states(engines["at_load"])
+    for name, state in engine_param_states(engines["named"]).items():
+        assert_same(state, theirs[name], name)
+
+
 def test_a_stock_zero3_run_of_torch_adamw_resumes_in_a_32bit_bnb_engine(one_rank, tmp_path):
     """A stock ZeRO-3 run of torch's AdamW into a ZeRO-2 engine of bnb's 32-bit AdamW: torch's moments exactly."""
     stock = build_engine(torch.optim.AdamW, stock=True, stage=3)

@@ -200,7 +200,9 @@ def _check_group(saved: dict, live: GroupRecord, where: str) -> GroupLayout:
         raise CheckpointMismatchError(
             f"{where}: per-parameter state precision differs (8-bit vs fp32) — "
             f"{_first_difference(saved[C.EIGHT_BIT_KEY], live.eight_bit, live.param_names)}. Build the optimizer "
-            f"with the min_8bit_size / optim_bits used when saving.")
+            f"with the min_8bit_size / optim_bits (and bnb overrides, such as HF Trainer's 32-bit embeddings) used "
+            f"when saving; for a checkpoint written by `deepspeed-bnb convert`, convert again with this engine's "
+            f"--min-8bit-size and --32bit-params NAME,...")
     _check_key_classes(saved, live, where)
     return layout
 

@@ -227,6 +227,12 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
                          f"parameters; {path} holds each param group's own (they are used)")
     if param_groups is None and elastic_stock:
         param_groups = default_param_groups
+    if eight_bit_by_name:
+        unknown = sorted(set(eight_bit_by_name) - {name for group in ckpt.param_shapes() for name in group})
+        if unknown:
+            raise ValueError(f"convert: a state precision was given for {unknown[:5]}, which are not trained "
+                             f"parameters of {path}; name them as the checkpoint does (--32bit-params), e.g. "
+                             f"{next(iter(ckpt.param_shapes()[0]), '?')!r}")
     plans, shapes, rule, report = plans_for(ckpt, cls, target, to, min_8bit_size, universal, ours, progress,
                                             param_groups, eight_bit_by_name)
     fill = group_filler(plans, shapes, ckpt.zero_stage, ckpt.dp)
