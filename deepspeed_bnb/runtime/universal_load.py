@@ -13,6 +13,7 @@ first. The scratch folder is removed afterwards, whatever happens.
 """
 
 import contextlib
+import dataclasses
 import os
 
 from deepspeed import comm as dist
@@ -29,8 +30,8 @@ SCRATCH = ".{tag}.from-universal.deepspeed_bnb"  # beside the tag, the same path
 
 def _model_parallel_layouts(engine):
     """Every model-parallel rank's layout (checkpoint/tools/universal_split.py) where `engine` is tensor- or
-    pipeline-parallel, gathered from all ranks (each knows its own parameters' slices, frozen ones included, and its
-    buffers); None otherwise."""
+    pipeline-parallel, gathered from all ranks (each knows its own parameters' slices, frozen ones included, its
+    buffers and its parameters' state precision); None otherwise."""
     place = engine.optimizer.bnb_model_parallel
     if place.size == 1:
         return None
@@ -39,9 +40,11 @@ def _model_parallel_layouts(engine):
     persistent = engine.module.state_dict().keys()
     buffers = [name for name, _ in engine.module.named_buffers() if name in persistent]
     held = [None] * dist.get_world_size()
-    compat.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes, frozen, buffers))
+    compat.all_gather_object(held, (compat.checkpoint_mp_rank(engine), place, shapes, frozen, buffers,
+                                    engine.optimizer.bnb.eight_bit_by_name()))
     by_rank = {mp_rank: rest for mp_rank, *rest in held}
-    return rank_layouts([by_rank[r] for r in range(len(by_rank))])
+    layouts = rank_layouts([by_rank[r][:4] for r in range(len(by_rank))])
+    return [dataclasses.replace(layout, eight_bit=by_rank[r][4]) for r, layout in enumerate(layouts)]
 
 
 def load_universal(engine, load_dir: str, tag, arguments: dict, agree, publisher: bool):

@@ -101,6 +101,29 @@ def test_each_rank_holds_the_slices_of_the_whole_model(universal, tmp_path, tp):
         assert torch.equal(master, masters[name]), name
 
 
+def test_each_rank_keeps_its_engines_precision_per_parameter(universal, tmp_path):
+    """A layout that names a parameter's precision (the loading engine's, from a bnb override such as HF Trainer's
+    32-bit embeddings) gets it on that rank: the embedding, 8-bit by its size, is written with 32-bit state whose
+    moments are the saved codes dequantized, on the rank that names it only (control: the other rank keeps 8 bits)."""
+    import dataclasses
+    out = str(tmp_path / "cut")
+    layouts = layouts_for(universal)
+    layouts[0] = dataclasses.replace(layouts[0], eight_bit={"emb.weight": False})
+    convert_for_model_parallel(universal, out, layouts, bnb.optim.AdamW8bit, MIN_8BIT_SIZE, stage=2)
+    whole = UniversalCheckpoint(universal)
+    names = list(whole.param_shapes()[0])
+    saved = whole.param_states(0)[names.index("emb.weight")]
+    expected = whole.moments(0)[names.index("emb.weight")][0]
+    assert saved.eight_bit
+    for rank, eight_bit in ((0, False), (1, True)):
+        ckpt = SavedCheckpoint(out, mp_rank=rank)
+        state = ckpt.param_states(0)[list(ckpt.param_shapes()[0]).index("emb.weight")]
+        assert state.eight_bit == eight_bit, rank
+        if not eight_bit:
+            assert torch.equal(state["state1"].reshape(-1), expected[0].reshape(-1).float())
+            assert torch.equal(state["state2"].reshape(-1), expected[1].reshape(-1).float())
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"add": ["extra.weight"]}, r"parameter 'extra.weight' \(param group 0\) is not in the checkpoint"),
     ({"shapes": {1: {"fc1.weight": (200, 40)}}}, r"parameter 'fc1.weight' of shape \(301, 40\) cannot give this "

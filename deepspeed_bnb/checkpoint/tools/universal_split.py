@@ -34,6 +34,8 @@ class RankLayout:
     starts: Dict[str, int]  # per sliced parameter (trained or frozen): where its slice starts along the split dimension
     frozen: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # its frozen parameters' local shapes
     buffers: Tuple[str, ...] = ()  # its module's persistent buffers (every tensor-parallel rank holds them whole)
+    eight_bit: Dict[str, bool] = field(default_factory=dict)  # its parameters' state precision, bnb overrides
+    # included (the engine's); a parameter not named here: by min_8bit_size
 
 
 Shapes = Dict[str, Tuple[int, ...]]  # parameter name -> shape
@@ -178,9 +180,9 @@ def convert_for_model_parallel(path: str, out_dir: str, layouts: Sequence[RankLa
     requantized = Requantization()
     views = [ModelRankUniversal(universal, layout, requantized) for layout in layouts]  # every layout checked first
     ranks, rule = [], None
-    for view in views:
+    for view, layout in zip(views, layouts):
         plans, shapes, rule, _ = plans_for(view, optimizer_class, target, "8bit", min_8bit_size, True, False,
-                                           progress)
+                                           progress, eight_bit_by_name=layout.eight_bit)
         ranks.append((view, group_filler(plans, shapes, stage, 1)))
     written = write_model_parallel_files(ranks, out_dir, 1, target, rule, progress, stage)
     return f"wrote {written} for {len(layouts)} model-parallel ranks: {requantized}"
