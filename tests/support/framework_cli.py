@@ -26,6 +26,7 @@ DEEPSPEED_CONFIGS = {
     "ds": (ZERO2, ()),
     "ds_offload": ({**ZERO2, "offload_optimizer": {"device": "cpu"}}, ()),  # zero_force_ds_cpu_optimizer left out
     "ds_zero3": (ZERO3, ()),
+    "ds_convert_stock": ({**ZERO2, "bnb_convert_stock_on_load": True}, ()),  # a stock run's checkpoint resumed
     # train_batch_size left to DeepSpeed, which derives it: on CPU ranks an "auto" one is filled for another number of
     # ranks than DeepSpeed's batch check sees. Under LLaMA-Factory, transformers' from_pretrained enters ZeRO-3's
     # zero.Init before the process group exists, where the check sees one rank against the Trainer's batch for all
