@@ -85,9 +85,10 @@ def load_stock(engine, load_dir: str, tag: str, arguments: dict, agree, publishe
     command = f"deepspeed-bnb convert {source} OUT --to {to} --min-8bit-size {size}"
 
     def write(scratch):  # each parameter's precision the engine's own (bnb overrides: HF Trainer's 32-bit embeddings)
-        return "converted for this engine's optimizer; " + convert(
-            source, scratch, to, optimizer_class=type(bnb_optimizer), min_8bit_size=size, progress=False,
-            default_param_groups=_live_hyperparams(engine), eight_bit_by_name=engine.optimizer.bnb.eight_bit_by_name())
+        report = convert(source, scratch, to, optimizer_class=type(bnb_optimizer), min_8bit_size=size, progress=False,
+                         default_param_groups=_live_hyperparams(engine),
+                         eight_bit_by_name=engine.optimizer.bnb.eight_bit_by_name())
+        return "converted for this engine's optimizer: " + report.split(": ", 1)[-1]  # not the scratch tag's path
 
     what = f"load_checkpoint({load_dir!r}, tag={tag!r}) with zero_optimization.bnb_convert_stock_on_load failed: "
     return load_through_scratch(engine, load_dir, tag, STOCK_SCRATCH.format(tag=tag), write, arguments, agree,

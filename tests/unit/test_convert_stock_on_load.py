@@ -53,6 +53,7 @@ def test_a_stock_bnb_run_resumes_with_its_moments_at_load(stock_8bit, tmp_path, 
     path, _ = engine.load_checkpoint(folder)  # the tag from `latest`, as HF Trainer's resume asks
     printed = capsys.readouterr().out
     assert "stock DeepSpeed checkpoint" in printed and "of one quantization step" in printed
+    assert "from-stock" not in printed  # the scratch tag, gone when the load returns, is not named
     assert path == os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt")  # the source's, not scratch
     assert digests(folder) == before  # the source was only read, and the scratch tag is gone
     assert engine.global_steps == 3 and [g["lr"] for g in engine.optimizer.param_groups] == [1e-3, 5e-4]
@@ -161,6 +162,27 @@ def test_what_convert_cannot_read_is_refused_by_name_and_nothing_is_left(one_ran
     engine.load_checkpoint(str(tmp_path / "lion"), load_optimizer_states=False)  # the weights need no conversion
     expected = gathered_weights(lion)
     assert all(torch.equal(w, expected[n]) for n, w in gathered_weights(engine).items())
+
+
+def test_a_conversion_that_cannot_write_names_the_offline_route(stock_8bit, monkeypatch):
+    """No room or no write access beside the checkpoint (a read-only mount): the load is refused naming the scratch
+    folder and the offline command with this engine's settings, and nothing is left (the source only read)."""
+    import errno
+
+    import deepspeed_bnb.runtime.converted_load as converted_load
+    folder = stock_8bit[0]
+    before = digests(folder)
+
+    def read_only(source, scratch, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", scratch)
+
+    monkeypatch.setattr(converted_load, "convert", read_only)
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    with pytest.raises(CheckpointMismatchError, match=rf"Read-only file system.*rewritten once into .*from-stock.*"
+                                                      rf"deepspeed-bnb convert .*global_step3 OUT --to 8bit "
+                                                      rf"--min-8bit-size {MIN_8BIT_SIZE}"):
+        engine.load_checkpoint(folder)
+    assert digests(folder) == before
 
 
 def test_a_deepspeed_bnb_tag_is_not_converted(one_rank, tmp_path, monkeypatch):
