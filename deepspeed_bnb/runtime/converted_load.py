@@ -20,7 +20,7 @@ import shutil
 from deepspeed import comm as dist
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
-from deepspeed_bnb.checkpoint.tools.convert import convert
+from deepspeed_bnb.checkpoint.tools.convert import HYPERPARAMS, convert
 
 STOCK_SCRATCH = ".{tag}.from-stock.deepspeed_bnb"  # beside the tag, the same path on every rank (and node)
 
@@ -71,8 +71,7 @@ def _in_source(path, scratch: str, load_dir: str, tag: str):
 def _live_hyperparams(engine) -> list:
     """The engine's param groups' hyper-parameters, for an elastic stock source (which keeps none: DeepSpeed's own
     elastic load keeps the loading engine's, and so does this one)."""
-    return [{k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay")}
-            for group in engine.optimizer.optimizer.param_groups]
+    return [{k: v for k, v in group.items() if k in HYPERPARAMS} for group in engine.optimizer.optimizer.param_groups]
 
 
 def load_stock(engine, load_dir: str, tag: str, arguments: dict, agree, publisher: bool):

@@ -126,13 +126,16 @@ def step_ratio(got: torch.Tensor, values: torch.Tensor, unsigned: bool, numel: i
     return worst
 
 
-def stock_bnb_moments(engine) -> dict:
-    """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping a bitsandbytes Adam: bnb's state of each
-    flat partition, dequantized by bitsandbytes itself (blocks from the partition's first element), cut at DeepSpeed's
-    own places of the parameters in it."""
+def stock_moments(engine) -> dict:
+    """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping an Adam: torch's moments of each flat
+    partition, or a bitsandbytes Adam's state of it dequantized by bitsandbytes itself (blocks from the partition's
+    first element), cut at DeepSpeed's own places of the parameters in it."""
     opt = engine.optimizer
 
     def moment(flat, i):
+        key = ("exp_avg", "exp_avg_sq")[i - 1]
+        if key in flat:  # torch's
+            return flat[key].reshape(-1)
         return bnb_moments(flat, flat["state1"].numel())[f"state{i}"].reshape(-1)
 
     out = {}

@@ -27,7 +27,7 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.summary import summary
 from support.toy import MIN_8BIT_SIZE, build_engine, train_steps
 from support.bnb_state import assert_holds_moments, assert_same as assert_same_state, flat_param_states, \
-    stock_bnb_moments
+    stock_moments
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +112,7 @@ def stock_adamw(one_rank, tmp_path_factory):
     engine = build_engine(torch.optim.AdamW, stock=True)
     train_steps(engine, range(3))
     engine.save_checkpoint(str(folder), tag="s")
-    moments = {}
-    opt = engine.optimizer
-    for g, params in enumerate(opt.bit16_groups):
-        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
-        for p in params:
-            address = p._hp_mapping.get_hp_fragment_address()
-            moments[opt.param_names[p]] = {k: flat[k].narrow(0, address.start, address.numel).clone()
-                                           for k in ("exp_avg", "exp_avg_sq")}
-    return str(folder), moments, train_steps(engine, range(3, 6))
+    return str(folder), stock_moments(engine), train_steps(engine, range(3, 6))
 
 
 def test_convert_stock_adamw_to_bnb_32bit_is_exact(stock_adamw, tmp_path):
@@ -130,8 +122,8 @@ def test_convert_stock_adamw_to_bnb_32bit_is_exact(stock_adamw, tmp_path):
     engine = build_engine(bnb.optim.AdamW, seed=1)
     engine.load_checkpoint(str(tmp_path / "c32"))
     for name, s in snapshot(engine).items():
-        assert torch.equal(s["state1"], moments[name]["exp_avg"])
-        assert torch.equal(s["state2"], moments[name]["exp_avg_sq"])
+        assert torch.equal(s["state1"], moments[name][0])
+        assert torch.equal(s["state2"], moments[name][1])
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-4  # bnb vs torch AdamW
 
 
@@ -151,7 +143,7 @@ def test_convert_stock_adamw_to_8bit_within_one_code_step(stock_adamw, tmp_path)
     engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE)
     engine.load_checkpoint(str(tmp_path / "c8"))
     for name, s in snapshot(engine).items():
-        assert_holds_moments(s, [moments[name]["exp_avg"], moments[name]["exp_avg_sq"]], name)
+        assert_holds_moments(s, moments[name], name)
     assert max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued)) < 1e-2
 
 
@@ -200,13 +192,7 @@ def test_convert_takes_an_elastic_stock_checkpoints_hyperparameters_from_the_use
     stock = build_engine(torch.optim.AdamW, stock=True, stage=1, zero={"elastic_checkpoint": True})
     train_steps(stock, range(2))
     stock.save_checkpoint(str(tmp_path / "elastic"), tag="e")
-    opt = stock.optimizer
-    moments = {}
-    for g, params in enumerate(opt.bit16_groups):
-        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
-        for p in params:
-            address = p._hp_mapping.get_hp_fragment_address()
-            moments[opt.param_names[p]] = flat["exp_avg"].narrow(0, address.start, address.numel)
+    moments = {name: pair[0] for name, pair in stock_moments(stock).items()}
     with pytest.raises(CheckpointMismatchError, match="elastic_checkpoint: true.*--param-groups, a JSON list of 2"):
         convert(str(tmp_path / "elastic"), str(tmp_path / "guessed"), "32bit", progress=False)
     with pytest.raises(ValueError, match="gives 1 param group"):
@@ -278,7 +264,7 @@ def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, o
     """A run of bnb AdamW8bit under stock DeepSpeed (ZeRO-2, ZeRO-3; and of bnb's 32-bit AdamW) keeps bnb's whole state
     of each flat partition per rank: convert gives every parameter those codes dequantized, exactly (to bnb's
     32-bit AdamW), and within one code step of them in deepspeed_bnb's block-aligned 8-bit layout, whose engine
-    continues as the stock run does. Reference: the stock engine's live state (stock_bnb_moments). Controls: the codes
+    continues as the stock run does. Reference: the stock engine's live state (stock_moments). Controls: the codes
     are not the moments (the 32-bit result differs from them); a stock run of Lion8bit (one state) is refused by name,
     nothing written. (Before this, convert refused every stock run of a bitsandbytes optimizer.)"""
     from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
@@ -286,7 +272,7 @@ def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, o
     stock = build_engine(getattr(bnb.optim, optimizer), stock=True, stage=stage, min_8bit_size=MIN_8BIT_SIZE)
     train_steps(stock, range(3))
     stock.save_checkpoint(str(tmp_path / "stock"), tag="s")
-    moments = stock_bnb_moments(stock)
+    moments = stock_moments(stock)
     continued = train_steps(stock, range(3, 6))
 
     convert(str(tmp_path / "stock"), str(tmp_path / "c32"), "32bit", progress=False)

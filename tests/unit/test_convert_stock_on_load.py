@@ -13,11 +13,10 @@ import os
 import bitsandbytes as bnb
 import pytest
 import torch
-from deepspeed.utils import safe_get_full_optimizer_state
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.tools.convert import convert
-from support.bnb_state import assert_holds_moments, assert_same, engine_param_states, stock_bnb_moments
+from support.bnb_state import assert_holds_moments, assert_same, engine_param_states, stock_moments
 from support.toy import MIN_8BIT_SIZE, build_engine, gathered_weights, train_steps
 
 KEY = {"bnb_convert_stock_on_load": True}
@@ -40,7 +39,7 @@ def stock_8bit(one_rank, tmp_path_factory):
     stock = build_engine(bnb.optim.AdamW8bit, stock=True, min_8bit_size=MIN_8BIT_SIZE)
     train_steps(stock, range(3))
     stock.save_checkpoint(str(folder), tag="global_step3")
-    return str(folder), stock_bnb_moments(stock), gathered_weights(stock), train_steps(stock, range(3, 6))
+    return str(folder), stock_moments(stock), gathered_weights(stock), train_steps(stock, range(3, 6))
 
 
 def test_a_stock_bnb_run_resumes_with_its_moments_at_load(stock_8bit, tmp_path, capsys):
@@ -122,8 +121,7 @@ def test_a_stock_zero3_run_of_torch_adamw_resumes_in_a_32bit_bnb_engine(one_rank
     stock = build_engine(torch.optim.AdamW, stock=True, stage=3)
     train_steps(stock, range(2))
     stock.save_checkpoint(str(tmp_path / "s3"))
-    expected = {name: [safe_get_full_optimizer_state(param, key).reshape(-1) for key in ("exp_avg", "exp_avg_sq")]
-                for name, param in stock.module.named_parameters()}
+    expected = stock_moments(stock)
     engine = build_engine(bnb.optim.AdamW, seed=1, zero=KEY)
     engine.load_checkpoint(str(tmp_path / "s3"))
     for name, state in engine_param_states(engine).items():
@@ -137,12 +135,7 @@ def test_an_elastic_stock_checkpoint_takes_the_engines_hyperparameters(one_rank,
     stock = build_engine(torch.optim.AdamW, stock=True, stage=1, zero={"elastic_checkpoint": True})
     train_steps(stock, range(2))
     stock.save_checkpoint(str(tmp_path / "elastic"), tag="e")
-    opt, expected = stock.optimizer, {}
-    for g, params in enumerate(opt.bit16_groups):  # one rank: torch's moments of the flat partition, at each place
-        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]["exp_avg"]
-        for p in params:
-            address = p._hp_mapping.get_hp_fragment_address()
-            expected[opt.param_names[p]] = flat.narrow(0, address.start, address.numel)
+    expected = {name: moments[0] for name, moments in stock_moments(stock).items()}
     engine = build_engine(bnb.optim.AdamW, seed=1, lr=5e-2, stage=1, zero=KEY)
     engine.load_checkpoint(str(tmp_path / "elastic"))
     assert [g["lr"] for g in engine.optimizer.param_groups] == [5e-2, 2.5e-2]  # the engine's (support.toy halves)

@@ -38,6 +38,7 @@ from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")  # a param group's settings a target class is built with
 
 
 def _load_class(qualified: str):
@@ -62,7 +63,7 @@ def _build(cls, target: str, hyper: dict, to: str):
     8-bit state where `to` asks for it and the class keeps 32-bit state unless told: bnb's AdamW(optim_bits=8) is
     what HF Trainer's `adamw_bnb_8bit` builds (bnb's 8-bit classes refuse any optim_bits but their default)."""
     accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in hyper.items() if k in ("lr", "betas", "eps", "weight_decay") and k in accepted}
+    kwargs = {k: v for k, v in hyper.items() if k in HYPERPARAMS and k in accepted}
     try:
         optimizer = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
         if to == "8bit" and optimizer.args.optim_bits != 8 and "optim_bits" in accepted:
