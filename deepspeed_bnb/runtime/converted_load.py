@@ -9,37 +9,109 @@ load refuses it naming `deepspeed-bnb convert`. A run resumed by a framework (HF
 has no step where a user could run that command: with the key set, the publishing rank runs the same conversion into
 a scratch folder beside the tag, every rank loads it through the ordinary route (manifest, safe loader, resharding to
 this engine's DP size and stage), and the scratch folder is removed afterwards, whatever happens. The source is only
-read. The conversion requantizes 8-bit moments (within half a quantization step; the printed report gives the worst
+read.
+
+Several jobs may load one checkpoint at once (a sweep started from one run): each load's scratch folder has a name of
+its own (a token every rank of the job agrees on), and its publisher holds an advisory lock (flock) on it until it is
+removed. A scratch folder of the same tag that nobody holds was left by a load that was killed, and is removed; one
+that is held belongs to a load running now, and is left alone. Where the file system cannot lock, leftovers are left
+and named in a warning. The conversion requantizes 8-bit moments (within half a quantization step; the printed report gives the worst
 case), so it is a setting, never a silent default.
 """
 
 import contextlib
 import os
-import shutil
+import re
+import secrets
+import warnings
 
 from deepspeed import comm as dist
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+from deepspeed_bnb.checkpoint.format.publish import remove, try_flock
 from deepspeed_bnb.checkpoint.tools.convert import HYPERPARAMS, convert
+from deepspeed_bnb.runtime.zero import compat
 
-STOCK_SCRATCH = ".{tag}.from-stock.deepspeed_bnb"  # beside the tag, the same path on every rank (and node)
+STOCK_SCRATCH = ".{tag}.from-stock"  # + "." + the load's token + SCRATCH_SUFFIX: beside the tag
+SCRATCH_SUFFIX = ".deepspeed_bnb"
+_CLAIMING = "-claiming"  # a scratch folder's name until its publisher holds its lock (leftover scans skip it)
 
 
-def load_through_scratch(engine, load_dir: str, tag: str, scratch_name: str, write, arguments: dict, agree,
+def scratch_pattern(prefix: str) -> "re.Pattern":
+    """The names of `prefix`'s scratch folders: those of this release (a 16-hex-digit token) and the one fixed name
+    that earlier releases used."""
+    return re.compile(rf"{re.escape(prefix)}(\.[0-9a-f]{{16}})?{re.escape(SCRATCH_SUFFIX)}")
+
+
+def _agreed_token() -> str:
+    """One random token for this load, rank 0's, on every rank: every node's scratch folder has the same name, and
+    another job's load of the same tag another one."""
+    everyone = [None] * dist.get_world_size()
+    compat.all_gather_object(everyone, secrets.token_hex(8))
+    return everyone[0]
+
+
+def _sweep_leftovers(load_dir: str, prefix: str) -> None:
+    """Remove the scratch folders of `prefix` beside the tag that no load holds (left by killed loads); leave those
+    a running load holds. Where the file system cannot lock, leave every one and name them in a warning."""
+    pattern, unknown = scratch_pattern(prefix), []
+    for name in sorted(os.listdir(load_dir)):
+        path = os.path.join(load_dir, name)
+        if not pattern.fullmatch(name):
+            continue
+        if os.path.islink(path) or not os.path.isdir(path):
+            remove(path)  # never a load's folder: nothing of ours is followed or kept
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            taken = try_flock(fd)
+            if taken:
+                remove(path)
+            elif taken is None:
+                unknown.append(path)
+        finally:
+            os.close(fd)
+    if unknown:
+        warnings.warn(f"deepspeed_bnb: {', '.join(unknown)}: scratch folders of earlier loads of this checkpoint, left "
+                      f"by loads that were killed or in use by a load running now; this file system cannot lock, so "
+                      f"they are kept. Remove them when no load of this checkpoint is running.", RuntimeWarning)
+
+
+def _claim(scratch: str):
+    """Create the empty folder `scratch` locked by this process (returns the descriptor holding the lock): made and
+    locked under a name the leftover sweep skips, then renamed, so no other load sees it unlocked."""
+    claiming = scratch + _CLAIMING
+    os.mkdir(claiming)
+    fd = os.open(claiming, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try_flock(fd)  # None (no locks on this file system): the sweep of other loads leaves it alone, and warns
+        os.rename(claiming, scratch)
+    except BaseException:
+        os.close(fd)
+        remove(claiming)
+        raise
+    return fd
+
+
+def load_through_scratch(engine, load_dir: str, tag: str, prefix: str, write, arguments: dict, agree,
                          publisher: bool, what: str, label: str, command: str, inner=contextlib.nullcontext):
     """Load `load_dir`/`tag` into `engine` through the deepspeed_bnb tag `write(scratch)` writes (run by the
-    publisher, inside `agree`; returns a report line) into `load_dir`/`scratch_name`. `label` names the source in the
-    printed report; `command`: the offline conversion a user can run instead, named where the write fails; `inner`:
-    a context around the scratch tag's own load. Returns what load_checkpoint returns."""
-    scratch = os.path.join(load_dir, scratch_name)
+    publisher, inside `agree`; returns a report line) into a scratch folder of this load's own,
+    `load_dir`/`prefix`.<token>.deepspeed_bnb/checkpoint. `label` names the source in the printed report; `command`: the offline conversion a user can
+    run instead, named where the write fails; `inner`: a context around the scratch tag's own load. Returns what
+    load_checkpoint returns."""
+    scratch = os.path.join(load_dir, f"{prefix}.{_agreed_token()}{SCRATCH_SUFFIX}")
+    # the converted tag's directory inside the folder this load locks (its writer locks the directory it writes)
+    target = os.path.join(scratch, "checkpoint")
+    held = []  # the publisher's descriptor holding the scratch folder's lock
 
     def written():
         if not publisher:
             return None
-        if os.path.lexists(scratch):  # left by a load that was killed
-            shutil.rmtree(scratch)
         try:
-            return write(scratch)
+            _sweep_leftovers(load_dir, prefix)
+            held.append(_claim(scratch))
+            return write(target)
         except OSError as exc:
             raise CheckpointMismatchError(
                 f"{exc}: the {label} is rewritten once into {scratch} for this engine (write access to {load_dir} "
@@ -51,12 +123,14 @@ def load_through_scratch(engine, load_dir: str, tag: str, scratch_name: str, wri
         if report:
             print(f"deepspeed_bnb: {label} {os.path.join(load_dir, tag)}: {report}", flush=True)
         with inner():
-            path, client_state = engine.load_checkpoint(scratch, tag=tag, **arguments)
-        return _in_source(path, scratch, load_dir, tag), client_state
+            path, client_state = engine.load_checkpoint(target, tag=tag, **arguments)
+        return _in_source(path, target, load_dir, tag), client_state
     finally:
         dist.barrier()
         if publisher:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove(scratch)
+            for fd in held:  # the lock is dropped after the folder is gone
+                os.close(fd)
 
 
 def _in_source(path, scratch: str, load_dir: str, tag: str):

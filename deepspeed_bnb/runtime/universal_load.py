@@ -25,7 +25,7 @@ from deepspeed_bnb.checkpoint.tools.universal_split import convert_for_model_par
 from deepspeed_bnb.runtime.converted_load import load_through_scratch
 from deepspeed_bnb.runtime.zero import compat
 
-SCRATCH = ".{tag}.from-universal.deepspeed_bnb"  # beside the tag, the same path on every rank (and node)
+SCRATCH = ".{tag}.from-universal"  # + the load's token + converted_load.SCRATCH_SUFFIX: beside the tag
 
 
 def _model_parallel_layouts(engine):

@@ -178,6 +178,77 @@ def test_a_conversion_that_cannot_write_names_the_offline_route(stock_8bit, monk
     assert digests(folder) == before
 
 
+def _scratch_folder(parent, name, content):
+    os.makedirs(os.path.join(parent, name))
+    with open(os.path.join(parent, name, "file"), "w") as f:
+        f.write(content)
+    return os.path.join(parent, name)
+
+
+def _from_stock(folder) -> list:
+    return sorted(name for name in os.listdir(folder) if ".from-stock" in name)
+
+
+def test_loads_of_one_checkpoint_at_once_keep_apart(stock_8bit, tmp_path, monkeypatch):
+    """Jobs loading one stock checkpoint at once (a sweep started from one run): each converts into a scratch folder
+    of its own, and removes beside the tag only the scratch folders no load holds. The running load is a folder
+    locked through another open file (flock excludes it as it would another process). Controls: a folder nobody
+    holds (a killed load's) and the fixed name earlier releases used are removed, and so is the running load's once
+    its lock is dropped: the lock, not the name, keeps it."""
+    import shutil
+
+    import deepspeed_bnb.runtime.converted_load as converted_load
+    from deepspeed_bnb.checkpoint.format.publish import try_flock
+    folder = str(tmp_path / "stock")
+    shutil.copytree(stock_8bit[0], folder)
+    running = _scratch_folder(folder, ".global_step3.from-stock.00000000000000aa.deepspeed_bnb", "running")
+    _scratch_folder(folder, ".global_step3.from-stock.00000000000000bb.deepspeed_bnb", "killed")
+    _scratch_folder(folder, ".global_step3.from-stock.deepspeed_bnb", "an earlier release's")
+    held = os.open(running, os.O_RDONLY | os.O_DIRECTORY)
+    assert try_flock(held)
+    seen = []
+
+    def watching(source, scratch, *args, **kwargs):
+        seen.append((scratch, _from_stock(folder)))
+        return convert(source, scratch, *args, **kwargs)
+
+    monkeypatch.setattr(converted_load, "convert", watching)
+    try:
+        engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+        engine.load_checkpoint(folder)
+        (scratch, during), = seen
+        scratch = os.path.dirname(scratch)  # the converted tag's directory inside the load's scratch folder
+        assert os.path.dirname(scratch) == folder and os.path.basename(scratch) not in (
+            os.path.basename(running), ".global_step3.from-stock.deepspeed_bnb")
+        assert converted_load.scratch_pattern(".global_step3.from-stock").fullmatch(os.path.basename(scratch))
+        assert during == sorted([os.path.basename(running), os.path.basename(scratch)])  # the leftovers swept
+        assert _from_stock(folder) == [os.path.basename(running)]  # its own removed, the running one kept whole
+        with open(os.path.join(running, "file")) as f:
+            assert f.read() == "running"
+        assert sum(assert_holds_moments(state, stock_8bit[1][name], name)
+                   for name, state in engine_param_states(engine).items()) > 0
+    finally:
+        os.close(held)
+    build_engine(seed=2, min_8bit_size=MIN_8BIT_SIZE, zero=KEY).load_checkpoint(folder)  # control: unheld now
+    assert _from_stock(folder) == []
+
+
+def test_where_nothing_can_be_locked_leftovers_are_kept_and_named(stock_8bit, tmp_path, monkeypatch):
+    """A file system without flock (some network ones): a leftover may belong to a load running now, so it is kept,
+    and a warning names it; the load itself still converts, loads and removes its own folder."""
+    import shutil
+
+    import deepspeed_bnb.runtime.converted_load as converted_load
+    folder = str(tmp_path / "stock")
+    shutil.copytree(stock_8bit[0], folder)
+    leftover = _scratch_folder(folder, ".global_step3.from-stock.00000000000000cc.deepspeed_bnb", "unknown")
+    monkeypatch.setattr(converted_load, "try_flock", lambda fd: None)
+    engine = build_engine(seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    with pytest.warns(RuntimeWarning, match=rf"{leftover}: scratch folders .* cannot lock, so they are kept"):
+        engine.load_checkpoint(folder)
+    assert _from_stock(folder) == [os.path.basename(leftover)] and engine.global_steps == 3
+
+
 def test_a_deepspeed_bnb_tag_is_not_converted(one_rank, tmp_path, monkeypatch):
     """With the key set, a tag deepspeed_bnb wrote loads as it is, bit for bit (the conversion would requantize)."""
     import deepspeed_bnb.runtime.converted_load as converted_load

@@ -92,6 +92,21 @@ def write_json_atomic(path: str, payload) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
+def try_flock(fd: int) -> Optional[bool]:
+    """Take an exclusive advisory lock (flock) on the open file `fd` without waiting: True once taken (closing `fd`
+    drops it), False if another open file holds it (another process, or another descriptor of this one), None where
+    the file system cannot lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _UNLOCKABLE:
+            raise
+        return None
+    return True
+
+
 class DirectoryLock:
     """An exclusive advisory lock (flock) on a directory, held by one process; the kernel releases it when the process
     exits, however it exits, so no stale lock outlives a killed save."""
@@ -105,21 +120,19 @@ class DirectoryLock:
         True after a one-time warning (nothing can be excluded there)."""
         fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            taken = try_flock(fd)
+        except BaseException:
             os.close(fd)
-            return False
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in _UNLOCKABLE:
-                raise
-            if self.directory not in _warned_unlockable:
-                _warned_unlockable.add(self.directory)
-                warnings.warn(f"deepspeed_bnb: the file system of {self.directory} cannot lock it ({exc}): two jobs "
-                              f"saving into it at once would not be kept apart.", RuntimeWarning)
+            raise
+        if taken:
+            self.fd = fd
             return True
-        self.fd = fd
-        return True
+        os.close(fd)
+        if taken is None and self.directory not in _warned_unlockable:
+            _warned_unlockable.add(self.directory)
+            warnings.warn(f"deepspeed_bnb: the file system of {self.directory} cannot lock it: two jobs saving into "
+                          f"it at once would not be kept apart.", RuntimeWarning)
+        return taken is not False
 
     def acquire_for_save(self, tag: str) -> None:
         if not self.try_acquire():
