@@ -9,14 +9,14 @@ load refuses it naming `deepspeed-bnb convert`. A run resumed by a framework (HF
 has no step where a user could run that command: with the key set, the publishing rank runs the same conversion into
 a scratch folder beside the tag, every rank loads it through the ordinary route (manifest, safe loader, resharding to
 this engine's DP size and stage), and the scratch folder is removed afterwards, whatever happens. The source is only
-read.
+read. The conversion requantizes 8-bit moments (within half a quantization step; the printed report gives the worst
+case), so it is a setting, never a silent default.
 
 Several jobs may load one checkpoint at once (a sweep started from one run): each load's scratch folder has a name of
 its own (a token every rank of the job agrees on), and its publisher holds an advisory lock (flock) on it until it is
 removed. A scratch folder of the same tag that nobody holds was left by a load that was killed, and is removed; one
-that is held belongs to a load running now, and is left alone. Where the file system cannot lock, leftovers are left
-and named in a warning. The conversion requantizes 8-bit moments (within half a quantization step; the printed report gives the worst
-case), so it is a setting, never a silent default.
+that is held belongs to a load running now, and is left alone. Where the file system cannot lock, leftovers are kept
+and named in a warning.
 """
 
 import contextlib
@@ -97,9 +97,9 @@ def load_through_scratch(engine, load_dir: str, tag: str, prefix: str, write, ar
                          publisher: bool, what: str, label: str, command: str, inner=contextlib.nullcontext):
     """Load `load_dir`/`tag` into `engine` through the deepspeed_bnb tag `write(scratch)` writes (run by the
     publisher, inside `agree`; returns a report line) into a scratch folder of this load's own,
-    `load_dir`/`prefix`.<token>.deepspeed_bnb/checkpoint. `label` names the source in the printed report; `command`: the offline conversion a user can
-    run instead, named where the write fails; `inner`: a context around the scratch tag's own load. Returns what
-    load_checkpoint returns."""
+    `load_dir`/`prefix`.<token>.deepspeed_bnb/checkpoint. `label` names the source in the printed report; `command`:
+    the offline conversion a user can run instead, named where the write fails; `inner`: a context around the scratch
+    tag's own load. Returns what load_checkpoint returns."""
     scratch = os.path.join(load_dir, f"{prefix}.{_agreed_token()}{SCRATCH_SUFFIX}")
     # the converted tag's directory inside the folder this load locks (its writer locks the directory it writes)
     target = os.path.join(scratch, "checkpoint")
