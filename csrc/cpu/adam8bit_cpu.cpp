@@ -111,10 +111,8 @@ template <typename GradT, bool Scale>
 at::Tensor bnb32_moments(const at::Tensor& segments, const Hyper* hyper, const GradT* grads, float* s1, float* s2,
                          const at::Tensor& state2, float inv_scale) {
     const auto* table = reinterpret_cast<const dsbnb::Segment*>(segments.data_ptr<int64_t>());
-    std::vector<dsbnb::cpu::Work> fp32_work;
-    for (int64_t i = 0; i < segments.size(0); ++i) {
-        for (int64_t b = 0; !table[i].eight_bit && b * kBlock < table[i].numel; ++b) fp32_work.push_back({i, b});
-    }
+    const dsbnb::cpu::BlockPlan fp32_work =
+        dsbnb::cpu::count_blocks(table, segments.size(0), [](const dsbnb::Segment& s) { return !s.eight_bit; });
     dsbnb::cpu::for_each_block(segments, fp32_work, [&](const dsbnb::Segment& s, int64_t start, int64_t len,
                                                         int64_t base) {
         const Hyper h = hyper[s.hyper_row];
@@ -161,7 +159,7 @@ void adam8bit_step_cpu(at::Tensor params, const at::Tensor& grads, at::Tensor co
     check(qmap1.numel() == 256 && qmap2.numel() == 256, "qmap1 and qmap2 must hold 256 entries");
     const dsbnb::StateSizes states[2] = {{codes1.numel(), absmax1.numel(), state1.numel()},
                                          {codes2.numel(), absmax2.numel(), state2.numel()}};
-    const std::vector<dsbnb::cpu::Work> work =
+    const dsbnb::cpu::BlockPlan work =
         dsbnb::cpu::plan_blocks(check, segments, hyper, dsbnb::kHyperFields, params.numel(), states, 2);
     const MapTables& t1 = dsbnb::cpu::tables_for(qmap1);
     const MapTables& t2 = dsbnb::cpu::tables_for(qmap2);
