@@ -13,7 +13,9 @@ entries gathered or loaded one by one (DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather, scal
 fastest on the AMD core they were built on, scalar loads may beat the gather where gathers are slow), which says which
 that host wants.
 The project aims at an 8-bit step at least as fast as DeepSpeedCPUAdam's: a check on the GPU machine, a note on the
-rehearsal's two cores.
+rehearsal's two cores. Last, the yardstick, the 8-bit kernel and DeepSpeedCPUAdam at 1, 2, 4, ... threads and every
+core, beside the host's physical cores and NUMA nodes: whether the per-thread rate falls with the thread count because
+of the memory, the cores' siblings or the work itself.
 First, the host's own exactness: the CPU quantizer's and dequantizer's vector spellings this CPU compiles (the map's
 runs, the key table, the byte- or float-permute dequantizer; with -march=native and, on an AVX-512 host, x86-64-v4,
 which is what AVX-512 hosts without VBMI build) against the literal search and the scalar product, for bnb's two maps
@@ -38,6 +40,51 @@ DETAIL_ROWS = ("deepspeed_bnb C++ kernel Lion (8-bit)", "deepspeed_bnb C++ kerne
                "deepspeed_bnb C++ kernel (8-bit), key table gathered",
                "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads")
 ROWS = CLAIM_ROWS + DETAIL_ROWS
+# last, at the first size: the yardstick, the 8-bit kernel and DeepSpeedCPUAdam at 1, 2, 4, ... threads and every core
+SCALING_ROWS = CLAIM_ROWS[:3]
+SCALING_REPEATS = {"cuda": 3, "cpu": 2}
+
+
+def thread_counts(cores: int) -> list:
+    """1, 2, 4, ... below `cores`, then `cores`."""
+    counts = [1]
+    while counts[-1] * 2 < cores:
+        counts.append(counts[-1] * 2)
+    return counts + ([cores] if cores > 1 else [])
+
+
+def host_shape() -> str:
+    """The host's physical cores and NUMA nodes, as the kernel sees them: what a per-thread rate that falls with the
+    thread count is read against (two threads of one core share its vector units; a remote node's memory is slower)."""
+    import glob
+
+    import psutil
+    nodes = len(glob.glob("/sys/devices/system/node/node[0-9]*")) or "unknown"
+    return f"{os.cpu_count()} logical CPUs, {psutil.cpu_count(logical=False)} physical cores, NUMA nodes: {nodes}"
+
+
+def scaling(args, result, bench, cores: int) -> None:
+    """How the step scales with the threads at the first size: a per-thread rate that falls with the thread count is
+    the memory's doing where the yardstick's falls alike, the cores' siblings' past the physical core count, and else
+    the work's own (a serial part, the caches)."""
+    import torch
+
+    n = SIZES[args.device][0]
+    rows = []
+    try:
+        for count in thread_counts(cores):
+            torch.set_num_threads(count)
+            rates = bench.measure_interleaved({name: bench.IMPLEMENTATIONS[name] for name in SCALING_ROWS}, n,
+                                              SCALING_REPEATS[args.device])
+            for name in SCALING_ROWS:
+                rate = rates[name]
+                rows.append([count, name] + ([rate, "-"] if isinstance(rate, str) else
+                                             [f"{rate:,.0f}", f"{rate / count:,.0f}"]))
+    finally:
+        torch.set_num_threads(cores)
+    result.table(f"o: one step over {n >> 20}M elements by thread count ({host_shape()}), median of "
+                 f"{SCALING_REPEATS[args.device]} interleaved rounds", ["threads", "implementation", "M elements/s",
+                                                                     "per thread"], rows)
 
 
 def host_exactness(result) -> None:
@@ -120,6 +167,8 @@ def body(args, result):
                      ["elements", "implementation", "M elements/s", "bytes / element", "GB/s", "of the yardstick"],
                      table)
         result.checkpoint()  # the larger size may not fit the deadline: this one's rows are kept
+    scaling(args, result, bench, threads)  # last: the deadline may cut it, never the claim
+    result.checkpoint()
 
 
 if __name__ == "__main__":

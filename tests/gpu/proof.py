@@ -77,7 +77,7 @@ PARTS = (Part("env", "part_environment.py", 90), Part("a", "part_kernels.py", 30
          Part("f", "part_speed.py", 300, ("--suite", "f")), Part("f3", "part_speed.py", 300, ("--suite", "f3")),
          Part("s", "part_step.py", 200), Part("s3", "part_step.py", 150, ("--stage", "3")),
          Part("so", "part_step.py", 150, ("--offload",)),
-         Part("m", "part_memory.py", 300), Part("p", "part_profile.py", 200), Part("o", "part_offload.py", 240),
+         Part("m", "part_memory.py", 300), Part("p", "part_profile.py", 200), Part("o", "part_offload.py", 280),
          Part("g", "part_zero_features.py", 180), Part("h", "part_nvme.py", 240))
 GPU_DEADLINE = 450  # seconds for the whole proof on a GPU by default: with the install, it fits a 10-minute job
 # The rehearsal has no overall deadline by default: it runs inside the suite, where a busy machine (another job on the
