@@ -90,6 +90,28 @@ DSBNB_HD float error_unit(float hi) {
                             : bits_to_float(1u << (exponent + 149));
 }
 
+// x / error_unit(hi) for split, spelled as two exact scalings where the host runs it: error_unit is a power of two,
+// 2^-k with k = 16 - E in [-113, 141], so the quotient is x * 2^k; 2^k itself may not be a float (k > 127 for the
+// weights below 2^-111), so it is applied as 2^(k >> 1) and then 2^(k - (k >> 1)), each a normal float. Scaling by a
+// power of two is exact unless it overflows or drops bits into the subnormals, and neither happens for split's
+// x = w - bf16(w): a multiple of w's fp32 ulp (2^(E - 24) or the subnormal quantum) below half a bf16 ulp (2^(E - 8)),
+// so every intermediate lies between 2^-8 and 2^8 in magnitude, or is 0, inf or NaN (which stay so). The quotient is
+// therefore exactly representable, IEEE division returns it exactly, and the two products give the same bits (every
+// float near every bf16 value and 2^24 random ones: tests/native/master_weights_check.cpp). The division cost the CPU
+// as much as the whole 8-bit AdamW update per element (one VDIVPS per 8 or 16 elements beside the step's own); the
+// CUDA kernels keep the division their GPU runs were proven with.
+DSBNB_HD float div_error_unit(float x, float hi) {
+#if defined(__CUDA_ARCH__)
+    return x / error_unit(hi);
+#else
+    const int biased = static_cast<int>((float_to_bits(hi) >> 23) & 0xFFu);
+    const int k = kErrorShift - (biased - 126 < kMinExponent ? kMinExponent : biased - 126);
+    const int first = k >> 1;  // floor(k / 2): first in [-57, 70], k - first in [-56, 71]
+    return (x * bits_to_float(static_cast<uint32_t>(first + 127) << 23)) *
+           bits_to_float(static_cast<uint32_t>(k - first + 127) << 23);
+#endif
+}
+
 // compensated.join: the fp32 weight of bf16 bits `hi` and error steps `lo`.
 DSBNB_HD float join(uint16_t hi, int8_t lo) {
     const float wide = bf16_value(hi);
@@ -101,7 +123,7 @@ DSBNB_HD float join(uint16_t hi, int8_t lo) {
 DSBNB_HD void split(float w, uint16_t& hi, int8_t& lo) {
     hi = bf16_round(w);
     const float rounded = bf16_value(hi);
-    float steps = rintf((w - rounded) / error_unit(rounded));
+    float steps = rintf(div_error_unit(w - rounded, rounded));
     if (!(fabsf(steps) <= 3.40282347e+38f)) steps = 0.0f;
     steps = steps < -kMaxErrorSteps ? -kMaxErrorSteps : (steps > kMaxErrorSteps ? kMaxErrorSteps : steps);
     lo = static_cast<int8_t>(steps);
