@@ -62,7 +62,10 @@ def _sweep_leftovers(load_dir: str, prefix: str) -> None:
         if os.path.islink(path) or not os.path.isdir(path):
             remove(path)  # never a load's folder: nothing of ours is followed or kept
             continue
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # another load's sweep removed it first
+            continue
         try:
             taken = try_flock(fd)
             if taken:

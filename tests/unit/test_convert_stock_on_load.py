@@ -249,6 +249,19 @@ def test_where_nothing_can_be_locked_leftovers_are_kept_and_named(stock_8bit, tm
     assert _from_stock(folder) == [os.path.basename(leftover)] and engine.global_steps == 3
 
 
+def test_a_leftover_another_load_removes_first_is_skipped(tmp_path, monkeypatch):
+    """Two loads sweeping at once: a leftover one of them lists, and the other removes before it is opened, is passed
+    over (the load goes on) rather than failing it. Control: a leftover still there is removed."""
+    import deepspeed_bnb.runtime.converted_load as converted_load
+    gone = str(tmp_path / ".t.from-stock.00000000000000dd.deepspeed_bnb")
+    left = _scratch_folder(str(tmp_path), ".t.from-stock.00000000000000ee.deepspeed_bnb", "killed")
+    is_dir = os.path.isdir
+    monkeypatch.setattr(converted_load.os, "listdir", lambda folder: [os.path.basename(gone), os.path.basename(left)])
+    monkeypatch.setattr(converted_load.os.path, "isdir", lambda path: path == gone or is_dir(path))
+    converted_load._sweep_leftovers(str(tmp_path), ".t.from-stock")
+    assert not os.path.lexists(left) and not os.path.lexists(gone)
+
+
 def test_a_deepspeed_bnb_tag_is_not_converted(one_rank, tmp_path, monkeypatch):
     """With the key set, a tag deepspeed_bnb wrote loads as it is, bit for bit (the conversion would requantize)."""
     import deepspeed_bnb.runtime.converted_load as converted_load
