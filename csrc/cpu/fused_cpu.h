@@ -297,8 +297,7 @@ inline void choose_key_lookup(const Checker& check) {
 // Checks the segment and hyper tables against the partition and the states' arrays, and plans every block of every
 // segment: the work items of for_each_block.
 inline BlockPlan plan_blocks(const Checker& check, const at::Tensor& segments, const at::Tensor& hyper,
-                                     int64_t hyper_fields, int64_t partition, const StateSizes* states,
-                                     int num_states) {
+                             int64_t hyper_fields, int64_t partition, const StateSizes* states, int num_states) {
     check.expect(segments, "segments", at::kLong);
     check.expect(hyper, "hyper", at::kFloat);
     check(segments.dim() == 2 && segments.size(1) == kSegmentFields, "segments must be int64 [S, 5]");

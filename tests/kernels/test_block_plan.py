@@ -2,12 +2,13 @@
 pool hands out chunks of 16 blocks, and each chunk finds the segment it starts in from the segments' block counts.
 
 Reference: the pure-torch reference (ops/reference.py) of the same steps. Over a partition of many segments (8-bit and
-32-bit state interleaved, 1 to 3,000 elements: chunks start inside segments, on their first blocks and past the 8-bit
+32-bit state interleaved, 1 to 20,000 elements: chunks start inside segments, on their first blocks and past the 8-bit
 segments the 'bnb_cpu' arithmetic's first pass leaves out), the kernel at 1, 2, 3 and 7 threads equals the reference
-bit for bit after every step, for every rule, in both CPU arithmetics. Control: at 3 and 7 threads some chunks do start
-inside a segment, and the 8-bit segments' first pass is skipped indeed (its plan counts only 32-bit blocks).
+bit for bit after every step, for every rule, in both CPU arithmetics. Controls: the weights moved, and at 3 and 7
+threads some chunks do start inside a segment.
 """
 
+import bitsandbytes.functional as F
 import pytest
 import torch
 
@@ -34,7 +35,6 @@ def _state(rule: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     size = layout.partition_size
     signed = rules.SIGNED_MAPS[:update.moments]
-    import bitsandbytes.functional as F
     return {"params": torch.randn(size, generator=g),
             "codes": [torch.full((size,), 127 if s else 0, dtype=torch.uint8) for s in signed],
             "absmax": [torch.zeros(size // 256) for _ in signed],

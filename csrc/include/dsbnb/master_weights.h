@@ -83,9 +83,13 @@ DSBNB_HD uint16_t bf16_round(float x) {
 // 2^-126 and a subnormal one below (2^-141 at the least). Equal to the frexpf/ldexpf form for every finite bf16 value
 // (tests/native/master_weights_check.cpp); for an infinite or NaN weight (whose frexp exponent is unspecified) any finite
 // unit gives the same join and split.
-DSBNB_HD float error_unit(float hi) {
+DSBNB_HD int error_exponent(float hi) {  // error_unit(hi) is 2^error_exponent(hi), in [-141, 113]
     const int biased = static_cast<int>((float_to_bits(hi) >> 23) & 0xFFu);
-    const int exponent = (biased - 126 < kMinExponent ? kMinExponent : biased - 126) - kErrorShift;
+    return (biased - 126 < kMinExponent ? kMinExponent : biased - 126) - kErrorShift;
+}
+
+DSBNB_HD float error_unit(float hi) {
+    const int exponent = error_exponent(hi);
     return exponent >= -126 ? bits_to_float(static_cast<uint32_t>(exponent + 127) << 23)
                             : bits_to_float(1u << (exponent + 149));
 }
@@ -104,8 +108,7 @@ DSBNB_HD float div_error_unit(float x, float hi) {
 #if defined(__CUDA_ARCH__)
     return x / error_unit(hi);
 #else
-    const int biased = static_cast<int>((float_to_bits(hi) >> 23) & 0xFFu);
-    const int k = kErrorShift - (biased - 126 < kMinExponent ? kMinExponent : biased - 126);
+    const int k = -error_exponent(hi);
     const int first = k >> 1;  // floor(k / 2): first in [-57, 70], k - first in [-56, 71]
     return (x * bits_to_float(static_cast<uint32_t>(first + 127) << 23)) *
            bits_to_float(static_cast<uint32_t>(k - first + 127) << 23);
