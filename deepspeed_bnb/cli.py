@@ -165,8 +165,9 @@ def parser() -> argparse.ArgumentParser:
                                                  "optimizer state, dequantized, under torch's names)"),
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
                                                    "bnb 32-bit; ZeRO-1/2/3 or universal checkpoints) <-> bnb 8-bit; "
-                                                   "also a stock DeepSpeed run of a bnb Adam into deepspeed_bnb's "
-                                                   "layout; reports the round-trip error"),
+                                                   "also a stock DeepSpeed run of a bnb optimizer into deepspeed_bnb's "
+                                                   "layout; Adam's moments or the one state of Lion, SGD, RMSprop, "
+                                                   "Adagrad; reports the round-trip error"),
                              ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the "
                                                    "current one (per-tensor checksums; with --trust, one that needs "
                                                    "trust or lost its manifest)")):
@@ -237,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--optimizer-class", default=None,
                          help="bnb optimizer class the converted checkpoint is for (default: "
                               "bitsandbytes.optim.adamw.AdamW8bit for --to 8bit, bitsandbytes.optim.adamw.AdamW for "
-                              "--to 32bit); build the engine with the same class")
+                              "--to 32bit); build the engine with the same class. Its update rule says which state "
+                              "the source must hold: for a run of bnb's Lion8bit give bitsandbytes.optim.Lion8bit")
     convert.add_argument("--param-groups", default=None, metavar="JSON",
                          help="each param group's hyper-parameters as a JSON list of objects, in the run's order, for "
                               "an elastic stock ZeRO-1/2 checkpoint (elastic_checkpoint: true keeps none), e.g. "

@@ -30,6 +30,17 @@ TORCH_NAMES: Dict[str, Tuple[str, ...]] = {  # bnb update rule -> torch's names,
 # torch AdamW (a universal checkpoint's reader) would not apply
 ADAM_STATE_RULES = tuple(rule for rule, names in TORCH_NAMES.items() if names == ("exp_avg", "exp_avg_sq"))
 TRUST_RATIO_RULES = ("lamb",)
+# every torch name of a moment some rule keeps: what tells a torch optimizer's state of one rule from another's
+ALL_TORCH_NAMES = frozenset(name for names in TORCH_NAMES.values() for name in names)
+
+
+def flat_state_names(rule: str) -> Optional[Tuple[str, ...]]:
+    """torch's names of `rule`'s per-element states, one per bnb key in order (state1, then state2): what `convert`
+    reads and writes; None for a rule it cannot (unknown, or a key holding several rows: AdEMAMix's state1)."""
+    keys = ROW_NAMES.get(rule)
+    if not keys or any(len(names) != 1 for names in keys.values()):
+        return None
+    return tuple(names[0] for names in keys.values())
 
 
 @dataclass(frozen=True)

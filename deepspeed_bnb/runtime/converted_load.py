@@ -158,10 +158,12 @@ def load_stock(engine, load_dir: str, tag: str, arguments: dict, agree, publishe
     source = os.path.join(load_dir, tag)
     to = "8bit" if bnb_optimizer.args.optim_bits == 8 else "32bit"
     size = bnb_optimizer.args.min_8bit_size
-    command = f"deepspeed-bnb convert {source} OUT --to {to} --min-8bit-size {size}"
+    cls = type(bnb_optimizer)  # its update rule says which state the source must hold (Lion's one, Adam's two)
+    command = (f"deepspeed-bnb convert {source} OUT --to {to} --min-8bit-size {size} "
+               f"--optimizer-class {cls.__module__}.{cls.__qualname__}")
 
     def write(scratch):  # each parameter's precision the engine's own (bnb overrides: HF Trainer's 32-bit embeddings)
-        report = convert(source, scratch, to, optimizer_class=type(bnb_optimizer), min_8bit_size=size, progress=False,
+        report = convert(source, scratch, to, optimizer_class=cls, min_8bit_size=size, progress=False,
                          default_param_groups=_live_hyperparams(engine),
                          eight_bit_by_name=engine.optimizer.bnb.eight_bit_by_name())
         return "converted for this engine's optimizer: " + report.split(": ", 1)[-1]  # not the scratch tag's path

@@ -96,9 +96,10 @@ def bnb_moments(state: dict, numel: int) -> dict:
 
 
 def assert_holds_moments(state: dict, moments, label: str) -> int:
-    """One parameter's bnb `state` against Adam moments `moments` ([exp_avg, exp_avg_sq], flat fp32): 32-bit state
-    equal to them, 8-bit codes within one quantization step of them (the gap between the two codes around each value,
-    bnb's formula qmap[code] * absmax[element // 256]). Returns how many of the two are 8-bit."""
+    """One parameter's bnb `state` against its moments `moments` ([exp_avg, exp_avg_sq], flat fp32; one state's
+    [exp_avg] or [momentum_buffer] alike): 32-bit state equal to them, 8-bit codes within one quantization step of
+    them (the gap between the two codes around each value, bnb's formula qmap[code] * absmax[element // 256]).
+    Returns how many of them are 8-bit."""
     eight_bit = 0
     for i, value in enumerate(moments, start=1):
         held = state[f"state{i}"].reshape(-1)
@@ -126,14 +127,16 @@ def step_ratio(got: torch.Tensor, values: torch.Tensor, unsigned: bool, numel: i
     return worst
 
 
-def stock_moments(engine) -> dict:
-    """name -> [exp_avg, exp_avg_sq] of a one-rank stock ZeRO engine stepping an Adam: torch's moments of each flat
-    partition, or a bitsandbytes Adam's state of it dequantized by bitsandbytes itself (blocks from the partition's
-    first element), cut at DeepSpeed's own places of the parameters in it."""
+def stock_moments(engine, names=("exp_avg", "exp_avg_sq")) -> dict:
+    """name -> its moments by torch's `names` (Adam's [exp_avg, exp_avg_sq] unless said) of a one-rank stock ZeRO
+    engine: torch's moments of each flat partition, or a bitsandbytes optimizer's state1[, state2] of it dequantized
+    by bitsandbytes itself (blocks from the partition's first element), cut at DeepSpeed's own places of the
+    parameters in it."""
     opt = engine.optimizer
+    numbers = range(1, len(names) + 1)
 
     def moment(flat, i):
-        key = ("exp_avg", "exp_avg_sq")[i - 1]
+        key = names[i - 1]
         if key in flat:  # torch's
             return flat[key].reshape(-1)
         return bnb_moments(flat, flat["state1"].numel())[f"state{i}"].reshape(-1)
@@ -143,7 +146,7 @@ def stock_moments(engine) -> dict:
         for i, params in enumerate(opt.fp16_groups):
             flat, offset = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]], 0
             for p in params:
-                out[opt.param_names[p]] = [moment(flat, k).narrow(0, offset, p.ds_numel).clone() for k in (1, 2)]
+                out[opt.param_names[p]] = [moment(flat, k).narrow(0, offset, p.ds_numel).clone() for k in numbers]
                 offset += p.ds_numel
         return out
     for g, params in enumerate(opt.bit16_groups):
@@ -151,5 +154,5 @@ def stock_moments(engine) -> dict:
         for p in params:
             address = p._hp_mapping.get_hp_fragment_address()
             out[opt.param_names[p]] = [moment(flat, k).narrow(0, address.start, address.numel).clone()
-                                       for k in (1, 2)]
+                                       for k in numbers]
     return out

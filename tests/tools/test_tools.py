@@ -248,13 +248,15 @@ def test_a_stage3_engine_loads_a_tied_model_reshaped_for_stage3(one_rank, tmp_pa
 
 
 def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, tmp_path):
-    """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name, and nothing is
-    written (the 2-rank ZeRO-3 AdamW conversion: tests/distributed/test_convert_zero3.py)."""
+    """A stock ZeRO-3 checkpoint of another torch optimizer (SGD with momentum) is refused by name for an Adam class,
+    naming the rule whose class would take it, and nothing is written (the 2-rank ZeRO-3 AdamW conversion:
+    tests/distributed/test_convert_zero3.py; into bnb's SGD8bit: tests/unit/test_convert_stock_on_load.py)."""
     from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
     engine = build_engine(torch.optim.SGD, stock=True, stage=3, momentum=0.9)
     train_steps(engine, range(1))
     engine.save_checkpoint(str(tmp_path / "sgd"), tag="s")
-    with pytest.raises(CheckpointMismatchError, match=r"\['momentum_buffer'\].*not Adam's exp_avg / exp_avg_sq"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"\['momentum_buffer'\].*keeps exp_avg, exp_avg_sq.*'momentum' update rule"):
         convert(str(tmp_path / "sgd"), str(tmp_path / "out"), "8bit", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -265,8 +267,8 @@ def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, o
     of each flat partition per rank: convert gives every parameter those codes dequantized, exactly (to bnb's
     32-bit AdamW), and within one code step of them in deepspeed_bnb's block-aligned 8-bit layout, whose engine
     continues as the stock run does. Reference: the stock engine's live state (stock_moments). Controls: the codes
-    are not the moments (the 32-bit result differs from them); a stock run of Lion8bit (one state) is refused by name,
-    nothing written. (Before this, convert refused every stock run of a bitsandbytes optimizer.)"""
+    are not the moments (the 32-bit result differs from them); a stock run of Lion8bit (one state) for an Adam class
+    is refused by name, nothing written. (Before this, convert refused every stock run of a bitsandbytes optimizer.)"""
     from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
     from support.bnb_state import engine_param_states
     stock = build_engine(getattr(bnb.optim, optimizer), stock=True, stage=stage, min_8bit_size=MIN_8BIT_SIZE)
@@ -301,6 +303,30 @@ def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, o
     with pytest.raises(CheckpointMismatchError, match=r"bitsandbytes optimizer with one state \(Lion"):
         convert(str(tmp_path / "lion"), str(tmp_path / "out"), "8bit", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_deepspeed_bnb_lion_checkpoint_switches_precision(one_rank, tmp_path):
+    """convert --to 32bit of a deepspeed_bnb Lion8bit checkpoint for bnb's 32-bit Lion: its state1 the codes
+    dequantized by bitsandbytes, exactly. Control: the same for an AdamW class is refused, naming the rule ('lion')."""
+    from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
+    from support.bnb_state import bnb_moments, engine_param_states
+    engine = build_engine(bnb.optim.Lion8bit, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(engine, range(2))
+    engine.save_checkpoint(str(tmp_path / "ours"), tag="t")
+    saved = engine_param_states(engine)
+    convert(str(tmp_path / "ours"), str(tmp_path / "fp32"), "32bit", optimizer_class="bitsandbytes.optim.Lion",
+            progress=False)
+    fp32 = build_engine(bnb.optim.Lion, seed=1)
+    fp32.load_checkpoint(str(tmp_path / "fp32"))
+    eight_bit = 0
+    for name, state in engine_param_states(fp32).items():
+        assert state["state1"].dtype == torch.float32 and "state2" not in state
+        eight_bit += saved[name]["state1"].dtype == torch.uint8
+        assert torch.equal(state["state1"].reshape(-1), bnb_moments(saved[name], state["state1"].numel())["state1"]
+                           .reshape(-1)), name
+    assert eight_bit
+    with pytest.raises(CheckpointMismatchError, match=r"holds 'lion' state.*give a class of 'lion'"):
+        convert(str(tmp_path / "ours"), str(tmp_path / "adam"), "32bit", progress=False)
 
 
 def test_convert_refuses_the_moments_of_a_stock_elastic_bnb_checkpoint_by_name(one_rank, tmp_path):

@@ -233,7 +233,8 @@ def test_tool_arguments_are_checked(two_ranks, tmp_path, capsys):
         ("convert", "--to", "8bit", "--optimizer-class", "os.system"): "not in the bitsandbytes package",
         ("convert", "--to", "8bit", "--optimizer-class", "bitsandbytes.functional.quantize_blockwise"):
             "not a bitsandbytes optimizer class",
-        ("convert", "--to", "8bit", "--optimizer-class", "bitsandbytes.optim.Lion8bit"): "not an Adam-family",
+        ("convert", "--to", "8bit", "--optimizer-class", "bitsandbytes.optim.Lion8bit"): "give a class of 'adam'",
+        ("convert", "--to", "8bit", "--optimizer-class", "bitsandbytes.optim.AdEMAMix8bit"): "convert cannot write",
         ("convert", "--to", "8bit", "--min-8bit-size", "-5"): "must be 0 or more",
         ("reshape", "--dp", "100000"): "--allow-large-dp",
         ("convert", "--to", "32bit", "--dp", "2"): "`deepspeed-bnb reshape` changes those",
@@ -252,12 +253,12 @@ def test_tool_arguments_are_checked(two_ranks, tmp_path, capsys):
                  "--quiet"]) == 0  # a real bnb Adam class still converts
 
 
-def test_lion_checkpoint_converts_with_a_clear_refusal(one_rank, tmp_path, capsys):
+def test_a_lion_checkpoint_for_an_adam_class_is_refused_naming_its_rule(one_rank, tmp_path, capsys):
     engine = build_engine(bnb.optim.Lion8bit, min_8bit_size=MIN_8BIT_SIZE)
     train_steps(engine, range(1))
     engine.save_checkpoint(str(tmp_path / "lion"), tag=TAG)
     assert main(["convert", str(tmp_path / "lion"), str(tmp_path / "o"), "--to", "32bit", "--quiet"]) == 2
-    assert "handles Adam-family state" in capsys.readouterr().err
+    assert "holds 'lion' state" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 class Custom:

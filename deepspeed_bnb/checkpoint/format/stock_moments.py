@@ -1,55 +1,73 @@
-"""Adam's two moments of one flat partition of a stock DeepSpeed checkpoint: torch's, or a bitsandbytes optimizer's.
+"""The per-element states (moments) of one flat partition of a stock DeepSpeed checkpoint: torch's, or a bitsandbytes
+optimizer's.
 
 Stock ZeRO (1/2 rigid, 1/2 elastic, 3) saves each rank's optimizer state of its flat fp32 partition (or sub-group):
-torch's AdamW keeps `exp_avg` / `exp_avg_sq` there, one value per element. A bitsandbytes Adam-family optimizer
-stepped by stock DeepSpeed keeps its own state of that flat tensor instead, whole on each rank: `state1` / `state2`
-(uint8 codes with `absmax1/2` per 256-element block counted from the partition's first element and the maps
-`qmap1/2`; or fp32 moments below its min_8bit_size), since bitsandbytes 0.49.2 with the quantization tensors under
-`__bnb_optimizer_quant_state__` in a rigid save (bnb's state_dict). The moments are those codes dequantized (bnb's
-formula, qmap[code] * absmax[block]), exactly what the stock run's next step would have read. DeepSpeed's elastic
-save (`elastic_checkpoint: true`) drops the last `padding` entries of every state tensor of a rank whose partition is
-padded (`_get_state_without_padding`), the maps and the per-block scales too: the scales of that partition's last
-blocks are gone, and such a checkpoint's moments are refused, by name (its weights still load).
+torch's AdamW keeps `exp_avg` / `exp_avg_sq` there, one value per element (DeepSpeed's FusedLion `exp_avg`, torch's
+SGD `momentum_buffer`, ...). A bitsandbytes optimizer stepped by stock DeepSpeed keeps its own state of that flat
+tensor instead, whole on each rank: `state1` (and `state2` for the Adam family) as uint8 codes with `absmax1/2` per
+256-element block counted from the partition's first element and the maps `qmap1/2`, or fp32 below its
+min_8bit_size; since bitsandbytes 0.49.2 with the quantization tensors under `__bnb_optimizer_quant_state__` in a rigid
+save (bnb's state_dict). The moments are those codes dequantized (bnb's formula, qmap[code] * absmax[block]), exactly
+what the stock run's next step would have read. bnb's files do not say which update rule wrote `state1`: the reader
+takes the rule convert writes (the target class's; at load, the engine's) and checks the count of states against it.
+DeepSpeed's elastic save (`elastic_checkpoint: true`) drops the last `padding` entries of every state tensor of a rank
+whose partition is padded (`_get_state_without_padding`), the maps and the per-block scales too: the scales of that
+partition's last blocks are gone, and such a checkpoint's moments are refused, by name (its weights still load).
 """
 
-from typing import Dict
+from typing import Dict, Sequence
 
 import torch
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.ops.reference import BLOCK_SIZE, dequantize_blockwise
+from deepspeed_bnb.optim.state_names import ALL_TORCH_NAMES, TORCH_NAMES
 
-MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's moments: what `convert` reads, and gives bnb's state1 / state2
-BNB_MOMENTS = ("state1", "state2")  # a bitsandbytes Adam-family optimizer's two states, in that order
+MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's moments: bnb's state1 / state2 of an Adam-family rule
+BNB_MOMENTS = ("state1", "state2")  # a bitsandbytes optimizer's per-element states, in that order
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2's state_dict: quantization tensors
 MAP_SIZE = 256  # entries of an 8-bit quantization map
+ONE_STATE = "Lion, SGD with momentum, RMSprop, Adagrad"  # bitsandbytes' optimizers with state1 alone
+TWO_STATES = "Adam, AdamW, LAMB"  # and with state1 and state2
 
 
-def not_adam_state(where: str, held) -> CheckpointMismatchError:
-    """The error for a stock checkpoint whose optimizer state `held` (its keys) is not Adam's two moments."""
-    hint = (" It is a bitsandbytes optimizer with one state (Lion, SGD with momentum, RMSprop, Adagrad): convert "
-            "reads Adam-family state only; load its weights only (load_optimizer_states=False) into a deepspeed_bnb "
-            "engine and train on." if "state1" in held else "")
-    return CheckpointMismatchError(f"{where} holds optimizer state keys {sorted(held)}, not Adam's exp_avg / "
-                                   f"exp_avg_sq (nor a bitsandbytes Adam's state1 / state2): convert cannot read "
-                                   f"it.{hint}")
+def not_readable(where: str, held, names: Sequence[str]) -> CheckpointMismatchError:
+    """The error for a stock checkpoint whose optimizer state `held` (its keys) is not the `names` convert writes."""
+    bnb_states = [key for key in BNB_MOMENTS if key in held]
+    if bnb_states:
+        count, kind, example = (("one state", ONE_STATE, "bitsandbytes.optim.Lion8bit") if len(bnb_states) == 1 else
+                                ("two states", TWO_STATES, "bitsandbytes.optim.AdamW8bit"))
+        hint = (f" It is a bitsandbytes optimizer with {count} ({kind}), and its files do not say "
+                f"which: convert it for the class the run used (--optimizer-class, e.g. {example}; at load the "
+                f"engine's own optimizer), or load its weights only (load_optimizer_states=False) and train on.")
+    else:
+        rules = sorted(rule for rule, torch_names in TORCH_NAMES.items() if set(torch_names) == set(held))
+        hint = (f" Those are the moments of bnb's {' or '.join(repr(rule) for rule in rules)} update rule: convert "
+                f"them for a class of that rule." if rules else "")
+    return CheckpointMismatchError(f"{where} holds optimizer state keys {sorted(held)}; the target optimizer keeps "
+                                   f"{', '.join(names)} (bnb's {', '.join(BNB_MOMENTS[:len(names)])}), so convert "
+                                   f"cannot give it that state.{hint}")
 
 
-def adam_moments(state: dict, where: str) -> Dict[str, torch.Tensor]:
-    """{"exp_avg", "exp_avg_sq"} -> fp32 values of one flat partition's optimizer `state` (torch's or bnb's)."""
+def flat_moments(state: dict, where: str, names: Sequence[str] = MOMENTS) -> Dict[str, torch.Tensor]:
+    """{name: fp32 values} of one flat partition's optimizer `state`, for a rule whose states torch calls `names`
+    (state_names.flat_state_names): torch's moments by those names (no other rule's), or bnb's state1[, state2]."""
     if not isinstance(state, dict):
-        raise not_adam_state(where, [])
-    if all(torch.is_tensor(state.get(key)) for key in MOMENTS):
-        return {key: state[key].float() for key in MOMENTS}
+        raise not_readable(where, [], names)
+    torch_held = {key for key in ALL_TORCH_NAMES if torch.is_tensor(state.get(key))}
+    if torch_held:  # a torch (or DeepSpeed) optimizer's: exactly the target rule's moments, none left behind
+        if torch_held != set(names):
+            raise not_readable(where, sorted(torch_held), names)
+        return {key: state[key].float() for key in names}
     state = {**state, **state.get(QUANT_STATE_KEY, {})}
     state.pop(QUANT_STATE_KEY, None)
-    if not all(torch.is_tensor(state.get(key)) for key in BNB_MOMENTS):
-        raise not_adam_state(where, list(state))
+    if [key for key in BNB_MOMENTS if torch.is_tensor(state.get(key))] != list(BNB_MOMENTS[:len(names)]):
+        raise not_readable(where, list(state), names)
     if "max1" in state:  # bnb's non-blockwise 8-bit state (block_wise=False): one scale per tensor, not per block
         raise CheckpointMismatchError(f"{where} holds bitsandbytes 8-bit state without blocks (block_wise=False: "
                                       f"'max1'); convert reads blockwise state only (bnb's default). Load its weights "
                                       f"only (load_optimizer_states=False) into a deepspeed_bnb engine and train on.")
-    return {key: _moment(state, i, where) for i, key in enumerate(MOMENTS, start=1)}
+    return {key: _moment(state, i, where) for i, key in enumerate(names, start=1)}
 
 
 def _moment(state: dict, i: int, where: str) -> torch.Tensor:

@@ -6,19 +6,19 @@ What stock ZeRO-3 (DeepSpeed 0.16-0.19) writes per rank, and how it is cut here 
   sub-group). Joined over ranks, the slices give each parameter (its padding past numel dropped).
 - the torch optimizer's own state_dict (`optimizer_state_dict` inside the ZeRO state): each param group's `params`
   are the indices of its sub-groups' flat tensors, and each index's state (Adam: exp_avg, exp_avg_sq, step; a
-  bitsandbytes Adam: its state of the flat tensor, dequantized by stock_moments.py) is shaped like that flat tensor,
-  so the moments are cut the same way.
+  bitsandbytes optimizer: its state of the flat tensor, dequantized by stock_moments.py) is shaped like that flat
+  tensor, so the moments are cut the same way.
 """
 
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
-from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, adam_moments
+from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, flat_moments
 
 
 def cut_flat_groups(ckpt, flats_of: Callable[[int], List[torch.Tensor]], what: str) -> Dict[str, torch.Tensor]:
@@ -98,21 +98,22 @@ class StockZero3:
     def hyperparams(self, g: int) -> dict:
         return dict(self.hyper[g])
 
-    def moments(self, g: int) -> List[Tuple[List[torch.Tensor], int]]:
-        """([exp_avg, exp_avg_sq], step) of each parameter of param group g, flattened, in fp32."""
-        if self._moments is None:
-            self._moments = self._read_moments()
-        values, steps = self._moments
-        return [([values[key][name].float() for key in MOMENTS], steps[g]) for name in self.param_shapes()[g]]
+    def moments(self, g: int, names: Sequence[str] = MOMENTS) -> List[Tuple[List[torch.Tensor], int]]:
+        """(the states torch calls `names`, e.g. [exp_avg, exp_avg_sq], step) of each parameter of param group g,
+        flattened, in fp32."""
+        if self._moments is None or self._moments[0] != tuple(names):
+            self._moments = (tuple(names), *self._read_moments(names))
+        _, values, steps = self._moments
+        return [([values[key][name].float() for key in names], steps[g]) for name in self.param_shapes()[g]]
 
-    def _read_moments(self):
+    def _read_moments(self, names: Sequence[str]):
         sub = self.ckpt.param_shapes()
         states = [_torch_state(self.ckpt, rank)["state"] for rank in range(self.ckpt.dp)]
 
-        moments = [{i: adam_moments(states[rank].get(i), f"{self.ckpt.source.name(rank)} (sub-group {i})")
+        moments = [{i: flat_moments(states[rank].get(i), f"{self.ckpt.source.name(rank)} (sub-group {i})", names)
                     for i in range(len(sub))} for rank in range(self.ckpt.dp)]  # torch's, or bnb's dequantized
         values = {key: cut_flat_groups(self.ckpt, lambda rank: [moments[rank][i][key] for i in range(len(sub))],
-                                       f"the optimizer's '{key}'") for key in MOMENTS}
+                                       f"the optimizer's '{key}'") for key in names}
         steps = []
         for indices in self.sub_groups:
             found = {float(states[0][i].get("step", 0)) for i in indices}

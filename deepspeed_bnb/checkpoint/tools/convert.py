@@ -1,13 +1,15 @@
-"""Offline precision switch: 32-bit Adam state (torch / DeepSpeed AdamW, bnb 32-bit) <-> bnb 8-bit blockwise state.
+"""Offline precision switch: 32-bit optimizer state (torch / DeepSpeed AdamW, bnb 32-bit) <-> bnb 8-bit blockwise.
 
 Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2/3 checkpoint (ZeRO-3: format/stock_zero3.py; torch's
-moments, or a bitsandbytes Adam's state of each flat partition dequantized: format/stock_moments.py) or a DeepSpeed
-universal checkpoint (universal.py) of an Adam-family optimizer (`exp_avg`, `exp_avg_sq`), joins every
-parameter's moments, and writes a deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any)
-for the target bnb optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the
-nearest code (ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot
-hold 0), fp32 parameters keep the moments exactly. The report gives the round-trip error of the quantized moments
-against the gap between the two codes around each value (one quantization step): at most 0.5 by construction.
+moments, or a bitsandbytes optimizer's state of each flat partition dequantized: format/stock_moments.py) or a
+DeepSpeed universal checkpoint (universal.py; DeepSpeed's ds_to_universal writes Adam's moments only), takes the
+moments the target class's rule keeps (state_names.flat_state_names: Adam's `exp_avg`, `exp_avg_sq`, or one state:
+Lion's `exp_avg`, SGD's `momentum_buffer`, RMSprop's `square_avg`, Adagrad's `sum`), joins every parameter's, and
+writes a deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any) for the target bnb
+optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the nearest code
+(ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot hold 0), fp32
+parameters keep the moments exactly. The report gives the round-trip error of the quantized moments against the gap
+between the two codes around each value (one quantization step): at most 0.5 by construction.
 `--master-weights` switches the master weights between fp32, bf16 and compensated bf16+8 (switch_master_weights
 alone, or with --to), exactly where the target holds the values and rounded as that mode rounds otherwise.
 """
@@ -15,7 +17,7 @@ alone, or with --to), exactly where the target holds the values and rounded as t
 import importlib
 import inspect
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, PARAM_SLICE_MAPPINGS
@@ -26,7 +28,7 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.param_state import scatter_param_states
 from deepspeed_bnb.checkpoint.format.reader import SavedCheckpoint
 from deepspeed_bnb.checkpoint.format.records import empty_group_record
-from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, adam_moments
+from deepspeed_bnb.checkpoint.format.stock_moments import flat_moments
 from deepspeed_bnb.checkpoint.format.stock_zero3 import StockZero3
 from deepspeed_bnb.checkpoint.format.weights import fp32_moments, stock_master_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import check_dp, check_output, source_master_mode, write_rank_files
@@ -34,11 +36,19 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES
+from deepspeed_bnb.optim.state_names import flat_state_names
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
-HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")  # a param group's settings a target class is built with
+# a param group's settings a target class is built with: bnb's own, and the torch arguments its SGD, RMSprop and
+# Adagrad classes take (a torch optimizer's groups carry them; bnb refuses the values it does not implement)
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "alpha", "centered",
+               "lr_decay", "initial_accumulator_value")
+# bitsandbytes' one-state classes keep two of their torch arguments as the group's `betas` (Optimizer1State): RMSprop
+# (alpha, momentum), SGD and LARS (momentum, dampening); a bnb group read back gives them to such a class by these
+PACKED_BETAS = (("alpha", "momentum"), ("momentum", "dampening"))
+# torch SGD's variants bitsandbytes' momentum rules do not step (its kernels read neither), and those rules
+SGD_VARIANTS, SGD_RULES = ("nesterov", "dampening"), ("momentum", "lars")
 
 
 def _load_class(qualified: str):
@@ -64,29 +74,36 @@ def _build(cls, target: str, hyper: dict, to: str):
     what HF Trainer's `adamw_bnb_8bit` builds (bnb's 8-bit classes refuse any optim_bits but their default)."""
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in hyper.items() if k in HYPERPARAMS and k in accepted}
+    if "betas" not in accepted and hyper.get("betas") is not None:  # a bnb group, for a class of torch's arguments
+        pair = next((pair for pair in PACKED_BETAS if all(name in accepted for name in pair)), ())
+        kwargs = {**dict(zip(pair, hyper["betas"])), **kwargs}
     try:
         optimizer = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
         if to == "8bit" and optimizer.args.optim_bits != 8 and "optim_bits" in accepted:
             kwargs["optim_bits"] = 8
             optimizer = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
         return optimizer
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NotImplementedError) as exc:  # bnb: NotImplementedError for SGD momentum 0, ...
         raise ValueError(f"convert: {target} cannot be built with the checkpoint's hyper-parameters {kwargs} "
                          f"({exc})") from exc
 
 
-def _moments_of_record(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Tensor], int]]:
+def _moments_of_record(ckpt: SavedCheckpoint, g: int, names: Sequence[str]) -> List[Tuple[List[torch.Tensor], int]]:
     rule = ckpt.record(0)[C.OPTIMIZER_NAME_KEY]
-    if rule not in ADAM_STATE_RULES:
-        raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{rule}' state ({ckpt.optimizer_class}); convert "
-                                      f"handles Adam-family state (exp_avg, exp_avg_sq) only.")
+    if flat_state_names(rule) != tuple(names):
+        held = flat_state_names(rule) or "state convert cannot read (several rows per key)"
+        raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{rule}' state ({ckpt.optimizer_class}): {held}; the "
+                                      f"target class keeps {tuple(names)}. convert switches one update rule's state "
+                                      f"between precisions (or between rules of the same moments: Adam, AdamW, "
+                                      f"LAMB), not from one rule to another: give a class of '{rule}'.")
     return [(fp32_moments(state), int(state["step"])) for state in ckpt.param_states(g)]
 
 
-def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Tensor], int]]:
-    """exp_avg / exp_avg_sq of each parameter of a stock ZeRO checkpoint, joined over ranks (its slice mappings): torch's,
-    or a bitsandbytes Adam's state of the flat partition dequantized (stock_moments.py)."""
-    pieces: Dict[str, list] = OrderedDict((name, [[], []]) for name in ckpt.param_shapes()[g])
+def _moments_of_stock(ckpt: SavedCheckpoint, g: int, names: Sequence[str]) -> List[Tuple[List[torch.Tensor], int]]:
+    """The moments torch calls `names` (exp_avg / exp_avg_sq, ...) of each parameter of a stock ZeRO checkpoint, joined
+    over ranks (its slice mappings): torch's, or a bitsandbytes optimizer's state of the flat partition dequantized
+    (stock_moments.py)."""
+    pieces: Dict[str, list] = OrderedDict((name, [[] for _ in names]) for name in ckpt.param_shapes()[g])
     step = None
     for rank in range(ckpt.dp):
         state = ckpt.optimizer_state(rank)
@@ -95,13 +112,13 @@ def _moments_of_stock(ckpt: SavedCheckpoint, g: int) -> List[Tuple[List[torch.Te
             flat = base["state"][base["param_groups"][g]["params"][0]]
         else:  # elastic: one trimmed state dict per group
             flat = base[g]
-        moments = adam_moments(flat, ckpt.source.name(rank))
+        moments = flat_moments(flat, ckpt.source.name(rank), names)
         value = flat.get("step", state.get(BASE_OPTIMIZER_STATE_STEP))
         step = int(value.item() if torch.is_tensor(value) else value) if value is not None else step
         for name, address in state[PARAM_SLICE_MAPPINGS][g].items():
-            for i, key in enumerate(MOMENTS):
+            for i, key in enumerate(names):
                 pieces[name][i].append(moments[key].narrow(0, address.start, address.numel))
-    return [([torch.cat(parts[0]), torch.cat(parts[1])], step or 0) for parts in pieces.values()]
+    return [([torch.cat(part) for part in parts], step or 0) for parts in pieces.values()]
 
 
 def _stock_hyperparams(ckpt: SavedCheckpoint, g: int, given: Optional[List[dict]]) -> dict:
@@ -256,22 +273,31 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
 
     plans = []  # per group: eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
     for g, group_shapes in enumerate(shapes):
-        if universal:  # moments read below, only for what an 8-bit universal source does not carry over as it is
-            moments, master, hyper = None, ckpt.master_weights(g), ckpt.hyperparams(g)
-        elif ours:
-            moments, master = _moments_of_record(ckpt, g), ckpt.master_weights(g)
-            hyper = ckpt.groups[g][C.HYPERPARAMS_KEY]
-        elif isinstance(ckpt, StockZero3):
-            moments, master, hyper = ckpt.moments(g), ckpt.master_weights(g), ckpt.hyperparams(g)
+        if universal or ours or isinstance(ckpt, StockZero3):
+            master = ckpt.master_weights(g)
+            hyper = ckpt.groups[g][C.HYPERPARAMS_KEY] if ours else ckpt.hyperparams(g)
         else:
-            moments, master = _moments_of_stock(ckpt, g), stock_master_weights(ckpt, g)
-            hyper = _stock_hyperparams(ckpt, g, param_groups)
+            master, hyper = stock_master_weights(ckpt, g), _stock_hyperparams(ckpt, g, param_groups)
         optimizer = _build(cls, target, hyper, to)
         rule = getattr(optimizer, "optimizer_name", None)
+        names = flat_state_names(rule)  # the moments the target keeps, by torch's names: the source must hold them
         carries_over = universal and ckpt.optimizer_name == rule  # an 8-bit universal source of the same rule
-        if rule not in ADAM_STATE_RULES and not carries_over:
-            raise ValueError(f"convert: {target} is not an Adam-family bnb optimizer (update rule "
-                             f"'{getattr(optimizer, 'optimizer_name', '?')}'); Adam state cannot be given to it.")
+        if names is None and not carries_over:
+            raise ValueError(f"convert: {target}'s update rule '{rule}' keeps state convert cannot write (it writes "
+                             f"one row per state: Adam's two moments, or the one of Lion, SGD, RMSprop, Adagrad).")
+        unkept = {k: hyper[k] for k in SGD_VARIANTS if hyper.get(k)}
+        if rule in SGD_RULES and unkept:
+            raise ValueError(f"convert: param group {g} of {ckpt.tag_dir} is torch's SGD with {unkept}; bitsandbytes' "
+                             f"{target} steps m = momentum * m + g without them (it accepts nesterov and ignores it), "
+                             f"so the run would go on under another rule. Keep that run's optimizer, or load its "
+                             f"weights only (load_optimizer_states=False) and train on.")
+        if universal:  # moments read below, only for what an 8-bit universal source does not carry over as it is
+            moments = None
+        elif ours:
+            moments = _moments_of_record(ckpt, g, names)
+        else:
+            moments = (ckpt.moments(g, names) if isinstance(ckpt, StockZero3) else
+                       _moments_of_stock(ckpt, g, names))
         group = optimizer.param_groups[0]
         hyperparams = {**{k: v for k, v in group.items() if k != "params"},
                        **{k: v for k, v in hyper.items() if k in group or k == "initial_lr"}}
@@ -294,7 +320,8 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
             torch.equal(state[name], qmap) for name, qmap in qmaps.items() if name in state)
             for state, is8 in zip(saved, eight_bit)]
         if moments is None:
-            moments = [(None, None)] * len(kept) if all(kept) else ckpt.moments(g, saved if carries_over else None)
+            moments = ([(None, None)] * len(kept) if all(kept) else
+                       ckpt.moments(g, saved if carries_over else None, names))
         for (rows, step), is8, state, keep in tqdm(list(zip(moments, eight_bit, saved, kept)), desc=f"group {g}",
                                                    disable=not progress):
             report["params"] += 1
@@ -304,7 +331,7 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
                 report["kept"] += 1
                 continue
             state = {"step": step}
-            for i, value in enumerate(rows[:2], start=1):
+            for i, value in enumerate(rows, start=1):
                 value = value.reshape(-1).float()
                 if is8:
                     codes, absmax = quantize_blockwise(value, qmaps[f"qmap{i}"])

@@ -21,7 +21,7 @@ Only plain tensors and builtins are written. `UniversalCheckpoint` reads either 
 
 import os
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -37,7 +37,7 @@ from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, fp32_moments, frozen_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 from deepspeed_bnb.optim.param_state import ParamState
-from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, TRUST_RATIO_RULES
+from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, ALL_TORCH_NAMES, TRUST_RATIO_RULES, flat_state_names
 
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
 BNB_DIR = "bnb"  # a parameter folder's sub-folder holding its 8-bit state (not a `*.pt` name DeepSpeed's loader takes)
@@ -290,8 +290,8 @@ class UniversalCheckpoint(RanklessSource):
     def _param_file(self, name: str, key: str) -> torch.Tensor:
         path = os.path.join(self.tag_dir, ZERO_DIR, safe_name(name, self.tag_dir, "parameter"), f"{key}.pt")
         if not os.path.isfile(path):
-            raise CheckpointMismatchError(f"{path} is missing: a universal checkpoint of Adam state has fp32, "
-                                          f"exp_avg and exp_avg_sq for every parameter.")
+            raise CheckpointMismatchError(f"{path} is missing: a universal checkpoint of the target's state has fp32 "
+                                          f"and its moments (Adam: exp_avg, exp_avg_sq) for every parameter.")
         return load_file(path)
 
     def _tensor(self, name: str, key: str, shape) -> torch.Tensor:
@@ -310,14 +310,21 @@ class UniversalCheckpoint(RanklessSource):
             value = self.optimizer_state.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step", 0)
         return int(value.item() if torch.is_tensor(value) else value)
 
-    def moments(self, g: int, states=None) -> List[Tuple[List[torch.Tensor], int]]:
-        """Every parameter's Adam moments and step; `states`: the 8-bit kind's param_states(g), if already read."""
+    def moments(self, g: int, states=None, names: Sequence[str] = MOMENTS) -> List[Tuple[List[torch.Tensor], int]]:
+        """Every parameter's moments that torch calls `names` (Adam's by default) and step; `states`: the 8-bit
+        kind's param_states(g), if already read."""
         if self.bnb:
-            if self.optimizer_name not in ADAM_STATE_RULES:
+            if flat_state_names(self.optimizer_name) != tuple(names):
                 raise CheckpointMismatchError(f"{self.tag_dir} holds '{self.optimizer_name}' state "
-                                              f"({self.bnb['optimizer_class']}), not Adam's two moments")
+                                              f"({self.bnb['optimizer_class']}), not the target's {tuple(names)}")
             return [(fp32_moments(state), int(state["step"])) for state in states or self.param_states(g)]
-        return [([self._tensor(name, key, shape) for key in MOMENTS], self._step(name))
+        for name in self.param_shapes()[g]:  # another rule's moments beside them would be dropped: refused instead
+            folder = os.path.join(self.tag_dir, ZERO_DIR, safe_name(name, self.tag_dir, "parameter"))
+            held = {key for key in ALL_TORCH_NAMES if os.path.isfile(os.path.join(folder, f"{key}.pt"))}
+            if held - set(names):
+                raise CheckpointMismatchError(f"{folder} holds the moments {sorted(held)}; the target keeps "
+                                              f"{tuple(names)}: give a class of the rule that wrote them.")
+        return [([self._tensor(name, key, shape) for key in names], self._step(name))
                 for name, shape in self.param_shapes()[g].items()]
 
     def master_weights(self, g: int) -> List[torch.Tensor]:
