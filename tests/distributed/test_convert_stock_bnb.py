@@ -65,3 +65,10 @@ def test_two_ranks_resume_the_stock_run_converted_at_load(scenario_results):
     that bound (measured: 6.5e-3), so the moments were carried over."""
     from support.distributed_scenarios import assert_resumed_at_load
     assert_resumed_at_load(scenario_results[2]["stock_bnb_save"])
+
+
+def test_two_ranks_resume_a_stock_lion8bit_run_converted_at_load(scenario_results):
+    """The same for a stock run of bnb's Lion8bit (one state) into a Lion8bit engine: its momentum carried over (the
+    control, fresh state, misses the bound)."""
+    from support.distributed_scenarios import assert_resumed_at_load
+    assert_resumed_at_load(scenario_results[2]["stock_lion_save"])

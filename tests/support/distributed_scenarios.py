@@ -98,12 +98,13 @@ MOE_EP = {1: 1, 2: 2, 3: 1, 4: 2}  # moe=True: DP size -> expert-parallel size (
 
 
 def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, padding=None, frozen=False, moe=False,
-          **cfg):
+          optimizer_cls=None, **cfg):
     """An engine of the toy model. emb32: the 32-bit embedding override HF Trainer registers with bnb's
     GlobalOptimManager for 8-bit optimizers (resolved when the engine is built, then cleared). padding: how the
     ZeRO-1/2 layout is placed (DEEPSPEED_BNB_ZERO_PADDING, read when the optimizer is built; None: the release's).
     frozen: the FROZEN parameters do not train (as a fine-tuning run freezes embeddings). moe: the toy with a MoE
-    layer of MOE_EP[world] expert-parallel ranks, its experts in param groups of their own (DeepSpeed's split)."""
+    layer of MOE_EP[world] expert-parallel ranks, its experts in param groups of their own (DeepSpeed's split).
+    optimizer_cls: a bnb 8-bit class (AdamW8bit unless said)."""
     extra = {k: cfg.pop(k) for k in ("data_types", "checkpoint") if k in cfg}
     config = {**ds_config(world, **cfg), **extra}
     with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
@@ -118,7 +119,7 @@ def build(world, seed=0, stock=False, lr=1e-3, zero_init=False, emb32=False, pad
     manager.initialize()
     if emb32:
         manager.register_module_override(model.emb, "weight", {"optim_bits": 32})
-    optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE)
+    optimizer = (optimizer_cls or bnb.optim.AdamW8bit)(groups, min_8bit_size=MIN_8BIT_SIZE)
     if stock:
         config["zero_allow_untested_optimizer"] = True  # stock DeepSpeed does not list bnb optimizers
         with stock_deepspeed():
@@ -338,7 +339,7 @@ def scenario_stock_zero3_save(world, rank, out):
 
 
 def resumed_at_load(folder, world, rank, **kwargs):
-    """The stock tag in `folder` resumed at this DP size by an AdamW8bit engine of deepspeed_bnb (`kwargs`: build's)
+    """The stock tag in `folder` resumed at this DP size by an engine of deepspeed_bnb (`kwargs`: build's)
     converting it at load (rank 0 writes, every rank loads), and, as the control, by one that loads its weights alone
     (fresh moments): the next 3 losses of each, and the hidden folders left beside the tag."""
     resumed = build(world, seed=1, lr=5e-2, bnb_convert_stock_on_load=True, **kwargs)  # lr: the checkpoint's
@@ -350,8 +351,8 @@ def resumed_at_load(folder, world, rank, **kwargs):
             "left_beside": sorted(name for name in os.listdir(folder) if name.startswith("."))}
 
 
-RESUME_BAR = 1e-3  # next losses of a conversion at load against the stock run (measured 1.7e-4 and 1.7e-5; the
-# weights alone with fresh moments: 6.5e-3 and 6.7e-3)
+RESUME_BAR = 1e-3  # next losses of a conversion at load against the stock run (measured 1.7e-4 and 1.7e-5, Lion8bit
+# 1.0e-4; the weights alone with fresh moments: 6.5e-3 and 6.7e-3, Lion8bit 1.5e-2)
 
 
 def assert_resumed_at_load(result: dict) -> None:
@@ -400,6 +401,17 @@ def scenario_stock_bnb_save(world, rank, out):
         torch.save(reference, os.path.join(folder, "reference_state.pt"))
     continued = run_steps(engine, range(3, 6), world, rank)
     return {"continued": continued, **resumed_at_load(folder, world, rank)}
+
+
+def scenario_stock_lion_save(world, rank, out):
+    """A stock ZeRO-2 run of bnb's Lion8bit (one state), 3 steps, saved, 3 more steps; then the tag resumed at the same
+    DP size by a Lion8bit engine of deepspeed_bnb with bnb_convert_stock_on_load (test_convert_stock_bnb.py)."""
+    folder = os.path.join(out, "stock_lion", f"dp{world}")
+    engine = build(world, stock=True, optimizer_cls=bnb.optim.Lion8bit)
+    run_steps(engine, range(3), world, rank)
+    engine.save_checkpoint(folder, tag="t")
+    continued = run_steps(engine, range(3, 6), world, rank)
+    return {"continued": continued, **resumed_at_load(folder, world, rank, optimizer_cls=bnb.optim.Lion8bit)}
 
 
 MOE_FROZEN = "moe_frozen"  # scenario_moe_frozen_save's folder under the launches' output
@@ -1014,7 +1026,7 @@ def scenario_fails_on_one_rank(world, rank, out):
 
 SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic": scenario_stock_elastic,
              "whole_mismatch": scenario_whole_mismatch, "stock_zero3_save": scenario_stock_zero3_save,
-             "stock_bnb_save": scenario_stock_bnb_save,
+             "stock_bnb_save": scenario_stock_bnb_save, "stock_lion_save": scenario_stock_lion_save,
              "moe_frozen_save": scenario_moe_frozen_save,
              "elastic_save": scenario_elastic_save, "elastic_load": scenario_elastic_load,
              "param_state": scenario_param_state, "rank_failures": scenario_rank_failures,

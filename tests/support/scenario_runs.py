@@ -28,7 +28,7 @@ if SIZES != ALL_SIZES[:len(SIZES)]:
     raise ValueError(f"{SIZES_ENV}={os.environ[SIZES_ENV]!r}: a prefix of {ALL_SIZES} (1,2 or 1,2,3 or 1,2,3,4)")
 # data-parallel sizes of the elastic checkpoints (every N saves, every M loads)
 DISTRIBUTED = {1: "train", 2: "train,resume,stock_elastic,whole_mismatch,param_state,rank_failures,stock_zero3_save,"
-                  "stock_bnb_save,moe_frozen_save", 3: "train,resume"}
+                  "stock_bnb_save,stock_lion_save,moe_frozen_save", 3: "train,resume"}
 RESHAPED = "r1"  # elastic_load source: the DP=1 checkpoint reshaped offline for 3 ranks
 
 
