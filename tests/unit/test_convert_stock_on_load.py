@@ -234,6 +234,19 @@ def test_a_stock_zero3_run_of_torch_sgd_resumes_in_a_bnb_sgd8bit_engine(one_rank
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stock_ademamix_run_is_refused_not_misread(one_rank, tmp_path):
+    """bnb's AdEMAMix8bit keeps its fast and slow EMAs as two rows of state1 and its second moment as state2: the
+    count of states is Adam's, but read as Adam's first moment its slow EMA would be dropped (and was, silently, before
+    this check). Refused, naming the rows, nothing written."""
+    stock = build_engine(bnb.optim.AdEMAMix8bit, stock=True, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(stock, range(1))
+    stock.save_checkpoint(str(tmp_path / "ademamix"), tag="t")
+    with pytest.raises(CheckpointMismatchError, match=r"several rows per element \{'state1': \(2, \d+\)\}"):
+        convert(str(tmp_path / "ademamix"), str(tmp_path / "out"), "8bit", min_8bit_size=MIN_8BIT_SIZE,
+                progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_adams_two_moments_into_a_one_state_class_are_refused(stock_8bit, tmp_path):
     with pytest.raises(CheckpointMismatchError, match=r"two states \(Adam, AdamW, LAMB\).*AdamW8bit"):
         convert(stock_8bit[0], str(tmp_path / "out"), "8bit", optimizer_class="bitsandbytes.optim.Lion8bit",

@@ -63,6 +63,12 @@ def flat_moments(state: dict, where: str, names: Sequence[str] = MOMENTS) -> Dic
     state.pop(QUANT_STATE_KEY, None)
     if [key for key in BNB_MOMENTS if torch.is_tensor(state.get(key))] != list(BNB_MOMENTS[:len(names)]):
         raise not_readable(where, list(state), names)
+    stacked = {key: tuple(state[key].shape) for key in BNB_MOMENTS[:len(names)] if state[key].dim() > 1}
+    if stacked:  # bnb's AdEMAMix keeps two EMAs as the rows of state1: read as one, its slow EMA would be dropped
+        raise CheckpointMismatchError(f"{where} holds bitsandbytes state of several rows per element {stacked} "
+                                      f"(AdEMAMix keeps its fast and slow EMAs in state1); convert reads one row per "
+                                      f"state and cannot give them to another rule. Load its weights only "
+                                      f"(load_optimizer_states=False) into a deepspeed_bnb engine and train on.")
     if "max1" in state:  # bnb's non-blockwise 8-bit state (block_wise=False): one scale per tensor, not per block
         raise CheckpointMismatchError(f"{where} holds bitsandbytes 8-bit state without blocks (block_wise=False: "
                                       f"'max1'); convert reads blockwise state only (bnb's default). Load its weights "
