@@ -34,13 +34,23 @@ TRUST_RATIO_RULES = ("lamb",)
 ALL_TORCH_NAMES = frozenset(name for names in TORCH_NAMES.values() for name in names)
 
 
-def flat_state_names(rule: str) -> Optional[Tuple[str, ...]]:
-    """torch's names of `rule`'s per-element states, one per bnb key in order (state1, then state2): what `convert`
-    reads and writes; None for a rule it cannot (unknown, or a key holding several rows: AdEMAMix's state1)."""
+# a rule's per-element state as `convert` reads and writes it: each bnb key in order with torch's names of its rows
+KeyRows = Tuple[Tuple[str, Tuple[str, ...]], ...]
+
+
+def key_rows(rule: str) -> Optional[KeyRows]:
+    """`rule`'s bnb keys (state1, then state2) with torch's names of their rows, e.g. AdEMAMix's
+    (("state1", ("exp_avg", "exp_avg_slow")), ("state2", ("exp_avg_sq",))); None for a rule not known here."""
     keys = ROW_NAMES.get(rule)
-    if not keys or any(len(names) != 1 for names in keys.values()):
-        return None
-    return tuple(names[0] for names in keys.values())
+    return tuple(keys.items()) if keys else None
+
+
+def row_names(rows: KeyRows) -> Tuple[str, ...]:
+    """torch's names of every row of `rows`, in order (state1's rows, then state2's): TORCH_NAMES of its rule."""
+    return tuple(name for _, names in rows for name in names)
+
+
+ADAM_ROWS: KeyRows = key_rows("adam")  # Adam's two moments, one row each: what convert reads unless told
 
 
 @dataclass(frozen=True)

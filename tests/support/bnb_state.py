@@ -128,31 +128,34 @@ def step_ratio(got: torch.Tensor, values: torch.Tensor, unsigned: bool, numel: i
 
 
 def stock_moments(engine, names=("exp_avg", "exp_avg_sq")) -> dict:
-    """name -> its moments by torch's `names` (Adam's [exp_avg, exp_avg_sq] unless said) of a one-rank stock ZeRO
-    engine: torch's moments of each flat partition, or a bitsandbytes optimizer's state1[, state2] of it dequantized
-    by bitsandbytes itself (blocks from the partition's first element), cut at DeepSpeed's own places of the
-    parameters in it."""
+    """name -> its moments of a one-rank stock ZeRO engine, every row of every state in order (Adam's [exp_avg,
+    exp_avg_sq]; AdEMAMix's fast and slow EMA, then its second moment): torch's moments of each flat partition by
+    `names` (one per state), or a bitsandbytes optimizer's state1[, state2] of it dequantized by bitsandbytes itself
+    (blocks from the partition's first element, per row), cut at DeepSpeed's own places of the parameters in it."""
     opt = engine.optimizer
     numbers = range(1, len(names) + 1)
 
-    def moment(flat, i):
+    def rows(flat, i, numel):  # state i of a flat partition of `numel` elements: (rows, numel)
         key = names[i - 1]
         if key in flat:  # torch's
-            return flat[key].reshape(-1)
-        return bnb_moments(flat, flat["state1"].numel())[f"state{i}"].reshape(-1)
+            return flat[key].reshape(1, -1)
+        return bnb_moments(flat, numel)[f"state{i}"]
 
     out = {}
     if engine.zero_optimization_stage() == 3:  # one rank: each sub-group's parameters whole, back to back
         for i, params in enumerate(opt.fp16_groups):
-            flat, offset = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]], 0
+            partition, offset = opt.fp32_partitioned_groups_flat[i], 0
+            flat = opt.optimizer.state[partition]
             for p in params:
-                out[opt.param_names[p]] = [moment(flat, k).narrow(0, offset, p.ds_numel).clone() for k in numbers]
+                out[opt.param_names[p]] = [row.narrow(0, offset, p.ds_numel).clone() for k in numbers
+                                           for row in rows(flat, k, partition.numel())]
                 offset += p.ds_numel
         return out
     for g, params in enumerate(opt.bit16_groups):
-        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[g]]
+        partition = opt.single_partition_of_fp32_groups[g]
+        flat = opt.optimizer.state[partition]
         for p in params:
             address = p._hp_mapping.get_hp_fragment_address()
-            out[opt.param_names[p]] = [moment(flat, k).narrow(0, address.start, address.numel).clone()
-                                       for k in numbers]
+            out[opt.param_names[p]] = [row.narrow(0, address.start, address.numel).clone() for k in numbers
+                                       for row in rows(flat, k, partition.numel())]
     return out

@@ -305,27 +305,33 @@ def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, o
     assert not (tmp_path / "out").exists()
 
 
-def test_a_deepspeed_bnb_lion_checkpoint_switches_precision(one_rank, tmp_path):
-    """convert --to 32bit of a deepspeed_bnb Lion8bit checkpoint for bnb's 32-bit Lion: its state1 the codes
-    dequantized by bitsandbytes, exactly. Control: the same for an AdamW class is refused, naming the rule ('lion')."""
+@pytest.mark.parametrize("rule, eight, wide", [("lion", "Lion8bit", "Lion"), ("ademamix", "AdEMAMix8bit", "AdEMAMix")])
+def test_a_deepspeed_bnb_checkpoint_of_another_rule_switches_precision(one_rank, tmp_path, rule, eight, wide):
+    """convert --to 32bit of a deepspeed_bnb Lion8bit (one state) or AdEMAMix8bit (two EMAs as the rows of state1,
+    then state2) checkpoint for bnb's 32-bit class of the rule: every state the codes dequantized by bitsandbytes,
+    exactly, row by row. Control: the same for an AdamW class is refused, naming the rule."""
     from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
     from support.bnb_state import bnb_moments, engine_param_states
-    engine = build_engine(bnb.optim.Lion8bit, min_8bit_size=MIN_8BIT_SIZE)
+    engine = build_engine(getattr(bnb.optim, eight), min_8bit_size=MIN_8BIT_SIZE)
     train_steps(engine, range(2))
     engine.save_checkpoint(str(tmp_path / "ours"), tag="t")
     saved = engine_param_states(engine)
-    convert(str(tmp_path / "ours"), str(tmp_path / "fp32"), "32bit", optimizer_class="bitsandbytes.optim.Lion",
+    convert(str(tmp_path / "ours"), str(tmp_path / "fp32"), "32bit", optimizer_class=f"bitsandbytes.optim.{wide}",
             progress=False)
-    fp32 = build_engine(bnb.optim.Lion, seed=1)
+    fp32 = build_engine(getattr(bnb.optim, wide), seed=1)
     fp32.load_checkpoint(str(tmp_path / "fp32"))
     eight_bit = 0
     for name, state in engine_param_states(fp32).items():
-        assert state["state1"].dtype == torch.float32 and "state2" not in state
-        eight_bit += saved[name]["state1"].dtype == torch.uint8
-        assert torch.equal(state["state1"].reshape(-1), bnb_moments(saved[name], state["state1"].numel())["state1"]
-                           .reshape(-1)), name
+        keys = sorted(key for key in state if key.startswith("state"))
+        assert keys == sorted(key for key in saved[name] if key.startswith("state")), name
+        numel = state[keys[-1]].shape[-1]  # the last state has one row
+        expected = bnb_moments(saved[name], numel)
+        for key in keys:
+            assert state[key].dtype == torch.float32, (name, key)
+            eight_bit += saved[name][key].dtype == torch.uint8
+            assert torch.equal(state[key].reshape(-1, numel), expected[key]), (name, key)
     assert eight_bit
-    with pytest.raises(CheckpointMismatchError, match=r"holds 'lion' state.*give a class of 'lion'"):
+    with pytest.raises(CheckpointMismatchError, match=rf"holds '{rule}' state.*give a class of '{rule}'"):
         convert(str(tmp_path / "ours"), str(tmp_path / "adam"), "32bit", progress=False)
 
 

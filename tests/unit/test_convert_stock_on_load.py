@@ -234,21 +234,45 @@ def test_a_stock_zero3_run_of_torch_sgd_resumes_in_a_bnb_sgd8bit_engine(one_rank
     assert not (tmp_path / "out").exists()
 
 
-def test_a_stock_ademamix_run_is_refused_not_misread(one_rank, tmp_path):
-    """bnb's AdEMAMix8bit keeps its fast and slow EMAs as two rows of state1 and its second moment as state2: the
-    count of states is Adam's, but read as Adam's first moment its slow EMA would be dropped (and was, silently, before
-    this check). Refused, naming the rows, nothing written."""
+def test_a_stock_ademamix_run_resumes_with_both_emas_and_is_not_misread_as_adams(one_rank, tmp_path):
+    """bnb's AdEMAMix8bit keeps its fast and slow EMAs as two rows of state1 (each row's blocks from its own start)
+    and its second moment as state2. Into an AdEMAMix8bit engine at load: every row within one code step of the stock
+    run's, the next 3 losses within 1e-3 (the weights alone miss it). Into an AdamW class: the count of states is
+    Adam's, but read as Adam's first moment the slow EMA would be dropped (and was, silently, before this check):
+    refused naming the shapes, nothing written."""
     stock = build_engine(bnb.optim.AdEMAMix8bit, stock=True, min_8bit_size=MIN_8BIT_SIZE)
-    train_steps(stock, range(1))
+    train_steps(stock, range(3))
     stock.save_checkpoint(str(tmp_path / "ademamix"), tag="t")
-    with pytest.raises(CheckpointMismatchError, match=r"several rows per element \{'state1': \(2, \d+\)\}"):
+    moments = stock_moments(stock)  # fast EMA, slow EMA (state1's rows), second moment (state2)
+    continued = train_steps(stock, range(3, 6))
+    engine = build_engine(bnb.optim.AdEMAMix8bit, seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    engine.load_checkpoint(str(tmp_path / "ademamix"))
+    eight_bit = 0
+    for name, state in engine_param_states(engine).items():
+        fast, slow, second = moments[name]
+        assert state["state1"].shape[0] == 2, name
+        for row, expected in enumerate((fast, slow)):  # each row of state1 held as a one-state parameter's state
+            row_state = {"state1": state["state1"][row]}
+            if state["state1"].dtype == torch.uint8:
+                row_state.update(absmax1=state["absmax1"][row], qmap1=state["qmap1"])
+            eight_bit += assert_holds_moments(row_state, [expected], f"{name}[{row}]")
+        assert_holds_moments({key.replace("2", "1"): value for key, value in state.items() if key.endswith("2")},
+                             [second], name)
+    assert eight_bit > 0
+    resumed = max(abs(a - b) for a, b in zip(train_steps(engine, range(3, 6)), continued))
+    fresh = build_engine(bnb.optim.AdEMAMix8bit, seed=1, min_8bit_size=MIN_8BIT_SIZE)
+    fresh.load_checkpoint(str(tmp_path / "ademamix"), load_optimizer_states=False)
+    without = max(abs(a - b) for a, b in zip(train_steps(fresh, range(3, 6)), continued))
+    print(f"AdEMAMix8bit: next 3 losses within {resumed:.2e} of the stock run's; the weights alone {without:.2e}")
+    assert resumed < 1e-3 < without
+    with pytest.raises(CheckpointMismatchError, match=r"state of the shapes \{'state1': \(2, \d+\), 'state2'"):
         convert(str(tmp_path / "ademamix"), str(tmp_path / "out"), "8bit", min_8bit_size=MIN_8BIT_SIZE,
                 progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_adams_two_moments_into_a_one_state_class_are_refused(stock_8bit, tmp_path):
-    with pytest.raises(CheckpointMismatchError, match=r"two states \(Adam, AdamW, LAMB\).*AdamW8bit"):
+    with pytest.raises(CheckpointMismatchError, match=r"two states \(Adam, AdamW, LAMB, AdEMAMix\).*AdamW8bit"):
         convert(stock_8bit[0], str(tmp_path / "out"), "8bit", optimizer_class="bitsandbytes.optim.Lion8bit",
                 progress=False)
     assert not (tmp_path / "out").exists()

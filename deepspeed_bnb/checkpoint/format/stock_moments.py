@@ -15,24 +15,25 @@ whose partition is padded (`_get_state_without_padding`), the maps and the per-b
 partition's last blocks are gone, and such a checkpoint's moments are refused, by name (its weights still load).
 """
 
-from typing import Dict, Sequence
+from typing import Dict
 
 import torch
 
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.ops.reference import BLOCK_SIZE, dequantize_blockwise
-from deepspeed_bnb.optim.state_names import ALL_TORCH_NAMES, TORCH_NAMES
+from deepspeed_bnb.optim.state_names import ADAM_ROWS, ALL_TORCH_NAMES, TORCH_NAMES, KeyRows, row_names
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's moments: bnb's state1 / state2 of an Adam-family rule
 BNB_MOMENTS = ("state1", "state2")  # a bitsandbytes optimizer's per-element states, in that order
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2's state_dict: quantization tensors
 MAP_SIZE = 256  # entries of an 8-bit quantization map
 ONE_STATE = "Lion, SGD with momentum, RMSprop, Adagrad"  # bitsandbytes' optimizers with state1 alone
-TWO_STATES = "Adam, AdamW, LAMB"  # and with state1 and state2
+TWO_STATES = "Adam, AdamW, LAMB, AdEMAMix"  # and with state1 and state2
 
 
-def not_readable(where: str, held, names: Sequence[str]) -> CheckpointMismatchError:
-    """The error for a stock checkpoint whose optimizer state `held` (its keys) is not the `names` convert writes."""
+def not_readable(where: str, held, rows: KeyRows) -> CheckpointMismatchError:
+    """The error for a stock checkpoint whose optimizer state `held` (its keys) is not the state `rows` convert
+    writes."""
     bnb_states = [key for key in BNB_MOMENTS if key in held]
     if bnb_states:
         count, kind, example = (("one state", ONE_STATE, "bitsandbytes.optim.Lion8bit") if len(bnb_states) == 1 else
@@ -45,42 +46,54 @@ def not_readable(where: str, held, names: Sequence[str]) -> CheckpointMismatchEr
         hint = (f" Those are the moments of bnb's {' or '.join(repr(rule) for rule in rules)} update rule: convert "
                 f"them for a class of that rule." if rules else "")
     return CheckpointMismatchError(f"{where} holds optimizer state keys {sorted(held)}; the target optimizer keeps "
-                                   f"{', '.join(names)} (bnb's {', '.join(BNB_MOMENTS[:len(names)])}), so convert "
-                                   f"cannot give it that state.{hint}")
+                                   f"{', '.join(row_names(rows))} (bnb's {', '.join(key for key, _ in rows)}), so "
+                                   f"convert cannot give it that state.{hint}")
 
 
-def flat_moments(state: dict, where: str, names: Sequence[str] = MOMENTS) -> Dict[str, torch.Tensor]:
-    """{name: fp32 values} of one flat partition's optimizer `state`, for a rule whose states torch calls `names`
-    (state_names.flat_state_names): torch's moments by those names (no other rule's), or bnb's state1[, state2]."""
+def flat_moments(state: dict, where: str, rows: KeyRows = ADAM_ROWS) -> Dict[str, torch.Tensor]:
+    """{name: fp32 values} of one flat partition's optimizer `state`, for a rule whose state is `rows`
+    (state_names.key_rows): torch's moments by those names (no other rule's), or bnb's state1[, state2], each with the
+    rule's rows (AdEMAMix's state1: two)."""
     if not isinstance(state, dict):
-        raise not_readable(where, [], names)
+        raise not_readable(where, [], rows)
     torch_held = {key for key in ALL_TORCH_NAMES if torch.is_tensor(state.get(key))}
     if torch_held:  # a torch (or DeepSpeed) optimizer's: exactly the target rule's moments, none left behind
-        if torch_held != set(names):
-            raise not_readable(where, sorted(torch_held), names)
-        return {key: state[key].float() for key in names}
+        if torch_held != set(row_names(rows)):
+            raise not_readable(where, sorted(torch_held), rows)
+        return {key: state[key].float() for key in row_names(rows)}
     state = {**state, **state.get(QUANT_STATE_KEY, {})}
     state.pop(QUANT_STATE_KEY, None)
-    if [key for key in BNB_MOMENTS if torch.is_tensor(state.get(key))] != list(BNB_MOMENTS[:len(names)]):
-        raise not_readable(where, list(state), names)
-    stacked = {key: tuple(state[key].shape) for key in BNB_MOMENTS[:len(names)] if state[key].dim() > 1}
-    if stacked:  # bnb's AdEMAMix keeps two EMAs as the rows of state1: read as one, its slow EMA would be dropped
-        raise CheckpointMismatchError(f"{where} holds bitsandbytes state of several rows per element {stacked} "
-                                      f"(AdEMAMix keeps its fast and slow EMAs in state1); convert reads one row per "
-                                      f"state and cannot give them to another rule. Load its weights only "
-                                      f"(load_optimizer_states=False) into a deepspeed_bnb engine and train on.")
+    if [key for key in BNB_MOMENTS if torch.is_tensor(state.get(key))] != [key for key, _ in rows]:
+        raise not_readable(where, list(state), rows)
+    shapes = {key: tuple(state[key].shape) for key, _ in rows}
+    if any((len(names) > 1) != (len(shapes[key]) > 1) or (len(names) > 1 and shapes[key][0] != len(names))
+           for key, names in rows):  # AdEMAMix keeps two EMAs as the rows of state1: read as one, one would be lost
+        raise CheckpointMismatchError(f"{where} holds bitsandbytes state of the shapes {shapes}; the target keeps "
+                                      f"{dict((key, len(names)) for key, names in rows)} row(s) per element and key "
+                                      f"(AdEMAMix keeps its fast and slow EMAs as two rows of state1), so convert "
+                                      f"cannot give it that state. Convert it for the class the run used, or load its "
+                                      f"weights only (load_optimizer_states=False) and train on.")
     if "max1" in state:  # bnb's non-blockwise 8-bit state (block_wise=False): one scale per tensor, not per block
         raise CheckpointMismatchError(f"{where} holds bitsandbytes 8-bit state without blocks (block_wise=False: "
                                       f"'max1'); convert reads blockwise state only (bnb's default). Load its weights "
                                       f"only (load_optimizer_states=False) into a deepspeed_bnb engine and train on.")
-    return {key: _moment(state, i, where) for i, key in enumerate(names, start=1)}
+    out = {}
+    for i, (key, names) in enumerate(rows, start=1):
+        for row, name in enumerate(names):
+            out[name] = _moment(state, i, row if len(names) > 1 else None, where)
+    return out
 
 
-def _moment(state: dict, i: int, where: str) -> torch.Tensor:
-    codes = state[f"state{i}"].reshape(-1)
+def _moment(state: dict, i: int, row, where: str) -> torch.Tensor:
+    """state{i} (its row `row`, when it has several: blocks counted from each row's start, as bnb counts them) as fp32
+    values: 32-bit state as it is, 8-bit codes dequantized by bnb's formula."""
+    codes = state[f"state{i}"]
+    codes = (codes if row is None else codes[row]).reshape(-1)
     if codes.dtype != torch.uint8:  # 32-bit state (a partition below min_8bit_size): the moments themselves
         return codes.float()
     absmax, qmap = state.get(f"absmax{i}"), state.get(f"qmap{i}")
+    if row is not None and torch.is_tensor(absmax):
+        absmax = absmax[row] if absmax.dim() > 1 and absmax.shape[0] > row else None
     blocks = -(-codes.numel() // BLOCK_SIZE)
     if not torch.is_tensor(absmax) or absmax.numel() < blocks or not torch.is_tensor(qmap) or \
             qmap.numel() != MAP_SIZE:

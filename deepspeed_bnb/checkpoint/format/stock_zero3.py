@@ -11,14 +11,15 @@ What stock ZeRO-3 (DeepSpeed 0.16-0.19) writes per rank, and how it is cut here 
 """
 
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.sources import OPTIMIZER_STATE_DICT
-from deepspeed_bnb.checkpoint.format.stock_moments import MOMENTS, flat_moments
+from deepspeed_bnb.checkpoint.format.stock_moments import flat_moments
+from deepspeed_bnb.optim.state_names import ADAM_ROWS, KeyRows, row_names
 
 
 def cut_flat_groups(ckpt, flats_of: Callable[[int], List[torch.Tensor]], what: str) -> Dict[str, torch.Tensor]:
@@ -98,22 +99,22 @@ class StockZero3:
     def hyperparams(self, g: int) -> dict:
         return dict(self.hyper[g])
 
-    def moments(self, g: int, names: Sequence[str] = MOMENTS) -> List[Tuple[List[torch.Tensor], int]]:
-        """(the states torch calls `names`, e.g. [exp_avg, exp_avg_sq], step) of each parameter of param group g,
-        flattened, in fp32."""
-        if self._moments is None or self._moments[0] != tuple(names):
-            self._moments = (tuple(names), *self._read_moments(names))
+    def moments(self, g: int, rows: KeyRows = ADAM_ROWS) -> List[Tuple[List[torch.Tensor], int]]:
+        """(the moments of `rows`, e.g. [exp_avg, exp_avg_sq], step) of each parameter of param group g, flattened, in
+        fp32."""
+        if self._moments is None or self._moments[0] != rows:
+            self._moments = (rows, *self._read_moments(rows))
         _, values, steps = self._moments
-        return [([values[key][name].float() for key in names], steps[g]) for name in self.param_shapes()[g]]
+        return [([values[key][name].float() for key in row_names(rows)], steps[g]) for name in self.param_shapes()[g]]
 
-    def _read_moments(self, names: Sequence[str]):
+    def _read_moments(self, rows: KeyRows):
         sub = self.ckpt.param_shapes()
         states = [_torch_state(self.ckpt, rank)["state"] for rank in range(self.ckpt.dp)]
 
-        moments = [{i: flat_moments(states[rank].get(i), f"{self.ckpt.source.name(rank)} (sub-group {i})", names)
+        moments = [{i: flat_moments(states[rank].get(i), f"{self.ckpt.source.name(rank)} (sub-group {i})", rows)
                     for i in range(len(sub))} for rank in range(self.ckpt.dp)]  # torch's, or bnb's dequantized
         values = {key: cut_flat_groups(self.ckpt, lambda rank: [moments[rank][i][key] for i in range(len(sub))],
-                                       f"the optimizer's '{key}'") for key in names}
+                                       f"the optimizer's '{key}'") for key in row_names(rows)}
         steps = []
         for indices in self.sub_groups:
             found = {float(states[0][i].get("step", 0)) for i in indices}

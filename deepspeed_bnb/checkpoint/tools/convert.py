@@ -3,13 +3,14 @@
 Reads a deepspeed_bnb checkpoint, a stock DeepSpeed ZeRO-1/2/3 checkpoint (ZeRO-3: format/stock_zero3.py; torch's
 moments, or a bitsandbytes optimizer's state of each flat partition dequantized: format/stock_moments.py) or a
 DeepSpeed universal checkpoint (universal.py; DeepSpeed's ds_to_universal writes Adam's moments only), takes the
-moments the target class's rule keeps (state_names.flat_state_names: Adam's `exp_avg`, `exp_avg_sq`, or one state:
-Lion's `exp_avg`, SGD's `momentum_buffer`, RMSprop's `square_avg`, Adagrad's `sum`), joins every parameter's, and
-writes a deepspeed_bnb checkpoint (same DP size; DP 1 from a universal one: it loads at any) for the target bnb
-optimizer class: 8-bit parameters are quantized with bnb's own maps and 256-element blocks to the nearest code
-(ops/reference.py; bnb's CPU look-up table misses small values by up to ~50 code gaps, since it cannot hold 0), fp32
-parameters keep the moments exactly. The report gives the round-trip error of the quantized moments against the gap
-between the two codes around each value (one quantization step): at most 0.5 by construction.
+moments the target class's rule keeps (state_names.key_rows: Adam's `exp_avg`, `exp_avg_sq`; AdEMAMix's two EMAs as
+the rows of state1 and `exp_avg_sq`; or one state: Lion's `exp_avg`, SGD's `momentum_buffer`, RMSprop's `square_avg`,
+Adagrad's `sum`), joins every parameter's, and writes a deepspeed_bnb checkpoint (same DP size; DP 1 from a
+universal one: it loads at any) for the target bnb optimizer class: 8-bit parameters are quantized with bnb's own maps
+and 256-element blocks (per row) to the nearest code (ops/reference.py; bnb's CPU look-up table misses small values
+by up to ~50 code gaps, since it cannot hold 0), fp32 parameters keep the moments exactly. The report gives the
+round-trip error of the quantized moments against the gap between the two codes around each value (one quantization
+step): at most 0.5 by construction.
 `--master-weights` switches the master weights between fp32, bf16 and compensated bf16+8 (switch_master_weights
 alone, or with --to), exactly where the target holds the values and rounded as that mode rounds otherwise.
 """
@@ -17,7 +18,7 @@ alone, or with --to), exactly where the target holds the values and rounded as t
 import importlib
 import inspect
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, PARAM_SLICE_MAPPINGS
@@ -36,14 +37,15 @@ from deepspeed_bnb.checkpoint.tools.reshape import reshape
 from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint, universal_tag_dir
 from deepspeed_bnb.ops.reference import code_gap, dequantize_blockwise, quantize_blockwise
 from deepspeed_bnb.optim import master_weights
-from deepspeed_bnb.optim.state_names import flat_state_names
+from deepspeed_bnb.optim.state_names import KeyRows, key_rows, row_names
 from deepspeed_bnb.state_layout import BLOCK_SIZE, GroupLayout, ShardedLayout, uses_8bit_state
 
 DEFAULT_CLASS = {"8bit": "bitsandbytes.optim.adamw.AdamW8bit", "32bit": "bitsandbytes.optim.adamw.AdamW"}
-# a param group's settings a target class is built with: bnb's own, and the torch arguments its SGD, RMSprop and
-# Adagrad classes take (a torch optimizer's groups carry them; bnb refuses the values it does not implement)
-HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "alpha", "centered",
-               "lr_decay", "initial_accumulator_value")
+# a param group's settings a target class is built with: bnb's own (AdEMAMix's alpha and schedules too), and the torch
+# arguments its SGD, RMSprop and Adagrad classes take (a torch optimizer's groups carry them; bnb refuses the values
+# it does not implement)
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3", "momentum", "dampening",
+               "nesterov", "centered", "lr_decay", "initial_accumulator_value")
 # bitsandbytes' one-state classes keep two of their torch arguments as the group's `betas` (Optimizer1State): RMSprop
 # (alpha, momentum), SGD and LARS (momentum, dampening); a bnb group read back gives them to such a class by these
 PACKED_BETAS = (("alpha", "momentum"), ("momentum", "dampening"))
@@ -88,21 +90,22 @@ def _build(cls, target: str, hyper: dict, to: str):
                          f"({exc})") from exc
 
 
-def _moments_of_record(ckpt: SavedCheckpoint, g: int, names: Sequence[str]) -> List[Tuple[List[torch.Tensor], int]]:
+def _moments_of_record(ckpt: SavedCheckpoint, g: int, rows: KeyRows) -> List[Tuple[List[torch.Tensor], int]]:
     rule = ckpt.record(0)[C.OPTIMIZER_NAME_KEY]
-    if flat_state_names(rule) != tuple(names):
-        held = flat_state_names(rule) or "state convert cannot read (several rows per key)"
+    if key_rows(rule) != rows:
+        held = row_names(key_rows(rule)) if key_rows(rule) else "state convert does not know"
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{rule}' state ({ckpt.optimizer_class}): {held}; the "
-                                      f"target class keeps {tuple(names)}. convert switches one update rule's state "
+                                      f"target class keeps {row_names(rows)}. convert switches one update rule's state "
                                       f"between precisions (or between rules of the same moments: Adam, AdamW, "
                                       f"LAMB), not from one rule to another: give a class of '{rule}'.")
     return [(fp32_moments(state), int(state["step"])) for state in ckpt.param_states(g)]
 
 
-def _moments_of_stock(ckpt: SavedCheckpoint, g: int, names: Sequence[str]) -> List[Tuple[List[torch.Tensor], int]]:
-    """The moments torch calls `names` (exp_avg / exp_avg_sq, ...) of each parameter of a stock ZeRO checkpoint, joined
-    over ranks (its slice mappings): torch's, or a bitsandbytes optimizer's state of the flat partition dequantized
+def _moments_of_stock(ckpt: SavedCheckpoint, g: int, rows: KeyRows) -> List[Tuple[List[torch.Tensor], int]]:
+    """The moments of `rows` (exp_avg / exp_avg_sq, ...) of each parameter of a stock ZeRO checkpoint, joined over
+    ranks (its slice mappings): torch's, or a bitsandbytes optimizer's state of the flat partition dequantized
     (stock_moments.py)."""
+    names = row_names(rows)
     pieces: Dict[str, list] = OrderedDict((name, [[] for _ in names]) for name in ckpt.param_shapes()[g])
     step = None
     for rank in range(ckpt.dp):
@@ -112,7 +115,7 @@ def _moments_of_stock(ckpt: SavedCheckpoint, g: int, names: Sequence[str]) -> Li
             flat = base["state"][base["param_groups"][g]["params"][0]]
         else:  # elastic: one trimmed state dict per group
             flat = base[g]
-        moments = flat_moments(flat, ckpt.source.name(rank), names)
+        moments = flat_moments(flat, ckpt.source.name(rank), rows)
         value = flat.get("step", state.get(BASE_OPTIMIZER_STATE_STEP))
         step = int(value.item() if torch.is_tensor(value) else value) if value is not None else step
         for name, address in state[PARAM_SLICE_MAPPINGS][g].items():
@@ -263,6 +266,18 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
             f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")
 
 
+def _requantized(value: torch.Tensor, qmap: Optional[torch.Tensor], report: dict):
+    """(codes, absmax) of one row's fp32 `value` quantized with `qmap`, its round-trip error counted in `report`; with
+    no map (32-bit state), (a copy of the values, None)."""
+    if qmap is None:
+        return value.clone(), None
+    codes, absmax = quantize_blockwise(value, qmap)
+    report["worst_step_ratio"] = max(report["worst_step_ratio"], step_ratio(value, codes, absmax, qmap))
+    report["worst_abs_error"] = max(report["worst_abs_error"],
+                                    float((dequantize_blockwise(codes, absmax, qmap) - value).abs().max()))
+    return codes, absmax
+
+
 def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bool, ours: bool, progress: bool,
               param_groups: Optional[List[dict]] = None, eight_bit_by_name: Optional[Dict[str, bool]] = None):
     """Per param group of `ckpt`: (eight_bit, key classes, templates, hyper-parameters, per-parameter state, master
@@ -280,11 +295,11 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
             master, hyper = stock_master_weights(ckpt, g), _stock_hyperparams(ckpt, g, param_groups)
         optimizer = _build(cls, target, hyper, to)
         rule = getattr(optimizer, "optimizer_name", None)
-        names = flat_state_names(rule)  # the moments the target keeps, by torch's names: the source must hold them
+        layout = key_rows(rule)  # the state the target keeps, by bnb key and torch's row names: the source must hold it
         carries_over = universal and ckpt.optimizer_name == rule  # an 8-bit universal source of the same rule
-        if names is None and not carries_over:
-            raise ValueError(f"convert: {target}'s update rule '{rule}' keeps state convert cannot write (it writes "
-                             f"one row per state: Adam's two moments, or the one of Lion, SGD, RMSprop, Adagrad).")
+        if layout is None and not carries_over:
+            raise ValueError(f"convert: {target}'s update rule '{rule}' keeps state convert does not know (it writes "
+                             f"Adam's, AdEMAMix's, Lion's, SGD's, RMSprop's and Adagrad's).")
         unkept = {k: hyper[k] for k in SGD_VARIANTS if hyper.get(k)}
         if rule in SGD_RULES and unkept:
             raise ValueError(f"convert: param group {g} of {ckpt.tag_dir} is torch's SGD with {unkept}; bitsandbytes' "
@@ -294,10 +309,10 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         if universal:  # moments read below, only for what an 8-bit universal source does not carry over as it is
             moments = None
         elif ours:
-            moments = _moments_of_record(ckpt, g, names)
+            moments = _moments_of_record(ckpt, g, layout)
         else:
-            moments = (ckpt.moments(g, names) if isinstance(ckpt, StockZero3) else
-                       _moments_of_stock(ckpt, g, names))
+            moments = (ckpt.moments(g, layout) if isinstance(ckpt, StockZero3) else
+                       _moments_of_stock(ckpt, g, layout))
         group = optimizer.param_groups[0]
         hyperparams = {**{k: v for k, v in group.items() if k != "params"},
                        **{k: v for k, v in hyper.items() if k in group or k == "initial_lr"}}
@@ -321,8 +336,8 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
             for state, is8 in zip(saved, eight_bit)]
         if moments is None:
             moments = ([(None, None)] * len(kept) if all(kept) else
-                       ckpt.moments(g, saved if carries_over else None, names))
-        for (rows, step), is8, state, keep in tqdm(list(zip(moments, eight_bit, saved, kept)), desc=f"group {g}",
+                       ckpt.moments(g, saved if carries_over else None, layout))
+        for (values, step), is8, state, keep in tqdm(list(zip(moments, eight_bit, saved, kept)), desc=f"group {g}",
                                                    disable=not progress):
             report["params"] += 1
             report["8bit" if is8 else "fp32"] += 1
@@ -331,17 +346,15 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
                 report["kept"] += 1
                 continue
             state = {"step": step}
-            for i, value in enumerate(rows, start=1):
-                value = value.reshape(-1).float()
+            values = iter(values)  # row_names(layout) order: each key's rows in turn
+            for i, (key, names) in enumerate(layout, start=1):
+                # a key of several rows (AdEMAMix's state1) is (rows, numel), each row's blocks from its own start
+                held = [_requantized(next(values).reshape(-1).float(), qmaps.get(f"qmap{i}") if is8 else None, report)
+                        for _ in names]
                 if is8:
-                    codes, absmax = quantize_blockwise(value, qmaps[f"qmap{i}"])
-                    state.update({f"state{i}": codes, f"absmax{i}": absmax, f"qmap{i}": qmaps[f"qmap{i}"]})
-                    ratio = step_ratio(value, codes, absmax, qmaps[f"qmap{i}"])
-                    error = float((dequantize_blockwise(codes, absmax, qmaps[f"qmap{i}"]) - value).abs().max())
-                    report["worst_step_ratio"] = max(report["worst_step_ratio"], ratio)
-                    report["worst_abs_error"] = max(report["worst_abs_error"], error)
-                else:
-                    state[f"state{i}"] = value.clone()
+                    state[f"qmap{i}"] = qmaps[f"qmap{i}"]
+                    state[f"absmax{i}"] = torch.stack([absmax for _, absmax in held]) if len(held) > 1 else held[0][1]
+                state[key] = torch.stack([codes for codes, _ in held]) if len(held) > 1 else held[0][0]
             per_param.append(state)
         plans.append((eight_bit, key_classes, templates, hyperparams, per_param, master))
 

@@ -21,7 +21,7 @@ Only plain tensors and builtins are written. `UniversalCheckpoint` reads either 
 
 import os
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -37,7 +37,8 @@ from deepspeed_bnb.checkpoint.format.safe_load import load_file
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, fp32_moments, frozen_weights
 from deepspeed_bnb.checkpoint.tools.rank_files import RanklessSource, check_output
 from deepspeed_bnb.optim.param_state import ParamState
-from deepspeed_bnb.optim.state_names import ADAM_STATE_RULES, ALL_TORCH_NAMES, TRUST_RATIO_RULES, flat_state_names
+from deepspeed_bnb.optim.state_names import (ADAM_ROWS, ADAM_STATE_RULES, ALL_TORCH_NAMES, TRUST_RATIO_RULES, KeyRows,
+                                             key_rows, row_names)
 
 ZERO_DIR = "zero"  # per-parameter folders and optimizer_state.pt
 BNB_DIR = "bnb"  # a parameter folder's sub-folder holding its 8-bit state (not a `*.pt` name DeepSpeed's loader takes)
@@ -310,13 +311,14 @@ class UniversalCheckpoint(RanklessSource):
             value = self.optimizer_state.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step", 0)
         return int(value.item() if torch.is_tensor(value) else value)
 
-    def moments(self, g: int, states=None, names: Sequence[str] = MOMENTS) -> List[Tuple[List[torch.Tensor], int]]:
-        """Every parameter's moments that torch calls `names` (Adam's by default) and step; `states`: the 8-bit
-        kind's param_states(g), if already read."""
+    def moments(self, g: int, states=None, rows: KeyRows = ADAM_ROWS) -> List[Tuple[List[torch.Tensor], int]]:
+        """Every parameter's moments of `rows` (Adam's by default) and step; `states`: the 8-bit kind's
+        param_states(g), if already read."""
+        names = row_names(rows)
         if self.bnb:
-            if flat_state_names(self.optimizer_name) != tuple(names):
+            if key_rows(self.optimizer_name) != rows:
                 raise CheckpointMismatchError(f"{self.tag_dir} holds '{self.optimizer_name}' state "
-                                              f"({self.bnb['optimizer_class']}), not the target's {tuple(names)}")
+                                              f"({self.bnb['optimizer_class']}), not the target's {names}")
             return [(fp32_moments(state), int(state["step"])) for state in states or self.param_states(g)]
         for name in self.param_shapes()[g]:  # another rule's moments beside them would be dropped: refused instead
             folder = os.path.join(self.tag_dir, ZERO_DIR, safe_name(name, self.tag_dir, "parameter"))

@@ -21,8 +21,9 @@ from deepspeed_bnb.checkpoint.format.model_parallel import ModelParallelPlace, s
 from deepspeed_bnb.checkpoint.format.weights import FROZEN_FRAGMENTS, FROZEN_SHAPES, frozen_weights
 from deepspeed_bnb.checkpoint.tools.convert import group_filler, plans_for
 from deepspeed_bnb.checkpoint.tools.rank_files import write_model_parallel_files
-from deepspeed_bnb.checkpoint.tools.universal import MOMENTS, UniversalCheckpoint
+from deepspeed_bnb.checkpoint.tools.universal import UniversalCheckpoint
 from deepspeed_bnb.optim.param_state import ParamState, Requantization
+from deepspeed_bnb.optim.state_names import ADAM_ROWS, KeyRows
 
 
 @dataclass(frozen=True)
@@ -162,10 +163,10 @@ class ModelRankUniversal:
             out.append(state)
         return out
 
-    def moments(self, g: int, states=None, names: Sequence[str] = MOMENTS):
+    def moments(self, g: int, states=None, rows: KeyRows = ADAM_ROWS):
         if states is not None or self.universal.bnb:
-            return self.universal.moments(g, states if states is not None else self.param_states(g), names)
-        full = self.universal.moments(g, None, names)
+            return self.universal.moments(g, states if states is not None else self.param_states(g), rows)
+        full = self.universal.moments(g, None, rows)
         return [([self._slice(name, row) for row in full[self._index[name][0]][0]], full[self._index[name][0]][1])
                 for name in self.layout.shapes[g]]
 
