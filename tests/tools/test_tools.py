@@ -261,6 +261,23 @@ def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("variant, needle", [({"amsgrad": True}, r"\{'amsgrad': \"AMSGrad's"),
+                                             ({"weight_decay": 0.1, "plain_adam": True}, r"\{'weight_decay': 'weight decay "
+                                                                                       r"added to the gradient")])
+def test_convert_refuses_a_torch_adam_variant_bnb_does_not_step(one_rank, tmp_path, variant, needle):
+    """A stock run of torch's AdamW with amsgrad, or of torch's Adam with weight decay (added to the gradient, where
+    bnb's every Adam decays the weights as AdamW does), would go on under another rule as bnb AdamW8bit: refused,
+    naming the setting, nothing written (torch's plain AdamW converts: test_convert_reads_a_stock_run_... above)."""
+    kwargs = dict(variant)
+    cls = torch.optim.Adam if kwargs.pop("plain_adam", False) else torch.optim.AdamW
+    stock = build_engine(cls, stock=True, **kwargs)
+    train_steps(stock, range(1))
+    stock.save_checkpoint(str(tmp_path / "torch"), tag="t")
+    with pytest.raises(ValueError, match=needle):
+        convert(str(tmp_path / "torch"), str(tmp_path / "out"), "8bit", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("stage, optimizer", [(2, "AdamW8bit"), (3, "AdamW8bit"), (2, "AdamW")])
 def test_convert_reads_a_stock_run_of_bnb_adamw8bit(one_rank, tmp_path, stage, optimizer):
     """A run of bnb AdamW8bit under stock DeepSpeed (ZeRO-2, ZeRO-3; and of bnb's 32-bit AdamW) keeps bnb's whole state

@@ -49,8 +49,11 @@ HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta
 # bitsandbytes' one-state classes keep two of their torch arguments as the group's `betas` (Optimizer1State): RMSprop
 # (alpha, momentum), SGD and LARS (momentum, dampening); a bnb group read back gives them to such a class by these
 PACKED_BETAS = (("alpha", "momentum"), ("momentum", "dampening"))
-# torch SGD's variants bitsandbytes' momentum rules do not step (its kernels read neither), and those rules
-SGD_VARIANTS, SGD_RULES = ("nesterov", "dampening"), ("momentum", "lars")
+# a torch optimizer's settings that change its update where bitsandbytes' rules have no such variant (bnb's SGD takes
+# nesterov and ignores it; its momentum is m = momentum * m + g): a run converted with one of them on would go on under
+# another rule
+TORCH_VARIANTS = {"amsgrad": "AMSGrad's running maximum of the second moment", "maximize": "gradient ascent",
+                  "nesterov": "Nesterov momentum", "dampening": "dampened momentum"}
 
 
 def _load_class(qualified: str):
@@ -300,12 +303,13 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         if layout is None and not carries_over:
             raise ValueError(f"convert: {target}'s update rule '{rule}' keeps state convert does not know (it writes "
                              f"Adam's, AdEMAMix's, Lion's, SGD's, RMSprop's and Adagrad's).")
-        unkept = {k: hyper[k] for k in SGD_VARIANTS if hyper.get(k)}
-        if rule in SGD_RULES and unkept:
-            raise ValueError(f"convert: param group {g} of {ckpt.tag_dir} is torch's SGD with {unkept}; bitsandbytes' "
-                             f"{target} steps m = momentum * m + g without them (it accepts nesterov and ignores it), "
-                             f"so the run would go on under another rule. Keep that run's optimizer, or load its "
-                             f"weights only (load_optimizer_states=False) and train on.")
+        unkept = {k: what for k, what in TORCH_VARIANTS.items() if hyper.get(k)}
+        if hyper.get("decoupled_weight_decay") is False and hyper.get("weight_decay"):  # torch's Adam, not AdamW
+            unkept["weight_decay"] = "weight decay added to the gradient (bnb decays the weights, as AdamW does)"
+        if unkept:
+            raise ValueError(f"convert: param group {g} of {ckpt.tag_dir} steps with {unkept}, which bitsandbytes' "
+                             f"{target} does not, so the run would go on under another rule. Keep that run's "
+                             f"optimizer, or load its weights only (load_optimizer_states=False) and train on.")
         if universal:  # moments read below, only for what an 8-bit universal source does not carry over as it is
             moments = None
         elif ours:
