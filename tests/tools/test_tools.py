@@ -261,9 +261,9 @@ def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, t
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("variant, needle", [({"amsgrad": True}, r"\{'amsgrad': \"AMSGrad's"),
-                                             ({"weight_decay": 0.1, "plain_adam": True}, r"\{'weight_decay': 'weight decay "
-                                                                                       r"added to the gradient")])
+@pytest.mark.parametrize("variant, needle", [
+    ({"amsgrad": True}, r"\{'amsgrad': \"AMSGrad's"),
+    ({"weight_decay": 0.1, "plain_adam": True}, r"\{'weight_decay': 'weight decay added to the gradient")])
 def test_convert_refuses_a_torch_adam_variant_bnb_does_not_step(one_rank, tmp_path, variant, needle):
     """A stock run of torch's AdamW with amsgrad, or of torch's Adam with weight decay (added to the gradient, where
     bnb's every Adam decays the weights as AdamW does), would go on under another rule as bnb AdamW8bit: refused,
