@@ -166,8 +166,8 @@ def parser() -> argparse.ArgumentParser:
                              ("convert", _convert, "switch optimizer-state precision: 32-bit (torch/DeepSpeed AdamW, "
                                                    "bnb 32-bit; ZeRO-1/2/3 or universal checkpoints) <-> bnb 8-bit; "
                                                    "also a stock DeepSpeed run of a bnb optimizer into deepspeed_bnb's "
-                                                   "layout; Adam's moments or the one state of Lion, SGD, RMSprop, "
-                                                   "Adagrad; reports the round-trip error"),
+                                                   "layout (Adam's, AdEMAMix's, Lion's, SGD's, RMSprop's or "
+                                                   "Adagrad's state); reports the round-trip error"),
                              ("migrate", _migrate, "rewrite a deepspeed_bnb checkpoint of an older format in the "
                                                    "current one (per-tensor checksums; with --trust, one that needs "
                                                    "trust or lost its manifest)")):

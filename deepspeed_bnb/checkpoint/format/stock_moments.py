@@ -8,8 +8,9 @@ tensor instead, whole on each rank: `state1` (and `state2` for the Adam family) 
 256-element block counted from the partition's first element and the maps `qmap1/2`, or fp32 below its
 min_8bit_size; since bitsandbytes 0.49.2 with the quantization tensors under `__bnb_optimizer_quant_state__` in a rigid
 save (bnb's state_dict). The moments are those codes dequantized (bnb's formula, qmap[code] * absmax[block]), exactly
-what the stock run's next step would have read. bnb's files do not say which update rule wrote `state1`: the reader
-takes the rule convert writes (the target class's; at load, the engine's) and checks the count of states against it.
+what the stock run's next step would have read (AdEMAMix's state1 holds two rows, its fast and slow EMAs, each with
+its own blocks). bnb's files do not say which update rule wrote them: the reader takes the rule convert writes (the
+target class's; at load, the engine's) and checks the count of states and of their rows against it.
 DeepSpeed's elastic save (`elastic_checkpoint: true`) drops the last `padding` entries of every state tensor of a rank
 whose partition is padded (`_get_state_without_padding`), the maps and the per-block scales too: the scales of that
 partition's last blocks are gone, and such a checkpoint's moments are refused, by name (its weights still load).
@@ -23,7 +24,6 @@ from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.ops.reference import BLOCK_SIZE, dequantize_blockwise
 from deepspeed_bnb.optim.state_names import ADAM_ROWS, ALL_TORCH_NAMES, TORCH_NAMES, KeyRows, row_names
 
-MOMENTS = ("exp_avg", "exp_avg_sq")  # torch Adam's moments: bnb's state1 / state2 of an Adam-family rule
 BNB_MOMENTS = ("state1", "state2")  # a bitsandbytes optimizer's per-element states, in that order
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.49.2's state_dict: quantization tensors
 MAP_SIZE = 256  # entries of an 8-bit quantization map
