@@ -104,6 +104,29 @@ def test_converted_back_the_8bit_kind_is_bit_for_bit_and_the_stock_kind_is_not(s
                 same_states(again.param_states(g), ckpt.param_states(g), f"group {g}")
 
 
+def test_the_8bit_kind_of_ademamix_converts_to_32bit_row_by_row(saved, tmp_path):
+    """An 8-bit universal checkpoint of AdEMAMix8bit for bnb's 32-bit AdEMAMix: not kept as saved (another
+    precision), so its 8-bit parameters go through their moments: state1's two rows and state2 are the codes
+    dequantized by bitsandbytes itself, exactly (the 32-bit ones are kept as saved). (Before, only Adam's two moments
+    went this way and AdEMAMix was refused.)"""
+    from support.bnb_state import bnb_moments
+    out, back = str(tmp_path / "universal"), str(tmp_path / "back")
+    export(saved["AdEMAMix8bit"], out, universal=True, progress=False)
+    report = convert(out, back, "32bit", optimizer_class="bitsandbytes.optim.ademamix.AdEMAMix", progress=False)
+    assert "0 with 8-bit state" in report, report  # the 8-bit parameters went through their moments
+    ckpt, wide = SavedCheckpoint(saved["AdEMAMix8bit"]), SavedCheckpoint(back)
+    eight_bit = 0
+    for g in range(len(ckpt.param_shapes())):
+        for theirs, mine in zip(ckpt.param_states(g), wide.param_states(g)):
+            numel = theirs["state2"].shape[-1]
+            expected = bnb_moments(theirs, numel)
+            eight_bit += theirs.eight_bit
+            for key in ("state1", "state2"):
+                assert mine[key].dtype == torch.float32
+                assert torch.equal(mine[key].reshape(-1, numel), expected[key]), key
+    assert eight_bit
+
+
 def state_bytes(folder):
     """Bytes of the optimizer-state files of a universal checkpoint (all but the weights and model states)."""
     total = 0
