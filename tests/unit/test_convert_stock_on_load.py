@@ -234,6 +234,23 @@ def test_a_stock_zero3_run_of_torch_sgd_resumes_in_a_bnb_sgd8bit_engine(one_rank
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stock_zero3_run_of_lion8bit_resumes_in_a_zero2_engine(one_rank, tmp_path):
+    """Stock ZeRO-3 keeps bnb's state per sub-group's flat tensor (format/stock_zero3.py): a Lion8bit run's momentum,
+    read there and cut per parameter, within one code step in a ZeRO-2 Lion8bit engine; its next losses track the
+    stock run's within 1e-3."""
+    stock = build_engine(bnb.optim.Lion8bit, stock=True, stage=3, min_8bit_size=MIN_8BIT_SIZE)
+    train_steps(stock, range(2))
+    stock.save_checkpoint(str(tmp_path / "s3"))
+    expected = stock_moments(stock, ("exp_avg",))
+    continued = train_steps(stock, range(2, 4))
+    engine = build_engine(bnb.optim.Lion8bit, seed=1, min_8bit_size=MIN_8BIT_SIZE, zero=KEY)
+    engine.load_checkpoint(str(tmp_path / "s3"))
+    states = engine_param_states(engine)
+    assert states.keys() == expected.keys()
+    assert sum(assert_holds_moments(states[name], expected[name], name) for name in states) > 0
+    assert max(abs(a - b) for a, b in zip(train_steps(engine, range(2, 4)), continued)) < 1e-3
+
+
 def test_a_stock_ademamix_run_resumes_with_both_emas_and_is_not_misread_as_adams(one_rank, tmp_path):
     """bnb's AdEMAMix8bit keeps its fast and slow EMAs as two rows of state1 (each row's blocks from its own start)
     and its second moment as state2. Into an AdEMAMix8bit engine at load: every row within one code step of the stock
