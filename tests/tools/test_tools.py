@@ -263,13 +263,17 @@ def test_convert_refuses_a_stock_zero3_checkpoint_without_adam_state(one_rank, t
 
 @pytest.mark.parametrize("variant, needle", [
     ({"amsgrad": True}, r"\{'amsgrad': \"AMSGrad's"),
-    ({"weight_decay": 0.1, "plain_adam": True}, r"\{'weight_decay': 'weight decay added to the gradient")])
+    ({"weight_decay": 0.1, "plain_adam": True}, r"\{'weight_decay': 'weight decay added to the gradient"),
+    ({"cpu_adam": True, "bias_correction": False}, r"\{'bias_correction': \"no bias correction")])
 def test_convert_refuses_a_torch_adam_variant_bnb_does_not_step(one_rank, tmp_path, variant, needle):
-    """A stock run of torch's AdamW with amsgrad, or of torch's Adam with weight decay (added to the gradient, where
-    bnb's every Adam decays the weights as AdamW does), would go on under another rule as bnb AdamW8bit: refused,
-    naming the setting, nothing written (torch's plain AdamW converts: test_convert_reads_a_stock_run_... above)."""
+    """A stock run of torch's AdamW with amsgrad, of torch's Adam with weight decay (added to the gradient, where bnb's
+    every Adam decays the weights as AdamW does) or of DeepSpeedCPUAdam without bias correction would go on under
+    another rule as bnb AdamW8bit: refused, naming the setting, nothing written (torch's plain AdamW converts:
+    test_convert_reads_a_stock_run_... below)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
     kwargs = dict(variant)
     cls = torch.optim.Adam if kwargs.pop("plain_adam", False) else torch.optim.AdamW
+    cls = DeepSpeedCPUAdam if kwargs.pop("cpu_adam", False) else cls
     stock = build_engine(cls, stock=True, **kwargs)
     train_steps(stock, range(1))
     stock.save_checkpoint(str(tmp_path / "torch"), tag="t")

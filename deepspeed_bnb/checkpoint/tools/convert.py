@@ -306,8 +306,10 @@ def plans_for(ckpt, cls, target: str, to: str, min_8bit_size: int, universal: bo
         unkept = {k: what for k, what in TORCH_VARIANTS.items() if hyper.get(k)}
         if hyper.get("decoupled_weight_decay") is False and hyper.get("weight_decay"):  # torch's Adam, not AdamW
             unkept["weight_decay"] = "weight decay added to the gradient (bnb decays the weights, as AdamW does)"
+        if hyper.get("bias_correction") is False:  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam can turn it off
+            unkept["bias_correction"] = "no bias correction (bnb's Adam rules always correct)"
         if unkept:
-            raise ValueError(f"convert: param group {g} of {ckpt.tag_dir} steps with {unkept}, which bitsandbytes' "
+            raise ValueError(f"convert: param group {g} of {ckpt.tag_dir} steps with {unkept}, which "
                              f"{target} does not, so the run would go on under another rule. Keep that run's "
                              f"optimizer, or load its weights only (load_optimizer_states=False) and train on.")
         if universal:  # moments read below, only for what an 8-bit universal source does not carry over as it is
