@@ -6,7 +6,7 @@ Both state-dict layouts: bitsandbytes >= 0.49.2's `optimizer.state_dict()` (quan
 After conversion an engine holds every state byte and weight of the plain optimizer, at DP 1 and reshaped to DP 3 /
 ZeRO-3, and two more steps give the plain run's losses. Controls: names in the wrong order are refused (the
 state-dict order is not the optimizer's here: the toy puts weights and biases in separate groups); a torch AdamW
-state dict is refused.
+state dict is refused; so is the state for another rule's class (AdamW's state2 for Lion8bit).
 """
 
 import os
@@ -104,6 +104,18 @@ def test_torch_adamw_state_is_refused(plain, tmp_path, capsys):
     assert main(["convert", str(tmp_path / "torch.pt"), str(tmp_path / "o"), "--from-bnb", "--weights",
                  str(tmp_path / "torch.pt"), "--param-names", str(root / "names.txt"), "--quiet"]) == 2
     assert "not bitsandbytes' (state1, ...)" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_another_rules_state_is_refused_not_cut(plain, tmp_path, capsys):
+    """The AdamW8bit run's state for Lion8bit's class (one state): its state2 would be dropped if carried over (and
+    was, silently, before this check). Refused naming the key, nothing written. Control: the same file for the run's
+    own class converts (test_plain_bnb_run_continues_under_zero)."""
+    root, *_ = plain
+    assert main(["convert", str(root / "new.pt"), str(tmp_path / "o"), "--from-bnb", "--weights", str(root / "new.pt"),
+                 "--param-names", str(root / "names.txt"), "--optimizer-class", "bitsandbytes.optim.Lion8bit",
+                 "--quiet"]) == 2
+    assert "has ['state2'], which the optimizer class given does not keep" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o")
 
 

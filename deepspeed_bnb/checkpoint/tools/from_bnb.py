@@ -161,6 +161,11 @@ class BnbRun(RanklessSource):
             numel = self.weights[name].numel()
             eight_bit = state["state1"].dtype == torch.uint8
             wanted = {bnb_name(k): (k, key_classes[k]) for k in key_classes.of_precision(eight_bit)}
+            unkept = sorted(key for key in state if key.startswith("state") and key[5:].isdigit() and key not in wanted)
+            if unkept:  # another rule's state (AdamW's state2 given to Lion's class): carried over, it would be lost
+                raise CheckpointMismatchError(f"{self.optimizer_path}: parameter {name} has {unkept}, which the "
+                                              f"optimizer class given does not keep (it keeps {sorted(wanted)}); the "
+                                              f"state is of another optimizer: give the run's own class.")
             flat = {}
             for key, (stored, cls) in wanted.items():
                 if key not in state:
