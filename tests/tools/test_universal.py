@@ -26,6 +26,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 import deepspeed_bnb  # noqa: F401
 from support.bnb_state import ROUNDING, bnb_moments
 from conftest import without_launch_vars
+from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.tools.convert import convert
 from deepspeed_bnb.checkpoint.tools.export import export
 from deepspeed_bnb.cli import main
@@ -108,6 +109,11 @@ def test_universal_from_deepspeed_converts_to_8bit(one_rank, tmp_path):
                    for name, _ in stock.module.named_parameters()}
     report = convert(str(tmp_path / "torch"), str(tmp_path / "eight"), "8bit", min_8bit_size=MIN_8BIT_SIZE,
                      progress=False)
+    with pytest.raises(CheckpointMismatchError, match=r"holds the moments \['exp_avg', 'exp_avg_sq'\]; the target "
+                                                      r"keeps \('exp_avg',\)"):  # Lion's state: exp_avg_sq dropped
+        convert(str(tmp_path / "torch"), str(tmp_path / "lion"), "8bit", optimizer_class="bitsandbytes.optim.Lion8bit",
+                min_8bit_size=MIN_8BIT_SIZE, progress=False)
+    assert not (tmp_path / "lion").exists()
     worst = float(report.split("absolute, ")[1].split(" of one")[0])
     print(report)
     assert worst <= 0.5 + 1e-6, report
