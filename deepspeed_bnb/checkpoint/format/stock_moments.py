@@ -66,8 +66,8 @@ def flat_moments(state: dict, where: str, rows: KeyRows = ADAM_ROWS) -> Dict[str
     if [key for key in BNB_MOMENTS if torch.is_tensor(state.get(key))] != [key for key, _ in rows]:
         raise not_readable(where, list(state), rows)
     shapes = {key: tuple(state[key].shape) for key, _ in rows}
-    if any((len(names) > 1) != (len(shapes[key]) > 1) or (len(names) > 1 and shapes[key][0] != len(names))
-           for key, names in rows):  # AdEMAMix keeps two EMAs as the rows of state1: read as one, one would be lost
+    # a key of one row is flat, of several (AdEMAMix's state1: its two EMAs) (rows, numel): read as one, a row is lost
+    if any(shapes[key][:-1] != ((len(names),) if len(names) > 1 else ()) for key, names in rows):
         raise CheckpointMismatchError(f"{where} holds bitsandbytes state of the shapes {shapes}; the target keeps "
                                       f"{dict((key, len(names)) for key, names in rows)} row(s) per element and key "
                                       f"(AdEMAMix keeps its fast and slow EMAs as two rows of state1), so convert "

@@ -95,8 +95,9 @@ def _build(cls, target: str, hyper: dict, to: str):
 
 def _moments_of_record(ckpt: SavedCheckpoint, g: int, rows: KeyRows) -> List[Tuple[List[torch.Tensor], int]]:
     rule = ckpt.record(0)[C.OPTIMIZER_NAME_KEY]
-    if key_rows(rule) != rows:
-        held = row_names(key_rows(rule)) if key_rows(rule) else "state convert does not know"
+    saved = key_rows(rule)
+    if saved != rows:
+        held = row_names(saved) if saved else "state convert does not know"
         raise CheckpointMismatchError(f"{ckpt.tag_dir} holds '{rule}' state ({ckpt.optimizer_class}): {held}; the "
                                       f"target class keeps {row_names(rows)}. convert switches one update rule's state "
                                       f"between precisions (or between rules of the same moments: Adam, AdamW, "
@@ -168,12 +169,21 @@ def group_filler(plans, shapes, stage: int, dp: int):
     return fill
 
 
-def step_ratio(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> float:
-    """Largest |dequantized - original| as a fraction of the gap between the two codes around the original."""
+def round_trip(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor
+               ) -> Tuple[float, float]:
+    """(largest |dequantized - original| as a fraction of the gap between the two codes around the original, the
+    largest |dequantized - original| itself), from one dequantization."""
     error = (dequantize_blockwise(codes, absmax, qmap) - values).abs()
+    if not error.numel():
+        return 0.0, 0.0
     gap = code_gap(values, absmax, qmap)
     ratio = torch.where(gap > 0, error / gap, torch.where(error > 0, torch.inf, 0.0))
-    return float(ratio.max()) if ratio.numel() else 0.0
+    return float(ratio.max()), float(error.max())
+
+
+def step_ratio(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> float:
+    """Largest |dequantized - original| as a fraction of the gap between the two codes around the original."""
+    return round_trip(values, codes, absmax, qmap)[0]
 
 
 def switch_master_weights(path: str, out_dir: str, mode: str, progress: bool = True) -> str:
@@ -275,9 +285,9 @@ def _requantized(value: torch.Tensor, qmap: Optional[torch.Tensor], report: dict
     if qmap is None:
         return value.clone(), None
     codes, absmax = quantize_blockwise(value, qmap)
-    report["worst_step_ratio"] = max(report["worst_step_ratio"], step_ratio(value, codes, absmax, qmap))
-    report["worst_abs_error"] = max(report["worst_abs_error"],
-                                    float((dequantize_blockwise(codes, absmax, qmap) - value).abs().max()))
+    ratio, error = round_trip(value, codes, absmax, qmap)
+    report["worst_step_ratio"] = max(report["worst_step_ratio"], ratio)
+    report["worst_abs_error"] = max(report["worst_abs_error"], error)
     return codes, absmax
 
 
