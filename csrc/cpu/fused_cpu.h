@@ -27,6 +27,7 @@
 
 #include "adam8bit_avx512.h"
 #include "bnb_cpu32.h"
+#include "master_weights_avx512.h"
 #include "dsbnb/adam8bit.h"
 #include "dsbnb/master_weights.h"
 #include "quantize_keys.h"
@@ -435,8 +436,11 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
         for (int64_t j = 0; j < len; ++j) p[j] = bf16_value(hi[j]);
     } else {
         const int8_t* lo = master.error + base;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) p[j] = join(hi[j], lo[j]);
+        int64_t j = 0;
+#if DSBNB_AVX512
+        for (; j + 16 <= len; j += 16) _mm512_store_ps(p + j, avx512::join16(hi + j, lo + j));
+#endif
+        for (; j < len; ++j) p[j] = join(hi[j], lo[j]);
     }
     step(p);
     uint16_t* hi_out = static_cast<uint16_t*>(master.values) + base;
@@ -444,8 +448,11 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
         store_bf16(hi_out, p, len);
     } else {
         int8_t* lo_out = master.error + base;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) split(p[j], hi_out[j], lo_out[j]);
+        int64_t j = 0;
+#if DSBNB_AVX512
+        for (; j + 16 <= len; j += 16) avx512::split16(_mm512_load_ps(p + j), hi_out + j, lo_out + j);
+#endif
+        for (; j < len; ++j) split(p[j], hi_out[j], lo_out[j]);
     }
 }
 

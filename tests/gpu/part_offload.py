@@ -19,8 +19,9 @@ of the memory, the cores' siblings or the work itself.
 First, the host's own exactness: the CPU quantizer's and dequantizer's vector spellings this CPU compiles (the map's
 runs, the key table, the byte- or float-permute dequantizer; with -march=native and, on an AVX-512 host, x86-64-v4,
 which is what AVX-512 hosts without VBMI build) against the literal search and the scalar product, for bnb's two maps
-(tests/native/key_table_check.cpp near every midpoint, tests/native/dequantize_check.cpp for every code): the kernels'
-own tests ran them on AMD cores only.
+(tests/native/key_table_check.cpp near every midpoint, tests/native/dequantize_check.cpp for every code), and the
+compensated master weights' 16-lane join and split against their definition (tests/native/master_weights_check.cpp):
+the kernels' own tests ran them on AMD cores only.
 """
 
 import os
@@ -101,24 +102,29 @@ def host_exactness(result) -> None:
         maps = {signed: native_checks.write_map(F.create_dynamic_map(signed=signed), f"{folder}/map_{int(signed)}.bin")
                 for signed in (True, False)}
         for march in marches:
-            for source in ("key_table_check.cpp", "dequantize_check.cpp"):
+            for source in ("key_table_check.cpp", "dequantize_check.cpp", "master_weights_check.cpp"):
                 name = os.path.splitext(source)[0]
                 try:
                     binary, error = native_checks.compile_check(source, folder, march), None
                 except RuntimeError as exc:
                     binary, error = None, str(exc)
-                for signed, path in maps.items():
-                    code, found, out = native_checks.run_check(binary, native_checks.SUMMARY[source], path) \
+                # the compensated master weights' check reads no map: it runs once
+                for signed, path in (maps.items() if source != "master_weights_check.cpp" else [(None, None)]):
+                    code, found, out = native_checks.run_check(binary, native_checks.SUMMARY[source],
+                                                               *([path] if path else [])) \
                         if binary else (None, None, error)
-                    # checked, mismatches, and what ran: the quantizer's spellings, the dequantizer's spelling
-                    rows.append([march, name, "signed" if signed else "unsigned", *(found[:2] if found else ("-", "-")),
-                                 found[-1] if found else out[-200:]])
+                    # checked, mismatches, and what ran: the quantizer's spellings, the dequantizer's spelling, whether
+                    # the 16-lane join and split were checked
+                    rows.append([march, name, {True: "signed", False: "unsigned", None: "-"}[signed],
+                                 *(found[:2] if found else ("-", "-")), found[-1] if found else out[-200:]])
                     if not (code == 0 and found and int(found[1]) == 0):
                         failed.append(f"{march} {name} {rows[-1][2]}")
     result.table("o: this host's CPU quantizer and dequantizer spellings against the literal search and the scalar "
-                 "product, bnb's maps", ["-march", "check", "map", "values checked", "mismatches",
-                                         "spellings (quantizer) / spelling (dequantizer)"], rows)
-    result.check("o: the host's CPU quantizer and dequantizer give the exact codes and values", not failed,
+                 "product, bnb's maps; the compensated master weights' join and split against their definition",
+                 ["-march", "check", "map", "values checked", "mismatches",
+                  "spellings (quantizer) / spelling (dequantizer) / 16 lanes checked (master weights)"], rows)
+    result.check("o: the host's CPU quantizer, dequantizer and compensated master weights give the exact codes and "
+                 "values", not failed,
                  ", ".join(failed) or f"{len(rows)} checks, 0 mismatches", "0 mismatches in every check")
 
 

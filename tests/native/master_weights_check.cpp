@@ -3,15 +3,20 @@
 // exponent of the bf16 weight, at least -125), on the host: error_unit for every finite bf16 value against
 // frexpf/ldexpf; join for every bf16 value and every error byte; split for every float within 64 ulps of every bf16
 // value and 2^24 random bit patterns, against the same formulas spelled with frexpf/ldexpf.
-// Usage: master_weights_check. Prints "checked N mismatches M" and the first mismatches; exit code 1 on any.
-// Build: g++ -O2 -march=native -std=c++17 -Icsrc/include tests/native/master_weights_check.cpp
+// Where the compiler targets AVX-512 (F, BW, DQ), the CPU kernels' 16-lane spelling (csrc/cpu/master_weights_avx512.h:
+// join16, split16) is held to the same definitions over the same values.
+// Usage: master_weights_check. Prints "checked N mismatches M vector V" (V: 1 where the 16-lane spelling was checked
+// too) and the first mismatches; exit code 1 on any.
+// Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/master_weights_check.cpp
 // (tests/kernels/test_master_weights_native.py; -DMASTER_CHECK_MUTANT builds its control, a unit off by one exponent
-// for subnormal weights).
+// for subnormal weights; -DMASTER_CHECK_VECTOR_MUTANT the 16-lane spelling's, split's clamp to +-127 steps dropped).
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <vector>
 
 #include "dsbnb/master_weights.h"
+#include "master_weights_avx512.h"
 
 namespace {
 
@@ -83,11 +88,57 @@ int main() {
         literal_split(w, want_hi, want_lo);
         c.expect(hi == want_hi && lo == want_lo, "split", pattern, static_cast<uint32_t>(hi) << 8 | uint8_t(lo));
     };
+    std::vector<uint32_t> patterns;  // split's inputs (the 16-lane spelling's too)
     for (uint32_t h = 0; h < (1u << 16); ++h) {  // around every bf16 value: where the rounding and the unit change
-        for (int d = -64; d <= 64; ++d) check_split((h << 16) + static_cast<uint32_t>(d));
+        for (int d = -64; d <= 64; ++d) patterns.push_back((h << 16) + static_cast<uint32_t>(d));
     }
     std::mt19937 rng(12345);
-    for (int i = 0; i < (1 << 24); ++i) check_split(rng());
-    std::printf("checked %llu mismatches %llu\n", c.checked, c.mismatches);
+    for (int i = 0; i < (1 << 24); ++i) patterns.push_back(rng());  // ~256 ties (128 steps, clamped to 127) among them
+    for (const uint32_t pattern : patterns) check_split(pattern);
+    int vector = 0;
+#if DSBNB_AVX512
+    vector = 1;
+    for (uint32_t h = 0; h < (1u << 16); ++h) {  // join16: every error byte of every bf16 value, 16 bytes at a time
+        for (int first = -128; first < 128; first += 16) {
+            uint16_t hi[16];
+            int8_t lo[16];
+            for (int k = 0; k < 16; ++k) hi[k] = static_cast<uint16_t>(h), lo[k] = static_cast<int8_t>(first + k);
+            alignas(64) float got[16];
+            _mm512_store_ps(got, dsbnb::avx512::join16(hi, lo));
+            for (int k = 0; k < 16; ++k) {
+                const float want = literal_join(hi[k], lo[k]);
+                const bool same = float_to_bits(got[k]) == float_to_bits(want) || (got[k] != got[k] && want != want);
+                c.expect(same, "join16", h, static_cast<uint32_t>(lo[k]));
+            }
+        }
+    }
+    patterns.resize(patterns.size() / 16 * 16);
+    for (size_t i = 0; i < patterns.size(); i += 16) {  // split16: the same values as split, 16 at a time
+        alignas(64) float w[16];
+        for (int k = 0; k < 16; ++k) w[k] = dsbnb::bits_to_float(patterns[i + k]);
+        uint16_t hi[16];
+        int8_t lo[16];
+#ifdef MASTER_CHECK_VECTOR_MUTANT
+        // the control: the steps' clamp dropped (a weight between two bf16 values' halfway points and 127 steps
+        // away from the nearer one wraps around in the int8)
+        for (int k = 0; k < 16; ++k) {
+            hi[k] = dsbnb::bf16_round(w[k]);
+            const float steps = std::rint(dsbnb::div_error_unit(w[k] - dsbnb::bf16_value(hi[k]),
+                                                                dsbnb::bf16_value(hi[k])));
+            lo[k] = std::fabs(steps) <= 3.40282347e+38f ? static_cast<int8_t>(static_cast<int>(steps)) : 0;
+        }
+#else
+        dsbnb::avx512::split16(_mm512_load_ps(w), hi, lo);
+#endif
+        for (int k = 0; k < 16; ++k) {
+            uint16_t want_hi;
+            int8_t want_lo;
+            literal_split(w[k], want_hi, want_lo);
+            c.expect(hi[k] == want_hi && lo[k] == want_lo, "split16", patterns[i + k],
+                     static_cast<uint32_t>(hi[k]) << 8 | uint8_t(lo[k]));
+        }
+    }
+#endif
+    std::printf("checked %llu mismatches %llu vector %d\n", c.checked, c.mismatches, vector);
     return c.mismatches ? 1 : 0;
 }
