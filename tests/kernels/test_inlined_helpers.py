@@ -20,10 +20,12 @@ import pytest
 
 from deepspeed_bnb.ops import cpu_features, loader
 
-# the helpers the AVX-512 full-block path must inline (csrc/cpu/adam8bit_avx512.h, fused_cpu.h)
+# the helpers the AVX-512 full-block path must inline (csrc/cpu/adam8bit_avx512.h, master_weights_avx512.h,
+# fused_cpu.h)
 INLINED = ("dsbnb::avx512::dequantize64", "dsbnb::avx512::quantize16_as", "dsbnb::avx512::quantize_groups_as",
            "dsbnb::avx512::quantize_groups", "dsbnb::cpu::quantize_full_block",
-           "dsbnb::cpu::prefetch_block", "dsbnb::cpu::prefetch_lines")
+           "dsbnb::cpu::prefetch_block", "dsbnb::cpu::prefetch_lines", "dsbnb::avx512::join16",
+           "dsbnb::avx512::split16", "dsbnb::avx512::error_unit16")
 KEPT_AS_FUNCTION = "dsbnb::cpu::block_absmax"  # the control: a helper the kernels call
 
 
