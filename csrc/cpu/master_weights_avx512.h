@@ -6,7 +6,9 @@
 // Why: gcc vectorizes the scalar join and split loops, but keeps every per-element choice (lo == 0, NaN, the subnormal
 // unit, the clamp) as 64-lane byte masks that it spills to the stack and splits into 16-lane ones (kmov, kshift,
 // kunpck: most of the samples of the compensated loops in perf). Measured on an AMD Zen 5 core (AdamW 8-bit, 1M
-// elements, one thread): the compensated step 1.50-1.54x the fp32-master step with the compiler's loops.
+// elements, one thread): the compensated step 1.50-1.54x the fp32-master step with the compiler's loops. (bf16 master
+// weights and the model's bf16 copy keep the compiler's loop, store_bf16 in fused_cpu.h: a 16-lane spelling of it
+// measured no faster, 1.08-1.10x the step without the copy either way.)
 // The lanes follow the scalar code operation by operation (the same IEEE multiply, add and round to nearest even;
 // the choices as selects of values the scalar code computes too), so the bits are the same: held to the scalar
 // functions and to their literal frexp/ldexp definition for every bf16 value and error byte (join), every float
@@ -47,13 +49,18 @@ __attribute__((always_inline)) inline __m512 join16(const uint16_t* hi, const in
     return _mm512_mask_mov_ps(wide, _mm512_test_epi32_mask(steps, steps), joined);
 }
 
-// dsbnb::split of 16 fp32 weights w into bf16 bits hi[0..15] and error steps lo[0..15].
-__attribute__((always_inline)) inline void split16(__m512 w, uint16_t* hi, int8_t* lo) {
-    // bf16_round: round to nearest even on the bits, NaN -> the quiet NaN
+// dsbnb::bf16_round of 16 floats, each in the low 16 bits of its 32-bit lane: round to nearest even on the bits, NaN
+// -> the quiet NaN.
+__attribute__((always_inline)) inline __m512i bf16_round16(__m512 w) {
     const __m512i bits = _mm512_castps_si512(w);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i top = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), _mm512_set1_epi32(kBf16QuietNaN));
+    const __m512i top = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    return _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), _mm512_set1_epi32(kBf16QuietNaN));
+}
+
+// dsbnb::split of 16 fp32 weights w into bf16 bits hi[0..15] and error steps lo[0..15].
+__attribute__((always_inline)) inline void split16(__m512 w, uint16_t* hi, int8_t* lo) {
+    const __m512i top = bf16_round16(w);
     const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(top, 16));
     // div_error_unit(w - rounded, rounded): k = 142 - max(b, 1), applied as 2^(k >> 1), then 2^(k - (k >> 1))
     const __m512i biased = _mm512_max_epi32(
