@@ -25,7 +25,7 @@ from deepspeed_bnb.ops import cpu_features, loader
 INLINED = ("dsbnb::avx512::dequantize64", "dsbnb::avx512::quantize16_as", "dsbnb::avx512::quantize_groups_as",
            "dsbnb::avx512::quantize_groups", "dsbnb::cpu::quantize_full_block",
            "dsbnb::cpu::prefetch_block", "dsbnb::cpu::prefetch_lines", "dsbnb::avx512::join16",
-           "dsbnb::avx512::split16", "dsbnb::avx512::error_unit16", "dsbnb::avx512::bf16_round16")
+           "dsbnb::avx512::split16", "dsbnb::avx512::error_exponent16", "dsbnb::avx512::bf16_round16")
 KEPT_AS_FUNCTION = "dsbnb::cpu::block_absmax"  # the control: a helper the kernels call
 
 
