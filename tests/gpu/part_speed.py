@@ -7,8 +7,8 @@ A bf16 GPT (deepspeed_bnb/demo/gpt.py) trains on the one device with each config
       (what users run today), torch AdamW(fused=True), DeepSpeed FusedAdam, DeepSpeed's bf16 master weights + bf16
       states, and torchao's AdamW8bit where it is installed and runs as a DeepSpeed client;
   f3  at about 1B parameters: ZeRO-3 (bnb's update, the fused kernel without and with its model copy, torch's fused
-      AdamW) and ZeRO-2 with the optimizer offloaded to the CPU (the fused C++ kernel, DeepSpeedCPUAdam, torch's fused
-      CPU AdamW).
+      AdamW) and ZeRO-2 with the optimizer offloaded to the CPU (the fused C++ kernel with fp32, bf16 and compensated
+      bf16+8 master weights, DeepSpeedCPUAdam, torch's fused CPU AdamW).
 Interleaved: every round builds each configuration's engine in turn, warms it up and times its steps (the whole
 training step, and engine.step() alone), then frees it; ROUNDS rounds, so each configuration's timed steps come from
 separate rounds and a drift of the machine shows as spread, not as a ranking. Reported: the median and the range of
@@ -65,7 +65,8 @@ COPY_AFTER = "deepspeed_bnb fused AdamW (8-bit), then torch's bf16 copy"
 LP_COPY_ENV = "DEEPSPEED_BNB_KERNEL_LP_COPY"  # runtime/zero/lp_copy.py: ENV
 # the optimizer offloaded to the CPU: the fused C++ kernel and torch's fused AdamW on the host
 OFFLOAD_FUSED, OFFLOAD_TORCH = "bnb AdamW8bit, fused C++ kernel", "torch AdamW(fused=True), CPU"
-OFFLOAD_LABELS = (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH)
+# and the kernel with bf16 and compensated master weights on the host (the bars: 1.1x the fp32-master step)
+OFFLOAD_LABELS = (OFFLOAD_FUSED, "DeepSpeedCPUAdam", OFFLOAD_TORCH, BF16_MASTER, COMPENSATED)
 # the suites of each part: (stage, offload, model sizes, configurations)
 SUITES = {"f": [(2, False, ("125M", "1B"), None)],
           "f3": [(3, False, ("1B",), (BNB_UPDATE, FUSED, FUSED_COPY, TORCH_FUSED)),
@@ -97,7 +98,9 @@ def configurations(stage: int, offload: bool) -> dict:
         client = {"zero_force_ds_cpu_optimizer": False}
         return {OFFLOAD_FUSED: Config(bnb8, {"bnb_fused_kernel": "auto"}, top=client),
                 "DeepSpeedCPUAdam": Config(lambda g: DeepSpeedCPUAdam(g, lr=LR, adamw_mode=True)),
-                OFFLOAD_TORCH: Config(lambda g: torch.optim.AdamW(g, lr=LR, fused=True), top=client)}
+                OFFLOAD_TORCH: Config(lambda g: torch.optim.AdamW(g, lr=LR, fused=True), top=client),
+                BF16_MASTER: Config(bnb8, {"bnb_master_weights": "bf16", "bnb_fused_kernel": "auto"}, top=client),
+                COMPENSATED: Config(bnb8, {"bnb_master_weights": "bf16+8", "bnb_fused_kernel": "auto"}, top=client)}
     from deepspeed.ops.adam import FusedAdam
     ds_bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     untested = {"zero_allow_untested_optimizer": True}
