@@ -206,8 +206,9 @@ OVERRIDES: Tuple[Override, ...] = (
              "partitions (this rank's: the copy the fused kernel writes without offload)"),
     _subclass(ZERO12, ZERO12_PY, "has_overflow_partitioned_grads_serial", "the inf/NaN check before an fp16/bf16 "
               "step: the same answer (a bool tensor of shape [1] on the device, as every supported release returns "
-              "it) from one batched fp64 norm per gradient piece instead of seven operations per piece "
-              "(runtime/utils.py: any_inf_or_nan); tests/unit/test_overflow_check.py holds it to DeepSpeed's own",
+              "it) from one batched fp64 norm per gradient piece on a GPU, each piece's smallest and largest values "
+              "on the CPU, instead of seven operations per piece (runtime/utils.py: any_inf_or_nan); "
+              "tests/unit/test_overflow_check.py holds it to DeepSpeed's own",
               ("self",)),
     Override(ZERO12, "averaged_gradients", CALL, OBJECT_SCOPE, "", "the gradient pieces of each param group "
              "(read by the inf/NaN check, as DeepSpeed's own reads them)"),

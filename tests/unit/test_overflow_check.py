@@ -99,14 +99,62 @@ def test_many_of_the_largest_floats_stay_finite_in_fp64():
     assert not torch.isfinite(big.pow(2).sum())  # control: in fp32 the same squares overflow
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_on_the_cpu_every_position_of_a_bad_value_is_seen(dtype, threads):
+    """The CPU judges a piece by its smallest and largest values (torch.aminmax): an inf or NaN at the first and last
+    positions and inside vector bodies, tails and each thread's chunk, against DeepSpeed's check of the same pieces."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for size in (1, 2, 15, 16, 17, 33, 64, 65, 129, 4097, 65_537):
+            for position in sorted({0, 1 % size, size // 2, size - 17 if size > 17 else 0, size - 1}):
+                for bad in (float("nan"), float("inf"), float("-inf")):
+                    piece = torch.randn(size).to(dtype)
+                    piece[position] = bad
+                    groups = [[torch.randn(300).to(dtype), piece]]
+                    assert ours(groups) is deepspeeds_answer(groups) is True, (size, position, bad)
+            assert ours([[torch.randn(size).to(dtype)]]) is False
+    finally:
+        torch.set_num_threads(before)
+
+
 class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.names = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.names.add(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def test_the_cpu_uses_the_extremes_only_where_its_probe_saw_them_propagate(monkeypatch):
+    """The CPU's check by torch.aminmax holds only if torch propagates a NaN to the bounds; a probe asks once per
+    process. Control: an aminmax that drops NaNs (as a reduction that skips them would) fails the probe, and the fp64
+    norms answer instead, still as DeepSpeed does; without the probe that aminmax would have missed the NaN."""
+    from deepspeed_bnb.runtime import utils
+    groups = pieces(torch.bfloat16, 0, float("nan"))
+    monkeypatch.setattr(utils, "_EXTREMES_PROBED", [])
+    assert utils._extremes_see_nan() is True and utils._EXTREMES_PROBED == [True]  # torch's own aminmax, here
+    with CountOps() as used:
+        assert ours(groups) is True
+    assert "aminmax" in used.names and "_foreach_norm" not in used.names
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda x: real(torch.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)))
+    monkeypatch.setattr(utils, "_EXTREMES_PROBED", [True])  # the broken reduction trusted: the NaN is missed
+    assert ours(groups) is False
+    monkeypatch.setattr(utils, "_EXTREMES_PROBED", [])  # probed: refused, and the fp64 norms answer
+    assert utils._extremes_see_nan() is False and utils._EXTREMES_PROBED == [False]
+    with CountOps() as used:
+        assert ours(groups) is True
+    assert "aminmax" not in used.names and "_foreach_norm" in used.names
+    for seed in range(3):
+        for bad in (None, float("inf"), float("nan")):
+            groups = pieces(torch.float16, seed, bad)
+            assert ours(groups) == deepspeeds_answer(groups) == (bad is not None)
 
 
 def test_a_few_operations_instead_of_several_per_piece():
@@ -116,8 +164,7 @@ def test_a_few_operations_instead_of_several_per_piece():
     with CountOps() as theirs:
         deepspeeds_answer(groups)
     assert theirs.count >= 5 * 200  # control: DeepSpeed's check is per piece
-    # on a CPU torch runs _foreach_norm as a norm per piece (one operation per piece from torch 2.13, two in 2.6; a GPU
-    # takes one launch for all of them); the rest is a fixed few
+    # on a CPU one aminmax per piece (a GPU takes one _foreach_norm launch for all of them); the rest is a fixed few
     assert mine.count <= 2 * 200 + 10, mine.count
 
 
