@@ -436,11 +436,12 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
         for (int64_t j = 0; j < len; ++j) p[j] = bf16_value(hi[j]);
     } else {
         const int8_t* lo = master.error + base;
-        int64_t j = 0;
+        int64_t j = 0;  // 16 at a time where AVX-512 is compiled in (master_weights_avx512.h), the rest here
 #if DSBNB_AVX512
         for (; j + 16 <= len; j += 16) _mm512_store_ps(p + j, avx512::join16(hi + j, lo + j));
 #endif
-        for (; j < len; ++j) p[j] = join(hi[j], lo[j]);
+#pragma omp simd
+        for (int64_t k = j; k < len; ++k) p[k] = join(hi[k], lo[k]);
     }
     step(p);
     uint16_t* hi_out = static_cast<uint16_t*>(master.values) + base;
@@ -452,7 +453,8 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
 #if DSBNB_AVX512
         for (; j + 16 <= len; j += 16) avx512::split16(_mm512_load_ps(p + j), hi_out + j, lo_out + j);
 #endif
-        for (; j < len; ++j) split(p[j], hi_out[j], lo_out[j]);
+#pragma omp simd
+        for (int64_t k = j; k < len; ++k) split(p[k], hi_out[k], lo_out[k]);
     }
 }
 

@@ -7,10 +7,10 @@
 // unit, the clamp) as 64-lane byte masks that it spills to the stack and splits into 16-lane ones (kmov, kshift,
 // kunpck: most of the samples of the compensated loops in perf). Measured on an AMD Zen 5 core (AdamW 8-bit, 1M
 // elements, one thread): the compensated step 1.50-1.54x the fp32-master step with the compiler's loops, 1.21-1.29x
-// with these (the error unit applied by VSCALEFPS, one exact instruction, 1.34-1.35x with the scalar code's integer
-// spelling of the unit and its two products). (bf16 master
-// weights and the model's bf16 copy keep the compiler's loop, store_bf16 in fused_cpu.h: a 16-lane spelling of it
-// measured no faster, 1.08-1.10x the step without the copy either way.)
+// with these (the error unit applied by VSCALEFPS, one exact instruction; 1.34-1.35x with the scalar code's integer
+// spelling of the unit and its two products). bf16 master weights and the model's bf16 copy keep the compiler's loop
+// (store_bf16 in fused_cpu.h): a 16-lane spelling of it measured no faster, 1.08-1.10x the step without the copy
+// either way.
 // The lanes follow the scalar code operation by operation (the same IEEE multiply, add and round to nearest even;
 // the choices as selects of values the scalar code computes too), so the bits are the same: held to the scalar
 // functions and to their literal frexp/ldexp definition for every bf16 value and error byte (join), every float
