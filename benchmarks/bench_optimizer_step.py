@@ -42,15 +42,18 @@ CONFIGS = {"adam": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD},
            "momentum": {"lr": SGD_LR, "betas": (SGD_MOMENTUM, 0.0), "eps": EPS, "weight_decay": WD}}
 
 
-def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True, model_copy=False):
+def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True, model_copy=False, master="fp32"):
     """One step of deepspeed_bnb's fused `rule` over a flat partition of n elements with 8-bit state (eight_bit
     False: fp32 state, the kernel's path without (de)quantization), its hyper row rebuilt every step as the ZeRO
     optimizer does (the step counter starts at 1: the warm-up round), in the arithmetic the ZeRO step computes on
     `device` (a GPU: bnb's own; use_kernel False: its oracle) unless `arithmetic` says. model_copy: the kernel also
-    writes the model's bf16 copy of the updated weights (lp_params), as the ZeRO steps have it do."""
+    writes the model's bf16 copy of the updated weights (lp_params), as the ZeRO steps have it do. master: the master
+    weights, "fp32", "bf16" or "bf16+8" (bf16 with int8 error terms: bnb_master_weights' modes)."""
     update = rules.get(rule)
     signed = rules.SIGNED_MAPS[:update.moments]  # one map per moment
     params, grads = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-3
+    error = torch.zeros(n, dtype=torch.int8, device=device) if master == "bf16+8" else None
+    params = params if master == "fp32" else params.bfloat16()
     codes = [torch.full((n,), 127 if s else 0, dtype=torch.uint8, device=device) for s in signed]  # code of 0.0
     absmax = [torch.zeros(-(-n // 256), device=device) for _ in signed]
     qmaps = [bnb.functional.create_dynamic_map(s).to(device) for s in signed]
@@ -66,7 +69,7 @@ def fused(rule, n, use_kernel, device="cpu", arithmetic=None, eight_bit=True, mo
         # as the ZeRO step sends it (optim/fused/partition.py): from pinned memory, without waiting for the device
         hyper = hyper.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
             else hyper.to(device)
-        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, None, None, arithmetic, copy,
+        rules.step_(update, params, grads, codes, absmax, empty, qmaps, table, hyper, None, error, arithmetic, copy,
                     use_kernel=use_kernel)
     run.params = params  # the master weights it updates (then_bf16_copy)
     return run
@@ -131,6 +134,8 @@ COPY_FUSED = "deepspeed_bnb C++ kernel (8-bit), writing the model's bf16 copy"
 COPY_AFTER = "deepspeed_bnb C++ kernel (8-bit), then torch's bf16 copy"
 GATHER_KEYS = "deepspeed_bnb C++ kernel (8-bit), key table gathered"
 SCALAR_KEYS = "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads"
+BF16_MASTER = "deepspeed_bnb C++ kernel (8-bit), bf16 master weights"
+COMPENSATED_MASTER = "deepspeed_bnb C++ kernel (8-bit), bf16+8 master weights"
 IMPLEMENTATIONS = {
     YARDSTICK: memory_pass,
     "deepspeed_bnb C++ kernel (8-bit)": lambda n: fused("adam", n, True),
@@ -143,6 +148,9 @@ IMPLEMENTATIONS = {
     COPY_FUSED: lambda n: fused("adam", n, True, model_copy=True),
     COPY_AFTER: lambda n: then_bf16_copy(fused("adam", n, True), n),
     "DeepSpeedCPUAdam (fp32), then torch's bf16 copy": lambda n: then_bf16_copy(deepspeed_cpu_adam(n), n),
+    # the same kernel with bf16 and compensated (bf16 + int8 error) master weights: bnb_master_weights' modes
+    BF16_MASTER: lambda n: fused("adam", n, True, master="bf16"),
+    COMPENSATED_MASTER: lambda n: fused("adam", n, True, master="bf16+8"),
     # the same kernel and update without the 8-bit round trip: what requantizing costs, by difference
     "deepspeed_bnb C++ kernel, fp32 state (no quantization)": lambda n: fused("adam", n, True, eight_bit=False),
     "bitsandbytes CPU AdamW8bit": lambda n: torch_optimizer(n, lambda p: bnb.optim.AdamW8bit(
@@ -162,13 +170,16 @@ IMPLEMENTATIONS = {
 
 def least_bytes(name: str) -> int:
     """Bytes an implementation must move per element at the least (every input read once, every output written once):
-    fp32 AdamW 28 (param, gradient, two fp32 moments), 8-bit AdamW 16 (param, gradient, two 1-byte codes), 8-bit Lion
-    and SGD-momentum 14 (one code); the per-block absmax adds 1/32 B per state, left out."""
+    fp32 AdamW 28 (param, gradient, two fp32 moments), 8-bit AdamW 16 (param, gradient, two 1-byte codes; with bf16
+    master weights 12, bf16+8 ones 14), 8-bit Lion and SGD-momentum 14 (one code); the per-block absmax adds 1/32 B per
+    state, left out."""
     if name == YARDSTICK:
         return 8
     copy = 2 if "bf16 copy" in name else 0  # the model's copy written (its fp32 source need not be read again)
     if "fp32" in name:
         return 28 + copy
+    if name in (BF16_MASTER, COMPENSATED_MASTER):  # the weights read and written as 2 (bf16) or 3 (+ error) bytes
+        return 12 if name == BF16_MASTER else 14
     return (14 if ("Lion" in name or "SGD" in name) else 16) + copy
 
 

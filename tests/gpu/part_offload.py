@@ -11,7 +11,8 @@ without the 8-bit round trip): the per-stage split, by difference, of where the 
 AdamW kernel with the quantizer's codes from the key table instead of the map's runs (the default on AVX-512 hosts), its
 entries gathered or loaded one by one (DEEPSPEED_BNB_CPU_KEY_LOOKUP=gather, scalar: the same codes; the runs were the
 fastest on the AMD core they were built on, scalar loads may beat the gather where gathers are slow), which says which
-that host wants.
+that host wants; and the 8-bit AdamW kernel with bf16 and compensated bf16+8 master weights (the offloaded step of
+bnb_master_weights' modes).
 The project aims at an 8-bit step at least as fast as DeepSpeedCPUAdam's: a check on the GPU machine, a note on the
 rehearsal's two cores. Last, the yardstick, the 8-bit kernel and DeepSpeedCPUAdam at 1, 2, 4, ... threads and every
 core, beside the host's physical cores and NUMA nodes: whether the per-thread rate falls with the thread count because
@@ -39,7 +40,9 @@ CLAIM_ROWS = ("memory: in-place pass x = -x (the ceiling; fastest round)", "deep
 DETAIL_ROWS = ("deepspeed_bnb C++ kernel Lion (8-bit)", "deepspeed_bnb C++ kernel SGD-momentum (8-bit)",
                "deepspeed_bnb C++ kernel, fp32 state (no quantization)",
                "deepspeed_bnb C++ kernel (8-bit), key table gathered",
-               "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads")
+               "deepspeed_bnb C++ kernel (8-bit), key entries by scalar loads",
+               "deepspeed_bnb C++ kernel (8-bit), bf16 master weights",
+               "deepspeed_bnb C++ kernel (8-bit), bf16+8 master weights")
 ROWS = CLAIM_ROWS + DETAIL_ROWS
 # last, at the first size: the yardstick, the 8-bit kernel and DeepSpeedCPUAdam at 1, 2, 4, ... threads and every core
 SCALING_ROWS = CLAIM_ROWS[:3]
