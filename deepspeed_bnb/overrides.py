@@ -214,7 +214,8 @@ OVERRIDES: Tuple[Override, ...] = (
              "(read by the inf/NaN check, as DeepSpeed's own reads them)"),
     _subclass(ZERO12, ZERO12_PY, "update_offload_overflow_tracker", "under CPU offload DeepSpeed reads an inf/NaN "
               "test of every parameter's gradient back to the host during backward (a host sync each on a GPU): the "
-              "test's fp64 norm term is summed on the device instead (runtime/utils.py: inf_or_nan_term)",
+              "test's term (an fp64 norm; on the CPU the gradient's largest minus smallest value) is summed on the "
+              "device instead (runtime/utils.py: inf_or_nan_term)",
               ("self", "grad"), since="0.17.1"),
     _subclass(ZERO12, ZERO12_PY, "has_overflow", "reads the summed offload terms once (into local_overflow, which "
               "only this method reads), then DeepSpeed's own", ("self", "partition_gradients")),

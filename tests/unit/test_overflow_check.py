@@ -96,6 +96,8 @@ def test_many_of_the_largest_floats_stay_finite_in_fp64():
     """The sum of squares that could overflow: 2^22 values of fp32's largest magnitude (fp32 would give inf)."""
     big = torch.full((1 << 22,), torch.finfo(torch.float32).max)
     assert ours([[big, -big]]) is False and deepspeeds_answer([[big, -big]]) is False
+    terms = torch.stack([inf_or_nan_term(torch.cat([big[:2], -big[:2]]))] * 1000)  # the widest span, many times
+    assert bool(terms.sum().isfinite())
     assert not torch.isfinite(big.pow(2).sum())  # control: in fp32 the same squares overflow
 
 
@@ -114,7 +116,10 @@ def test_on_the_cpu_every_position_of_a_bad_value_is_seen(dtype, threads):
                     piece[position] = bad
                     groups = [[torch.randn(300).to(dtype), piece]]
                     assert ours(groups) is deepspeeds_answer(groups) is True, (size, position, bad)
-            assert ours([[torch.randn(size).to(dtype)]]) is False
+                    # the offloaded step's per-gradient term (backward), summed with a finite one
+                    assert not bool((inf_or_nan_term(piece) + inf_or_nan_term(groups[0][0])).isfinite())
+            finite = torch.randn(size).to(dtype)
+            assert ours([[finite]]) is False and bool(inf_or_nan_term(finite).isfinite())
     finally:
         torch.set_num_threads(before)
 
