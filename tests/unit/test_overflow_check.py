@@ -161,6 +161,12 @@ def test_the_cpu_uses_the_extremes_only_where_its_probe_saw_them_propagate(monke
             groups = pieces(torch.float16, seed, bad)
             assert ours(groups) == deepspeeds_answer(groups) == (bad is not None)
 
+    def unsupported(x):  # a torch whose CPU aminmax lacks a dtype
+        raise RuntimeError(f"aminmax not implemented for {x.dtype}")
+    monkeypatch.setattr(torch, "aminmax", unsupported)
+    monkeypatch.setattr(utils, "_EXTREMES_PROBED", [])
+    assert ours(pieces(torch.bfloat16, 1, float("inf"))) is True and utils._EXTREMES_PROBED == [False]
+
 
 def test_a_few_operations_instead_of_several_per_piece():
     groups = [[torch.randn(300, dtype=torch.bfloat16) for _ in range(200)]]
