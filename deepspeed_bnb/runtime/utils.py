@@ -46,6 +46,7 @@ def any_inf_or_nan(pieces: Iterable[Optional[torch.Tensor]], device) -> torch.Te
 
 
 _EXTREMES_PROBED: list = []  # [whether torch.aminmax sees a NaN or an inf anywhere on this CPU], once probed
+_FP32_VALUES = (torch.float32, torch.bfloat16, torch.float16)  # gradient dtypes whose values are fp32 values
 
 
 def _extremes_see_nan() -> bool:
@@ -78,9 +79,6 @@ def inf_or_nan_term(piece: torch.Tensor) -> torch.Tensor:
         low, high = torch.aminmax(values)
         return high.double() - low.double()
     return torch.linalg.vector_norm(values, 2.0, dtype=torch.float64)
-
-
-_FP32_VALUES = (torch.float32, torch.bfloat16, torch.float16)  # dtypes whose values are fp32 values
 
 
 def stored_values(piece: torch.Tensor) -> torch.Tensor:
