@@ -18,10 +18,10 @@ def run(out_dir, *defines):
 
 
 def avx512_here() -> bool:
-    """Whether -march=native targets AVX-512 F, BW and DQ here (then the check holds the 16-lane spelling too)."""
+    """Whether -march=native compiles the kernels' AVX-512 full-block path here (the loader's rule,
+    cpu_features.kernel_path): then the check holds the 16-lane spelling too."""
     from deepspeed_bnb.ops import cpu_features
-    has = cpu_features.cpu_has()
-    return has is not None and {"avx512f", "avx512bw", "avx512dq"} <= has
+    return cpu_features.kernel_path(cpu_features.cpu_has() or ()) in cpu_features.AVX512_PATHS
 
 
 def test_compensated_master_weights_equal_the_literal_definition(tmp_path):
