@@ -71,8 +71,9 @@ __attribute__((always_inline)) inline __m512i bf16_round16(__m512 w) {
 __attribute__((always_inline)) inline void split16(__m512 w, uint16_t* hi, int8_t* lo) {
     const __m512i top = bf16_round16(w);
     const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(top, 16));
-    // div_error_unit(w - rounded, rounded), x * 2^-e: exactly a float (div_error_unit's argument), so VSCALEFPS
-    // returns it exactly, as the scalar code's two power-of-two products do
+    // div_error_unit(w - rounded, rounded), x * 2^-e with -e = 15 - max(-126, getexp(rounded)) (error_exponent16
+    // negated, without its clamp at 128: see below): exactly a float (div_error_unit's argument), so VSCALEFPS returns
+    // it exactly, as the scalar code's two power-of-two products do
     const __m512 quotient = _mm512_scalef_ps(_mm512_sub_ps(w, rounded),
                                              _mm512_sub_ps(_mm512_set1_ps(15.0f), _mm512_max_ps(
                                                  _mm512_set1_ps(-126.0f), _mm512_getexp_ps(rounded))));
