@@ -130,22 +130,28 @@ struct RunRegisters {
 // The sorted indices of 16 normalized values by the map's runs (quantize_keys.h: RunTable): the run from |u|'s
 // octave and that octave's boundary, then floor(min(|u|, top) * S + C) (|u| >= 2 taken as the largest float below 2:
 // the same count). Returns the lanes this cannot settle (the line's fraction below `band`), for the key table. `u` is
-// not NaN (normalize() has replaced it).
+// not NaN (normalize() has replaced it). kNonNegative: the caller knows that no u has its sign bit set (-0.0 neither),
+// so the sign's four operations (its mask, the magnitude's bits, the negative runs' offset, the boundary's ulp) are
+// left out: the same index for such u.
+template <bool kNonNegative>
 __attribute__((always_inline)) inline __mmask16 run_index16(const RunRegisters& r, __m512 u, __m512i& index) {
     const __m512i bits = _mm512_castps_si512(u);
-    const __m512i negative = _mm512_srai_epi32(bits, 31);  // -1 where u < 0 (-0.0 included), else 0
-    const __m512i magnitude_bits = _mm512_min_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                    _mm512_set1_epi32(cpu::RunTable::kClampBits));
+    // -1 where u < 0 (-0.0 included), else 0
+    const __m512i negative = kNonNegative ? _mm512_setzero_si512() : _mm512_srai_epi32(bits, 31);
+    const __m512i magnitude_bits = _mm512_min_epu32(
+        kNonNegative ? bits : _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+        _mm512_set1_epi32(cpu::RunTable::kClampBits));
     const __m512 magnitude = _mm512_castsi512_ps(magnitude_bits);
     // the octave's table index: the permutes read its low 5 bits, exponents 96..127 give 0..31
     const __m512i octave = _mm512_max_epi32(_mm512_srli_epi32(magnitude_bits, 23),
                                             _mm512_set1_epi32(cpu::RunTable::kFirstOctave));
     // the run: the octave's first, + kRuns for u < 0, + 1 above the octave's boundary (magnitudes order as their
     // bits; a negative u on the boundary too: its magnitude compared one ulp up)
-    __m512i run = _mm512_add_epi32(_mm512_permutex2var_epi32(r.first[0], octave, r.first[1]),
-                                   _mm512_and_si512(negative, _mm512_set1_epi32(cpu::RunTable::kRuns)));
+    __m512i run = _mm512_permutex2var_epi32(r.first[0], octave, r.first[1]);
+    if (!kNonNegative) run = _mm512_add_epi32(run, _mm512_and_si512(negative, _mm512_set1_epi32(cpu::RunTable::kRuns)));
     const __m512i boundary = _mm512_permutex2var_epi32(r.boundary[0], octave, r.boundary[1]);
-    const __mmask16 above = _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(magnitude_bits, negative), boundary);
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(
+        kNonNegative ? magnitude_bits : _mm512_sub_epi32(magnitude_bits, negative), boundary);
     run = _mm512_mask_add_epi32(run, above, run, _mm512_set1_epi32(1));
     const __m512 slope = _mm512_permutex2var_ps(r.slope[0], run, r.slope[1]);
     const __m512 offset = _mm512_permutex2var_ps(r.offset[0], run, r.offset[1]);
@@ -170,22 +176,26 @@ inline Floor floor_kind(const PositiveFloor& floor, const float* midpoints) {
     return below_zero && floor.smallest == floor.zero + 1 ? Floor::kMax : Floor::kLift;
 }
 
+// What the caller of a quantizer knows about the values it quantizes, x * reciprocal_absmax: nothing (normalize()'s
+// test runs), that none is NaN (x finite, reciprocal_absmax finite: the test is skipped), or that besides none has its
+// sign bit set (x >= +0 and reciprocal_absmax > 0, as Adam's second moment is: run_index16 leaves the sign out).
+enum class Known { kNothing, kFinite, kFiniteNonNegative };
+
 // The sorted indices of the nearest codes to normalize(x[i], reciprocal_absmax) for 16 values: dsbnb::normalize then
 // nearest_sorted, by the map's runs (run_index16) where kLookup is KeyLookup::kRuns (the caller has checked that the
 // map has them), else (and for the lanes the runs leave) by the compact key table (quantize_keys.h: KeyTable::lookup,
 // 16 lanes at once); then dsbnb::floor_positive as kFloor says (Adam's second moment: `floor`) in the same registers.
-// kFinite: the caller knows that no x * reciprocal_absmax is NaN (x finite, reciprocal_absmax finite), so normalize()
-// has nothing to replace and its test is skipped. KeyLookup::kScalar: the key entries by scalar loads instead of the
-// gather (the same entries). The lookup, floor and test are template arguments so that a block's loop over 16 values
-// carries no test of them (quantize_full_block chooses once per block); inlined, so that its constants are hoisted
-// out of that loop.
-template <cpu::KeyLookup kLookup, Floor kFloor, bool kFinite>
+// kKnown: what the caller knows of the values (Known). KeyLookup::kScalar: the key entries by scalar loads instead of
+// the gather (the same entries). The lookup, floor and knowledge are template arguments so that a block's loop over
+// 16 values carries no test of them (quantize_full_block chooses once per block); inlined, so that its constants are
+// hoisted out of that loop.
+template <cpu::KeyLookup kLookup, Floor kFloor, Known kKnown>
 __attribute__((always_inline)) inline __m512i quantize16_as(const cpu::KeyTable& t, const RunRegisters& runs,
                                                            const float* midpoints, const float* x,
                                                            float reciprocal_absmax, PositiveFloor floor) {
     const __m512 value = _mm512_loadu_ps(x);
     __m512 u = _mm512_mul_ps(value, _mm512_set1_ps(reciprocal_absmax));
-    const __mmask16 unordered = kFinite ? 0 : _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+    const __mmask16 unordered = kKnown != Known::kNothing ? 0 : _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
     if (unordered) {  // normalize(): inf * 0 -> sign of x, NaN x -> 0
         const __m512i sign = _mm512_and_si512(_mm512_castps_si512(value), _mm512_set1_epi32(INT32_MIN));
         u = _mm512_mask_mov_ps(u, unordered, _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_castps_si512(
@@ -193,7 +203,7 @@ __attribute__((always_inline)) inline __m512i quantize16_as(const cpu::KeyTable&
         u = _mm512_mask_mov_ps(u, unordered & _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_setzero_ps());
     }
     __m512i index;
-    if (kLookup != cpu::KeyLookup::kRuns || run_index16(runs, u, index)) {
+    if (kLookup != cpu::KeyLookup::kRuns || run_index16<kKnown == Known::kFiniteNonNegative>(runs, u, index)) {
         // the key: the top 16 bits of the value's ordered integer (signed; the table is indexed from its middle)
         const __m512i bits = _mm512_castps_si512(u);
         const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31),
@@ -230,12 +240,12 @@ __attribute__((always_inline)) inline __m512i quantize16_as(const cpu::KeyTable&
 
 // quantize16_as for `count` consecutive groups of 16 values, the codes stored as bytes: four groups' indices packed
 // into one 64-byte store (two packs and a permute, where a narrowing store per group costs more), the rest one by one.
-template <cpu::KeyLookup kLookup, Floor kFloor, bool kFinite>
+template <cpu::KeyLookup kLookup, Floor kFloor, Known kKnown>
 __attribute__((always_inline)) inline void quantize_groups_as(const cpu::KeyTable& t, const RunRegisters& runs,
                                                              const float* midpoints, const float* x,
                                                              float reciprocal_absmax, uint8_t* codes,
                                                              PositiveFloor floor, int64_t count) {
-#define DSBNB_GROUP(j) quantize16_as<kLookup, kFloor, kFinite>(t, runs, midpoints, x + (j), reciprocal_absmax, floor)
+#define DSBNB_GROUP(j) quantize16_as<kLookup, kFloor, kKnown>(t, runs, midpoints, x + (j), reciprocal_absmax, floor)
     // the packs interleave 128-bit lanes: dword k of the packed vector holds group k % 4's bytes of lane k / 4
     const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     int64_t j = 0;
@@ -250,54 +260,55 @@ __attribute__((always_inline)) inline void quantize_groups_as(const cpu::KeyTabl
 #undef DSBNB_GROUP
 }
 
-template <cpu::KeyLookup kLookup, bool kFinite>
+template <cpu::KeyLookup kLookup, Known kKnown>
 __attribute__((always_inline)) inline void quantize_groups_floored(const cpu::KeyTable& t, const RunRegisters& runs,
                                                                   const float* midpoints, const float* x,
                                                                   float reciprocal_absmax, uint8_t* codes,
                                                                   PositiveFloor floor, Floor kind, int64_t count) {
     if (kind == Floor::kMax) {
-        quantize_groups_as<kLookup, Floor::kMax, kFinite>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
-                                                          count);
+        quantize_groups_as<kLookup, Floor::kMax, kKnown>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
+                                                         count);
     } else if (kind == Floor::kLift) {
-        quantize_groups_as<kLookup, Floor::kLift, kFinite>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
-                                                           count);
+        quantize_groups_as<kLookup, Floor::kLift, kKnown>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
+                                                          count);
     } else {
-        quantize_groups_as<kLookup, Floor::kNone, kFinite>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
-                                                           count);
+        quantize_groups_as<kLookup, Floor::kNone, kKnown>(t, runs, midpoints, x, reciprocal_absmax, codes, floor,
+                                                          count);
     }
 }
 
-// The codes of `count` groups of 16 values, the lookup, the floor (`kind`, floor_kind of `floor`) and normalize()'s
-// test (`finite`: see quantize16_as) chosen once: by the runs where `lookup` is KeyLookup::kRuns and the map has them,
-// else by the key table (gathered, or KeyLookup::kScalar's loads). The key table's paths always test (they are the
-// fallbacks, not worth the instances).
+// The codes of `count` groups of 16 values, the lookup, the floor (`kind`, floor_kind of `floor`) and what is `known`
+// of the values (see Known) chosen once: by the runs where `lookup` is KeyLookup::kRuns and the map has them, else by
+// the key table (gathered, or KeyLookup::kScalar's loads). The key table's paths always test (they are the fallbacks,
+// not worth the instances).
 __attribute__((always_inline)) inline void quantize_groups(const cpu::KeyTable& t, const RunRegisters& runs,
                                                           const float* midpoints, const float* x,
                                                           float reciprocal_absmax, uint8_t* codes,
-                                                          PositiveFloor floor, Floor kind, bool finite,
+                                                          PositiveFloor floor, Floor kind, Known known,
                                                           cpu::KeyLookup lookup, int64_t count) {
+#define DSBNB_GROUPS(lookup, known) \
+    quantize_groups_floored<lookup, known>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, kind, count)
     if (lookup == cpu::KeyLookup::kRuns && runs.usable) {
-        if (finite) {
-            quantize_groups_floored<cpu::KeyLookup::kRuns, true>(t, runs, midpoints, x, reciprocal_absmax, codes,
-                                                                 floor, kind, count);
+        if (known == Known::kFiniteNonNegative) {
+            DSBNB_GROUPS(cpu::KeyLookup::kRuns, Known::kFiniteNonNegative);
+        } else if (known == Known::kFinite) {
+            DSBNB_GROUPS(cpu::KeyLookup::kRuns, Known::kFinite);
         } else {
-            quantize_groups_floored<cpu::KeyLookup::kRuns, false>(t, runs, midpoints, x, reciprocal_absmax, codes,
-                                                                  floor, kind, count);
+            DSBNB_GROUPS(cpu::KeyLookup::kRuns, Known::kNothing);
         }
     } else if (lookup == cpu::KeyLookup::kScalar) {
-        quantize_groups_floored<cpu::KeyLookup::kScalar, false>(t, runs, midpoints, x, reciprocal_absmax, codes,
-                                                                floor, kind, count);
+        DSBNB_GROUPS(cpu::KeyLookup::kScalar, Known::kNothing);
     } else {
-        quantize_groups_floored<cpu::KeyLookup::kGather, false>(t, runs, midpoints, x, reciprocal_absmax, codes,
-                                                                floor, kind, count);
+        DSBNB_GROUPS(cpu::KeyLookup::kGather, Known::kNothing);
     }
+#undef DSBNB_GROUPS
 }
 
 // `count` groups of 16 values, everything chosen at run time (the checks' entry point); `floor` as floor_kind says.
 inline void quantize16(const cpu::KeyTable& t, const RunRegisters& runs, const float* midpoints, const float* x,
-                             float reciprocal_absmax, uint8_t* codes, PositiveFloor floor, bool finite,
+                             float reciprocal_absmax, uint8_t* codes, PositiveFloor floor, Known known,
                              cpu::KeyLookup lookup, int64_t count) {
-    quantize_groups(t, runs, midpoints, x, reciprocal_absmax, codes, floor, floor_kind(floor, midpoints), finite,
+    quantize_groups(t, runs, midpoints, x, reciprocal_absmax, codes, floor, floor_kind(floor, midpoints), known,
                     lookup, count);
 }
 
@@ -314,12 +325,13 @@ inline __m512 load_grad16(const void* g) {
 
 // The update of one full 256-element block of an 8-bit segment, kept in registers from dequantization to the new
 // moments: the same operations, in the same order, as block_8bit's portable loops (dsbnb::adam_moments and
-// adam_param; a non-finite gradient keeps the element). Writes p, the new moments m and v (for quantize16) and
+// adam_param; a non-finite gradient keeps the element). Writes p, the new moments m and v (for quantize16), whether
+// no v has its sign bit set (`v_signless`: the second moment's quantizer may then leave the sign out, Known), and
 // returns false when a moment is NaN (absmax then needs the portable first-NaN rule).
 template <Grad kind, bool Scale>
 inline bool update_block(const Hyper& h, float* p, const void* grads, const uint8_t* c1, const uint8_t* c2,
                          float scale1, float scale2, const FastTables& t1, const FastTables& t2, float inv_scale,
-                         float* m, float* v, float& max1, float& max2) {
+                         float* m, float* v, float& max1, float& max2, bool& v_signless) {
     const __m512 beta1 = _mm512_set1_ps(h.beta1), beta2 = _mm512_set1_ps(h.beta2);
     const __m512 omb1 = _mm512_set1_ps(h.one_minus_beta1), omb2 = _mm512_set1_ps(h.one_minus_beta2);
     const __m512 eps_hat = _mm512_set1_ps(h.eps_hat), decay = _mm512_set1_ps(h.decay);
@@ -327,6 +339,7 @@ inline bool update_block(const Hyper& h, float* p, const void* grads, const uint
     const __m512 largest = _mm512_set1_ps(3.40282347e+38f);
     const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
     __m512 top1 = _mm512_setzero_ps(), top2 = _mm512_setzero_ps();
+    __m512i v_signs = _mm512_setzero_si512();  // the OR of every v's bits: its sign bit, whether any v has one
     __mmask16 nan = 0;
     for (int64_t j = 0; j < kBlock; j += 64) {
         __m512 m_old[4], v_old[4];
@@ -349,11 +362,13 @@ inline bool update_block(const Hyper& h, float* p, const void* grads, const uint
             // max(|x|, top) keeps top when |x| is NaN, like the portable `x > top ? x : top`
             top1 = _mm512_max_ps(_mm512_abs_ps(m_new), top1);
             top2 = _mm512_max_ps(_mm512_abs_ps(v_new), top2);
+            v_signs = _mm512_or_si512(v_signs, _mm512_castps_si512(v_new));
             nan |= _mm512_cmp_ps_mask(m_new, v_new, _CMP_UNORD_Q);
         }
     }
     max1 = _mm512_reduce_max_ps(top1);
     max2 = _mm512_reduce_max_ps(top2);
+    v_signless = _mm512_reduce_or_epi32(v_signs) >= 0;
     return nan == 0;
 }
 

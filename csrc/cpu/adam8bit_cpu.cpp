@@ -61,14 +61,15 @@ void block_8bit(const Hyper& hyper, int64_t len, float* __restrict__ p, const Gr
     float max1, max2;
 #if DSBNB_AVX512
     if (len == kBlock && t1.fast_usable() && t2.fast_usable()) {
+        bool v_signless;  // no new second moment has its sign bit set: read off the update, not assumed
         const bool nan_free = dsbnb::avx512::update_block<dsbnb::cpu::grad_kind<GradT>(), Scale>(
-            hyper, p, g_in, c1, c2, *a1, *a2, t1.fast, t2.fast, inv_scale, m, v, max1, max2);
+            hyper, p, g_in, c1, c2, *a1, *a2, t1.fast, t2.fast, inv_scale, m, v, max1, max2, v_signless);
         if (!nan_free) {
             max1 = dsbnb::cpu::block_absmax(len, m);  // a NaN moment: the first-NaN rule
             max2 = dsbnb::cpu::block_absmax(len, v);
         }
         dsbnb::cpu::quantize_full_block(t1, m, max1, nan_free, c1);
-        dsbnb::cpu::quantize_full_block(t2, v, max2, nan_free, c2, true);
+        dsbnb::cpu::quantize_full_block(t2, v, max2, nan_free, c2, true, v_signless);
         *a1 = max1;
         *a2 = max2;
         return;

@@ -230,15 +230,21 @@ constexpr avx512::Grad grad_kind() {
 
 // quantize_block for a full block of a map with usable fast tables (same codes; by the runs, or one gather per 16
 // values), followed by floor_positive_block where `floored` (Adam's second moment: the map's floor, applied in the
-// same pass). `absmax`: the block's (block_absmax); `nan_free`: no x is NaN. Then with a finite absmax and reciprocal
-// every x * reciprocal(absmax) is a number, and the quantizer skips normalize()'s test.
+// same pass). `absmax`: the block's (block_absmax); `nan_free`: no x is NaN; `signless`: no x has its sign bit set.
+// Then with a finite absmax and reciprocal every x * reciprocal(absmax) is a number, and the quantizer skips
+// normalize()'s test; with a positive reciprocal and signless values, none of them is below +0 either, and the
+// quantizer leaves the sign out (avx512::Known).
 __attribute__((always_inline)) inline void quantize_full_block(const MapTables& t, const float* x, float absmax,
-                                                               bool nan_free, uint8_t* codes, bool floored = false) {
+                                                               bool nan_free, uint8_t* codes, bool floored = false,
+                                                               bool signless = false) {
     const float r = reciprocal(absmax);
     const avx512::RunRegisters runs(t.runs);
+    avx512::Known known = avx512::Known::kNothing;
+    if (nan_free && std::isfinite(absmax) && std::isfinite(r)) {
+        known = signless && r > 0.0f ? avx512::Known::kFiniteNonNegative : avx512::Known::kFinite;
+    }
     avx512::quantize_groups(t.keys, runs, t.generic.midpoints, x, r, codes, t.generic.floor,
-                            floored ? t.floor_kind : avx512::Floor::kNone,
-                            nan_free && std::isfinite(absmax) && std::isfinite(r),
+                            floored ? t.floor_kind : avx512::Floor::kNone, known,
                             key_lookup().load(std::memory_order_relaxed), kBlock / 16);
 }
 #endif

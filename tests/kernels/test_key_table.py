@@ -69,10 +69,10 @@ def test_control_the_wrong_tie_rule_is_caught(tmp_path):
     assert usable == 1 and mismatches > 0 and code == 1, out
 
 
-@pytest.mark.parametrize("mutant", ["RUN_TABLE_MUTANT", "RUN_ENDS_MUTANT", "FLOOR_MUTANT"])
+@pytest.mark.parametrize("mutant", ["RUN_TABLE_MUTANT", "RUN_ENDS_MUTANT", "FLOOR_MUTANT", "SIGNLESS_MUTANT"])
 def test_control_quantize16_errors_are_caught(tmp_path, mutant):
     # band 0: no value settled by the key table; top +inf: lines past their run's last count; the floor expected
-    # nowhere: the floored spellings are checked against it
+    # nowhere: the floored spellings are checked against it; the spelling without the sign given negative values
     mutant = build(str(tmp_path), mutant)
     code, _, mismatches, _, runs, paths, out = run(mutant, F.create_dynamic_map(signed=False), tmp_path)
     if not AVX512:  # quantize16 is not compiled here: the runs have no spelling to check

@@ -3,8 +3,9 @@
 // literal search they replace: the count of fp32 midpoints strictly below u (the project's IEEE rule,
 // ops/reference.py), on the host, through each spelling the build has: KeyTable::lookup (portable), lookup8 (AVX2)
 // and avx512::quantize16 (AVX-512 F, BW and DQ) by the runs and by the key table's gather, a value near its bucket's
-// midpoint settled by the one exact compare the kernels make; quantize16 also with Adam's floor (floor_positive) and
-// with normalize()'s test skipped, in groups of 64 (its packed store).
+// midpoint settled by the one exact compare the kernels make; quantize16 also with Adam's floor (floor_positive), with
+// normalize()'s test skipped and with the sign left out (on the values' magnitudes), in groups of 64 (its packed
+// store).
 // Usage: key_table_check MAP.bin [near|all]
 //   MAP.bin: the map's 256 float32 values; near (default): every float within 256 ulps of a midpoint or a map value,
 //   4 ulps of every bucket edge, special values (signed zeros, subnormals, 1, 2, the largest float, infinities) and
@@ -16,7 +17,7 @@
 // (tests/kernels/test_key_table.py; -DKEY_TABLE_MUTANT builds its control, which settles near values the wrong way;
 // -DRUN_TABLE_MUTANT the runs' control, which settles none of them: band 0; -DRUN_ENDS_MUTANT the runs' ends'
 // control, every line evaluated past its run's last count: top +inf; -DFLOOR_MUTANT the floor's control, which
-// expects codes without it).
+// expects codes without it; -DSIGNLESS_MUTANT the sign's control, the spelling without it given negative values).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -99,24 +100,37 @@ struct Checker {
 #endif
 #if DSBNB_AVX512
         using dsbnb::cpu::KeyLookup;
-        // the runs with normalize()'s test skipped (no u is NaN here) and the map's floor, the runs with both, the key
-        // table's gather with the floor
+        using dsbnb::avx512::Known;
+        // the runs with normalize()'s test skipped (no u is NaN here) and the map's floor, the same without the sign
+        // (on the values' magnitudes: the sign bit of each cleared), the runs with both, the key table's gather with
+        // the floor
         struct Spelling {
             const char* name;
             KeyLookup lookup;
-            bool finite, floored;
+            Known known;
+            bool floored;
         };
-        for (const Spelling& s : {Spelling{"quantize16 runs, finite, floored", KeyLookup::kRuns, true, true},
-                                  Spelling{"quantize16 runs", KeyLookup::kRuns, false, false},
-                                  Spelling{"quantize16 gather, floored", KeyLookup::kGather, false, true}}) {
+        float magnitudes[kBatch];
+        for (size_t k = 0; k < kBatch; ++k) magnitudes[k] = std::fabs(pending[k]);
+        for (const Spelling& s :
+             {Spelling{"quantize16 runs, finite, floored", KeyLookup::kRuns, Known::kFinite, true},
+              Spelling{"quantize16 runs, finite, non-negative, floored", KeyLookup::kRuns, Known::kFiniteNonNegative,
+                       true},
+              Spelling{"quantize16 runs", KeyLookup::kRuns, Known::kNothing, false},
+              Spelling{"quantize16 gather, floored", KeyLookup::kGather, Known::kNothing, true}}) {
             if (s.lookup == KeyLookup::kRuns && !runs.usable) continue;
+#ifdef SIGNLESS_MUTANT  // a control: the spelling without the sign given values with it
+            const float* values = pending.data();
+#else
+            const float* values = s.known == Known::kFiniteNonNegative ? magnitudes : pending.data();
+#endif
             uint8_t codes[kBatch];
-            dsbnb::avx512::quantize16(keys, dsbnb::avx512::RunRegisters(runs), generic.midpoints, pending.data(), 1.0f,
-                                      codes, s.floored ? generic.floor : dsbnb::PositiveFloor(), s.finite, s.lookup,
+            dsbnb::avx512::quantize16(keys, dsbnb::avx512::RunRegisters(runs), generic.midpoints, values, 1.0f, codes,
+                                      s.floored ? generic.floor : dsbnb::PositiveFloor(), s.known, s.lookup,
                                       kBatch / 16);
             for (size_t k = 0; k < kBatch; ++k) {
                 // quantize16 settles near values itself (its exact compare); x * 1.0f is x for every non-NaN float
-                const float u = pending[k];
+                const float u = values[k];
 #ifdef KEY_TABLE_MUTANT
                 const int got = codes[k] + (generic.midpoints[codes[k]] == u ? 1 : 0);
 #else
@@ -138,7 +152,8 @@ int paths() {
     ++n;
 #endif
 #if DSBNB_AVX512
-    n += 3;  // quantize16 by the runs (where the map has them; normalize()'s test skipped or made) and by the key table
+    n += 4;  // quantize16 by the runs (where the map has them; normalize()'s test skipped or made; the sign left out on
+             // magnitudes) and by the key table
 #endif
     return n;
 }
