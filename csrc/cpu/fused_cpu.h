@@ -27,6 +27,7 @@
 
 #include "adam8bit_avx512.h"
 #include "bnb_cpu32.h"
+#include "master_weights_avx2.h"
 #include "master_weights_avx512.h"
 #include "dsbnb/adam8bit.h"
 #include "dsbnb/master_weights.h"
@@ -442,9 +443,13 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
         for (int64_t j = 0; j < len; ++j) p[j] = bf16_value(hi[j]);
     } else {
         const int8_t* lo = master.error + base;
-        int64_t j = 0;  // 16 at a time where AVX-512 is compiled in (master_weights_avx512.h), the rest here
+        // 16 at a time where AVX-512 is compiled in (master_weights_avx512.h), else 8 at a time where AVX2 is
+        // (master_weights_avx2.h), the rest here
+        int64_t j = 0;
 #if DSBNB_AVX512
         for (; j + 16 <= len; j += 16) _mm512_store_ps(p + j, avx512::join16(hi + j, lo + j));
+#elif defined(__AVX2__)
+        for (; j + 8 <= len; j += 8) _mm256_store_ps(p + j, avx2::join8(hi + j, lo + j));
 #endif
 #pragma omp simd
         for (int64_t k = j; k < len; ++k) p[k] = join(hi[k], lo[k]);
@@ -458,6 +463,8 @@ inline void with_fp32_master(const Master& master, const ModelCopy& copy, int64_
         int64_t j = 0;
 #if DSBNB_AVX512
         for (; j + 16 <= len; j += 16) avx512::split16(_mm512_load_ps(p + j), hi_out + j, lo_out + j);
+#elif defined(__AVX2__)
+        for (; j + 8 <= len; j += 8) avx2::split8(_mm256_load_ps(p + j), hi_out + j, lo_out + j);
 #endif
 #pragma omp simd
         for (int64_t k = j; k < len; ++k) split(p[k], hi_out[k], lo_out[k]);

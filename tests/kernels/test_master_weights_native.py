@@ -1,9 +1,10 @@
 """The kernels' compensated master weights (csrc/include/dsbnb/master_weights.h: error_unit, join, split, spelled with
 integer operations so that the CPU loops vectorize; csrc/cpu/master_weights_avx512.h: join16 and split16, the CPU
-kernels' 16-lane spelling where the compiler targets AVX-512) equal their literal definition with frexp/ldexp
-(deepspeed_bnb/ops/compensated.py), on the host: error_unit for every finite bf16 value, join for every bf16 value and
-error byte, split around every bf16 value and for 2^24 random floats (tests/native/master_weights_check.cpp).
-Controls: a unit off by one exponent for subnormal weights is caught, and so is a 16-lane split without its clamp."""
+kernels' 16-lane spelling where the compiler targets AVX-512; csrc/cpu/master_weights_avx2.h: join8 and split8, their
+8-lane one where it targets AVX2) equal their literal definition with frexp/ldexp (deepspeed_bnb/ops/compensated.py),
+on the host: error_unit for every finite bf16 value, join for every bf16 value and error byte, split around every bf16
+value and for 2^24 random floats (tests/native/master_weights_check.cpp). Controls: a unit off by one exponent for
+subnormal weights is caught, and so is a vector split without its clamp."""
 
 import pytest
 
@@ -17,18 +18,20 @@ def run(out_dir, *defines):
     return (code, *map(int, found), out)
 
 
-def avx512_here() -> bool:
-    """Whether -march=native compiles the kernels' AVX-512 full-block path here (the loader's rule,
-    cpu_features.kernel_path): then the check holds the 16-lane spelling too."""
+def vector_spellings_here() -> int:
+    """How many vector spellings -march=native compiles here (the loader's rule, cpu_features.kernel_path): the 16-lane
+    and the 8-lane one where the kernels' AVX-512 path is compiled, the 8-lane one where the AVX2 path is, else none."""
     from deepspeed_bnb.ops import cpu_features
-    return cpu_features.kernel_path(cpu_features.cpu_has() or ()) in cpu_features.AVX512_PATHS
+    path = cpu_features.kernel_path(cpu_features.cpu_has() or ())
+    return 2 if path in cpu_features.AVX512_PATHS else 1 if path == "AVX2 path" else 0
 
 
 def test_compensated_master_weights_equal_the_literal_definition(tmp_path):
     code, checked, mismatches, vector, out = run(str(tmp_path))
     assert checked > 40_000_000 and mismatches == 0 and code == 0, out
-    # the 16-lane spelling is checked wherever the kernels compile it: twice the values
-    assert vector == int(avx512_here()) and (checked > 80_000_000) == bool(vector), out
+    # each vector spelling is checked wherever the kernels compile it, over the same values again
+    expected = vector_spellings_here()
+    assert vector == expected and 43_000_000 * (1 + expected) > checked > 41_000_000 * (1 + expected), out
 
 
 def test_control_a_wrong_unit_is_caught(tmp_path):
@@ -36,8 +39,8 @@ def test_control_a_wrong_unit_is_caught(tmp_path):
     assert mismatches > 0 and code == 1, out
 
 
-def test_control_a_16_lane_split_without_its_clamp_is_caught(tmp_path):
-    if not avx512_here():
-        pytest.skip("this CPU has no AVX-512 F, BW and DQ: the kernels do not compile the 16-lane spelling here")
+def test_control_a_vector_split_without_its_clamp_is_caught(tmp_path):
+    if not vector_spellings_here():
+        pytest.skip("this CPU has neither AVX-512 F, BW and DQ nor AVX2: the kernels compile no vector spelling here")
     code, _, mismatches, vector, out = run(str(tmp_path), "MASTER_CHECK_VECTOR_MUTANT")
-    assert vector == 1 and mismatches > 0 and code == 1, out
+    assert vector == vector_spellings_here() and mismatches > 0 and code == 1, out

@@ -3,19 +3,24 @@
 // exponent of the bf16 weight, at least -125), on the host: error_unit for every finite bf16 value against
 // frexpf/ldexpf; join for every bf16 value and every error byte; split for every float within 64 ulps of every bf16
 // value and 2^24 random bit patterns, against the same formulas spelled with frexpf/ldexpf.
-// Where the compiler targets AVX-512 (F, BW, DQ), the CPU kernels' 16-lane spelling (csrc/cpu/master_weights_avx512.h:
-// join16, split16) is held to the same definitions over the same values.
-// Usage: master_weights_check. Prints "checked N mismatches M vector V" (V: 1 where the 16-lane spelling was checked
-// too) and the first mismatches; exit code 1 on any.
+// The CPU kernels' vector spellings are held to the same definitions over the same values: the 16-lane one where the
+// compiler targets AVX-512 F, BW and DQ (csrc/cpu/master_weights_avx512.h: join16, split16), the 8-lane one where it
+// targets AVX2 (csrc/cpu/master_weights_avx2.h: join8, split8; so on AVX-512 hosts too, though their kernels run the
+// 16-lane one).
+// Usage: master_weights_check. Prints "checked N mismatches M vector V" (V: how many vector spellings were checked
+// too: 2 on an AVX-512 build, 1 on an AVX2 one, else 0) and the first mismatches; exit code 1 on any.
 // Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/master_weights_check.cpp
 // (tests/kernels/test_master_weights_native.py; -DMASTER_CHECK_MUTANT builds its control, a unit off by one exponent
-// for subnormal weights; -DMASTER_CHECK_VECTOR_MUTANT the 16-lane spelling's, split's clamp to +-127 steps dropped).
+// for subnormal weights; -DMASTER_CHECK_VECTOR_MUTANT the vector spellings' control, split's clamp to +-127 steps
+// dropped).
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "dsbnb/master_weights.h"
+#include "master_weights_avx2.h"
 #include "master_weights_avx512.h"
 
 namespace {
@@ -95,49 +100,68 @@ int main() {
     std::mt19937 rng(12345);
     for (int i = 0; i < (1 << 24); ++i) patterns.push_back(rng());  // ~256 ties (128 steps, clamped to 127) among them
     for (const uint32_t pattern : patterns) check_split(pattern);
+    // the kernels' vector spellings, each over the same values: join for every bf16 value and error byte, split for
+    // every pattern above (`lanes` at a time)
     int vector = 0;
-#if DSBNB_AVX512
-    vector = 1;
-    for (uint32_t h = 0; h < (1u << 16); ++h) {  // join16: every error byte of every bf16 value, 16 bytes at a time
-        for (int first = -128; first < 128; first += 16) {
-            uint16_t hi[16];
-            int8_t lo[16];
-            for (int k = 0; k < 16; ++k) hi[k] = static_cast<uint16_t>(h), lo[k] = static_cast<int8_t>(first + k);
-            alignas(64) float got[16];
-            _mm512_store_ps(got, dsbnb::avx512::join16(hi, lo));
-            for (int k = 0; k < 16; ++k) {
-                const float want = literal_join(hi[k], lo[k]);
-                const bool same = float_to_bits(got[k]) == float_to_bits(want) || (got[k] != got[k] && want != want);
-                c.expect(same, "join16", h, static_cast<uint32_t>(lo[k]));
+    auto check_vector = [&](const char* name, int lanes, auto join_lanes, auto split_lanes) {
+        ++vector;
+        std::string join_name = std::string("join") + name, split_name = std::string("split") + name;
+        for (uint32_t h = 0; h < (1u << 16); ++h) {
+            for (int first = -128; first < 128; first += lanes) {
+                uint16_t hi[16];
+                int8_t lo[16];
+                for (int k = 0; k < lanes; ++k) {
+                    hi[k] = static_cast<uint16_t>(h);
+                    lo[k] = static_cast<int8_t>(first + k);
+                }
+                alignas(64) float got[16];
+                join_lanes(hi, lo, got);
+                for (int k = 0; k < lanes; ++k) {
+                    const float want = literal_join(hi[k], lo[k]);
+                    const bool same =
+                        float_to_bits(got[k]) == float_to_bits(want) || (got[k] != got[k] && want != want);
+                    c.expect(same, join_name.c_str(), h, static_cast<uint32_t>(lo[k]));
+                }
             }
         }
-    }
-    patterns.resize(patterns.size() / 16 * 16);
-    for (size_t i = 0; i < patterns.size(); i += 16) {  // split16: the same values as split, 16 at a time
-        alignas(64) float w[16];
-        for (int k = 0; k < 16; ++k) w[k] = dsbnb::bits_to_float(patterns[i + k]);
-        uint16_t hi[16];
-        int8_t lo[16];
+        for (size_t i = 0; i + lanes <= patterns.size(); i += lanes) {
+            alignas(64) float w[16];
+            for (int k = 0; k < lanes; ++k) w[k] = dsbnb::bits_to_float(patterns[i + k]);
+            uint16_t hi[16];
+            int8_t lo[16];
 #ifdef MASTER_CHECK_VECTOR_MUTANT
-        // the control: the steps' clamp dropped (a weight between two bf16 values' halfway points and 127 steps
-        // away from the nearer one wraps around in the int8)
-        for (int k = 0; k < 16; ++k) {
-            hi[k] = dsbnb::bf16_round(w[k]);
-            const float steps = std::rint(dsbnb::div_error_unit(w[k] - dsbnb::bf16_value(hi[k]),
-                                                                dsbnb::bf16_value(hi[k])));
-            lo[k] = std::fabs(steps) <= 3.40282347e+38f ? static_cast<int8_t>(static_cast<int>(steps)) : 0;
-        }
+            // the control: the steps' clamp dropped (a weight between two bf16 values' halfway points and 127 steps
+            // away from the nearer one wraps around in the int8)
+            for (int k = 0; k < lanes; ++k) {
+                hi[k] = dsbnb::bf16_round(w[k]);
+                const float steps = std::rint(dsbnb::div_error_unit(w[k] - dsbnb::bf16_value(hi[k]),
+                                                                    dsbnb::bf16_value(hi[k])));
+                lo[k] = std::fabs(steps) <= 3.40282347e+38f ? static_cast<int8_t>(static_cast<int>(steps)) : 0;
+            }
+            (void)split_lanes;
 #else
-        dsbnb::avx512::split16(_mm512_load_ps(w), hi, lo);
+            split_lanes(w, hi, lo);
 #endif
-        for (int k = 0; k < 16; ++k) {
-            uint16_t want_hi;
-            int8_t want_lo;
-            literal_split(w[k], want_hi, want_lo);
-            c.expect(hi[k] == want_hi && lo[k] == want_lo, "split16", patterns[i + k],
-                     static_cast<uint32_t>(hi[k]) << 8 | uint8_t(lo[k]));
+            for (int k = 0; k < lanes; ++k) {
+                uint16_t want_hi;
+                int8_t want_lo;
+                literal_split(w[k], want_hi, want_lo);
+                c.expect(hi[k] == want_hi && lo[k] == want_lo, split_name.c_str(), patterns[i + k],
+                         static_cast<uint32_t>(hi[k]) << 8 | uint8_t(lo[k]));
+            }
         }
-    }
+    };
+#if DSBNB_AVX512
+    check_vector(
+        "16", 16,
+        [](const uint16_t* hi, const int8_t* lo, float* out) { _mm512_store_ps(out, dsbnb::avx512::join16(hi, lo)); },
+        [](const float* w, uint16_t* hi, int8_t* lo) { dsbnb::avx512::split16(_mm512_load_ps(w), hi, lo); });
+#endif
+#if defined(__AVX2__)
+    check_vector(
+        "8", 8,
+        [](const uint16_t* hi, const int8_t* lo, float* out) { _mm256_store_ps(out, dsbnb::avx2::join8(hi, lo)); },
+        [](const float* w, uint16_t* hi, int8_t* lo) { dsbnb::avx2::split8(_mm256_load_ps(w), hi, lo); });
 #endif
     std::printf("checked %llu mismatches %llu vector %d\n", c.checked, c.mismatches, vector);
     return c.mismatches ? 1 : 0;
