@@ -286,8 +286,8 @@ __attribute__((always_inline)) inline void quantize_groups(const cpu::KeyTable& 
                                                           float reciprocal_absmax, uint8_t* codes,
                                                           PositiveFloor floor, Floor kind, Known known,
                                                           cpu::KeyLookup lookup, int64_t count) {
-#define DSBNB_GROUPS(lookup, known) \
-    quantize_groups_floored<lookup, known>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, kind, count)
+#define DSBNB_GROUPS(LOOKUP, KNOWN) \
+    quantize_groups_floored<LOOKUP, KNOWN>(t, runs, midpoints, x, reciprocal_absmax, codes, floor, kind, count)
     if (lookup == cpu::KeyLookup::kRuns && runs.usable) {
         if (known == Known::kFiniteNonNegative) {
             DSBNB_GROUPS(cpu::KeyLookup::kRuns, Known::kFiniteNonNegative);
