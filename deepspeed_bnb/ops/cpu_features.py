@@ -59,6 +59,7 @@ def compiler_needs(flags: Iterable[str], compiler: Optional[str] = None) -> Froz
 AVX512_VBMI_PATH = "AVX-512 VBMI path"
 AVX512_PATH = "AVX-512 path (no VBMI)"
 AVX512_PATHS = (AVX512_VBMI_PATH, AVX512_PATH)  # the builds that compile the AVX-512 full-block path
+AVX2_PATH = "AVX2 path"
 
 
 def kernel_path(needs: Iterable[str]) -> str:
@@ -68,7 +69,7 @@ def kernel_path(needs: Iterable[str]) -> str:
     needs = frozenset(needs)
     if {"avx512f", "avx512bw", "avx512dq"} <= needs:
         return AVX512_VBMI_PATH if "avx512vbmi" in needs else AVX512_PATH
-    return "AVX2 path" if "avx2" in needs else "portable loops"
+    return AVX2_PATH if "avx2" in needs else "portable loops"
 
 
 def cpu_has() -> Optional[FrozenSet[str]]:

@@ -36,7 +36,7 @@ def any_inf_or_nan(pieces: Iterable[Optional[torch.Tensor]], device) -> torch.Te
     dense = [values for values in (stored_values(piece) for piece in pieces if piece is not None) if values.numel()]
     if not dense:
         return torch.zeros([1], dtype=torch.bool, device=device)
-    if all(values.device.type == "cpu" for values in dense) and _extremes_see_nan():
+    if all(_judged_by_extremes(values) for values in dense):
         extremes = [bound for values in dense for bound in torch.aminmax(values)]
         if len({bound.dtype for bound in extremes}) > 1:  # stacked as fp64: exact for every floating dtype
             extremes = [bound.double() for bound in extremes]
@@ -47,6 +47,12 @@ def any_inf_or_nan(pieces: Iterable[Optional[torch.Tensor]], device) -> torch.Te
 
 _EXTREMES_PROBED: list = []  # [whether torch.aminmax sees a NaN or an inf anywhere on this CPU], once probed
 _FP32_VALUES = (torch.float32, torch.bfloat16, torch.float16)  # gradient dtypes whose values are fp32 values
+
+
+def _judged_by_extremes(values: torch.Tensor) -> bool:
+    """Whether `values` are judged by their smallest and largest values (torch.aminmax) rather than an fp64 norm: on
+    the CPU, in a dtype the probe covered, where the probe saw torch propagate a NaN and an inf to the bounds."""
+    return values.device.type == "cpu" and values.dtype in _FP32_VALUES and _extremes_see_nan()
 
 
 def _extremes_see_nan() -> bool:
@@ -75,7 +81,7 @@ def inf_or_nan_term(piece: torch.Tensor) -> torch.Tensor:
     2-norm; on the CPU, for fp32, bf16 and fp16 values, its largest minus its smallest value, at most twice fp32's
     largest: a sum of such terms answers for all of them, as any_inf_or_nan's does). Reads nothing back."""
     values = stored_values(piece)
-    if values.device.type == "cpu" and values.dtype in _FP32_VALUES and values.numel() and _extremes_see_nan():
+    if values.numel() and _judged_by_extremes(values):
         low, high = torch.aminmax(values)
         return high.double() - low.double()
     return torch.linalg.vector_norm(values, 2.0, dtype=torch.float64)

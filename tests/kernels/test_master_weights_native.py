@@ -23,7 +23,7 @@ def vector_spellings_here() -> int:
     and the 8-lane one where the kernels' AVX-512 path is compiled, the 8-lane one where the AVX2 path is, else none."""
     from deepspeed_bnb.ops import cpu_features
     path = cpu_features.kernel_path(cpu_features.cpu_has() or ())
-    return 2 if path in cpu_features.AVX512_PATHS else 1 if path == "AVX2 path" else 0
+    return 2 if path in cpu_features.AVX512_PATHS else 1 if path == cpu_features.AVX2_PATH else 0
 
 
 def test_compensated_master_weights_equal_the_literal_definition(tmp_path):
