@@ -369,10 +369,16 @@ inline ModelCopy model_copy_of(const Checker& check, const Master& master, const
     return {CopyKind::kBFloat16, lp.data_ptr()};
 }
 
-// out[j] = the bf16 bits of p[j] (bf16_round), j < len: bf16 master weights and the model's bf16 copy.
+// out[j] = the bf16 bits of p[j] (bf16_round), j < len: bf16 master weights and the model's bf16 copy; 16 at a time
+// where AVX-512 is compiled in (master_weights_avx512.h: one conversion instruction where AVX512_BF16 is), else the
+// compiler's loop.
 inline void store_bf16(uint16_t* out, const float* p, int64_t len) {
+#if DSBNB_AVX512
+    avx512::store_bf16(out, p, len);
+#else
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) out[j] = bf16_round(p[j]);
+#endif
 }
 
 // Writes the model's copy of the updated fp32 weights p of the block base..base+len.

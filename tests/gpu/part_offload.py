@@ -21,8 +21,9 @@ First, the host's own exactness: the CPU quantizer's and dequantizer's vector sp
 runs, the key table, the byte- or float-permute dequantizer; with -march=native and, on an AVX-512 host, x86-64-v4,
 which is what AVX-512 hosts without VBMI build) against the literal search and the scalar product, for bnb's two maps
 (tests/native/key_table_check.cpp near every midpoint, tests/native/dequantize_check.cpp for every code), and the
-compensated master weights' 16- and 8-lane joins and splits against their definition
-(tests/native/master_weights_check.cpp): the kernels' own tests ran them on AMD cores only.
+compensated master weights' 16- and 8-lane joins and splits against their definition and the 16-lane bf16 rounding
+against the scalar one for every float (tests/native/master_weights_check.cpp): the kernels' own tests ran them on AMD
+cores only.
 """
 
 import os
@@ -117,15 +118,18 @@ def host_exactness(result) -> None:
                                                                *([path] if path else [])) \
                         if binary else (None, None, error)
                     # checked, mismatches, and what ran: the quantizer's spellings, the dequantizer's spelling, how
-                    # many vector spellings of join and split were checked
+                    # many vector spellings of join and split were checked and the bf16 rounding's spelling
+                    ran = (f"{found[2]}, bf16 {found[3]}" if source == "master_weights_check.cpp" else found[-1]) \
+                        if found else out[-200:]
                     rows.append([march, name, {True: "signed", False: "unsigned", None: "-"}[signed],
-                                 *(found[:2] if found else ("-", "-")), found[-1] if found else out[-200:]])
+                                 *(found[:2] if found else ("-", "-")), ran])
                     if not (code == 0 and found and int(found[1]) == 0):
                         failed.append(f"{march} {name} {rows[-1][2]}")
     result.table("o: this host's CPU quantizer and dequantizer spellings against the literal search and the scalar "
                  "product, bnb's maps; the compensated master weights' join and split against their definition",
                  ["-march", "check", "map", "values checked", "mismatches",
-                  "spellings (quantizer) / spelling (dequantizer) / vector spellings checked (master weights)"], rows)
+                  "spellings (quantizer) / spelling (dequantizer) / vector spellings checked, bf16 rounding (master "
+                  "weights)"], rows)
     result.check("o: the host's CPU quantizer, dequantizer and compensated master weights give the exact codes and "
                  "values", not failed,
                  ", ".join(failed) or f"{len(rows)} checks, 0 mismatches", "0 mismatches in every check")

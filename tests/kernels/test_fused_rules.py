@@ -139,6 +139,50 @@ def test_kernel_bf16_and_compensated_master_weights(rule, seed, master, device):
     check_kernel(rule, device, seed, master=master, **({"corrupt": True} if seed == 2 else {}))
 
 
+@needs_kernel
+@pytest.mark.parametrize("master", ["fp32, bf16 copy", "bf16", "bf16+8"])
+# the rounding is every rule's (fused_cpu.h: with_fp32_master); Lion moves each weight by lr, a zero gradient's too,
+# so it keeps no weight subnormal
+@pytest.mark.parametrize("rule", ["adam", "momentum"])
+def test_kernel_bf16_rounding_of_subnormal_and_nan_weights(rule, master):
+    """The weights' bf16 rounding (bf16 master weights, compensated ones, the model's bf16 copy) where an x86 conversion
+    instruction answers otherwise: subnormal weights (flushed to zero by VCVTNEPS2BF16) and NaN ones (its NaN keeps
+    the payload; the kernels write 0x7FC0). Every third weight subnormal, every 97th NaN, their gradients zero so that
+    they stay so; the kernel's bits, NaN payloads included, those of the reference (itself torch's conversion).
+    Control: subnormal and NaN weights are still there in full 8-bit blocks after the step."""
+    kernel = CASES[rule].partition(7)
+    g = torch.Generator().manual_seed(7)
+    tiny = torch.randint(1, 1 << 23, kernel.params[::3].shape, generator=g, dtype=torch.int32).view(torch.float32)
+    kernel.params[::3] = torch.where(torch.rand(tiny.shape, generator=g) < 0.5, tiny, -tiny)
+    kernel.params[1::97] = float("nan")
+    for k in kernel.moments:  # zero state (momentum's case starts from random state), so zero gradients stay put
+        getattr(kernel, f"absmax{k}").zero_()
+        getattr(kernel, f"state{k}").zero_()
+    if master == "bf16":
+        kernel.params = kernel.params.to(torch.bfloat16)
+    elif master == "bf16+8":
+        kernel.params, kernel.error = compensated.split(kernel.params)
+    ref = kernel.clone()
+    copies = [torch.zeros(kernel.params.numel(), dtype=torch.bfloat16) if master == "fp32, bf16 copy" else None
+              for _ in range(2)]
+    grads = kernel.grads(1)
+    grads[::3], grads[1::97] = 0.0, 0.0
+    for run, copy, use_kernel in ((kernel, copies[0], True), (ref, copies[1], False)):
+        run.step(1, grads, use_kernel, lp_params=copy)
+    raw = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else bits(t))
+    for name, a, b in zip(kernel.names, kernel.tensors(), ref.tensors()):
+        assert torch.equal(raw(a), raw(b)), f"{rule}, {master}: {name}"
+    if copies[0] is not None:
+        assert torch.equal(raw(copies[0]), raw(copies[1])), f"{rule}, {master}: the bf16 copy"
+    full = torch.zeros(kernel.params.numel(), dtype=torch.bool)  # in a full 256-element block of an 8-bit segment
+    for s in kernel.segments:
+        if s.eight_bit:
+            full[s.offset:s.offset + s.numel // 256 * 256] = True
+    after = kernel.params.float()
+    subnormal = (after != 0) & (after.abs() < torch.finfo(torch.float32).tiny)
+    assert (full & subnormal).sum() > 100 and (full & after.isnan()).any(), f"{rule}, {master}: vacuous"
+
+
 @on_each_device
 @pytest.mark.parametrize("seed", NON_FINITE_SEEDS)
 @for_every_rule

@@ -7,13 +7,18 @@
 // compiler targets AVX-512 F, BW and DQ (csrc/cpu/master_weights_avx512.h: join16, split16), the 8-lane one where it
 // targets AVX2 (csrc/cpu/master_weights_avx2.h: join8, split8; so on AVX-512 hosts too, though their kernels run the
 // 16-lane one).
-// Usage: master_weights_check. Prints "checked N mismatches M vector V" (V: how many vector spellings were checked
-// too: 2 on an AVX-512 build, 1 on an AVX2 one, else 0) and the first mismatches; exit code 1 on any.
+// The bf16 rounding of bf16 master weights and of the model's bf16 copy, 16 at a time (master_weights_avx512.h:
+// bf16_bits16, VCVTNEPS2BF16 where the compiler targets AVX512_BF16), is held to the scalar bf16_round for every one
+// of the 2^32 floats.
+// Usage: master_weights_check. Prints "checked N mismatches M vector V bf16 S" (V: how many vector spellings of join
+// and split were checked too: 2 on an AVX-512 build, 1 on an AVX2 one, else 0; S: the bf16 rounding spelling checked
+// over every float: vcvtneps2bf16, integer, or none without AVX-512) and the first mismatches; exit code 1 on any.
 // Build: g++ -O2 -march=native -std=c++17 -Icsrc/include -Icsrc/cpu tests/native/master_weights_check.cpp
 // (tests/kernels/test_master_weights_native.py; -DMASTER_CHECK_MUTANT builds its control, a unit off by one exponent
 // for subnormal weights; -DMASTER_CHECK_VECTOR_MUTANT the vector spellings' control, split's clamp to +-127 steps
-// dropped).
+// dropped; -DMASTER_CHECK_BF16_MUTANT the bf16 rounding's, its answer for NaN and subnormal floats dropped).
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -163,6 +168,41 @@ int main() {
         [](const uint16_t* hi, const int8_t* lo, float* out) { _mm256_store_ps(out, dsbnb::avx2::join8(hi, lo)); },
         [](const float* w, uint16_t* hi, int8_t* lo) { dsbnb::avx2::split8(_mm256_load_ps(w), hi, lo); });
 #endif
-    std::printf("checked %llu mismatches %llu vector %d\n", c.checked, c.mismatches, vector);
+    // the bf16 rounding of bf16 master weights and of the model's bf16 copy (bf16_bits16: by VCVTNEPS2BF16 where the
+    // compiler targets AVX512_BF16), every float against the scalar bf16_round; its mismatches count with the rest,
+    // its 2^32 values apart from `checked`
+    const char* bf16 = "none";
+#if DSBNB_AVX512
+#if defined(__AVX512BF16__)
+    bf16 = "vcvtneps2bf16";
+#else
+    bf16 = "integer";
+#endif
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (uint64_t first = 0; first < (1ull << 32); first += 16) {
+        const __m512 w = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane));
+#ifdef MASTER_CHECK_BF16_MUTANT
+        // the control: the spelling without its answer for NaN and subnormal lanes
+#if defined(__AVX512BF16__)
+        const __m256i got = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w));
+#else
+        const __m512i u = _mm512_castps_si512(w);
+        const __m256i got = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(
+            u, _mm512_set1_epi32(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16));
+#endif
+#else
+        const __m256i got = dsbnb::avx512::bf16_bits16(w);
+#endif
+        alignas(32) uint16_t hi[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(hi), got);
+        for (int k = 0; k < 16; ++k) {
+            const uint32_t pattern = static_cast<uint32_t>(first) + static_cast<uint32_t>(k);
+            if (hi[k] != dsbnb::bf16_round(dsbnb::bits_to_float(pattern)) && ++c.mismatches <= 10) {
+                std::printf("mismatch in bf16_bits16 at 0x%08x (0x%04x)\n", pattern, hi[k]);
+            }
+        }
+    }
+#endif
+    std::printf("checked %llu mismatches %llu vector %d bf16 %s\n", c.checked, c.mismatches, vector, bf16);
     return c.mismatches ? 1 : 0;
 }

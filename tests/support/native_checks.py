@@ -15,7 +15,7 @@ NATIVE = os.path.join(ROOT, "tests", "native")
 SUMMARY = {"key_table_check.cpp": r"checked (\d+) mismatches (\d+) usable (\d) runs (\d) paths (\d)",
            "dequantize_check.cpp": r"checked (\d+) mismatches (\d+) spelling (\S+)",
            "compact_quantizer_check.cpp": r"checked (\d+) mismatches (\d+) usable (\d) entries (\d+) signs (\d+)",
-           "master_weights_check.cpp": r"checked (\d+) mismatches (\d+) vector (\d)"}
+           "master_weights_check.cpp": r"checked (\d+) mismatches (\d+) vector (\d) bf16 (\S+)"}
 
 
 def compiler() -> Optional[str]:
