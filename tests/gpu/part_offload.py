@@ -126,7 +126,8 @@ def host_exactness(result) -> None:
                     if not (code == 0 and found and int(found[1]) == 0):
                         failed.append(f"{march} {name} {rows[-1][2]}")
     result.table("o: this host's CPU quantizer and dequantizer spellings against the literal search and the scalar "
-                 "product, bnb's maps; the compensated master weights' join and split against their definition",
+                 "product, bnb's maps; the compensated master weights' join and split against their definition, the bf16 "
+                 "rounding against the scalar one",
                  ["-march", "check", "map", "values checked", "mismatches",
                   "spellings (quantizer) / spelling (dequantizer) / vector spellings checked, bf16 rounding (master "
                   "weights)"], rows)
