@@ -24,8 +24,8 @@
 // spelling). Used only when the compiler targets these extensions (-march=native on such a CPU: the JIT build);
 // otherwise the portable loops in adam8bit_cpu.cpp, lion8bit_cpu.cpp, momentum8bit_cpu.cpp and
 // fused_cpu.h run.
-// References: Intel intrinsics guide (VPERMI2B, VPERMB, VPERMT2D/VPERMT2PS, VRNDSCALEPS, VPGATHERDD); bitsandbytes
-// 0.50.2 csrc/kernels.cu (dQuantizeDynamic) for the quantizer it reproduces.
+// References: Intel intrinsics guide (VPERMI2B, VPERMB, VPERMT2D/VPERMT2PS, VRNDSCALEPS, VPGATHERDD, VFPCLASSPS,
+// VRANGEPS); bitsandbytes 0.50.2 csrc/kernels.cu (dQuantizeDynamic) for the quantizer it reproduces.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)  // every AVX-512 server core
@@ -314,6 +314,14 @@ inline void quantize16(const cpu::KeyTable& t, const RunRegisters& runs, const f
 
 enum class Grad { kFloat32, kBFloat16, kFloat16 };
 
+// VFPCLASSPS's classes of a gradient the update skips (dsbnb's finite-gradient rule): quiet NaN, +inf, -inf,
+// signalling NaN. One class test instead of |g| <= the largest float's two operations; the same lanes.
+constexpr int kNonFinite = 0x01 | 0x08 | 0x10 | 0x80;
+// VRANGEPS's max(|a|, |b|) with the sign cleared: a block's absmax in one operation instead of an AND and a MAX. A NaN
+// moment makes the running value NaN (the MAX kept it), but then the update reports the block NaN and its caller
+// takes the absmax by the portable first-NaN rule instead.
+constexpr int kMaxMagnitude = 0x0B;
+
 // 16 gradients as fp32 (bf16 and fp16 widen exactly).
 template <Grad kind>
 inline __m512 load_grad16(const void* g) {
@@ -336,7 +344,6 @@ inline bool update_block(const Hyper& h, float* p, const void* grads, const uint
     const __m512 omb1 = _mm512_set1_ps(h.one_minus_beta1), omb2 = _mm512_set1_ps(h.one_minus_beta2);
     const __m512 eps_hat = _mm512_set1_ps(h.eps_hat), decay = _mm512_set1_ps(h.decay);
     const __m512 step_size = _mm512_set1_ps(h.step_size), inv = _mm512_set1_ps(inv_scale);
-    const __m512 largest = _mm512_set1_ps(3.40282347e+38f);
     const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
     __m512 top1 = _mm512_setzero_ps(), top2 = _mm512_setzero_ps();
     __m512i v_signs = _mm512_setzero_si512();  // the OR of every v's bits: its sign bit, whether any v has one
@@ -354,14 +361,13 @@ inline bool update_block(const Hyper& h, float* p, const void* grads, const uint
             const __m512 direction = _mm512_div_ps(mm, _mm512_add_ps(_mm512_sqrt_ps(vv), eps_hat));
             const __m512 p_old = _mm512_loadu_ps(p + at);
             const __m512 p_new = _mm512_add_ps(_mm512_mul_ps(p_old, decay), _mm512_mul_ps(step_size, direction));
-            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
-            const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm), v_new = _mm512_mask_mov_ps(v_old[k], ok, vv);
-            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
+            const __mmask16 skip = _mm512_fpclass_ps_mask(g, kNonFinite);  // the element keeps its values
+            const __m512 m_new = _mm512_mask_mov_ps(mm, skip, m_old[k]), v_new = _mm512_mask_mov_ps(vv, skip, v_old[k]);
+            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_new, skip, p_old));
             _mm512_store_ps(m + at, m_new);
             _mm512_store_ps(v + at, v_new);
-            // max(|x|, top) keeps top when |x| is NaN, like the portable `x > top ? x : top`
-            top1 = _mm512_max_ps(_mm512_abs_ps(m_new), top1);
-            top2 = _mm512_max_ps(_mm512_abs_ps(v_new), top2);
+            top1 = _mm512_range_ps(m_new, top1, kMaxMagnitude);
+            top2 = _mm512_range_ps(v_new, top2, kMaxMagnitude);
             v_signs = _mm512_or_si512(v_signs, _mm512_castps_si512(v_new));
             nan |= _mm512_cmp_ps_mask(m_new, v_new, _CMP_UNORD_Q);
         }
@@ -379,7 +385,7 @@ inline bool update_block(const Hyper& h, float* p, const void* grads, const uint
 template <Grad kind, bool Scale, typename Step>
 inline bool one_state_update_block(float* p, const void* grads, const uint8_t* c1, float scale1, const FastTables& t1,
                                    float inv_scale, float* m, float& max1, Step step) {
-    const __m512 inv = _mm512_set1_ps(inv_scale), largest = _mm512_set1_ps(3.40282347e+38f);
+    const __m512 inv = _mm512_set1_ps(inv_scale);
     const int grad_bytes = kind == Grad::kFloat32 ? 4 : 2;
     __m512 top = _mm512_setzero_ps();
     __mmask16 nan = 0;
@@ -391,13 +397,13 @@ inline bool one_state_update_block(float* p, const void* grads, const uint8_t* c
             __m512 g = load_grad16<kind>(static_cast<const char*>(grads) + at * grad_bytes);
             if (Scale) g = _mm512_mul_ps(g, inv);
             const __m512 p_old = _mm512_loadu_ps(p + at);
-            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(g), largest, _CMP_LE_OQ);  // finite gradient
+            const __mmask16 skip = _mm512_fpclass_ps_mask(g, kNonFinite);  // the element keeps its values
             __m512 p_new, mm;
             step(p_old, m_old[k], g, p_new, mm);
-            const __m512 m_new = _mm512_mask_mov_ps(m_old[k], ok, mm);
-            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_old, ok, p_new));
+            const __m512 m_new = _mm512_mask_mov_ps(mm, skip, m_old[k]);
+            _mm512_storeu_ps(p + at, _mm512_mask_mov_ps(p_new, skip, p_old));
             _mm512_store_ps(m + at, m_new);
-            top = _mm512_max_ps(_mm512_abs_ps(m_new), top);  // keeps top when |m_new| is NaN
+            top = _mm512_range_ps(m_new, top, kMaxMagnitude);
             nan |= _mm512_cmp_ps_mask(m_new, m_new, _CMP_UNORD_Q);
         }
     }

@@ -118,6 +118,7 @@ class Partition:
         if step % 2:
             grads[torch.randint(0, grads.numel(), (5,), generator=g)] = float("nan")
             grads[torch.randint(0, grads.numel(), (3,), generator=g)] = float("inf")
+            grads[torch.randint(0, grads.numel(), (3,), generator=g)] = float("-inf")
             grads[torch.randint(0, grads.numel(), (3,), generator=g)] = 3e19  # g * g overflows fp32
             grads[torch.randint(0, grads.numel(), (3,), generator=g)] = 1e-30
         return grads.to(self.grad_dtype).to(self.device)
