@@ -317,9 +317,10 @@ enum class Grad { kFloat32, kBFloat16, kFloat16 };
 // VFPCLASSPS's classes of a gradient the update skips (dsbnb's finite-gradient rule): quiet NaN, +inf, -inf,
 // signalling NaN. One class test instead of |g| <= the largest float's two operations; the same lanes.
 constexpr int kNonFinite = 0x01 | 0x08 | 0x10 | 0x80;
-// VRANGEPS's max(|a|, |b|) with the sign cleared: a block's absmax in one operation instead of an AND and a MAX. A NaN
-// moment makes the running value NaN (the MAX kept it), but then the update reports the block NaN and its caller
-// takes the absmax by the portable first-NaN rule instead.
+// VRANGEPS's max(|a|, |b|) with the sign cleared: a block's absmax in one operation instead of an AND and a MAX. What
+// it makes of a NaN moment does not matter (on an AMD Zen 5 core: the other operand for a quiet NaN, NaN for a
+// signalling one): the update then reports the block NaN, and its caller takes the absmax by the portable first-NaN
+// rule instead.
 constexpr int kMaxMagnitude = 0x0B;
 
 // 16 gradients as fp32 (bf16 and fp16 widen exactly).
