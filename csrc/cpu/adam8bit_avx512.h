@@ -419,18 +419,21 @@ inline bool lion_update_block(const LionHyper& h, float* p, const void* grads, c
                               const FastTables& t1, float inv_scale, float* m, float& max1) {
     const __m512 beta1 = _mm512_set1_ps(h.beta1), beta2 = _mm512_set1_ps(h.beta2);
     const __m512 omb1 = _mm512_set1_ps(h.one_minus_beta1), omb2 = _mm512_set1_ps(h.one_minus_beta2);
-    const __m512 decay = _mm512_set1_ps(h.decay), lr = _mm512_set1_ps(h.lr);
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512 decay = _mm512_set1_ps(h.decay), zero = _mm512_setzero_ps();
+    // lr * lion_sign: lion_sign is 1 - 0, 0 - 1 or 0 - 0 (zero and NaN; +0), so the product is lr, -lr or lr * +0
+    // (exactly, NaN aside), chosen per lane by the two compares: two operations fewer per 16 than the sign's masks,
+    // its subtraction and the product
+    const __m512 lr_up = _mm512_set1_ps(h.lr), lr_down = _mm512_set1_ps(-h.lr);
+    const __m512 lr_still = _mm512_set1_ps(h.lr * 0.0f);
     return one_state_update_block<kind, Scale>(
         p, grads, c1, scale1, t1, inv_scale, m, max1,
         [&](__m512 p_old, __m512 m_old, __m512 g, __m512& p_new, __m512& m_new) {
             const __m512 decayed = _mm512_mul_ps(p_old, decay);
             const __m512 direction = _mm512_add_ps(_mm512_mul_ps(beta1, m_old), _mm512_mul_ps(omb1, g));
-            // lion_sign: 1 - 0, 0 - 1, or 0 - 0 (zero and NaN)
             const __mmask16 positive = _mm512_cmp_ps_mask(direction, zero, _CMP_GT_OQ);
             const __mmask16 negative = _mm512_cmp_ps_mask(direction, zero, _CMP_LT_OQ);
-            const __m512 sign = _mm512_sub_ps(_mm512_maskz_mov_ps(positive, one), _mm512_maskz_mov_ps(negative, one));
-            p_new = _mm512_sub_ps(decayed, _mm512_mul_ps(lr, sign));
+            const __m512 step = _mm512_mask_mov_ps(_mm512_mask_mov_ps(lr_still, positive, lr_up), negative, lr_down);
+            p_new = _mm512_sub_ps(decayed, step);
             m_new = _mm512_add_ps(_mm512_mul_ps(beta2, m_old), _mm512_mul_ps(omb2, g));
         });
 }

@@ -141,20 +141,20 @@ def test_kernel_bf16_and_compensated_master_weights(rule, seed, master, device):
 
 @needs_kernel
 @pytest.mark.parametrize("master", ["fp32, bf16 copy", "bf16", "bf16+8"])
-# the rounding is every rule's (fused_cpu.h: with_fp32_master); Lion moves each weight by lr, a zero gradient's too,
-# so it keeps no weight subnormal
-@pytest.mark.parametrize("rule", ["adam", "momentum"])
+@for_every_rule
 def test_kernel_bf16_rounding_of_subnormal_and_nan_weights(rule, master):
     """The weights' bf16 rounding (bf16 master weights, compensated ones, the model's bf16 copy) where an x86 conversion
     instruction answers otherwise: subnormal weights (flushed to zero by VCVTNEPS2BF16) and NaN ones (its NaN keeps
-    the payload; the kernels write 0x7FC0). Every third weight subnormal, every 97th NaN, their gradients zero so that
-    they stay so; the kernel's bits, NaN payloads included, those of the reference (itself torch's conversion).
-    Control: subnormal and NaN weights are still there in full 8-bit blocks after the step."""
+    the payload; the kernels write 0x7FC0); and signed zeros. Every third weight subnormal, every 97th NaN, every 89th
+    -0.0, their gradients and the state zero so that they stay so; the kernel's bits, NaN payloads included, those of
+    the reference (itself torch's conversion). Control: subnormal, NaN and -0.0 weights are still there in full 8-bit
+    blocks after the step."""
     kernel = CASES[rule].partition(7)
     g = torch.Generator().manual_seed(7)
     tiny = torch.randint(1, 1 << 23, kernel.params[::3].shape, generator=g, dtype=torch.int32).view(torch.float32)
     kernel.params[::3] = torch.where(torch.rand(tiny.shape, generator=g) < 0.5, tiny, -tiny)
     kernel.params[1::97] = float("nan")
+    kernel.params[2::89] = -0.0
     for k in kernel.moments:  # zero state (momentum's case starts from random state), so zero gradients stay put
         getattr(kernel, f"absmax{k}").zero_()
         getattr(kernel, f"state{k}").zero_()
@@ -166,7 +166,7 @@ def test_kernel_bf16_rounding_of_subnormal_and_nan_weights(rule, master):
     copies = [torch.zeros(kernel.params.numel(), dtype=torch.bfloat16) if master == "fp32, bf16 copy" else None
               for _ in range(2)]
     grads = kernel.grads(1)
-    grads[::3], grads[1::97] = 0.0, 0.0
+    grads[::3], grads[1::97], grads[2::89] = 0.0, 0.0, 0.0
     for run, copy, use_kernel in ((kernel, copies[0], True), (ref, copies[1], False)):
         run.step(1, grads, use_kernel, lp_params=copy)
     raw = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else bits(t))
@@ -180,7 +180,9 @@ def test_kernel_bf16_rounding_of_subnormal_and_nan_weights(rule, master):
             full[s.offset:s.offset + s.numel // 256 * 256] = True
     after = kernel.params.float()
     subnormal = (after != 0) & (after.abs() < torch.finfo(torch.float32).tiny)
-    assert (full & subnormal).sum() > 100 and (full & after.isnan()).any(), f"{rule}, {master}: vacuous"
+    negative_zero = (after == 0) & (after.view(torch.int32) < 0)
+    assert (full & subnormal).sum() > 100 and (full & after.isnan()).any() and (full & negative_zero).any(), \
+        f"{rule}, {master}: vacuous"
 
 
 @on_each_device
