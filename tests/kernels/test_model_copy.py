@@ -7,8 +7,9 @@ after the optimizer; and the pure-torch reference, which writes the same copy. P
 and fp32 segments, tails, NaN/Inf gradients, an unscale factor, four steps, both arithmetics of the CPU): the kernel's
 params and state are bit for bit those of a kernel run without the copy and of the reference run with it; every element
 of every segment of the copy is torch's conversion of the updated weight (NaN: a NaN); the alignment padding of the
-copy is never written. Controls: the copy of the weights before the step differs from the one after (the bar can
-fail), and a run without lp_params leaves the copy untouched. Bad input is refused naming lp_params.
+copy is never written. Controls: the copy of the weights before a step differs from the one after (at some step of
+each run: the bar can fail), and a run without lp_params leaves the copy untouched. Bad input is refused naming
+lp_params.
 """
 
 import pytest
@@ -56,6 +57,7 @@ def test_kernel_writes_torchs_copy_and_steps_as_without_it(rule, dtype, arithmet
     inside = segment_mask(kernel)
     copy = torch.full((kernel.params.numel(),), SENTINEL, dtype=dtype)
     ref_copy = copy.clone()
+    stale_caught = []
     for step in range(1, 5):
         grads = kernel.grads(step)
         inv_scale = 1.0 if step < 3 else 1 / 3.7
@@ -69,9 +71,11 @@ def test_kernel_writes_torchs_copy_and_steps_as_without_it(rule, dtype, arithmet
         assert_bit_identical(kernel, ref, context + " (reference)")
         assert torch.equal(bits(copy), bits(ref_copy)), context + " (the reference's copy)"
         assert_torch_copy(copy, kernel.params, inside, context)
-        # control: the copy of the weights before the step is not what was written
+        # control: the copy of the weights before the step is not what was written (at some step: a bf16 copy may
+        # hide a step whose moves are all below its rounding, and then a stale copy would be right)
         moved = inside & (before != kernel.params) & ~kernel.params.isnan()
-        assert moved.any() and not torch.equal(bits(copy[moved]), bits(before.to(dtype)[moved])), context
+        stale_caught.append(bool(moved.any()) and not torch.equal(bits(copy[moved]), bits(before.to(dtype)[moved])))
+    assert any(stale_caught), f"{rule}, {dtype}, {arithmetic}, seed {seed}: no step's copy differed from the last"
 
 
 @needs_kernel
