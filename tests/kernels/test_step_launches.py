@@ -20,6 +20,7 @@ import deepspeed_bnb  # noqa: F401
 from support.bnb_optimizers import FACTORIES
 from deepspeed_bnb.ops import rules, self_check
 from deepspeed_bnb.optim import batched_update
+from deepspeed_bnb.optim.master_weights import MODES
 from deepspeed_bnb.optim.fused import partition_step
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from support.toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups
@@ -44,8 +45,9 @@ class OperatorCounter(TorchDispatchMode):
         return sum(self.counts[name] for name in HOST_READS)
 
 
-def _engine(optimizer, stage: int, stock: bool = False):
-    config = ds_config(1, stage=stage, clip=0.5)  # clipping on: DeepSpeed hands a device tensor as the factor
+def _engine(optimizer, stage: int, stock: bool = False, **settings):
+    # clipping on: DeepSpeed hands a device tensor as the factor
+    config = ds_config(1, stage=stage, clip=0.5, **settings)
     if stage == 3:
         config["zero_optimization"]["sub_group_size"] = 6000  # several sub-groups, so several partitions
     with stock_deepspeed() if stock else contextlib.nullcontext():
@@ -122,6 +124,19 @@ def test_control_bnb_steps_32bit_state_where_the_kernels_copy_differs(one_rank, 
 def test_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage):
     ours = _counted_steps(_engine(_bnb(make_model(0)), stage))
     stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True))
+    assert ours.host_reads() <= stock.host_reads(), (ours.counts, stock.counts)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("master", MODES)
+def test_bf16_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage, master):
+    """bf16 training (what a GPU user runs), each master-weights mode: the model's copy written by the kernel, bf16
+    master weights stepped in place, compensated ones with their error terms, none of them reading a tensor back."""
+    engine = _engine(_bnb(make_model(0)), stage, bf16=True, bnb_master_weights=master)
+    assert engine.optimizer.bnb_master.mode == master
+    ours = _counted_steps(engine)
+    stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True, bf16=True))
+    assert ours.counts[KERNEL] == len(engine.optimizer.bnb_steps)
     assert ours.host_reads() <= stock.host_reads(), (ours.counts, stock.counts)
 
 
