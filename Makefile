@@ -42,7 +42,8 @@ libaio:
 		echo "libaio-dev is not installed and cannot be installed here (needs root and apt-get):" \
 		     "the NVMe offload tests will skip; install it with 'apt-get install libaio-dev'"
 
-test-quick: $(STAMP)  # in-process tests only (no ranks, builds or fresh processes): under 2 minutes on 2 cores
+test-quick: $(STAMP)  # in-process tests only (no ranks, no fresh processes): 3-4 minutes on 2 cores once the
+                      # JIT ops are built (the first run builds them: minutes more)
 	$(BIN)/python -m pytest -q -m "not multi_rank and not slow and not frameworks" tests
 
 clean:
