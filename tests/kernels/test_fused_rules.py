@@ -145,16 +145,16 @@ def test_kernel_bf16_and_compensated_master_weights(rule, seed, master, device):
 def test_kernel_bf16_rounding_of_subnormal_and_nan_weights(rule, master):
     """The weights' bf16 rounding (bf16 master weights, compensated ones, the model's bf16 copy) where an x86 conversion
     instruction answers otherwise: subnormal weights (flushed to zero by VCVTNEPS2BF16) and NaN ones (its NaN keeps
-    the payload, a negative NaN's sign too; the kernels write 0x7FC0); and signed zeros. Every third weight subnormal, every 97th NaN, every 89th
-    -0.0, their gradients and the state zero so that they stay so; the kernel's bits, NaN payloads included, those of
-    the reference (itself torch's conversion). Control: subnormal, NaN and -0.0 weights are still there in full 8-bit
-    blocks after the step."""
+    the payload, a negative NaN's sign too; the kernels write 0x7FC0); and signed zeros. Every third weight subnormal,
+    every 97th NaN (every other one negative, with a payload), every 89th -0.0, their gradients and the state zero so
+    that they stay so; the kernel's bits, NaN payloads included, those of the reference (itself torch's conversion).
+    Control: subnormal, NaN and -0.0 weights are still there in full 8-bit blocks after the step."""
     kernel = CASES[rule].partition(7)
     g = torch.Generator().manual_seed(7)
     tiny = torch.randint(1, 1 << 23, kernel.params[::3].shape, generator=g, dtype=torch.int32).view(torch.float32)
     kernel.params[::3] = torch.where(torch.rand(tiny.shape, generator=g) < 0.5, tiny, -tiny)
     kernel.params[1::97] = float("nan")
-    kernel.params[1::194] = torch.tensor(-0x3FFFFF, dtype=torch.int32).view(torch.float32)  # 0xFFC00001: -NaN, a payload
+    kernel.params[1::194] = torch.tensor(-0x3FFFFF, dtype=torch.int32).view(torch.float32)  # 0xFFC00001
     kernel.params[2::89] = -0.0
     for k in kernel.moments:  # zero state (momentum's case starts from random state), so zero gradients stay put
         getattr(kernel, f"absmax{k}").zero_()
