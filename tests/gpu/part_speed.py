@@ -272,6 +272,7 @@ def suite(args, result, stage: int, offload: bool, sizes, labels) -> None:
                      ["configuration", "update", "step ms", "engine.step() ms", "engine.step() / torch fused",
                       "host syncs in engine.step()", "host syncs in backward", "loss first -> last"], table)
         ratios(args, result, where, size, ok)
+        result.checkpoint()  # a deadline in the next size or suite costs that one, not this one's rows
 
 
 def ratios(args, result, where: str, size: str, rows: dict) -> None:
