@@ -45,12 +45,13 @@ MODELS = {"cuda": {"125M": dict(context=512, width=768, depth=18, heads=12),
           "cpu": {"125M": dict(context=64, width=64, depth=2, heads=4),
                   "1B": dict(context=64, width=128, depth=2, heads=4)}}
 MICRO_BATCH = {"cuda": 8, "cpu": 2}
-# three rounds on a GPU, so that one round's engine (each round builds its own) cannot hold half of the steps: at 125M
-# on the H200 of 2026-11-29, 2 x 10 steps gave bf16 master weights 19.9 ms (18.8-32.3) against the fp32 master's 14.6
-# (12.2-21.2), ranges that overlap
-ROUNDS = {"cuda": 3, "cpu": 2}
+# part f: three rounds on a GPU, so that one round's engine (each round builds its own) cannot hold half of the steps:
+# at 125M on the H200 of 2026-11-29, 2 x 10 steps gave bf16 master weights 19.9 ms (18.8-32.3) against the fp32
+# master's 14.6 (12.2-21.2), ranges that overlap. Part f3: two rounds of 10, since there building each 1B engine takes
+# longer than its steps (2026-11-29: 145 s for 6 configurations in two rounds) and it times 10 configurations
+ROUNDS = {"f": {"cuda": 3, "cpu": 2}, "f3": {"cuda": 2, "cpu": 2}}
 WARMUP = {"cuda": 2, "cpu": 1}
-TIMED = {"cuda": 7, "cpu": 2}  # per round: 21 timed steps per configuration on a GPU
+TIMED = {"f": {"cuda": 7, "cpu": 2}, "f3": {"cuda": 10, "cpu": 2}}  # per round: 21 and 20 timed steps on a GPU
 KERNEL_ELEMENTS = {"cuda": 256 << 20, "cpu": 1 << 20}
 KERNEL_ROUNDS = {"cuda": 20, "cpu": 3}
 LR = 3e-4
@@ -180,22 +181,22 @@ def build(config: Config, stage: int, offload: bool, model_args: dict, device: s
 
 
 def timed_round(label: str, config: Config, stage: int, offload: bool, model_args: dict, device: str,
-                into: dict) -> None:
-    """Build, warm up and time one configuration once (under its environment settings); its times, losses and sync
-    counts go into into[label]."""
+                into: dict, timed: int) -> None:
+    """Build, warm up and time one configuration once (`timed` steps, under its environment settings); its times,
+    losses and sync counts go into into[label]."""
     with common.environment(config.env):
-        _timed_round(label, config, stage, offload, model_args, device, into)
+        _timed_round(label, config, stage, offload, model_args, device, into, timed)
 
 
 def _timed_round(label: str, config: Config, stage: int, offload: bool, model_args: dict, device: str,
-                 into: dict) -> None:
+                 into: dict, timed: int) -> None:
     import torch
     row = into.setdefault(label, {"steps": [], "optimizer_steps": [], "syncs": [], "backward_syncs": [], "losses": [],
                                   "params": None})
     engine, model, tokens, targets, row["params"] = build(config, stage, offload, model_args, device)
     row["update"] = engine.optimizer.bnb_update_summary() if hasattr(engine.optimizer, "bnb_update_summary") else \
         type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
-    for i in range(WARMUP[device] + TIMED[device]):
+    for i in range(WARMUP[device] + timed):
         sync(device)
         t0 = time.perf_counter()
         counting = i == WARMUP[device] - 1 and not row["syncs"]  # once per configuration, untimed
@@ -237,12 +238,13 @@ def suite(args, result, stage: int, offload: bool, sizes, labels) -> None:
     for size in sizes if args.device == "cuda" else sizes[:1]:  # the rehearsal: one stand-in size (the same path)
         model_args = MODELS[args.device][size]
         rows, failed = {}, {}
-        for _ in range(ROUNDS[args.device]):
+        rounds, timed = ROUNDS[args.suite][args.device], TIMED[args.suite][args.device]
+        for _ in range(rounds):
             for label, config in configs.items():
                 if label in failed:
                     continue
                 try:
-                    timed_round(label, config, stage, offload, model_args, args.device, rows)
+                    timed_round(label, config, stage, offload, model_args, args.device, rows, timed)
                 except Exception as exc:  # one configuration failing must not hide the others
                     traceback.print_exc()  # into proof.log
                     failed[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -268,7 +270,7 @@ def suite(args, result, stage: int, offload: bool, sizes, labels) -> None:
         named = size if args.device == "cuda" else f"stand-in for the {size}"
         result.table(f"{where}, {named} GPT ({params / 1e6:,.1f}M parameters), bf16, micro batch "
                      f"{MICRO_BATCH[args.device]} x {model_args['context']} tokens: ms, median (range) of "
-                     f"{ROUNDS[args.device]} x {TIMED[args.device]} steps, configurations interleaved",
+                     f"{rounds} x {timed} steps, configurations interleaved",
                      ["configuration", "update", "step ms", "engine.step() ms", "engine.step() / torch fused",
                       "host syncs in engine.step()", "host syncs in backward", "loss first -> last"], table)
         ratios(args, result, where, size, ok)
