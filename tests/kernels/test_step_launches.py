@@ -20,8 +20,8 @@ import deepspeed_bnb  # noqa: F401
 from support.bnb_optimizers import FACTORIES
 from deepspeed_bnb.ops import rules, self_check
 from deepspeed_bnb.optim import batched_update
-from deepspeed_bnb.optim.master_weights import MODES
 from deepspeed_bnb.optim.fused import partition_step
+from deepspeed_bnb.optim.master_weights import MODES
 from deepspeed_bnb.runtime.engine import stock_deepspeed
 from support.toy import MIN_8BIT_SIZE, ds_config, global_batch, loss_fn, make_model, param_groups
 
@@ -120,22 +120,20 @@ def test_control_bnb_steps_32bit_state_where_the_kernels_copy_differs(one_rank, 
     assert _counted_steps(engine).counts[BNB_32BIT] == sum(bnb for _, bnb in plan) > sum(1 for _, b in plan if b)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage):
-    ours = _counted_steps(_engine(_bnb(make_model(0)), stage))
-    stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True))
-    assert ours.host_reads() <= stock.host_reads(), (ours.counts, stock.counts)
+# the training precision and master weights: fp32 training (the default master weights), then bf16 training (what a
+# GPU user runs) in each master-weights mode: the model's copy written by the kernel, bf16 master weights stepped in
+# place, compensated ones with their error terms
+PRECISIONS = [(False, None)] + [(True, mode) for mode in MODES]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("master", MODES)
-def test_bf16_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage, master):
-    """bf16 training (what a GPU user runs), each master-weights mode: the model's copy written by the kernel, bf16
-    master weights stepped in place, compensated ones with their error terms, none of them reading a tensor back."""
-    engine = _engine(_bnb(make_model(0)), stage, bf16=True, bnb_master_weights=master)
-    assert engine.optimizer.bnb_master.mode == master
+@pytest.mark.parametrize("bf16, master", PRECISIONS, ids=["fp32"] + [f"bf16-{mode}" for mode in MODES])
+def test_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage, bf16, master):
+    engine = _engine(_bnb(make_model(0)), stage, **({"bf16": True, "bnb_master_weights": master} if bf16 else {}))
+    if bf16:
+        assert engine.optimizer.bnb_master.mode == master
     ours = _counted_steps(engine)
-    stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True, bf16=True))
+    stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True, bf16=bf16))
     assert ours.counts[KERNEL] == len(engine.optimizer.bnb_steps)
     assert ours.host_reads() <= stock.host_reads(), (ours.counts, stock.counts)
 
