@@ -15,9 +15,15 @@ times `engine.step()` and the parts of it that differ between them, by wrapping 
   weights       the parameters pointed at the updated flat buffers again (`_update_model_bit16_weights`; deepspeed_bnb's
                 skips it where they already view them)
   all-gather    the updated partitions' all-gather (`all_gather_dp_groups`)
+  other         the rest of `engine.step()`: the code between the parts above (DeepSpeed's and, where it overrides
+                the step itself, deepspeed_bnb's)
 With `--stage 3`, ZeRO-3's step method by method instead (STAGE3_PARTS: the parameters' partition, the inf/NaN check,
 the norm, each sub-group's preparation, unscale/clip (deepspeed_bnb's computes the factor only, as at ZeRO-2),
 optimizer step, weights written back and release, the step's epilogue), the optimizer's nested parts as above.
+`--host-bound`: the GPU proof's 1B GPT's depth (20 layers: its 245 parameter tensors) at width 32, so that every tensor is
+tiny and each part's time is the host's own work around its operators: on a GPU the device runs the operators
+asynchronously, and where it waits for the host (part s of the GPU proof saw it idle most of a 1B step), that work is
+the step's time.
 Per configuration the median over the timed steps of each part's time per step, in ms, and the step's ratio to the
 last configuration's. Same model, data, schedule and hyper-parameters as compare_adam.py (compare_adam_worker.py).
 
@@ -26,6 +32,7 @@ last configuration's. Same model, data, schedule and hyper-parameters as compare
     python benchmarks/step_breakdown.py --configs bnb8_fused bnb8_fallback torch_adamw_fused
     python benchmarks/step_breakdown.py --bf16 --nproc 2 --configs bnb8_fused bnb8_master_bf16 torch_adamw_fused
     python benchmarks/step_breakdown.py --stage 3 --bf16
+    python benchmarks/step_breakdown.py --stage 3 --bf16 --host-bound --steps 200
 """
 
 import argparse
@@ -52,6 +59,8 @@ STAGE3_PARTS = (("_partition_all_parameters", "partition"), ("_overflow_check_an
                 ("_optimizer_step", "optimizer"), ("_reassign_or_swap_out_partitioned_parameters", "weights"),
                 ("_release_sub_group", "release"), ("_post_step", "post"))
 STAGE3_TOP_LEVEL = tuple(label for _, label in STAGE3_PARTS)
+DEMO = dict(width=128, depth=4, heads=4)  # compare_adam.py's demo GPT
+HOST_BOUND = dict(width=32, depth=20, heads=2)  # tests/gpu/part_speed.py's 1B GPT's layers, each tensor tiny
 
 
 def parse_args():
@@ -62,6 +71,8 @@ def parse_args():
     p.add_argument("--nproc", type=int, default=1, help="data-parallel CPU ranks (one job)")
     p.add_argument("--stage", type=int, choices=(2, 3), default=2,
                    help="ZeRO stage (3: ZeRO-3's own parts of its step, STAGE3_PARTS)")
+    p.add_argument("--host-bound", action="store_true",
+                   help="the 1B GPT's 20 layers at width 32: the host's work per part, without the arithmetic's")
     p.add_argument("--steps", type=int, default=120, help="steps per configuration; the first 10 are not timed")
     p.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)  # a rank of the job: write RESULT (JSON)
     args = p.parse_args()
@@ -149,6 +160,7 @@ def worker(args) -> None:
     from deepspeed_bnb.demo.text import ByteBatches, stdlib_bytes
     from deepspeed_bnb.utils.teardown import finish
     timer = Timer()
+    top_level = STAGE3_TOP_LEVEL if args.stage == 3 else TOP_LEVEL
     if args.stage == 3:
         instrument_stage3(timer)
     else:
@@ -158,7 +170,7 @@ def worker(args) -> None:
         settings = argparse.Namespace(config=config, batch=16, stage=args.stage, bf16=int(args.bf16), offload=0,
                                       lr=3e-3, warmup_lr_steps=30)
         torch.manual_seed(0)
-        model = GPT(GPTConfig(context=128, width=128, depth=4, heads=4))
+        model = GPT(GPTConfig(context=128, **(HOST_BOUND if args.host_bound else DEMO)))
         groups = decay_groups(model, 0.1)
         engines[config], *_ = deepspeed.initialize(
             model=model, optimizer=compare_adam_worker.client_optimizer(settings, groups), model_parameters=groups,
@@ -174,9 +186,11 @@ def worker(args) -> None:
             engine.step()
             total = time.perf_counter() - started
             if step >= 10:
+                spent = timer.reset()
                 times[config]["engine.step()"].append(total)
-                for label, spent in timer.reset().items():
-                    times[config][label].append(spent)
+                times[config]["other"].append(total - sum(spent.get(label, 0.0) for label in top_level))
+                for label, part in spent.items():
+                    times[config][label].append(part)
     if deepspeed.comm.get_rank() == 0:
         with open(args.worker, "w") as f:
             json.dump({c: {k: statistics.median(v) for k, v in parts.items()} for c, parts in times.items()}, f)
@@ -192,13 +206,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "step_breakdown.json")
         worker_args = ["--configs", *args.configs, "--steps", args.steps, "--stage", args.stage, "--worker", result]
-        wall = torchrun(os.path.abspath(__file__), args.nproc, worker_args + (["--bf16"] if args.bf16 else []))
+        worker_args += ["--bf16"] * args.bf16 + ["--host-bound"] * args.host_bound
+        wall = torchrun(os.path.abspath(__file__), args.nproc, worker_args)
         with open(result) as f:
             medians = json.load(f)
     reference = medians[args.configs[-1]]["engine.step()"]
-    order = (STAGE3_TOP_LEVEL + NESTED) if args.stage == 3 else PARTS
+    order = ((STAGE3_TOP_LEVEL + NESTED) if args.stage == 3 else PARTS) + ("other",)
     shown = [p for p in order if any(p in medians[c] for c in args.configs)]
-    print(f"`python benchmarks/step_breakdown.py {' '.join(sys.argv[1:])}`: demo GPT{' (bf16)' if args.bf16 else ''}, "
+    model = "the 1B GPT's 20 layers at width 32" if args.host_bound else "demo GPT"
+    print(f"`python benchmarks/step_breakdown.py {' '.join(sys.argv[1:])}`: {model}{' (bf16)' if args.bf16 else ''}, "
           f"ZeRO-{args.stage}, {args.nproc} CPU "
           f"rank(s), {args.steps - 10} timed steps per configuration, stepped in turn ({wall:.0f} s). Medians per step "
           f"in ms, rank 0; a part nested in `optimizer` (route, fused, kernel, bnb) is counted in it as well.\n")

@@ -3,7 +3,8 @@
 Checks what the table must show whatever the machine's speed: both configurations' rows, the parts each one runs
 and only those (the fused kernel and its route in deepspeed_bnb's row; neither in stock DeepSpeed's with torch's
 optimizer, whose `optimizer` part is torch's), nested parts no longer than the part they sit in, and the ratio column
-against the last configuration; with `--bf16`, the inf/NaN check in both rows (and in neither with fp32). Control:
+against the last configuration; with `--bf16`, the inf/NaN check in both rows (and in neither with fp32); the top-level
+parts and `other` adding up to the step (the host-bound model: the run that reads `other`). Control:
 the torch row's kernel cell is "-", so a wrapper that timed nothing or everything would show.
 """
 
@@ -13,6 +14,9 @@ import sys
 
 import pytest
 from conftest import ROOT, without_launch_vars
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import step_breakdown  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +48,11 @@ def test_step_breakdown_times_the_parts_each_path_runs():
 
 
 def test_step_breakdown_of_a_bf16_model_times_the_overflow_check():
-    """bf16 (DeepSpeed checks the gradients for inf/NaN before the step): both rows time that check."""
-    rows = _run("--steps", "12", "--bf16")
+    """bf16 (DeepSpeed checks the gradients for inf/NaN before the step): both rows time that check. On the
+    host-bound model (many tiny tensors), where `other`, the step's time outside the wrapped parts, is what is read."""
+    rows = _run("--steps", "12", "--bf16", "--host-bound")
     for row in rows.values():
         assert float(row["overflow"]) > 0 and float(row["overflow"]) <= float(row["engine.step()"])
+        top_level = [float(row[part]) for part in step_breakdown.TOP_LEVEL + ("other",) if row[part] != "-"]
+        assert float(row["other"]) >= 0
+        assert sum(top_level) == pytest.approx(float(row["engine.step()"]), abs=1e-3 * len(top_level))
