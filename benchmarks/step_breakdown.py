@@ -20,12 +20,13 @@ times `engine.step()` and the parts of it that differ between them, by wrapping 
 With `--stage 3`, ZeRO-3's step method by method instead (STAGE3_PARTS: the parameters' partition, the inf/NaN check,
 the norm, each sub-group's preparation, unscale/clip (deepspeed_bnb's computes the factor only, as at ZeRO-2),
 optimizer step, weights written back and release, the step's epilogue), the optimizer's nested parts as above.
-`--host-bound`: the GPU proof's 1B GPT's depth (20 layers: its 245 parameter tensors) at width 32, so that every tensor is
-tiny and each part's time is the host's own work around its operators: on a GPU the device runs the operators
-asynchronously, and where it waits for the host (part s of the GPU proof saw it idle most of a 1B step), that work is
-the step's time.
+`--host-bound`: the GPU proof's 1B GPT's depth (20 layers: its 245 parameter tensors) at width 32, so that every
+tensor is tiny and each part's time is the host's own work around its operators: on a GPU the device runs the
+operators asynchronously, and where it waits for the host (part s of the GPU proof saw it idle most of a 1B step),
+that work is the step's time.
 Per configuration the median over the timed steps of each part's time per step, in ms, and the step's ratio to the
-last configuration's. Same model, data, schedule and hyper-parameters as compare_adam.py (compare_adam_worker.py).
+last configuration's. Same model (but for `--host-bound`), data, schedule and hyper-parameters as compare_adam.py
+(compare_adam_worker.py).
 
     python benchmarks/step_breakdown.py                      # 1 rank, bnb8_fused vs torch_adamw_fused, 120 steps
     python benchmarks/step_breakdown.py --nproc 2 --steps 200
