@@ -235,10 +235,10 @@ def suite(args, result, stage: int, offload: bool, sizes, labels) -> None:
     if labels:
         configs = {label: configs[label] for label in labels}
     where = f"ZeRO-{stage}" + (", optimizer offloaded to the CPU" if offload else "")
+    rounds, timed = ROUNDS[args.suite][args.device], TIMED[args.suite][args.device]
     for size in sizes if args.device == "cuda" else sizes[:1]:  # the rehearsal: one stand-in size (the same path)
         model_args = MODELS[args.device][size]
         rows, failed = {}, {}
-        rounds, timed = ROUNDS[args.suite][args.device], TIMED[args.suite][args.device]
         for _ in range(rounds):
             for label, config in configs.items():
                 if label in failed:
