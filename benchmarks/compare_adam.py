@@ -1,8 +1,8 @@
 """bnb AdamW8bit through deepspeed_bnb against 32-bit Adams: memory, checkpoint size, speed and loss under ZeRO-2 or 3.
 
-Trains the demo's byte-level GPT (deepspeed_bnb/demo/gpt.py) on the stdlib's source (deepspeed_bnb/demo/text.py) on 2 CPU ranks,
-once per optimizer, each as its own torchrun job (so peak RSS is per configuration), with the same model init, data,
-schedule and hyper-parameters:
+Trains the demo's byte-level GPT (deepspeed_bnb/demo/gpt.py) on the stdlib's source (deepspeed_bnb/demo/text.py) on 2
+CPU ranks, once per optimizer, each as its own torchrun job (so peak RSS is per configuration), with the same model
+init, data, schedule and hyper-parameters:
   bnb8_fused     bnb.optim.AdamW8bit via deepspeed_bnb, fused 8-bit kernel      (bnb_fused_kernel: true)
   bnb8_fallback  bnb.optim.AdamW8bit via deepspeed_bnb, bnb's own update        (bnb_fused_kernel: false)
   torch_adamw    torch.optim.AdamW, fp32 state, stock ZeRO-2 (deepspeed_bnb leaves it alone)

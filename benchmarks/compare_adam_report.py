@@ -119,7 +119,8 @@ def tables(results: dict, meta: dict) -> str:
                          f"{_ratio(x['ckpt_optim'], ref['ckpt_optim'])} | "
                          f"{_ratio(x['ckpt_optim_state'], ref['ckpt_optim_state'])} | "
                          f"{_ratio(x['ckpt_total'], ref['ckpt_total'])} | {_ratio(x['rss_peak'], ref['rss_peak'])} | "
-                         f"{_ratio(x['step_ms'], ref['step_ms'])} | {_ratio(x['engine_step_ms'], ref['engine_step_ms'])} | "
+                         f"{_ratio(x['step_ms'], ref['step_ms'])} | "
+                         f"{_ratio(x['engine_step_ms'], ref['engine_step_ms'])} | "
                          f"{_pct(x['final_loss'], ref['final_loss'])} | "
                          f"{_pct(x['valid_loss'], ref['valid_loss'])} |")
     if all("census_peak" in r["per_rank"][0] for r in results.values()):
@@ -134,7 +135,8 @@ def tables(results: dict, meta: dict) -> str:
                      f"{x['spike_elements']} |")
     lines += ["", ("Optimizer state per rank, from the state tensors (elements: the master partition this rank "
                   "updates, alignment padding included):"), "",
-              "| configuration | rank | elements | state bytes | bytes / element | by key |", "|---|---:|---:|---:|---:|---|"]
+              "| configuration | rank | elements | state bytes | bytes / element | by key |",
+              "|---|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         for rank, x in enumerate(r["per_rank"]):
             keys = ", ".join(f"{k} {v:,}" for k, v in x["state_bytes_by_key"].items())

@@ -94,8 +94,8 @@ def table(name: str, groups, dps=(8, 64), stages=(2, 3)) -> str:
 
 
 def main():
-    text = "\n\n".join([table("Demo GPT (deepspeed_bnb/demo/gpt.py; measured by compare_adam.py --bf16 at DP 2)", demo_shapes(),
-                               dps=(2,)),
+    text = "\n\n".join([table("Demo GPT (deepspeed_bnb/demo/gpt.py; measured by compare_adam.py --bf16 at DP 2)",
+                               demo_shapes(), dps=(2,)),
                          table("Llama-2 7B", llama_shapes()), table("Llama-2 70B", llama70b_shapes())]) + "\n"
     print(text)
     out = os.path.join(HERE, "results", "master_memory.md")

@@ -8,7 +8,7 @@ alternately with DEEPSPEED_BNB_KERNEL_LP_COPY=1 (the kernel writes the copy: run
 batches and the machine's slow spells. Prints a markdown table: the median `engine.step()` of each and their ratio.
 The trained weights are the same bits either way (tests/unit/test_model_copy_engine.py).
 
-    python benchmarks/model_copy_step.py                      # width 768 (29M parameters), ZeRO-2 and 3, offloaded and not
+    python benchmarks/model_copy_step.py              # width 768 (29M parameters), ZeRO-2 and 3, offloaded and not
     python benchmarks/model_copy_step.py --width 256 --steps 40 --stages 2
 """
 

@@ -39,7 +39,8 @@ def demo_shapes(width=128, depth=4, vocab=256, context=128):
     return [decay, other]
 
 
-MODELS = {"demo GPT (deepspeed_bnb/demo/gpt.py)": demo_shapes(), "GPT-2 124M": gpt2_shapes(), "Llama-2 7B": llama_shapes()}
+MODELS = {"demo GPT (deepspeed_bnb/demo/gpt.py)": demo_shapes(), "GPT-2 124M": gpt2_shapes(),
+          "Llama-2 7B": llama_shapes()}
 
 
 def main():

@@ -84,9 +84,9 @@ def main():
             mine = measure(args, stage, optimizer)
             per_rank = [None] * tdist.get_world_size()
             tdist.all_gather_object(per_rank, mine)
-            results.append({k: v for k, v in mine.items() if k not in ("peak", "peak_at", "between_steps", "unclaimed_in_step")}
-                           | {"per_rank": [{k: r[k] for k in ("peak", "peak_at", "between_steps", "unclaimed_in_step")}
-                                           for r in per_rank]})
+            per_rank_keys = ("peak", "peak_at", "between_steps", "unclaimed_in_step")
+            results.append({k: v for k, v in mine.items() if k not in per_rank_keys}
+                           | {"per_rank": [{k: r[k] for k in per_rank_keys} for r in per_rank]})
     if tdist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump({"world": tdist.get_world_size(), "bucket": args.bucket,

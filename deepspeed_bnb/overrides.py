@@ -137,10 +137,10 @@ OVERRIDES: Tuple[Override, ...] = (
              "ranks wait in DeepSpeed's closing barrier; replaced on that object for the duration of a save by one "
              "that records the failure, which every rank then raises", ("self", "state_dict", "path")),
     Override(ENGINE, "zero_nvme_offload_optimizer", SWAP, CALL_SCOPE, f"{CHECKPOINTING_PY}:not_stock_nvme",
-             "with the optimizer offloaded to NVMe, DeepSpeed saves a copy of its swap folder beside the checkpoint and "
-             "loads by copying it back over the swap folder instead of loading the ZeRO checkpoint (the same DP size "
-             "only; the saved fp32 partitions are empty); a bnb engine's per-rank records hold its state and master "
-             "weights, so for a bnb engine's save and load it answers False", ("self",)),
+             "with the optimizer offloaded to NVMe, DeepSpeed saves a copy of its swap folder beside the checkpoint "
+             "and loads by copying it back over the swap folder instead of loading the ZeRO checkpoint (the same DP "
+             "size only; the saved fp32 partitions are empty); a bnb engine's per-rank records hold its state and "
+             "master weights, so for a bnb engine's save and load it answers False", ("self",)),
     Override("deepspeed.runtime.engine", "get_fp32_state_dict_from_zero_checkpoint", SWAP, CALL_SCOPE,
              f"{CHECKPOINTING_PY}:_safe_reads", "ZeRO-3 weights-only loads rebuild the weights with zero_to_fp32, "
              "which unpickles every rank file in full, globs the tag for files and re-reads `latest` whatever tag "
@@ -281,10 +281,10 @@ OVERRIDES: Tuple[Override, ...] = (
              "NVMe (its fp32 partition of 1 MiB or more)", ("self", "sub_group_id")),
     _subclass(ZERO3, NVME_PY, "_optimizer_states_and_gradient_swap_in", "DeepSpeed's swap writes report success for "
               "short files (a full disk) and its reader then asserts, aborting one rank: its files are checked first, "
-              "a short one recorded and extended, and the ranks agree on it after the step; the swapped-out partition's "
-              "placeholder gets the master dtype back (DeepSpeed empties it as fp32, and with bf16 master weights its "
-              "buffer pool then asserts at the next swap-in); also called to bring a sub-group in outside a step "
-              "(checkpoints, loads)", ("self", "sub_group_id")),
+              "a short one recorded and extended, and the ranks agree on it after the step; the swapped-out "
+              "partition's placeholder gets the master dtype back (DeepSpeed empties it as fp32, and with bf16 master "
+              "weights its buffer pool then asserts at the next swap-in); also called to bring a sub-group in outside "
+              "a step (checkpoints, loads)", ("self", "sub_group_id")),
     _subclass(ZERO3, ZERO3_PY, "step", "with the optimizer on NVMe, the ranks agree on swap failures after the step "
               "and all raise the same error; no sub-group's model copy left pending (lp_copy.py), also when it "
               "raises", ("self",)),

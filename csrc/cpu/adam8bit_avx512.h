@@ -85,9 +85,10 @@ __attribute__((always_inline)) inline void dequantize64(const FastTables& t, con
     // element e of the output sits, after the byte interleave below, at byte (e % 16 / 4) * 16 + e / 16 * 4 + e % 4
     // of the permuted codes: a 4x4 transpose of 4-byte groups, undone up front
     alignas(64) static const uint8_t transpose[64] = {
-        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53,
-        54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46,
-        47, 60, 61, 62, 63};
+        0, 1, 2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,  //
+        4, 5, 6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,  //
+        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
     const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(transpose), _mm512_loadu_si512(codes));
     const __mmask64 upper = _mm512_movepi8_mask(c);  // code >= 128: the upper half of the map
     __m512i plane[4];
@@ -97,8 +98,10 @@ __attribute__((always_inline)) inline void dequantize64(const FastTables& t, con
         const __m512i upper_half = _mm512_permutex2var_epi8(_mm512_load_si512(p + 2), c, _mm512_load_si512(p + 3));
         plane[k] = _mm512_mask_blend_epi8(upper, lower_half, upper_half);
     }
-    const __m512i b01_low = _mm512_unpacklo_epi8(plane[0], plane[1]), b01_high = _mm512_unpackhi_epi8(plane[0], plane[1]);
-    const __m512i b23_low = _mm512_unpacklo_epi8(plane[2], plane[3]), b23_high = _mm512_unpackhi_epi8(plane[2], plane[3]);
+    const __m512i b01_low = _mm512_unpacklo_epi8(plane[0], plane[1]);
+    const __m512i b01_high = _mm512_unpackhi_epi8(plane[0], plane[1]);
+    const __m512i b23_low = _mm512_unpacklo_epi8(plane[2], plane[3]);
+    const __m512i b23_high = _mm512_unpackhi_epi8(plane[2], plane[3]);
     const __m512 s = _mm512_set1_ps(scale);
     out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_low, b23_low)), s);
     out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_low, b23_low)), s);

@@ -95,7 +95,8 @@ inline BlockPlan count_blocks(const Segment* table, int64_t count, Keep&& keep) 
 }
 
 // ok ? a : b, spelled so that gcc keeps an unconditional store: `p[j] = ok ? pn : p[j]` lets it turn the loop into
-// VMASKMOVPS masked loads and stores, which are microcoded and slow on AMD Zen (measured: the Lion step ran ~2x slower).
+// VMASKMOVPS masked loads and stores, which are microcoded and slow on AMD Zen (measured: the Lion step ran ~2x
+// slower).
 inline float select(bool ok, float a, float b) {
     uint32_t ia, ib;
     std::memcpy(&ia, &a, sizeof(ia));

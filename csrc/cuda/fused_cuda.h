@@ -203,7 +203,8 @@ inline GradType grad_type(const Checker& check, const at::Tensor& grads) {
     const GradType type = grads.scalar_type() == at::kBFloat16 ? GradType::kBFloat16
                           : grads.scalar_type() == at::kHalf   ? GradType::kFloat16
                                                                : GradType::kFloat32;
-    check(grads.scalar_type() == at::kFloat || type != GradType::kFloat32, "grads must be float32, bfloat16 or float16");
+    check(grads.scalar_type() == at::kFloat || type != GradType::kFloat32,
+          "grads must be float32, bfloat16 or float16");
     return type;
 }
 

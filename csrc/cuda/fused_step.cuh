@@ -49,7 +49,8 @@ __device__ __forceinline__ int fill_code(int state) { return state == 0 ? 128 : 
 // --- loads and stores of 8 consecutive elements ----------------------------------------------------------------
 __device__ __forceinline__ float widen(const void* grads, GradType type, int64_t i) {
     switch (type) {
-        case GradType::kBFloat16: return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(grads)[i]) << 16);
+        case GradType::kBFloat16:
+            return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(grads)[i]) << 16);
         case GradType::kFloat16: return __half2float(static_cast<const __half*>(grads)[i]);
         default: return static_cast<const float*>(grads)[i];
     }
@@ -826,8 +827,8 @@ inline int grid_for(Kernel kernel, int64_t total_blocks, int dynamic_bytes = 0) 
     return static_cast<int>(needed < resident ? needed : resident);
 }
 
-// Lets `kernel` (built with shape Tune) launch with the dynamic shared memory the shape asks for: above 48 KiB of shared
-// memory in all, a kernel must ask for it. The CUDA error code (cudaSuccess where the shape needs none).
+// Lets `kernel` (built with shape Tune) launch with the dynamic shared memory the shape asks for: above 48 KiB of
+// shared memory in all, a kernel must ask for it. The CUDA error code (cudaSuccess where the shape needs none).
 template <typename Tune, typename Kernel>
 inline cudaError_t allow_dynamic_shared(Kernel kernel) {
     constexpr int dynamic = dynamic_shared_bytes<Tune>();

@@ -16,8 +16,8 @@ void lion8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tensor c
                         const std::optional<at::Tensor>& error, c10::string_view arithmetic,
                         const std::optional<at::Tensor>& lp_params) {
     dsbnb::binding::run("lion8bit_step_", &dsbnb::launch_lion8bit_step, params, grads,
-                        {{&codes1, &absmax1, &state1, &qmap1}}, segments, hyper, dsbnb::kLionHyperFields, inv_scale, error,
-                        arithmetic, lp_params);
+                        {{&codes1, &absmax1, &state1, &qmap1}}, segments, hyper, dsbnb::kLionHyperFields, inv_scale,
+                        error, arithmetic, lp_params);
 }
 
 }  // namespace

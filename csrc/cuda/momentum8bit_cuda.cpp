@@ -1,6 +1,6 @@
-// momentum8bit_cuda.cpp — the torch binding of the CUDA SGD-momentum kernels (momentum8bit.cu): checks the arguments and
-// launches on the current stream, with the map's quantizer tables and the segment table's block map cached per tensor
-// like the other bindings (fused_cuda.h), so a steady-state step never synchronizes with the device.
+// momentum8bit_cuda.cpp — the torch binding of the CUDA SGD-momentum kernels (momentum8bit.cu): checks the arguments
+// and launches on the current stream, with the map's quantizer tables and the segment table's block map cached per
+// tensor like the other bindings (fused_cuda.h), so a steady-state step never synchronizes with the device.
 // Registered as the CUDA implementation of deepspeed_bnb::momentum8bit_step_ (schema: csrc/ops.cpp).
 // Build: only with a CUDA build of torch, by deepspeed_bnb/ops/loader.py (JIT) or setup.py (prebuilt).
 // Test: pytest tests/kernels/test_fused_rules.py -k momentum on a machine with a GPU; tests/kernels/test_cuda_build.py
@@ -16,8 +16,8 @@ void momentum8bit_step_cuda(at::Tensor params, const at::Tensor& grads, at::Tens
                         const std::optional<at::Tensor>& error, c10::string_view arithmetic,
                         const std::optional<at::Tensor>& lp_params) {
     dsbnb::binding::run("momentum8bit_step_", &dsbnb::launch_momentum8bit_step, params, grads,
-                        {{&codes1, &absmax1, &state1, &qmap1}}, segments, hyper, dsbnb::kMomentumHyperFields, inv_scale, error,
-                        arithmetic, lp_params);
+                        {{&codes1, &absmax1, &state1, &qmap1}}, segments, hyper, dsbnb::kMomentumHyperFields, inv_scale,
+                        error, arithmetic, lp_params);
 }
 
 }  // namespace

@@ -12,12 +12,12 @@ fp32 and split back. The first-use check (ops/self_check.py) and the GPU proof h
 
 bitsandbytes' CUDA update counts elements in 32 bits: `optimizer_update_8bit_blockwise` and `optimizer_update_32bit`
 (0.49 and 0.50) pass `ctypes.c_int32(g.numel())`, so a tensor of 2^31 elements or more reaches the kernel with a
-negative count ("invalid configuration argument", or part of the tensor left unstepped), and its kernels round counts
-up to whole thread blocks in `int`. A ZeRO partition of one huge parameter (an embedding of 2^31 elements, a
-partition at DP 1) is such a tensor, so bnb's update is called on block-aligned pieces of at most
-MAX_UPDATE_NUMEL elements (here and in optim/bnb_adapter.py): its 8-bit update is block-wise and its 32-bit update element-wise, so
-the pieces' updates are the update of the whole, except a per-tensor trust ratio (max_unorm > 0 with 32-bit state),
-which is refused for such a parameter.
+negative count ("invalid configuration argument", or part of the tensor left unstepped), and its kernels round counts up
+to whole thread blocks in `int`. A ZeRO partition of one huge parameter (an embedding of 2^31 elements, a partition at
+DP 1) is such a tensor, so bnb's update is called on block-aligned pieces of at most MAX_UPDATE_NUMEL elements (here and
+in optim/bnb_adapter.py): its 8-bit update is block-wise and its 32-bit update element-wise, so the pieces' updates are
+the update of the whole, except a per-tensor trust ratio (max_unorm > 0 with 32-bit state), which is refused for such a
+parameter.
 BnbHyper is one row of the bnb_cuda hyper table: bnb's kernel arguments for one param group (every rule alike; a rule
 ignores what it does not read), rounded to fp32 as bnb's ctypes.c_float arguments are.
 """

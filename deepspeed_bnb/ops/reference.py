@@ -152,9 +152,10 @@ class MomentumHyper:
 def dynamic_map(signed: bool = True) -> torch.Tensor:
     """bitsandbytes' default 8-bit dynamic map (create_dynamic_map(signed), 7 exponent bits), rebuilt with the same fp32
     operations so its 256 values are the same bits, for machines without bitsandbytes (a GPU machine without it, unless
-    a trimmed copy is carried there; tests/support/cuda_kernel_run.py). Signed (Adam's m, Lion, momentum): per decade 10^-6..10^0
-    the midpoints of 2^i + 1 evenly spaced points in [0.1, 1] (i = 0..6), both signs, plus 0 and 1; unsigned (Adam's
-    v): 2^(i+1) + 1 points, positive only. Sorted ascending. tests/kernels/test_fused_adam.py holds it to bnb's."""
+    a trimmed copy is carried there; tests/support/cuda_kernel_run.py). Signed (Adam's m, Lion, momentum): per decade
+    10^-6..10^0 the midpoints of 2^i + 1 evenly spaced points in [0.1, 1] (i = 0..6), both signs, plus 0 and 1; unsigned
+    (Adam's v): 2^(i+1) + 1 points, positive only. Sorted ascending. tests/kernels/test_fused_adam.py holds it to
+    bnb's."""
     values = [0.0, 1.0]
     for i in range(7):
         boundaries = torch.linspace(0.1, 1, (2 ** i if signed else 2 ** (i + 1)) + 1, dtype=torch.float32)

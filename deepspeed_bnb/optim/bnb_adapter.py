@@ -288,7 +288,8 @@ class BnbAdapter:
 
     def _update(self, group: dict, gindex: int, keys: FlatKeys, state: dict, segment: Segment, override: dict,
                 p: torch.Tensor, grad: torch.Tensor, step) -> dict:
-        """bnb's update_step of one parameter piece `p` (gradient `grad`) whose state is `segment`'s views; the views."""
+        """bnb's update_step of one parameter piece `p` (gradient `grad`) whose state is `segment`'s views; the
+        views."""
         bnb_state = self.optimizer.state
         p.grad = grad
         views = bnb_state[p] = self._segment_state(keys, state, segment, step)

@@ -136,8 +136,8 @@ def _configure_zero_optimizer(self, optimizer):
                        f"a forward_fn, and DeepSpeed's PipelineModule writes no layer file for such a module: its "
                        f"frozen parameters and buffers {names} are in no checkpoint, and a load keeps the loading "
                        f"engine's values (its trained parameters come back from the optimizer's master weights). "
-                       f"Give one of its TiedLayerSpecs no forward_fn (DeepSpeed then runs the module's own forward there "
-                       f"and saves it), or restore these tensors yourself after a load.")
+                       f"Give one of its TiedLayerSpecs no forward_fn (DeepSpeed then runs the module's own forward "
+                       f"there and saves it), or restore these tensors yourself after a load.")
     swap, ours = _ZERO_CLASSES[self.zero_optimization_stage()]
     if ours is BnbZeroStage3Optimizer:
         # subclasses DeepSpeed's stage-3 class at import, inside the call below: it must see the real one

@@ -61,8 +61,8 @@ def accelerate_runs(tmp_path_factory):
     resume = f"{args} --resume {ckpt} --save_dir {out}/unused"
     output = accelerate_launch(
         1, "--config_file", "configs/accelerate_zero2.yaml", "--num_processes", "1",
-        "--deepspeed_config_file", "configs/zero2_accelerate_offload.json", "tests/support/client_runs.py", "accelerate",
-        out,
+        "--deepspeed_config_file", "configs/zero2_accelerate_offload.json", "tests/support/client_runs.py",
+        "accelerate", out,
         f"resume:{resume} --log_json {out}/resume.json",
         f"resume-weights-only:{resume} --log_json {out}/control.json")
     return {name: read(out, name) for name in ("uninterrupted", "resume", "control", "imports")}, output

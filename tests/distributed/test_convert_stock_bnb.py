@@ -2,11 +2,11 @@
 
 Source: a stock ZeRO-2 run of AdamW8bit at 2 ranks (the shared launches' distributed_scenarios.scenario_stock_bnb_save),
 its moments taken at save from each rank's bnb state of its flat partition, dequantized by bitsandbytes itself and cut
-at DeepSpeed's own fragment addresses. Converted at its DP size to bnb's 32-bit AdamW and to AdamW8bit, each loaded
-into a one-rank engine (so across a DP change, 2 -> 1) and read back by parameter: the 32-bit moments and every fp32
-weight equal the reference, the 8-bit moments within one quantization step of it (deepspeed_bnb's block-aligned
-blocks are not stock's, so the codes are requantized); three more steps track the stock run's within 1e-2. Control: a load of
-the stock tag with its optimizer state is refused, naming convert.
+at DeepSpeed's own fragment addresses. Converted at its DP size to bnb's 32-bit AdamW and to AdamW8bit, each loaded into
+a one-rank engine (so across a DP change, 2 -> 1) and read back by parameter: the 32-bit moments and every fp32 weight
+equal the reference, the 8-bit moments within one quantization step of it (deepspeed_bnb's block-aligned blocks are not
+stock's, so the codes are requantized); three more steps track the stock run's within 1e-2. Control: a load of the stock
+tag with its optimizer state is refused, naming convert.
 """
 
 import os

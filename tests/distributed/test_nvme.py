@@ -6,10 +6,10 @@ master partitions, gradients and bnb's 8-bit state on NVMe), and of both, trains
 and final fp32 weights, bit for bit. Every checkpoint, of any kind, loads into an engine of any kind (built with another
 seed) and continues exactly as the run that never stopped; at DP 1, a ZeRO-2 engine without offload and a ZeRO-3 engine
 with the optimizer on NVMe continue within the bf16 bar. bf16 and compensated (bf16+8) master weights with the optimizer
-on NVMe train and resume as with CPU offload, bit for bit. Controls: the NVMe runs held swap files on every rank, the CPU
-run none; with the optimizer on NVMe, every swapped sub-group's fp32 partition and bnb state were out of memory between
-steps (and one small sub-group stayed in memory, as DeepSpeed keeps those below 1 MiB); loading without the optimizer
-state diverges.
+on NVMe train and resume as with CPU offload, bit for bit. Controls: the NVMe runs held swap files on every rank, the
+CPU run none; with the optimizer on NVMe, every swapped sub-group's fp32 partition and bnb state were out of memory
+between steps (and one small sub-group stayed in memory, as DeepSpeed keeps those below 1 MiB); loading without the
+optimizer state diverges.
 Faults (`--faults`): an nvme_path that cannot be created fails initialize on every rank, naming it; a step whose swap
 files were removed and whose disk is full (a small tmpfs, mounted here) raises the same NVMeSwapError on every rank,
 naming the files, instead of aborting one rank in DeepSpeed's reader or training on what a short file held; the
@@ -117,10 +117,10 @@ def test_bf16_master_weights_on_nvme_train_and_resume_as_on_cpu(bf16_masters):
     """bf16 master weights go to NVMe in DeepSpeed's swap files (its bf16 buffer pool), compensated ones with their
     error terms in files of deepspeed_bnb's swapper beside the state: the same losses and weights as CPU offload, bit
     for bit, out of memory between steps, and every checkpoint resumes exactly in either kind. Controls: NVMe was used
-    (swap files), the error terms are in use where compensated, and a load
-    without the optimizer state diverges. At DP 1, each checkpoint continues within the bf16 bar under ZeRO-2 and
-    with the optimizer on NVMe in the same mode. (Before this, both master modes were refused with NVMe; DeepSpeed 0.19.8's
-    own bf16 master weights on NVMe assert at the first step's swap-in, the partition emptied as fp32 before it.)"""
+    (swap files), the error terms are in use where compensated, and a load without the optimizer state diverges. At DP
+    1, each checkpoint continues within the bf16 bar under ZeRO-2 and with the optimizer on NVMe in the same mode.
+    (Before this, both master modes were refused with NVMe; DeepSpeed 0.19.8's own bf16 master weights on NVMe assert at
+    the first step's swap-in, the partition emptied as fp32 before it.)"""
     master, results = bf16_masters
     runs = results["runs"]
     assert runs["cpu"]["swap_files"] == [0, 0] and all(n > 0 for n in runs["opt_nvme"]["swap_files"])

@@ -1,4 +1,4 @@
-"""DeepSpeed's own universal checkpoint of a stock tensor-parallel run loads into a deepspeed_bnb tensor-parallel engine.
+"""DeepSpeed's universal checkpoint of a stock tensor-parallel run loads into a deepspeed_bnb tensor-parallel engine.
 
 ds_to_universal joins every trained parameter's fp32 weights and moments across the tensor-parallel ranks, but copies
 model-parallel rank 0's model states: their param_shapes are rank 0's slices, and the frozen parameters there are rank

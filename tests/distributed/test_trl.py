@@ -8,9 +8,9 @@ batch 8, checkpoint-6), through tests/support/client_runs.py:
 - torchrun 1 rank: each resumed from its checkpoint-6 for steps 7-12; control: the ZeRO-2 resume without the optimizer
   state (weights, step and lr schedule only).
 SFTConfig's own defaults are kept, as a TRL user gets them: bf16 (the configs' `"bf16": {"enabled": "auto"}` becomes
-DeepSpeed's bf16 engine, fp32 master weights in deepspeed_bnb's ZeRO optimizer) and gradient checkpointing. The runs compared differ in the order of reductions of bf16
-gradients, so the suite's bf16 bar of 5e-3 (measured up to 2.4e-4); a lost optimizer state moves the losses by about
-0.1-0.3, so the control must exceed 1e-2.
+DeepSpeed's bf16 engine, fp32 master weights in deepspeed_bnb's ZeRO optimizer) and gradient checkpointing. The runs
+compared differ in the order of reductions of bf16 gradients, so the suite's bf16 bar of 5e-3 (measured up to 2.4e-4); a
+lost optimizer state moves the losses by about 0.1-0.3, so the control must exceed 1e-2.
 """
 
 import importlib.util

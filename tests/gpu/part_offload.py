@@ -92,6 +92,16 @@ def scaling(args, result, bench, cores: int) -> None:
                                                                      "per thread"], rows)
 
 
+# the native checks part o runs: source -> (whether it reads a map, and then runs once per bnb map; what ran, from
+# its summary: the quantizer's spellings, the dequantizer's spelling, or how many vector spellings of the master
+# weights' join and split were checked and the bf16 rounding's spelling)
+NATIVE_CHECKS = {
+    "key_table_check.cpp": (True, lambda found: found[-1]),
+    "dequantize_check.cpp": (True, lambda found: found[-1]),
+    "master_weights_check.cpp": (False, lambda found: f"{found[2]}, bf16 {found[3]}"),
+}
+
+
 def host_exactness(result) -> None:
     """The native checks, compiled here for this CPU (and x86-64-v4 where it runs it), on bnb's two maps."""
     import bitsandbytes.functional as F
@@ -106,28 +116,24 @@ def host_exactness(result) -> None:
         maps = {signed: native_checks.write_map(F.create_dynamic_map(signed=signed), f"{folder}/map_{int(signed)}.bin")
                 for signed in (True, False)}
         for march in marches:
-            for source in ("key_table_check.cpp", "dequantize_check.cpp", "master_weights_check.cpp"):
+            for source, (reads_map, what_ran) in NATIVE_CHECKS.items():
                 name = os.path.splitext(source)[0]
                 try:
                     binary, error = native_checks.compile_check(source, folder, march), None
                 except RuntimeError as exc:
                     binary, error = None, str(exc)
-                # the compensated master weights' check reads no map: it runs once
-                for signed, path in (maps.items() if source != "master_weights_check.cpp" else [(None, None)]):
+                for signed, path in (maps.items() if reads_map else [(None, None)]):
                     code, found, out = native_checks.run_check(binary, native_checks.SUMMARY[source],
                                                                *([path] if path else [])) \
                         if binary else (None, None, error)
-                    # checked, mismatches, and what ran: the quantizer's spellings, the dequantizer's spelling, how
-                    # many vector spellings of join and split were checked and the bf16 rounding's spelling
-                    ran = (f"{found[2]}, bf16 {found[3]}" if source == "master_weights_check.cpp" else found[-1]) \
-                        if found else out[-200:]
+                    ran = what_ran(found) if found else out[-200:]  # found: checked, mismatches, what ran
                     rows.append([march, name, {True: "signed", False: "unsigned", None: "-"}[signed],
                                  *(found[:2] if found else ("-", "-")), ran])
                     if not (code == 0 and found and int(found[1]) == 0):
                         failed.append(f"{march} {name} {rows[-1][2]}")
     result.table("o: this host's CPU quantizer and dequantizer spellings against the literal search and the scalar "
-                 "product, bnb's maps; the compensated master weights' join and split against their definition, the bf16 "
-                 "rounding against the scalar one",
+                 "product, bnb's maps; the compensated master weights' join and split against their definition, the "
+                 "bf16 rounding against the scalar one",
                  ["-march", "check", "map", "values checked", "mismatches",
                   "spellings (quantizer) / spelling (dequantizer) / vector spellings checked, bf16 rounding (master "
                   "weights)"], rows)

@@ -105,10 +105,10 @@ def ncu_profile(args, result) -> bool:
     cmd = [ncu, "--csv", "--page", "details", "--kernel-name", KERNELS, "--launch-skip", "0", "--launch-count",
            str(LAUNCHES), *[x for s in SECTIONS for x in ("--section", s)], *child]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
-    if "ERR_NVGPUCTRPERM" in done.stdout + done.stderr or done.returncode != 0:
-        result.note(f"p: ncu could not profile (exit {done.returncode}; "
-                    f"{'no permission to read the GPU counters' if 'ERR_NVGPUCTRPERM' in done.stdout + done.stderr else (done.stderr or done.stdout).strip()[-300:]}): "
-                    f"torch.profiler instead")
+    no_permission = "ERR_NVGPUCTRPERM" in done.stdout + done.stderr
+    if no_permission or done.returncode != 0:
+        why = "no permission to read the GPU counters" if no_permission else (done.stderr or done.stdout).strip()[-300:]
+        result.note(f"p: ncu could not profile (exit {done.returncode}; {why}): torch.profiler instead")
         return False
     table = {}
     for row in csv_rows(done.stdout):

@@ -11,8 +11,8 @@ For each rule and variant:
   elements, NaN, Inf, huge and tiny gradients) by the variant and by bitsandbytes' own CUDA update on the same state
   (ops/bnb_update.py, the oracle of tests/kernels/test_fused_bnb_cuda.py); every tensor equal after every step;
 - speed: one step over a 256M-element partition, the variants interleaved in 20 rounds with a device copy (the
-  yardstick, bytes read plus written), each timed as the device's work (bench_cuda_step.event_time); median GB/s of the bytes the step must move, its share of the copy, registers
-  per thread and resident blocks per SM.
+  yardstick, bytes read plus written), each timed as the device's work (bench_cuda_step.event_time); median GB/s of the
+  bytes the step must move, its share of the copy, registers per thread and resident blocks per SM.
 What the product should compile is read off this table (the fastest exact shape), not assumed.
 On the CPU rehearsal there is no device to run them: nvcc builds the variants in tests/kernels/test_cuda_build.py, and
 this part checks its own harness (the oracle steps the partition; two steps differ).

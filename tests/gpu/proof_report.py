@@ -34,8 +34,8 @@ def render(report: dict) -> str:
                             [[p["part"], p["title"], verdict(p), p.get("seconds") or "-"] for p in report["parts"]])
     if report.get("builds"):
         builds = report["builds"]
-        lines += ["", f"Built up front, before any part's deadline: {', '.join(builds['ops'])} in {builds['seconds']} s "
-                  f"(exit {builds['exit']}; what each took: proof.log)."]
+        lines += ["", f"Built up front, before any part's deadline: {', '.join(builds['ops'])} in "
+                  f"{builds['seconds']} s (exit {builds['exit']}; what each took: proof.log)."]
     if report.get("install"):
         lines += ["", "## Installed from the bundle", ""]
         lines += [f"- {name}: {why}" for name, why in report["install"].get("installed", {}).items()]

@@ -2,15 +2,15 @@
 gives the same code as the searches it replaces: bitsandbytes' quantize_2D (the bnb_cuda arithmetic: ties to the
 even sorted index, NaN to entry 0) and the count of midpoints below the value (the ieee arithmetic, ties low).
 
-Checked on the host, where both are plain fp32 compares: tests/native/compact_quantizer_check.cpp, built here with
-g++, runs every float within 256 ulps of every midpoint, map value and bucket edge, special values and 2^24 random
-bit patterns, for bnb's own two maps (from bitsandbytes) and the project's rebuild of them. The exhaustive run over
-all 2^32 floats takes minutes: `python tools/compact_quantizer_exhaustive.py`. The same run holds what the kernels'
-Selects shape relies on (csrc/cuda/fused_step.cuh: quantize_bnb): the table looked up for a NaN too stays in bounds,
-0 chosen for it after gives quantize_2D's code, and a sorted map's codes with the sign bit set are the first ones (its
-sign fix reads the sign off the index). Controls: the wrong tie rule is caught; a count of negative codes one short is
-caught; the table's answer kept for a NaN is caught; a map the table cannot serve (unsorted, or with repeated values) is reported unusable, so the kernels take the
-literal search for it.
+Checked on the host, where both are plain fp32 compares: tests/native/compact_quantizer_check.cpp, built here with g++,
+runs every float within 256 ulps of every midpoint, map value and bucket edge, special values and 2^24 random bit
+patterns, for bnb's own two maps (from bitsandbytes) and the project's rebuild of them. The exhaustive run over all 2^32
+floats takes minutes: `python tools/compact_quantizer_exhaustive.py`. The same run holds what the kernels' Selects shape
+relies on (csrc/cuda/fused_step.cuh: quantize_bnb): the table looked up for a NaN too stays in bounds, 0 chosen for it
+after gives quantize_2D's code, and a sorted map's codes with the sign bit set are the first ones (its sign fix reads
+the sign off the index). Controls: the wrong tie rule is caught; a count of negative codes one short is caught; the
+table's answer kept for a NaN is caught; a map the table cannot serve (unsorted, or with repeated values) is reported
+unusable, so the kernels take the literal search for it.
 """
 
 

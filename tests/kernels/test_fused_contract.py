@@ -40,9 +40,8 @@ from support.kernel_harness import needs_kernel
 
 GROUPS = ((3000, 700), (1500, 300))  # per param group: with min_8bit_size=1000, one 8-bit and one fp32 parameter
 STEPS = 3
-CLASSES = sorted((getattr(bnb.optim, name) for name in dir(bnb.optim)
-                  if isinstance(getattr(bnb.optim, name), type) and issubclass(getattr(bnb.optim, name), Optimizer8bit)),
-                 key=lambda cls: cls.__name__)
+CLASSES = sorted((cls for cls in (getattr(bnb.optim, name) for name in dir(bnb.optim))
+                  if isinstance(cls, type) and issubclass(cls, Optimizer8bit)), key=lambda cls: cls.__name__)
 NEEDS_MOMENTUM = ("SGD", "LARS")
 
 

@@ -226,8 +226,8 @@ class PerParameterReference:
                                   "SGD8bit_momentum", "SGD_32bit_momentum"])
 def test_default_zero_dp1_is_kernel_reference_or_plain_bnb(one_rank, name):
     """Under ZeRO with the default bnb_fused_kernel ("auto"), the kernel steps every parameter: each 8-bit one as the
-    fused kernel's reference steps that parameter alone, and each 32-bit-state one as plain bnb steps it, bit for bit (the
-    reference model: the same split, no ZeRO); every parameter's state has plain bnb's keys, dtypes and shapes
+    fused kernel's reference steps that parameter alone, and each 32-bit-state one as plain bnb steps it, bit for bit
+    (the reference model: the same split, no ZeRO); every parameter's state has plain bnb's keys, dtypes and shapes
     (checkpoints load with either path)."""
     model = make_model(0)
     copy, bnb_copy = clone(model), clone(model)

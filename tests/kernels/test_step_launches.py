@@ -9,6 +9,7 @@ that reads the unscale factor back (what an earlier version did) is counted, so 
 """
 
 import contextlib
+import functools
 from collections import Counter
 
 import deepspeed
@@ -126,6 +127,13 @@ def test_control_bnb_steps_32bit_state_where_the_kernels_copy_differs(one_rank, 
 PRECISIONS = [(False, None)] + [(True, mode) for mode in MODES]
 
 
+@functools.lru_cache(maxsize=None)
+def _stock_host_reads(stage: int, bf16: bool) -> int:
+    """Stock DeepSpeed's host reads in one step of torch's fused AdamW: one engine per stage and precision, shared by
+    the master-weights modes (they are ours, not stock's)."""
+    return _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True, bf16=bf16)).host_reads()
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("bf16, master", PRECISIONS, ids=["fp32"] + [f"bf16-{mode}" for mode in MODES])
 def test_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage, bf16, master):
@@ -133,9 +141,8 @@ def test_step_reads_no_more_tensors_back_than_stock_deepspeed(one_rank, stage, b
     if bf16:
         assert engine.optimizer.bnb_master.mode == master
     ours = _counted_steps(engine)
-    stock = _counted_steps(_engine(_torch_fused(make_model(0)), stage, stock=True, bf16=bf16))
     assert ours.counts[KERNEL] == len(engine.optimizer.bnb_steps)
-    assert ours.host_reads() <= stock.host_reads(), (ours.counts, stock.counts)
+    assert ours.host_reads() <= _stock_host_reads(stage, bf16), ours.counts
 
 
 def test_control_a_step_that_reads_the_factor_back_is_counted(one_rank, monkeypatch):

@@ -1,10 +1,11 @@
 """Runs the client examples (examples/train_accelerate.py, examples/train_hf_trainer.py, examples/train_trl_sft.py)
 several times in one process.
 
-For tests/distributed/test_clients.py and tests/distributed/test_trl.py, under `accelerate launch` or torchrun (a launch costs seconds on 2 cores, so one launch
-does several runs, one after the other). Each run is `NAME:ARGS` (ARGS as one shell-quoted string, passed to the
-example's main; the example is `accelerate`, `trainer` or `trl`); a NAME ending in `-weights-only` resumes without the optimizer state (the negative control).
-Rank 0 writes OUT/imports.json: whether `import deepspeed_bnb` imported Accelerate, and who patches it afterwards.
+For tests/distributed/test_clients.py and tests/distributed/test_trl.py, under `accelerate launch` or torchrun (a launch
+costs seconds on 2 cores, so one launch does several runs, one after the other). Each run is `NAME:ARGS` (ARGS as one
+shell-quoted string, passed to the example's main; the example is `accelerate`, `trainer` or `trl`); a NAME ending in
+`-weights-only` resumes without the optimizer state (the negative control). Rank 0 writes OUT/imports.json: whether
+`import deepspeed_bnb` imported Accelerate, and who patches it afterwards.
 
     torchrun --nproc_per_node 1 tests/support/client_runs.py trainer OUT \
         "resume:--resume ... --log_json OUT/resume.json"

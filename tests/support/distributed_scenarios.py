@@ -708,9 +708,9 @@ UNIVERSAL_KINDS = ("fp32_stage1", "fp32_stage3")  # DP-1 checkpoints loaded at N
 
 def scenario_universal_load(world, rank, out):
     """The DP-1 checkpoints of UNIVERSAL_KINDS exported as 8-bit universal checkpoints (`deepspeed-bnb export
-    --universal`, rank 0) and loaded at this DP size with `"checkpoint": {"load_universal": true}`: the state and
-    master weights as saved, the saved lr, and 10 more steps (test_universal_dp.py holds them to the same checkpoint
-    loaded the ordinary way, elastic_load). Control: the stock (fp32-moment) kind of the first is not the saved state."""
+    --universal`, rank 0) and loaded at this DP size with `"checkpoint": {"load_universal": true}`: the state and master
+    weights as saved, the saved lr, and 10 more steps (test_universal_dp.py holds them to the same checkpoint loaded the
+    ordinary way, elastic_load). Control: the stock (fp32-moment) kind of the first is not the saved state."""
     from deepspeed_bnb.checkpoint.tools.export import export
     results = {}
     for kind in UNIVERSAL_KINDS:
@@ -1037,7 +1037,8 @@ SCENARIOS = {"train": scenario_train, "resume": scenario_resume, "stock_elastic"
              "parallel3d_save": scenario_parallel3d_save, "parallel3d_load": scenario_parallel3d_load,
              "hpz_save": scenario_hpz_save, "hpz_load": scenario_hpz_load,
              "universal_load": scenario_universal_load, "fails_on_one_rank": scenario_fails_on_one_rank}
-TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split")  # scenarios given --elastic-from
+# the scenarios given --elastic-from
+TAKES_SOURCES = ("elastic_load", "parallel_load", "parallel_universal", "parallel_universal_split")
 
 
 def main():

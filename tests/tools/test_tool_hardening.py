@@ -276,7 +276,7 @@ def test_failed_runs_leave_nothing_behind(two_ranks, tmp_path, monkeypatch, caps
     assert os.listdir(out) == [], os.listdir(out)  # not even the model file, which was written before the failure
 
 
-# ---- bounded work ------------------------------------------------------------------------------------------------------
+# ---- bounded work ----------------------------------------------------------------------------------------------------
 
 # Runs the tools' main for each argv given (JSON) in a child whose address space may grow by 1 GiB beyond what its
 # imports mapped (tests/support/memory_cap.py): prints each exit code and message; an allocation driven by a count in a

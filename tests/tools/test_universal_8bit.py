@@ -1,12 +1,13 @@
 """The 8-bit universal checkpoint: `deepspeed-bnb export --universal` keeps every parameter's bnb state as it is.
 
 Against the saved checkpoint itself (read through SavedCheckpoint, whose per-parameter state test_matches_bnb.py holds
-to plain bitsandbytes): each parameter's state read back from the universal folder is the saved state bit for bit,
-for Adam's two moments, Lion's one, AdEMAMix's three rows and the 32-bit state of small parameters; a conversion back
-into ZeRO files keeps it bit for bit; an engine of ours with `load_universal` loads it at ZeRO 1, 2 and 3 with the
-state bit for bit and then trains exactly as the uninterrupted run does; the state files are at most 0.3x the bytes of the fp32 (stock) kind's for a
-model of realistic parameter sizes. Controls: the stock kind of the same checkpoint is not bit for bit (its moments
-are requantized on the way back: the resumed losses differ, slightly), and a stock engine is refused on the 8-bit kind instead of starting fresh moments.
+to plain bitsandbytes): each parameter's state read back from the universal folder is the saved state bit for bit, for
+Adam's two moments, Lion's one, AdEMAMix's three rows and the 32-bit state of small parameters; a conversion back into
+ZeRO files keeps it bit for bit; an engine of ours with `load_universal` loads it at ZeRO 1, 2 and 3 with the state bit
+for bit and then trains exactly as the uninterrupted run does; the state files are at most 0.3x the bytes of the fp32
+(stock) kind's for a model of realistic parameter sizes. Controls: the stock kind of the same checkpoint is not bit for
+bit (its moments are requantized on the way back: the resumed losses differ, slightly), and a stock engine is refused on
+the 8-bit kind instead of starting fresh moments.
 Buffers and frozen parameters (which zero/ does not hold) come back from its model states into an engine of ours built
 with other values, at the saving stage and another.
 DeepSpeed's own converter (ds_to_universal.main, called in-process as DeepSpeed's tests call it) writes the 8-bit kind

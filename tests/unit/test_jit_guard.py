@@ -22,7 +22,8 @@ import pytest
 from conftest import GUARD_SITE, without_launch_vars
 from support import jit_guard
 
-HOLD = "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(60)"
+HOLD = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
+        "time.sleep(60)")
 
 
 FINISH = ("import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "

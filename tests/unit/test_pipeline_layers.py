@@ -140,6 +140,7 @@ def test_a_tied_module_used_only_through_forward_fn_is_named_at_initialize(one_r
     assert torch.equal(loaded["tied_modules.embed.emb.weight"], saved["tied_modules.embed.emb.weight"])  # trained
 
     saved_whole = [TiedLayerSpec("embed", Embed), TiedLayerSpec("mix", Mix), LayerSpec(Block, 32),
-                   TiedLayerSpec("mix", Mix, forward_fn=mixed_through), TiedLayerSpec("embed", Embed, forward_fn=tied_head)]
+                   TiedLayerSpec("mix", Mix, forward_fn=mixed_through),
+                   TiedLayerSpec("embed", Embed, forward_fn=tied_head)]
     assert engine(2, saved_whole)[1] == []  # control: one spec without a forward_fn, a layer file holds the module
     assert engine(3, specs(), frozen=())[1] == []  # control: nothing of it frozen, the master weights hold it all

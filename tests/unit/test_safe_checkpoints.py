@@ -278,7 +278,8 @@ def delete_then_rename(save_dir, tag, files, description, save_latest):
     publish(save_dir, tag, files, description, save_latest)
 
 
-BROKEN = {  # name -> (attribute of deepspeed_bnb.runtime.checkpointing replaced, by what, mode, a call a fault must catch)
+# name -> (attribute of deepspeed_bnb.runtime.checkpointing replaced, by what, mode, a call a fault must catch)
+BROKEN = {
     "latest-first": ("publish", latest_first, "new-tag", "rename {s}/{t} -> {t}"),
     "delete-then-rename": ("publish", delete_then_rename, "overwrite", "rename {s}/{t} -> {t}"),
     "no-recovery-on-load": ("recover_tag", lambda load_dir, tag: None, "overwrite", "rename {s}/{t} -> {t}"),

@@ -160,7 +160,8 @@ def test_stock_engine_reads_our_tag_through_the_safe_loader(zero2_tag, tmp_path)
     engine.load_checkpoint(source, load_optimizer_states=False)
     assert all(torch.equal(v, saved[f"module.{k}"]) for k, v in engine.module.state_dict().items())
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
-    with pytest.raises(CheckpointMismatchError, match=r"holds bitsandbytes optimizer state .* torch.optim.adamw.AdamW cannot take"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"holds bitsandbytes optimizer state .* torch.optim.adamw.AdamW cannot take"):
         engine.load_checkpoint(source)  # its optimizer cannot take 8-bit state: refused before anything changes
     assert all(torch.equal(v, before[k]) for k, v in engine.module.state_dict().items())
     folder, marker = copy_of(source, tmp_path), str(tmp_path / "marker")

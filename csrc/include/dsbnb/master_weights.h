@@ -76,13 +76,13 @@ DSBNB_HD uint16_t bf16_round(float x) {
     return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// One error step of a bf16 weight: 2^(E - 16), E its frexp exponent, at least kMinExponent (0 included). Spelled
-// with integer operations on the exponent field, not frexpf/ldexpf, which are library calls on the CPU (no
-// vectorization: they made a compensated step ~8x an fp32 one there): E is the biased exponent - 126 for normal
-// numbers; zero and subnormals (biased exponent 0) fall under kMinExponent; 2^(E - 16) is a normal float down to
-// 2^-126 and a subnormal one below (2^-141 at the least). Equal to the frexpf/ldexpf form for every finite bf16 value
-// (tests/native/master_weights_check.cpp); for an infinite or NaN weight (whose frexp exponent is unspecified) any finite
-// unit gives the same join and split.
+// One error step of a bf16 weight: 2^(E - 16), E its frexp exponent, at least kMinExponent (0 included). Spelled with
+// integer operations on the exponent field, not frexpf/ldexpf, which are library calls on the CPU (no vectorization:
+// they made a compensated step ~8x an fp32 one there): E is the biased exponent - 126 for normal numbers; zero and
+// subnormals (biased exponent 0) fall under kMinExponent; 2^(E - 16) is a normal float down to 2^-126 and a subnormal
+// one below (2^-141 at the least). Equal to the frexpf/ldexpf form for every finite bf16 value
+// (tests/native/master_weights_check.cpp); for an infinite or NaN weight (whose frexp exponent is unspecified) any
+// finite unit gives the same join and split.
 DSBNB_HD int error_exponent(float hi) {  // error_unit(hi) is 2^error_exponent(hi), in [-141, 113]
     const int biased = static_cast<int>((float_to_bits(hi) >> 23) & 0xFFu);
     return (biased - 126 < kMinExponent ? kMinExponent : biased - 126) - kErrorShift;

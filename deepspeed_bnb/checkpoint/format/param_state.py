@@ -24,7 +24,8 @@ def gather_param_states(layout: GroupLayout, eight_bit: Sequence[bool], key_clas
     for rank, state in enumerate(rank_states):
         for seg in layout.segments(rank, eight_bit):
             pieces[seg.slot].append(keys.param_state(state, seg))
-    return [ParamState.concat(pieces[slot], what=f"parameter {slot} of the group") for slot in range(len(layout.numels))]
+    return [ParamState.concat(pieces[slot], what=f"parameter {slot} of the group")
+            for slot in range(len(layout.numels))]
 
 
 def scatter_param_states(layout: GroupLayout, eight_bit: Sequence[bool], key_classes: Mapping,

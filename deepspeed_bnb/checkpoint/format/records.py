@@ -15,8 +15,8 @@ import torch
 from deepspeed_bnb.checkpoint.format import constants as C
 from deepspeed_bnb.checkpoint.format.errors import CheckpointMismatchError
 from deepspeed_bnb.checkpoint.format.experts import ExpertPlacement, placement_from_dict
-from deepspeed_bnb.checkpoint.format.model_parallel import ALONE, ModelParallelPlace, layers_from_dict, layers_to_dict, \
-    place_from_dict
+from deepspeed_bnb.checkpoint.format.model_parallel import (ALONE, ModelParallelPlace, layers_from_dict, layers_to_dict,
+                                                           place_from_dict)
 from deepspeed_bnb.checkpoint.format.reshard import Run, copy_runs, plan
 from deepspeed_bnb.ops import compensated
 from deepspeed_bnb.optim import master_weights

@@ -275,8 +275,8 @@ def convert(path: str, out_dir: str, to: str, optimizer_class=None, min_8bit_siz
                                master_mode=master_mode)
     kept = f", {report['kept']} kept as saved, bit for bit" if report["kept"] else ""
     return (f"wrote {written}: {report['params']} parameters for {target} ({report['8bit']} with 8-bit state, "
-            f"{report['fp32']} fp32{kept}); round-trip error of the quantized moments: max {report['worst_abs_error']:.3g}"
-            f" absolute, {report['worst_step_ratio']:.3f} of one quantization step")
+            f"{report['fp32']} fp32{kept}); round-trip error of the quantized moments: max "
+            f"{report['worst_abs_error']:.3g} absolute, {report['worst_step_ratio']:.3f} of one quantization step")
 
 
 def _requantized(value: torch.Tensor, qmap: Optional[torch.Tensor], report: dict):

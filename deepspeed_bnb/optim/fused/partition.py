@@ -69,10 +69,10 @@ class FusedPartition:
                     self.arithmetic, lp_params, use_kernel=self.use_kernel)
 
     def _cpu_hyper(self, rows: Sequence) -> torch.Tensor:
-        """The hyper table of `rows`, written into this partition's own storage: the kernel reads it during the call
-        and keeps nothing, so one table serves every step, where a new tensor per step measured ~25 us inside a
-        training step (cold caches). array('f') rounds each Python float to float32 to nearest, as
-        rules.hyper_table's torch.tensor(..., dtype=float32) does: the same bits (tests/kernels/test_fused_contract.py)."""
+        """The hyper table of `rows`, written into this partition's own storage: the kernel reads it during the call and
+        keeps nothing, so one table serves every step, where a new tensor per step measured ~25 us inside a training
+        step (cold caches). array('f') rounds each Python float to float32 to nearest, as rules.hyper_table's
+        torch.tensor(..., dtype=float32) does: the same bits (tests/kernels/test_fused_contract.py)."""
         values = array.array("f", [v for row in rows for v in row.row()])
         if self._hyper_values is None or len(self._hyper_values) != len(values):
             self._hyper_values = values

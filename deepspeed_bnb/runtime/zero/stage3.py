@@ -18,8 +18,9 @@ checkpoint loads at the saving DP size only. Thin overrides of DeepSpeed's
 - `_reassign_or_swap_out_partitioned_parameters`: where the model's partition and the master are on the CPU (on a
   GPU where asked for), the fused kernel has written the model's copy of the updated weights, and DeepSpeed's
   conversion is skipped (runtime/zero/lp_copy.py);
-- `_unflatten_partitioned_parameters`, which DeepSpeed's step calls for every sub-group to point the parameter partitions
-  at their flat buffer again: skipped where they still view what its last call left (runtime/zero/param_views.py);
+- `_unflatten_partitioned_parameters`, which DeepSpeed's step calls for every sub-group to point the parameter
+  partitions at their flat buffer again: skipped where they still view what its last call left
+  (runtime/zero/param_views.py);
 - `state_dict`: the versioned per-rank record of stages 1/2, one group per bnb param group (its sub-groups joined),
   plus DeepSpeed's `fp32_flat_groups` in stock ZeRO-3 slices, so that DeepSpeed's zero_to_fp32 still reads the
   weights; it loads at any DP size, and from or into stage 1/2, through `bnb_load_checkpoint`.
